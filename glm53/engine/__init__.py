@@ -1,0 +1,1 @@
+"""Engines behind the server: the interface, the CPU reference backend, the demo model."""

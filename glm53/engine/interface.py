@@ -1,0 +1,149 @@
+"""The one interface between the HTTP server and an engine (exllamav3 on the GPU, transformers on the CPU).
+
+The server owns everything OpenAI-shaped (chat parsing, stop strings, n > 1, usage, SSE); an engine only
+turns prompt token ids into a stream of sampled tokens. Keep this file small: every member is something
+both engines implement.
+
+Reasoning budget: the server sets `SamplingParams.reasoning_budget` (and `reasoning_end_ids`, e.g. the ids
+of "</think>\\n") when the prompt ends inside an open <think> block. The engine counts generated tokens
+until it samples `reasoning_end_ids[0]` itself; once `reasoning_budget` tokens were generated without that,
+it forces `reasoning_end_ids` as the next tokens (emitted as normal TokenEvents with `forced=True`) and
+samples on from there. Doing it inside the engine loop keeps the KV cache consistent with what the client
+sees, costs no extra round trip, and works identically for streamed and non-streamed requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+class EngineError(RuntimeError):
+    """A generation failed inside the engine; the server reports it (mid-stream: an SSE `error` frame)."""
+
+
+class ContextLengthExceeded(EngineError):
+    """The prompt (plus at least one generated token) does not fit the context: maps to context_length_exceeded."""
+
+    def __init__(self, prompt_tokens: int, context_length: int):
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+        super().__init__(
+            f"This model's maximum context length is {context_length} tokens, "
+            f"but the prompt has {prompt_tokens} tokens."
+        )
+
+
+class EngineNotReady(EngineError):
+    """The model is not loaded (yet, or any more): the server answers 503."""
+
+
+class GrammarUnsupported(EngineError):
+    """SamplingParams.grammar was set on an engine whose `supports_grammar` is False."""
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one completion. Defaults reproduce plain sampling from the model's distribution."""
+
+    temperature: float = 1.0  # 0 = greedy (argmax); ties broken by the lowest token id
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens below min_p * p(top token); 0 = off
+    seed: int | None = None  # same seed + same prompt + same params -> same tokens; None = nondeterministic
+    max_tokens: int | None = None  # generated-token limit; None = until the context is full
+    stop_token_ids: list[int] = field(default_factory=list)  # sampling one ends the generation ("stop")
+    logprobs: int | None = None  # None = off; n >= 0 = the sampled token's logprob plus the top-n alternatives
+    reasoning_budget: int | None = None  # max tokens inside the open <think> block; None = unlimited
+    reasoning_end_ids: list[int] = field(default_factory=list)  # forced when the budget runs out ("</think>\n")
+    grammar: str | None = None  # llguidance grammar (e.g. JSON schema); only where Engine.supports_grammar
+
+
+@dataclass
+class TokenEvent:
+    """One generated token, in order. The last event of a generation carries finish_reason."""
+
+    token_id: int  # the sampled (or forced) token
+    text: str  # incremental detokenized text; "" while a multi-byte character is still incomplete
+    token_text: str  # this token alone, decoded (for OpenAI logprobs' `token`; may hold U+FFFD for partial bytes)
+    logprob: float | None = None  # log p(token) under the unmodified distribution; set when params.logprobs is not None
+    top_logprobs: list[tuple[str, float]] | None = None  # top-n (token text, logprob), most likely first
+    finish_reason: str | None = None  # "stop" (stop token) | "length" (max_tokens or context full) | None
+    forced: bool = False  # True for tokens the engine injected (reasoning budget), not sampled
+
+
+@dataclass
+class PromptProgress:
+    """Yielded by generate() while a long prompt is processed (before the first TokenEvent): SSE keep-alive."""
+
+    processed: int  # prompt tokens done so far
+    total: int  # prompt tokens in all
+
+
+EngineEvent = TokenEvent | PromptProgress
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the server calls. Thread-safety: every method may be called from the asyncio loop thread."""
+
+    model_id: str  # the id served in /v1/models and echoed in responses
+    context_length: int  # max prompt + generated tokens of one request
+    kind: str  # "reference-cpu" | "exllamav3"
+    supports_grammar: bool  # whether SamplingParams.grammar is honoured
+
+    @property
+    def ready(self) -> bool:
+        """True once the model is loaded and generate() can be called."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end an assistant turn (<|endoftext|>, <|user|>, <|observation|>); default stop_token_ids."""
+        ...
+
+    def load(self) -> None:
+        """Blocking: load the model (call from a worker thread); logs progress; sets ready."""
+        ...
+
+    def close(self) -> None:
+        """Stop the worker, fail in-flight generations with EngineNotReady, free the model."""
+        ...
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        """Text -> ids; special-token strings in the text map to their single ids."""
+        ...
+
+    def detokenize(self, ids: list[int]) -> str:
+        """Ids -> text, special tokens included verbatim."""
+        ...
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary token (e.g. THINK_CLOSE), or None if it is not a single token."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        enable_thinking: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render OpenAI-style messages (and tool JSON schemas) into the GLM prompt text."""
+        ...
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:
+        """Async generator of events for one completion. Raises ContextLengthExceeded before any event if the
+        prompt does not fit. Closing the iterator (or cancelling the task consuming it) frees the request's
+        slot and KV cache promptly; so does cancel(request_id)."""
+        ...
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a generation from anywhere (idempotent; unknown ids are ignored); its iterator just ends."""
+        ...
+
+    def stats(self) -> dict:
+        """JSON-able counters: waiting, running, prompt_tokens, generated_tokens, tokens_per_s, plus engine
+        tier counters under "tiers" (empty for the reference engine)."""
+        ...
