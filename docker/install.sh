@@ -21,6 +21,6 @@ if ! "$python" -c "import torch" >/dev/null 2>&1; then
   "${pip[@]}" "$TORCH_SPEC"
 fi
 target="$root"
-[ -n "$extras" ] && target="$root[$extras]"
+[ -n "$extras" ] && target="${root}[${extras}]"
 echo "install: glm53${extras:+[$extras]}"
 "${pip[@]}" -e "$target"

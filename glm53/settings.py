@@ -23,6 +23,10 @@ PREFIX = "GLM53_"
 class SettingsError(ValueError):
     """An invalid setting value; start-up stops with exit status 2."""
 
+    def __init__(self, message: str, warnings: list[str] | None = None):
+        super().__init__(message)
+        self.warnings = list(warnings or [])
+
 
 def _bool(text: str) -> bool:
     low = text.strip().lower()
@@ -174,9 +178,9 @@ def load(environ: dict[str, str] | None = None, dotenv: Path | None = Path(".env
             text = s.mode_defaults.get(eff_mode, s.default)
         try:
             values[attr_name(s.name)] = s.parse(text)
-        except ValueError as exc:
-            raise SettingsError(f"{s.name}={text!r} is invalid: {exc} (allowed: {s.allowed}). "
-                                f"Fix it in the environment or .env.") from None
+        except ValueError:
+            raise SettingsError(f"{s.name}={text!r} is invalid (allowed: {s.allowed}). "
+                                f"Fix it in the environment or .env.", warnings) from None
     values["cache_dir"] = str(Path(values["cache_dir"]).expanduser())
     return Settings(values, tuple(warnings))
 
@@ -185,6 +189,8 @@ def load_or_exit(**kw: Any) -> Settings:
     try:
         settings = load(**kw)
     except SettingsError as exc:
+        for w in exc.warnings:
+            print(f"glm53: warning: {w}", file=sys.stderr)
         print(f"glm53: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     for w in settings.warnings:

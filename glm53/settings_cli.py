@@ -13,6 +13,7 @@ GENERATED = {ROOT / ".env.example": S.render_env_example, ROOT / "docs" / "confi
 def register(sub) -> None:
     p = sub.add_parser("settings", help="list every GLM53_* setting with its default, meaning and current value")
     p.add_argument("--write", action="store_true", help="regenerate .env.example and docs/configuration.md")
+    p.add_argument("--check", action="store_true", help="exit 1 if .env.example or docs/configuration.md drifted")
     p.set_defaults(func=run)
 
 
@@ -23,5 +24,11 @@ def run(args) -> int:
             path.write_text(render())
             print(f"wrote {path}")
         return 0
+    if args.check:
+        stale = [str(p.relative_to(ROOT)) for p, render in GENERATED.items()
+                 if not p.is_file() or p.read_text() != render()]
+        for name in stale:
+            print(f"{name} is out of date with glm53/settings.py: run `glm53 settings --write`")
+        return 1 if stale else 0
     print(S.render_table(S.load_or_exit()))
     return 0

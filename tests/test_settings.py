@@ -1,0 +1,59 @@
+"""The settings schema: parsing, refusals, unknown-name warnings, and the generated files not drifting."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glm53 import settings as S
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_parse_without_environment():
+    s = S.load(environ={}, dotenv=None)
+    assert s.mode == "auto" and s.port == 30000 and s.host == "127.0.0.1"
+    assert s.model_id == "glm-5.3-flash" and s.context == 131072 and s.exact is False
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("GLM53_PORT", "abc"), ("GLM53_PORT", "70000"), ("GLM53_MODE", "turbo"), ("GLM53_EXACT", "maybe"),
+    ("GLM53_CONTEXT", "10"), ("GLM53_VRAM_BUDGET_GB", "-1"), ("GLM53_VRAM_BUDGET_GB", "nan"),
+])
+def test_invalid_value_names_setting_value_and_allowed(name, value):
+    with pytest.raises(S.SettingsError) as err:
+        S.load(environ={name: value}, dotenv=None)
+    msg = str(err.value)
+    assert name in msg and repr(value) in msg and "allowed" in msg
+
+
+def test_unknown_name_warns_with_closest_known_name():
+    s = S.load(environ={"GLM53_MODEE": "fast", "GLM53_PROT": "1"}, dotenv=None)
+    assert any("GLM53_MODEE" in w and "GLM53_MODE" in w for w in s.warnings)
+    assert any("GLM53_PORT" in w for w in s.warnings)
+
+
+def test_environment_overrides_dotenv(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("GLM53_PORT=31000\nGLM53_MODEL_ID=from-file\n")
+    s = S.load(environ={"GLM53_PORT": "32000"}, dotenv=env_file)
+    assert s.port == 32000 and s.model_id == "from-file"
+
+
+def test_invalid_setting_exits_2_from_the_cli():
+    proc = subprocess.run([sys.executable, "-m", "glm53", "settings"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "GLM53_MODE": "turbo", "GLM53_MODEE": "x"})
+    assert proc.returncode == 2
+    assert "GLM53_MODE='turbo'" in proc.stderr and "did you mean GLM53_MODE" in proc.stderr
+
+
+def test_generated_files_match_schema():
+    assert (ROOT / ".env.example").read_text() == S.render_env_example(), "run `glm53 settings --write`"
+    assert (ROOT / "docs" / "configuration.md").read_text() == S.render_markdown(), "run `glm53 settings --write`"
+
+
+def test_every_setting_is_documented_once_in_env_example():
+    text = (ROOT / ".env.example").read_text()
+    for s in S.SCHEMA:
+        assert text.count(f"# {s.name}=") == 1
