@@ -1,0 +1,222 @@
+"""The FastAPI app: routes, API key, request metrics, and loading the engine in the background.
+
+The HTTP server comes up first so /health answers and /ready (and /v1/models) say 503 while the weights
+load; "Application startup complete" and the ready line are logged once the model can actually answer,
+which is what launchers that parse the log wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from glm53.engine.interface import Engine
+from glm53.server import chat_api, completions_api, errors
+from glm53.server.common import ServerState, check_model, check_ready
+from glm53.server.errors import APIError, bad_request
+from glm53.server.metrics import Metrics
+from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("glm53.server")
+
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/ready", "/metrics", "/stats",
+          "/tokenize", "/detokenize")
+
+
+JSON_HEADER = (b"content-type", b"application/json")
+
+
+class RequestMetrics:
+    """Pure ASGI middleware counting requests by route and status (BaseHTTPMiddleware would wrap `receive`
+    and break disconnect detection of streams). It also reads every POST body as JSON whatever its
+    content-type: `curl -d '{...}'` sends form encoding, and a JSON API has nothing else to offer."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") == "POST":
+            headers = [h for h in scope.get("headers", []) if h[0] != b"content-type"]
+            scope = {**scope, "headers": headers + [JSON_HEADER]}
+        status = 500
+        path = scope.get("path", "")
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{model}"
+        route = path if path in ROUTES or path == "/v1/models/{model}" else "other"
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        counts = self.state.metrics.counts
+        counts["in_flight"] += 1
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            counts["in_flight"] -= 1
+            self.state.metrics.observe_request(route, status)
+
+
+def _api_key_dependency(key: str):
+    async def require_key(request: Request) -> None:
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>'.",
+                           code="invalid_api_key")
+
+    return require_key
+
+
+async def _load_in_background(state: ServerState, on_ready: Any) -> None:
+    engine = state.engine
+    started = time.perf_counter()
+    try:
+        await asyncio.to_thread(engine.load)
+    except Exception as exc:  # noqa: BLE001 - keep serving /health and a clear 503 instead of dying silently
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("model load failed: %s", state.load_error, exc_info=exc)
+        return
+    log.info("Loading weights took %.2f s", time.perf_counter() - started)
+    on_ready()
+
+
+def _announce_ready(state: ServerState) -> None:
+    s = state.settings
+    log.info("Application startup complete")
+    host = getattr(s, "host", "127.0.0.1")
+    port = getattr(s, "port", 30000)
+    log.info("glm53 ready: serving %s (%s engine, context %d) at http://%s:%s/v1", state.model_id,
+             state.engine.kind, state.engine.context_length, host, port)
+
+
+def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = None) -> FastAPI:
+    """An app serving `engine`. If the engine is not loaded yet, the app loads it at startup (in a worker
+    thread) and closes it at shutdown; an engine handed over ready is left to its owner."""
+    metrics = Metrics(engine)
+    state = ServerState(engine=engine, settings=settings, metrics=metrics,
+                        model_id=getattr(settings, "model_id", "") or engine.model_id,
+                        reasoning_budget=int(getattr(settings, "reasoning_budget", 0) or 0))
+    if ping_interval is not None:
+        state.ping_interval = ping_interval
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        owns = not engine.ready
+        loader = None
+        if owns:
+            loader = asyncio.ensure_future(_load_in_background(state, lambda: _announce_ready(state)))
+        else:
+            _announce_ready(state)
+        try:
+            yield
+        finally:
+            if loader is not None and not loader.done():
+                loader.cancel()
+            if owns:
+                await asyncio.to_thread(engine.close)
+
+    app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible API serving GLM-5.3-Flash.")
+    app.state.glm53 = state
+    errors.install(app)
+    app.add_middleware(RequestMetrics, state=state)
+    auth = [Depends(_api_key_dependency(getattr(settings, "api_key", "") or ""))]
+
+    @app.get("/health", tags=["ops"])
+    async def health() -> dict[str, str]:
+        """Liveness: the process answers (the model may still be loading)."""
+        return {"status": "ok"}
+
+    @app.get("/ready", tags=["ops"])
+    async def ready() -> dict[str, str]:
+        """Readiness: 200 once the model is loaded, 503 before."""
+        check_ready(state)
+        return {"status": "ready", "model": state.model_id}
+
+    def model_card() -> dict[str, Any]:
+        return {"id": state.model_id, "object": "model", "created": int(metrics.started), "owned_by": "glm53",
+                "max_model_len": engine.context_length}
+
+    @app.get("/v1/models", dependencies=auth, tags=["openai"])
+    async def list_models() -> dict[str, Any]:
+        # Launchers treat a 200 here as "ready": answer 503 until the model can generate.
+        check_ready(state)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model}", dependencies=auth, tags=["openai"])
+    async def get_model(model: str) -> dict[str, Any]:
+        check_model(state, model)
+        return model_card()
+
+    @app.post("/v1/chat/completions", dependencies=auth, tags=["openai"])
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        return await chat_api.chat_completions(state, request, body)
+
+    @app.post("/v1/completions", dependencies=auth, tags=["openai"])
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await completions_api.completions(state, request, body)
+
+    @app.post("/tokenize", dependencies=auth, tags=["extras"])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """Token ids of a raw `prompt`, or of `messages` rendered with the chat template."""
+        check_model(state, body.model)
+        check_ready(state)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("Give exactly one of prompt or messages.", param="prompt")
+        if body.prompt is not None:
+            ids = await asyncio.to_thread(engine.tokenize, body.prompt, body.add_special_tokens)
+        else:
+            kwargs = body.chat_template_kwargs or {}
+            messages = chat_api.template_messages(body.messages or [])
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
+            try:
+                text = engine.apply_chat_template(messages, tools, bool(kwargs.get("enable_thinking", True)),
+                                                  body.add_generation_prompt)
+            except Exception as exc:  # noqa: BLE001 - jinja errors are the caller's message sequence
+                raise bad_request(f"The messages could not be rendered: {exc}", param="messages") from None
+            ids = await asyncio.to_thread(engine.tokenize, text, False)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+
+    @app.post("/detokenize", dependencies=auth, tags=["extras"])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(state, body.model)
+        check_ready(state)
+        vocab = getattr(engine, "vocab_size", None)
+        if vocab is not None and any(t >= vocab for t in body.tokens):
+            raise bad_request(f"Token ids must be in [0, {vocab}).", param="tokens")
+        return {"prompt": engine.detokenize(body.tokens)}
+
+    @app.get("/metrics", tags=["ops"])
+    async def prometheus() -> Response:
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    @app.get("/stats", tags=["ops"])
+    async def stats() -> dict[str, Any]:
+        """engine.stats() plus the server's own counters under "server"."""
+        try:
+            engine_stats = engine.stats()
+        except Exception as exc:  # noqa: BLE001 - stats must answer while the engine is mid-load
+            engine_stats = {"error": str(exc)}
+        return {**engine_stats, "ready": engine.ready, "model": state.model_id, "engine": engine.kind,
+                "server": metrics.server_stats()}
+
+    return app

@@ -1,0 +1,189 @@
+"""What chat and completions share: server state, request checks, sampling parameters, a request's life
+(ids, cancellation, metrics) and running a coroutine that a client disconnect cancels."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from glm53.engine.interface import Engine, SamplingParams
+from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
+from glm53.server.generation import Tally
+from glm53.server.metrics import Metrics
+from glm53.server.protocol import ResponseFormat, _Sampling
+from glm53.server.sse import wait_for_disconnect
+
+T = TypeVar("T")
+PING_INTERVAL_S = 3.0
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    settings: Any
+    metrics: Metrics
+    model_id: str
+    reasoning_budget: int  # 0 = unlimited
+    ping_interval: float = PING_INTERVAL_S
+    load_error: str | None = None
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model and model != state.model_id:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves `{state.model_id}`.",
+                       param="model", code="model_not_found")
+
+
+def check_ready(state: ServerState) -> None:
+    if not state.engine.ready:
+        why = f" (loading failed: {state.load_error})" if state.load_error else "; retry shortly"
+        raise APIError(503, f"The model is still loading{why}.", code="model_not_ready")
+
+
+def check_unsupported(req: _Sampling) -> None:
+    """Refuse parameters this server cannot honour rather than silently ignoring them."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value:
+            raise bad_request(f"{name} is not supported by this server (use 0 or leave it out).", param=name,
+                              code="unsupported_parameter")
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported by this server.", param="logit_bias",
+                          code="unsupported_parameter")
+
+
+def grammar_for(engine: Engine, fmt: ResponseFormat | None) -> str | None:
+    """An llguidance (lark) grammar for response_format, on engines that can enforce one; otherwise a clear
+    400: output that merely *asks* the model for JSON is not what json_schema promises."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if not getattr(engine, "supports_grammar", False):
+        raise bad_request(f"response_format {fmt.type!r} needs constrained decoding, which the {engine.kind} engine "
+                          f"lacks. Leave response_format out (or use type 'text').", param="response_format",
+                          code="unsupported_parameter")
+    if fmt.type == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    else:
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise bad_request("response_format json_schema needs json_schema.schema.",
+                              param="response_format.json_schema")
+        schema = fmt.json_schema.schema_
+    return "start: %json " + json.dumps(schema, separators=(",", ":"))
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int) -> int:
+    """Default: the rest of the context. A larger request is clamped to what fits (the reply then ends with
+    finish_reason "length"), since a desktop user cannot know the window the plan picked."""
+    remaining = context - prompt_tokens
+    if remaining < 1:
+        raise context_exceeded(prompt_tokens, context)
+    return remaining if requested is None else min(requested, remaining)
+
+
+def sampling_params(req: _Sampling, engine: Engine, *, max_tokens: int, index: int,
+                    logprobs: int | None, grammar: str | None) -> SamplingParams:
+    seed = req.seed
+    if seed is not None:
+        # n > 1 with a seed: distinct but reproducible choices. Negative seeds fold into the engine's range.
+        seed = (seed + index) % (2**63)
+    top_k = req.top_k or 0
+    return SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, top_k),
+        min_p=req.min_p or 0.0,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop_token_ids=list(engine.eos_token_ids),
+        logprobs=logprobs,
+        grammar=grammar,
+    )
+
+
+@dataclass
+class Job:
+    """One HTTP request's generations: ids to cancel, per-choice tallies, metrics on completion."""
+
+    state: ServerState
+    kind: str  # "chatcmpl" | "cmpl"
+    arrived: float = field(default_factory=time.perf_counter)
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+    request_ids: list[str] = field(default_factory=list)
+    tallies: list[Tally] = field(default_factory=list)
+    prompt_tokens: int = 0
+    recorded: bool = False
+
+    def __post_init__(self) -> None:
+        self.id = f"{self.kind}-{uuid.uuid4().hex}"
+
+    def new_choice(self) -> tuple[str, Tally]:
+        rid = f"{self.id}-{len(self.request_ids)}"
+        tally = Tally()
+        self.request_ids.append(rid)
+        self.tallies.append(tally)
+        return rid, tally
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(t.completion_tokens for t in self.tallies)
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def cancel(self) -> None:
+        for rid in self.request_ids:
+            self.state.engine.cancel(rid)
+
+    def client_gone(self) -> None:
+        self.cancel()
+        self.state.metrics.observe_disconnect()
+
+    def record(self) -> None:
+        if self.recorded:
+            return
+        self.recorded = True
+        firsts = [t.first_token_at for t in self.tallies if t.first_token_at is not None]
+        lasts = [t.last_token_at for t in self.tallies if t.last_token_at is not None]
+        self.state.metrics.observe_generation(
+            arrived=self.arrived, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            first_token_at=min(firsts) if firsts else None, last_token_at=max(lasts) if lasts else None)
+
+
+class ClientGone(Exception):
+    """The client disconnected before a non-streamed reply was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) -> T:
+    """Await `work`, but cancel it (and the engine requests) as soon as the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            job.client_gone()
+            task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+def stream_usage_requested(req: _Sampling) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def error_frame_body(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, APIError):
+        return exc.body()
+    return from_engine_error(exc).body()

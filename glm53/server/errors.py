@@ -1,0 +1,122 @@
+"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`, and the handlers that make every
+failure look like that (never FastAPI's 422 `{"detail": ...}`, never a 5xx for bad input: openai-python
+retries 5xx, so a client error reported as one is retried for nothing)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from glm53.engine.interface import ContextLengthExceeded, EngineError, EngineNotReady, GrammarUnsupported
+
+log = logging.getLogger("glm53.server")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+          500: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def context_exceeded(prompt_tokens: int, context: int) -> APIError:
+    return APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                         f"{prompt_tokens} tokens (at least one token must be left for the reply).",
+                    param="messages", code="context_length_exceeded")
+
+
+def from_engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, ContextLengthExceeded):
+        return context_exceeded(exc.prompt_tokens, exc.context_length)
+    if isinstance(exc, EngineNotReady):
+        return APIError(503, f"The model is not loaded: {exc}", code="model_not_ready")
+    if isinstance(exc, GrammarUnsupported):
+        return bad_request(str(exc), param="response_format", code="unsupported_parameter")
+    return APIError(500, f"Generation failed: {exc}", code="engine_error")
+
+
+def json_error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _loc_param(loc: tuple) -> str | None:
+    # loc is ("body", "messages", 0, "content") etc.; OpenAI's `param` is the dotted field path.
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"The request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}.", None
+    param = _loc_param(tuple(first.get("loc", ())))
+    if param is None and first.get("type") == "missing":
+        return "The request body is empty: send a JSON object.", None
+    if param is None:
+        return "The request body must be a JSON object.", None
+    msgs = []
+    for e in errors[:5]:
+        where = _loc_param(tuple(e.get("loc", ()))) or "body"
+        msgs.append(f"{where}: {e.get('msg', 'invalid')}")
+    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "Invalid request: " + "; ".join(msgs) + more, param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return json_error(exc)
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        err = from_engine_error(exc)
+        if err.status >= 500:
+            log.error("engine error: %s", exc)
+        return json_error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return json_error(bad_request(message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            detail = "Unknown route. The API lives under /v1 (see /docs)."
+        err = APIError(exc.status_code, detail, code=None)
+        return json_error(err, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not bad input: log it with the traceback and answer in the same shape.
+        log.exception("unhandled error")
+        return json_error(APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error"))

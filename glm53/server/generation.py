@@ -1,0 +1,124 @@
+"""One completion choice: engine token events -> output text steps, with stop strings and logprobs.
+
+The engine streams detokenized text per token. Stop strings are matched on that text, across token
+boundaries: text that could still be the start of a stop string is held back until it cannot, and the stop
+string itself is never released. When one matches, the engine request is cancelled at once so its slot and
+KV cache are freed for others.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from glm53.engine.interface import Engine, EngineError, PromptProgress, SamplingParams, TokenEvent
+from glm53.server.chat import split_at_tag
+
+
+@dataclass
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+@dataclass
+class Step:
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Tally:
+    """Per-choice counters that usage and the latency metrics are computed from."""
+
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+class StopMatcher:
+    """Hold back text that may be the beginning of a stop string; report the first full match."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = tuple(stops)
+        self.buf = ""
+        # (start, end, item) of each token's text inside buf, so logprobs leave together with their text.
+        self.pending: list[tuple[int, int, Any]] = []
+
+    def feed(self, text: str, item: Any = None) -> tuple[str, list[Any], bool]:
+        start = len(self.buf)
+        self.buf += text
+        if item is not None:
+            self.pending.append((start, len(self.buf), item))
+        before, tag, rest = split_at_tag(self.buf, self.stops)
+        if tag is not None:
+            cut = len(before)
+            items = [it for s, _, it in self.pending if s < cut]
+            self.buf, self.pending = "", []
+            return before, items, True
+        cut = len(before)
+        items = [it for _, e, it in self.pending if e <= cut]
+        self.pending = [(s - cut, e - cut, it) for s, e, it in self.pending if e > cut]
+        self.buf = rest
+        return before, items, False
+
+    def flush(self) -> tuple[str, list[Any]]:
+        text, items = self.buf, [it for _, _, it in self.pending]
+        self.buf, self.pending = "", []
+        return text, items
+
+
+def _logprob(ev: TokenEvent) -> TokenLogprob | None:
+    if ev.logprob is None:
+        return None
+    return TokenLogprob(ev.token_text, ev.logprob, list(ev.top_logprobs or []))
+
+
+async def choice_steps(engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       stops: list[str], tally: Tally) -> AsyncIterator[Step]:
+    """Yield text steps of one choice; the last step carries finish_reason ("stop" | "length")."""
+    matcher = StopMatcher(stops) if stops else None
+    end_ids = frozenset(params.stop_token_ids)
+    events = engine.generate(prompt_ids, params, request_id)
+    engine_done = False  # the engine finished on its own; otherwise it is told to stop (stop string, error, client gone)
+    try:
+        async for ev in events:
+            if isinstance(ev, PromptProgress):
+                continue
+            now = time.perf_counter()
+            if tally.first_token_at is None:
+                tally.first_token_at = now
+            tally.last_token_at = now
+            tally.completion_tokens += 1
+            # The end-of-turn token (<|user|>, <|endoftext|>...) ends the reply; it is not part of it.
+            text = "" if ev.finish_reason == "stop" and ev.token_id in end_ids else ev.text
+            lp = _logprob(ev)
+            if matcher is None:
+                step = Step(text, [lp] if lp else [], ev.finish_reason)
+            else:
+                released, items, matched = matcher.feed(text, lp)
+                if matched:
+                    yield Step(released, items, "stop")
+                    return
+                step = Step(released, items, ev.finish_reason)
+                if ev.finish_reason:
+                    rest, more = matcher.flush()
+                    step.text += rest
+                    step.logprobs += more
+            if step.finish_reason:
+                engine_done = True
+                yield step
+                return
+            if step.text or step.logprobs:
+                yield step
+        raise EngineError("the engine ended the generation without a finish reason")
+    finally:
+        if not engine_done:
+            engine.cancel(request_id)
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()

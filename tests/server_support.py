@@ -1,0 +1,202 @@
+"""Test helpers for the server: a scripted fake engine (for protocol unit tests only) and a real uvicorn
+server on a free loopback port in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import jinja2
+import uvicorn
+
+from glm53.engine.interface import ContextLengthExceeded, EngineNotReady, SamplingParams, TokenEvent
+from glm53.fixture import tokenizer as gtok
+
+_SPECIALS = list(gtok.ADDED_TOKENS)
+_BASE = 0x110000  # above every code point: specials get ids that no character has
+
+
+class FakeEngine:
+    """Implements the Engine protocol with a character-level tokenizer and scripted replies.
+
+    `script(prompt_text, params) -> str` gives the full reply text (markup included). Each character (or
+    markup tag) is one token. An end-of-turn token follows unless max_tokens cuts the reply first."""
+
+    kind = "fake"
+    supports_grammar = False
+
+    def __init__(self, script: Callable[[str, SamplingParams], str] | None = None, *, context_length: int = 4096,
+                 token_delay: float = 0.0, prefill_delay: float = 0.0, model_id: str = "fake-model") -> None:
+        self.script = script or (lambda prompt, params: "Hello there!")
+        self.context_length = context_length
+        self.token_delay = token_delay
+        self.prefill_delay = prefill_delay
+        self.model_id = model_id
+        self._ready = False
+        self._cancelled: set[str] = set()
+        self.running: set[str] = set()
+        self.generated = 0
+        self.prompt_tokens = 0
+        self.last_params: SamplingParams | None = None
+        self._template = jinja2.Environment(undefined=jinja2.Undefined).from_string(gtok.CHAT_TEMPLATE)
+        self._template.environment.filters["tojson"] = __import__("json").dumps
+        self.vocab_size = _BASE + len(_SPECIALS)
+
+    # -- lifecycle --
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    def load(self) -> None:
+        self._ready = True
+
+    def close(self) -> None:
+        self._ready = False
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return [self.token_id(t) for t in gtok.EOS_TOKENS]
+
+    # -- text --
+    def token_id(self, token: str) -> int | None:
+        if token in _SPECIALS:
+            return _BASE + _SPECIALS.index(token)
+        return ord(token) if len(token) == 1 else None
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        ids, i = [], 0
+        while i < len(text):
+            for s in _SPECIALS:
+                if text.startswith(s, i):
+                    ids.append(_BASE + _SPECIALS.index(s))
+                    i += len(s)
+                    break
+            else:
+                ids.append(ord(text[i]))
+                i += 1
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        return "".join(_SPECIALS[i - _BASE] if i >= _BASE else chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
+                            add_generation_prompt: bool = True) -> str:
+        return self._template.render(messages=messages, tools=tools, enable_thinking=enable_thinking,
+                                     add_generation_prompt=add_generation_prompt)
+
+    # -- generation --
+    def cancel(self, request_id: str) -> None:
+        if request_id in self.running:
+            self._cancelled.add(request_id)
+
+    def stats(self) -> dict:
+        return {"waiting": 0, "running": len(self.running), "prompt_tokens": self.prompt_tokens,
+                "generated_tokens": self.generated, "tokens_per_s": 0.0, "tiers": {"vram": {"hits": 3}}}
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[TokenEvent]:
+        if not self._ready:
+            raise EngineNotReady("not loaded")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        self.last_params = params
+        self.running.add(request_id)
+        self.prompt_tokens += len(prompt_ids)
+        try:
+            if self.prefill_delay:
+                await asyncio.sleep(self.prefill_delay)
+            prompt = self.detokenize(prompt_ids)
+            reply = self.script(prompt, params)
+            if params.temperature > 0 and params.seed is None:
+                reply += random.choice(["", " ", "!"])  # nondeterministic unless seeded
+            ids = self.tokenize(reply) + [self.eos_token_ids[0]]
+            limit = min(params.max_tokens or 1 << 30, self.context_length - len(prompt_ids))
+            in_think = prompt.rstrip().endswith(gtok.THINK_OPEN)
+            think_tokens = 0
+            forced: list[int] = []
+            out = 0
+            while ids or forced:
+                if request_id in self._cancelled:
+                    return
+                is_forced = bool(forced)
+                tid = forced.pop(0) if forced else ids.pop(0)
+                if in_think and not is_forced:
+                    if tid == self.token_id(gtok.THINK_CLOSE):
+                        in_think = False
+                    elif params.reasoning_budget is not None and think_tokens >= params.reasoning_budget:
+                        # Budget spent: inject the end of thinking, drop the rest of the scripted thought.
+                        forced = list(params.reasoning_end_ids)
+                        close = self.token_id(gtok.THINK_CLOSE)
+                        ids = ids[ids.index(close) + 1:] if close in ids else ids
+                        if ids and ids[0] == ord("\n"):
+                            ids.pop(0)
+                        in_think = False
+                        tid = forced.pop(0)
+                        is_forced = True
+                    else:
+                        think_tokens += 1
+                out += 1
+                self.generated += 1
+                finish = None
+                if tid in params.stop_token_ids and not is_forced:
+                    finish = "stop"
+                elif out >= limit:
+                    finish = "length"
+                text = self.detokenize([tid])
+                lp, top = (None, None)
+                if params.logprobs is not None:
+                    lp = -0.5
+                    top = [(text, -0.5), ("x", -1.5), ("y", -2.5)][: params.logprobs]
+                yield TokenEvent(tid, text, text, lp, top, finish, is_forced)
+                if finish:
+                    return
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                else:
+                    await asyncio.sleep(0)
+        finally:
+            self.running.discard(request_id)
+            self._cancelled.discard(request_id)
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+
+    def __init__(self, app, log_level: str = "warning") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
