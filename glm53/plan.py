@@ -1,0 +1,498 @@
+"""The plan: which mode to run and how big every tier is, as a pure function of host facts, model shape and settings.
+
+plan(facts, shape, settings) returns a Plan or raises PlanError; it reads no files and runs nothing, so every
+decision is testable on fake hosts. Each number carries a reason; each refusal and warning names the fact,
+the threshold and the fix. `glm53 plan` prints it and `glm53 serve` obeys it. DESIGN section 5 is the source
+of the mode table; docs/modes.md renders AUTO_RULES and MODE_NEEDS from here (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from glm53.host import Gpu, HostFacts
+from glm53.shape import ModelShape
+
+GIB = 1 << 30
+MIB = 1 << 20
+KIB = 1 << 10
+
+IMAGE = "glm53"
+# The one-shot that writes the expert store (as in README); refusals print it with the store's path filled in.
+PACK_STORE_COMMAND = ("docker run --rm -v /path/to/GLM-5.3-Flash-exl3:/model:ro -v /path/on/nvme:{dir} "
+                      f"{IMAGE} pack-store --model /model --out {{path}}")
+
+# Below this much VRAM the expert cache is too small to hold the decode hot set (the reference held ~1,300
+# 9 MiB slots on a 24 GB card, serving ~40% of picks); performance collapses rather than degrading.
+MIN_GPU_GIB = 20
+# CUDA context, activations, graph pools and exllamav3 scratch: what the budget cannot spend on weights.
+VRAM_RESERVE = 1.5 * GIB
+# Fewer VRAM slots per MoE layer than top_k means every token misses in every layer.
+MIN_SLOTS_PER_LAYER_OF_TOP_K = 1
+# The plan lowers GLM53_CONTEXT to fit VRAM, but not below this; a shorter context is not worth serving.
+MIN_KV_TOKENS = 4096
+KV_ROUND = 256
+# nvme modes need this much usable RAM: the process itself, NVMe staging, and a RAM tier big enough that
+# most misses are not disk reads (the reference ran at a 16 GiB cap; below ~15 GiB it thrashed).
+NVME_MIN_RAM_GIB = 15
+# The memory cap to suggest for nvme mode: the reference's measured operating point (55 GiB: picks split
+# ~39% VRAM / 54% RAM / 7% NVMe). Clamped to what the host has.
+NVME_SUGGESTED_GIB = 55
+# Below this much usable RAM the plan uses the small-host budget: a thinner margin, half the staging, fewer readers.
+SMALL_HOST_GIB = 32
+# What the process needs besides the tiers: torch and CUDA host state, tokenizer, request buffers, allocator slack.
+RAM_MARGIN = 4 * GIB
+RAM_MARGIN_SMALL = int(2.5 * GIB)
+# The CPU lane's kernels need these instructions; without them only PCIe/NVMe lanes (the exact modes) remain.
+CPU_LANE_FLAGS = ("avx2", "fma", "f16c")
+# O_DIRECT reads are blocking preads of one 9 MiB record: this many keep an NVMe drive (or a RAID0) at its
+# sequential rate. Readers sleep in the kernel, so they do not take cores from the CPU lane.
+NVME_READERS = 8
+NVME_READERS_SMALL = 4
+RECORD_ALIGN = 4096
+
+MODES = ("fast", "exact", "nvme", "nvme-exact")
+
+
+class PlanError(Exception):
+    """A refusal: the message names the fact, the threshold and the fix."""
+
+    def __init__(self, message: str, warnings: list[str] | None = None, reasons: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message = message
+        self.warnings = list(warnings or [])
+        self.reasons = dict(reasons or {})
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: None for k in Plan.JSON_KEYS}, "error": self.message, "warnings": self.warnings,
+                "reasons": ordered(self.reasons)}
+
+
+# ---------------------------------------------------------------- the decision table (DESIGN section 5)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the auto table: conditions (None = any) -> mode ("refuse" = no mode fits)."""
+
+    all_in_vram: bool | None
+    fits_ram: bool | None
+    nvme_ok: bool | None
+    lane_ok: bool | None
+    mode: str
+
+
+# First match wins.
+AUTO_RULES = (
+    Rule(True, None, None, None, "exact"),    # no misses at all: nothing for a CPU lane to do, bit-exact for free
+    Rule(False, True, None, True, "fast"),
+    Rule(False, True, None, False, "exact"),
+    Rule(False, False, True, True, "nvme"),
+    Rule(False, False, True, False, "nvme-exact"),
+    Rule(False, False, False, None, "refuse"),
+)
+CONDITIONS = {
+    "all_in_vram": "every routed expert fits in the VRAM budget",
+    "fits_ram": "the experts not in VRAM fit in usable RAM (after the margin)",
+    "nvme_ok": f"a valid store (exists, O_DIRECT, full size) and usable RAM >= {NVME_MIN_RAM_GIB} GiB",
+    "lane_ok": "CPU has " + "/".join(f.upper() for f in CPU_LANE_FLAGS) + " and GLM53_EXACT=0",
+}
+# What an explicitly requested mode (GLM53_MODE=...) needs from the host.
+MODE_NEEDS = {
+    "fast": ("fits_ram", "lane_ok"),
+    "exact": ("fits_ram",),
+    "nvme": ("nvme_ok", "lane_ok"),
+    "nvme-exact": ("nvme_ok",),
+}
+
+
+def decide(all_in_vram: bool, fits_ram: bool, nvme_ok: bool, lane_ok: bool) -> str:
+    facts = {"all_in_vram": all_in_vram, "fits_ram": fits_ram, "nvme_ok": nvme_ok, "lane_ok": lane_ok}
+    for rule in AUTO_RULES:
+        if all(getattr(rule, k) in (None, v) for k, v in facts.items()):
+            return rule.mode
+    raise AssertionError(f"AUTO_RULES do not cover {facts}")  # the table is total; a test walks every case
+
+
+def render_decision_table() -> str:
+    """AUTO_RULES and MODE_NEEDS as markdown; docs/modes.md embeds this text verbatim."""
+    cell = {True: "yes", False: "no", None: "-"}
+    names = list(CONDITIONS)
+    lines = ["| " + " | ".join(names) + " | GLM53_MODE=auto picks |", "|" + "---|" * (len(names) + 1)]
+    for r in AUTO_RULES:
+        lines.append("| " + " | ".join(cell[getattr(r, n)] for n in names) + f" | {r.mode} |")
+    lines += ["", "| condition | meaning |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in CONDITIONS.items()]
+    lines += ["", "| GLM53_MODE= | needs |", "|---|---|"]
+    lines += [f"| {m} | {', '.join(needs)} |" for m, needs in MODE_NEEDS.items()]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass
+class Plan:
+    mode: str                       # fast | exact | nvme | nvme-exact | demo
+    device: str                     # cuda:N or cpu
+    gpu_index: int | None
+    gpu_name: str | None
+    vram_budget_bytes: int
+    vram_slots: int                 # routed experts resident in VRAM, all layers together
+    vram_slots_per_layer: int
+    ram_slots: int                  # routed experts in the pinned RAM tier (exclusive of VRAM)
+    ram_tier_bytes: int
+    cpu_threads: int                # CPU-lane threads (0 in exact modes)
+    nvme_threads: int               # store reader threads (0 outside nvme modes)
+    kv_tokens: int
+    budget: str                     # normal | small-host | demo
+    store: str | None
+    warnings: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    real_model: dict[str, Any] | None = None  # demo only: what GLM-5.3-Flash would get on this host
+
+    JSON_KEYS = ("mode", "device", "gpu_index", "gpu_name", "vram_budget_bytes", "vram_slots",
+                 "vram_slots_per_layer", "ram_slots", "ram_tier_bytes", "cpu_threads", "nvme_threads",
+                 "kv_tokens", "budget", "store", "real_model")
+
+    @property
+    def exact(self) -> bool:
+        return self.mode in ("exact", "nvme-exact")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**{k: getattr(self, k) for k in self.JSON_KEYS}, "warnings": list(self.warnings),
+                "reasons": ordered(self.reasons), "error": None}
+
+
+# The order decisions are shown in: the mode first, then where it runs, then each tier from fastest to slowest.
+REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "store",
+                "kv_tokens", "model")
+
+
+def ordered(reasons: dict[str, str]) -> dict[str, str]:
+    rank = {k: i for i, k in enumerate(REASON_ORDER)}
+    return dict(sorted(reasons.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB for messages: 12 GiB, 11.8 GiB."""
+    return f"{n / GIB:.1f}".removesuffix(".0") + " GiB"
+
+
+def human(n: int) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= size:
+            return f"{n / size:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n} B"
+
+
+def pack_store_command(store_path: str) -> str:
+    path = store_path or "/nvx/experts.glm53"
+    return PACK_STORE_COMMAND.format(dir=str(PurePosixPath(path).parent), path=path)
+
+
+@dataclass(frozen=True)
+class _Ram:
+    usable: int          # min(cap - current, MemAvailable)
+    margin: int
+    small: bool
+    what: str            # the binding fact, for messages: "memory cap 12 GiB" or "MemAvailable 11 GiB"
+    capped: bool
+
+
+def _ram(facts: HostFacts) -> _Ram:
+    mem = facts.memory
+    avail = mem.available if mem.available is not None else (mem.total or 0)
+    candidates = [(avail, f"MemAvailable {gib(avail)}", False)]
+    if mem.limit is not None:
+        candidates.append((max(0, mem.limit - (mem.current or 0)),
+                           f"memory cap {gib(mem.limit)}", True))
+    usable, what, capped = min(candidates, key=lambda c: c[0])
+    small = usable < SMALL_HOST_GIB * GIB
+    return _Ram(usable, RAM_MARGIN_SMALL if small else RAM_MARGIN, small, what, capped)
+
+
+def _suggested_cap(facts: HostFacts) -> int:
+    """GiB to suggest for --memory in nvme mode: the measured operating point, if the host has it."""
+    total = facts.memory.total
+    if total is None:
+        return NVME_SUGGESTED_GIB
+    return max(NVME_MIN_RAM_GIB + 1, min(NVME_SUGGESTED_GIB, int(total / GIB) - 4))
+
+
+def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu, int]:
+    """The GPU to serve on and its byte budget, or a refusal naming the VRAM fact and the fix."""
+    if not facts.gpus:
+        raise PlanError(f"no NVIDIA GPU found: serving GLM-5.3-Flash needs one GPU with >= {MIN_GPU_GIB} GiB: "
+                        "run the container with --gpus all (install the NVIDIA container toolkit on the host), "
+                        "or leave GLM53_MODEL_DIR empty to serve the demo model on the CPU")
+    cap = int(settings.vram_budget_gb * GIB) if settings.vram_budget_gb else None
+
+    def budget(g: Gpu) -> int:
+        free = g.free_mib * MIB
+        return free if cap is None else min(free, cap)
+
+    # PCIe bandwidth first (every miss crosses it), then free VRAM, then the lowest index.
+    ranked = sorted(facts.gpus, key=lambda g: (-(g.pcie_gbps or 0), -budget(g), g.index))
+    eligible = [g for g in ranked if budget(g) >= MIN_GPU_GIB * GIB]
+    if not eligible:
+        g = max(facts.gpus, key=budget)
+        if g.total_mib * MIB < MIN_GPU_GIB * GIB:
+            raise PlanError(f"GPU {g.index} ({g.name}) has {gib(g.total_mib * MIB)} of VRAM < {MIN_GPU_GIB} GiB "
+                            "needed for GLM-5.3-Flash: use a 24 GB GPU (RTX 3090/4090 class or larger), or leave "
+                            "GLM53_MODEL_DIR empty to serve the demo model")
+        if cap is not None and cap < g.free_mib * MIB:
+            raise PlanError(f"GLM53_VRAM_BUDGET_GB={settings.vram_budget_gb:g} < {MIN_GPU_GIB} GiB needed for "
+                            f"GLM-5.3-Flash: raise it to at least {MIN_GPU_GIB}, or set 0 to use all free VRAM")
+        raise PlanError(f"GPU {g.index} ({g.name}) has {gib(g.free_mib * MIB)} free of {gib(g.total_mib * MIB)}, "
+                        f"< {MIN_GPU_GIB} GiB needed: stop the other processes using it (see nvidia-smi)")
+    g = eligible[0]
+    link = f"PCIe {g.pcie_gen or '?'} x{g.pcie_width or '?'}" + (f" ~{g.pcie_gbps:g} GB/s" if g.pcie_gbps else "")
+    why = f"GPU {g.index} ({g.name}, {gib(g.free_mib * MIB)} free of {gib(g.total_mib * MIB)}, {link})"
+    if len(facts.gpus) > 1:
+        others = ", ".join(str(o.index) for o in facts.gpus if o is not g)
+        why += (f"; {len(facts.gpus)} GPUs found, glm53 serves from one: picked by PCIe bandwidth, then free VRAM "
+                f"(GPU {others} stay idle). Indices are nvidia-smi's PCI bus order; the server sets "
+                "CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA numbers them the same way")
+    if (g.pcie_gen or 0) and g.pcie_gen < 4:
+        why += ("; the link reads below gen 4 (an idle GPU may downshift, so this is a floor): each 9 MiB "
+                "admit costs more, so the planner favours the CPU lane for misses")
+    reasons["gpu"] = why
+    return g, budget(g)
+
+
+def _size_vram(shape: ModelShape, settings, budget: int, reasons: dict, warnings: list) -> tuple[int, int]:
+    """(VRAM expert slots, KV tokens): weights, KV and reserve first; expert slots get the rest."""
+    eb = shape.expert_bytes
+    state = shape.state_bytes_per_seq * settings.max_concurrency
+    staging = 2 * shape.top_k * eb  # one layer's misses admitted while the next layer's land: double-buffered
+    fixed = shape.always_used_bytes + state + staging + int(VRAM_RESERVE)
+    min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
+    kv_tokens = settings.context
+    room = budget - fixed - min_slots * eb
+    if kv_tokens * shape.kv_bytes_per_token > room:
+        fit = max(0, room) // max(1, shape.kv_bytes_per_token) // KV_ROUND * KV_ROUND
+        if fit < MIN_KV_TOKENS:
+            need = fixed + min_slots * eb + MIN_KV_TOKENS * shape.kv_bytes_per_token
+            raise PlanError(f"VRAM budget {gib(budget)} < {gib(need)} needed for the always-used weights "
+                            f"({gib(shape.always_used_bytes)}), {shape.top_k} expert slots per MoE layer, "
+                            f"KV for {MIN_KV_TOKENS} tokens and the {gib(VRAM_RESERVE)} reserve: use a GPU with "
+                            "more free VRAM or raise GLM53_VRAM_BUDGET_GB", warnings, reasons)
+        warnings.append(f"GLM53_CONTEXT={settings.context} needs {gib(settings.context * shape.kv_bytes_per_token)} "
+                        f"of KV cache but only {gib(room)} is left after the weights and {shape.top_k} expert "
+                        f"slots per layer: context lowered to {fit} tokens; set GLM53_CONTEXT={fit} to silence "
+                        "this, or free VRAM")
+        kv_tokens = fit
+    kv = kv_tokens * shape.kv_bytes_per_token
+    per_layer = min(shape.experts_per_layer, (budget - fixed - kv) // eb // shape.moe_layers)
+    slots = per_layer * shape.moe_layers
+    reasons["kv_tokens"] = (f"{kv_tokens} tokens: {gib(kv)} of MLA cache ({shape.mla_layers} layers, "
+                            f"{shape.kv_bytes_per_token} B/token) plus {gib(state)} of fixed KDA state for "
+                            f"{settings.max_concurrency} sequences (GLM53_MAX_CONCURRENCY)")
+    reasons["vram_slots"] = (f"{slots} slots of {human(eb)} = {per_layer} per MoE layer x {shape.moe_layers} "
+                             f"({100 * slots / shape.experts:.0f}% of experts): budget {gib(budget)} minus "
+                             f"always-used weights {gib(shape.always_used_bytes)}, KV {gib(kv)}, KDA state "
+                             f"{gib(state)}, admit staging {gib(staging)}, reserve {gib(VRAM_RESERVE)}")
+    return slots, kv_tokens
+
+
+def _store_problem(facts: HostFacts, shape: ModelShape, settings, warnings: list[str]) -> str | None:
+    """Why the store cannot serve an nvme mode (None = it can)."""
+    path = settings.store
+    cmd = pack_store_command(path)
+    if not path:
+        return f"no store configured (GLM53_STORE is empty): run the pack-store container first: {cmd}, then " \
+               "set GLM53_STORE=/nvx/experts.glm53"
+    st = facts.store
+    if st is None or st.path != path:
+        return f"store {path} was not inspected (host facts were read without it)"
+    if not st.exists:
+        return f"store {path} not found: run the pack-store container first: {cmd}"
+    if st.odirect is False:
+        where = st.mount_point or str(PurePosixPath(path).parent)
+        probed = f" ({st.odirect_how})" if st.odirect_how.startswith("probe") else ""
+        msg = (f"{where} is on {st.fstype or 'a filesystem'}, which does not support O_DIRECT{probed}: "
+               "put the store on ext4 or xfs")
+        if not settings.allow_buffered_reads:
+            return msg + " (or set GLM53_ALLOW_BUFFERED_READS=1 to read through the page cache, slower)"
+        warnings.append(msg + "; reading through the page cache because GLM53_ALLOW_BUFFERED_READS=1 (slower, "
+                        "and the page cache counts against the memory cap)")
+    elif st.odirect is None:
+        warnings.append(f"O_DIRECT support for {path} unknown ({st.odirect_how}): `glm53 preflight` probes it")
+    record = -(-shape.expert_bytes // RECORD_ALIGN) * RECORD_ALIGN
+    need = shape.experts * record
+    if st.size is not None and st.size < need:
+        return (f"store {path} is {gib(st.size)} < {gib(need)} for {shape.experts} records of {human(record)}: "
+                f"truncated or packed for another model; re-run the pack-store container: {cmd}")
+    return None
+
+
+def _cpu_threads(facts: HostFacts, settings, mode: str, reasons: dict, warnings: list) -> int:
+    cpu = facts.cpu
+    if mode in ("exact", "nvme-exact"):
+        if settings.cpu_threads:
+            warnings.append(f"GLM53_CPU_THREADS={settings.cpu_threads} ignored: {mode} mode computes no expert "
+                            "on the CPU")
+        reasons["cpu_threads"] = f"0: {mode} mode serves misses over PCIe/NVMe only (bit-identical numerics)"
+        return 0
+    cores = cpu.physical_cores
+    limit = f"{cores} physical cores"
+    if cpu.quota_cpus is not None and cpu.quota_cpus < cores:
+        cores = max(1, math.floor(cpu.quota_cpus))
+        limit = f"a CPU quota of {cpu.quota_cpus:g} (docker --cpus)"
+    auto = max(1, cores - 1)
+    numa = (f"; {facts.numa_nodes} NUMA nodes: threads span them, so experts on the far node are read across "
+            "the socket link") if facts.numa_nodes > 1 else ""
+    if settings.cpu_threads:
+        if settings.cpu_threads > auto:
+            warnings.append(f"GLM53_CPU_THREADS={settings.cpu_threads} > {auto} ({limit} minus one for the "
+                            "server): SMT siblings and the server thread compete with the lane; set 0 for auto")
+        reasons["cpu_threads"] = f"{settings.cpu_threads}: GLM53_CPU_THREADS" + numa
+        return settings.cpu_threads
+    smt = f", SMT siblings unused ({cpu.logical} logical CPUs)" if cpu.smt_siblings > 1 else ""
+    reasons["cpu_threads"] = f"{auto}: {limit} minus one for the server{smt}" + numa
+    return auto
+
+
+def plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
+    """Decide the mode and size every tier. Raises PlanError (with the fix) when this host cannot serve."""
+    if not settings.model_dir:
+        return _demo_plan(facts, shape, settings)
+    warnings: list[str] = []
+    reasons: dict[str, str] = {"model": shape.source}
+    try:
+        return _plan_real(facts, shape, settings, warnings, reasons)
+    except PlanError as exc:
+        exc.warnings = warnings + [w for w in exc.warnings if w not in warnings]
+        exc.reasons = {**reasons, **exc.reasons}
+        raise
+
+
+def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str]) -> Plan:
+    gpu, budget = _pick_gpu(facts, settings, reasons)
+    slots, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
+    eb = shape.expert_bytes
+    ram = _ram(facts)
+    rest = (shape.experts - slots) * eb        # experts that VRAM cannot hold
+    all_in_vram = rest == 0
+    fits_ram = rest + ram.margin <= ram.usable
+    store_problem = _store_problem(facts, shape, settings, warnings) if settings.store or not fits_ram else None
+    nvme_ram_ok = ram.usable >= NVME_MIN_RAM_GIB * GIB
+    nvme_ok = store_problem is None and nvme_ram_ok
+    cpu = facts.cpu
+    missing = [f.upper() for f in CPU_LANE_FLAGS if f not in cpu.flags]
+    lane_ok = not missing and not settings.exact
+
+    suggested = _suggested_cap(facts)
+    mem_fix = (f"run with --memory {suggested}g --memory-swap {suggested}g" if ram.capped
+               else "free memory or use a host with more RAM")
+    nvme_ram_msg = f"{ram.what} < {NVME_MIN_RAM_GIB} GiB needed for nvme mode: {mem_fix}"
+    fast_msg = (f"fast/exact mode needs {gib(rest + ram.margin)} of RAM for the {shape.experts - slots} experts "
+                f"not in VRAM (with a {gib(ram.margin)} margin), but usable RAM is {gib(ram.usable)} "
+                f"({ram.what}, {gib(facts.memory.current or 0)} in use)" if ram.capped else
+                f"fast/exact mode needs {gib(rest + ram.margin)} of RAM for the {shape.experts - slots} experts "
+                f"not in VRAM (with a {gib(ram.margin)} margin), but usable RAM is {gib(ram.usable)} ({ram.what})")
+    lane_msg = (f"CPU ({cpu.model}) lacks {'/'.join(missing)}, which the CPU lane needs" if missing else "")
+
+    requested = settings.mode
+    if requested == "auto":
+        mode = decide(all_in_vram, fits_ram, nvme_ok, lane_ok)
+        if mode == "refuse":
+            problems = ([] if nvme_ram_ok else [nvme_ram_msg]) + ([store_problem] if store_problem else [])
+            raise PlanError("; and ".join(problems) + f". (Why not fast: {fast_msg}.)", warnings, reasons)
+        why = {"exact": "every expert fits in VRAM: no misses, so no CPU lane" if all_in_vram else
+               "experts fit in RAM, and " + (lane_msg or "GLM53_EXACT=1 asks for bit-exact numerics"),
+               "fast": f"the {shape.experts - slots} experts not in VRAM ({gib(rest)}) fit in usable RAM "
+                       f"({gib(ram.usable)}, {ram.what}) and the CPU has AVX2/FMA/F16C",
+               "nvme": f"{fast_msg}; the store is valid and usable RAM >= {NVME_MIN_RAM_GIB} GiB",
+               "nvme-exact": f"{fast_msg}; the store is valid; and "
+                             + (lane_msg or "GLM53_EXACT=1 asks for bit-exact numerics")}[mode]
+        reasons["mode"] = f"{mode} (GLM53_MODE=auto): {why}"
+    else:
+        mode = requested
+        if settings.exact:
+            warnings.append(f"GLM53_EXACT=1 ignored: GLM53_MODE={mode} was set explicitly")
+        problems = {"fits_ram": None if fits_ram else fast_msg + ": use GLM53_MODE=auto or nvme with a store",
+                    "lane_ok": f"{lane_msg}: use GLM53_MODE=exact or nvme-exact (or auto)" if missing else None,
+                    "nvme_ok": (nvme_ram_msg if not nvme_ram_ok else store_problem)}
+        for need in MODE_NEEDS[mode]:
+            if problems[need]:
+                raise PlanError(f"GLM53_MODE={mode} refused: {problems[need]}", warnings, reasons)
+        reasons["mode"] = f"{mode} (GLM53_MODE={mode}; the host meets its needs: {', '.join(MODE_NEEDS[mode])})"
+
+    nvme = mode in ("nvme", "nvme-exact")
+    staging_records = (shape.top_k if ram.small else 2 * shape.top_k) * 2 if nvme else 0
+    if nvme:
+        room = ram.usable - ram.margin - staging_records * eb
+        ram_slots = max(0, min(shape.experts - slots, room // eb))
+        reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}, {100 * ram_slots / shape.experts:.0f}% "
+                                f"of experts): usable RAM {gib(ram.usable)} ({ram.what}) minus a {gib(ram.margin)} "
+                                f"margin and {staging_records} NVMe staging records; the rest are read from the store")
+        budget_kind = "small-host" if ram.small else "normal"
+        if ram.small:
+            warnings.append(f"small host: usable RAM {gib(ram.usable)} < {SMALL_HOST_GIB} GiB, so the RAM tier holds "
+                            f"{100 * ram_slots / shape.experts:.0f}% of experts and decode is NVMe-bound; "
+                            f"--memory {suggested}g --memory-swap {suggested}g is the measured sweet spot")
+        nvme_threads = NVME_READERS_SMALL if ram.small else NVME_READERS
+        reasons["nvme_threads"] = (f"{nvme_threads}: outstanding O_DIRECT reads of one record each"
+                                   + (" (small-host budget halves them and their staging)" if ram.small else ""))
+        if settings.store and store_problem is None:
+            st = facts.store
+            reasons["store"] = f"{st.path} ({gib(st.size or 0)}) on {st.fstype} at {st.mount_point}; {st.odirect_how}"
+    else:
+        ram_slots = shape.experts - slots
+        reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}): every expert not in VRAM, exclusive "
+                                f"of it; usable RAM {gib(ram.usable)} ({ram.what})")
+        budget_kind = "normal"
+        nvme_threads = 0
+        reasons["nvme_threads"] = f"0: {mode} mode keeps every expert in VRAM or RAM"
+        if settings.store:
+            note = f" ({store_problem})" if store_problem else ""
+            reasons["store"] = f"{settings.store} not used in {mode} mode{note}"
+            if store_problem:
+                warnings.append(f"GLM53_STORE is set but unusable, and {mode} mode does not need it: {store_problem}")
+    ram_tier = (ram_slots + staging_records) * eb
+
+    mem = facts.memory
+    if mem.memlock is not None and mem.memlock < ram_tier:
+        warnings.append(f"RLIMIT_MEMLOCK {human(mem.memlock)} < the {gib(ram_tier)} pinned RAM tier; pinned tiers "
+                        "may fail: add --ulimit memlock=-1 (preflight pins a test buffer to check)")
+    if mem.limit is not None and mem.swap_limit != 0 and mem.swap_total != 0:
+        allowed = "unlimited" if mem.swap_limit is None else gib(mem.swap_limit)
+        warnings.append(f"memory cap {gib(mem.limit)} without an equal swap cap (swap allowed: {allowed}): the RAM "
+                        f"tier can be swapped out: run with --memory-swap equal to --memory "
+                        f"(--memory {round(mem.limit / GIB)}g --memory-swap {round(mem.limit / GIB)}g)")
+    cpu_threads = _cpu_threads(facts, settings, mode, reasons, warnings)
+    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, slots, slots // shape.moe_layers, ram_slots,
+                ram_tier, cpu_threads, nvme_threads, kv_tokens, budget_kind, settings.store or None, warnings,
+                reasons)
+
+
+def _demo_plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
+    """No model configured: serve the generated tiny model, and say what the real model would get here."""
+    warnings: list[str] = []
+    if settings.mode != "auto":
+        warnings.append(f"GLM53_MODE={settings.mode} ignored: no model is configured (GLM53_MODEL_DIR is empty)")
+    gpu = max(facts.gpus, key=lambda g: (g.free_mib, -g.index), default=None)
+    device = f"cuda:{gpu.index}" if gpu else "cpu"
+    threads = max(1, facts.cpu.physical_cores - 1) if gpu is None else 0
+    try:
+        real = plan(facts, shape, settings.with_overrides(model_dir="/model")).to_json()
+        real_model = {"mode": real["mode"], "error": None, "warnings": real["warnings"]}
+    except PlanError as exc:
+        real_model = {"mode": None, "error": exc.message, "warnings": exc.warnings}
+    reasons = {
+        "mode": "demo: GLM53_MODEL_DIR is empty, so the generated random-weight demo model is served on "
+                + (f"GPU {gpu.index} ({gpu.name})" if gpu else "the CPU (reference backend)")
+                + "; to serve GLM-5.3-Flash mount it and set GLM53_MODEL_DIR "
+                  "(docker run -v /path/to/GLM-5.3-Flash:/model:ro -e GLM53_MODEL_DIR=/model ...)",
+        "real_model": ("with GLM-5.3-Flash mounted this host would run " + real_model["mode"]) if real_model["mode"]
+        else f"with GLM-5.3-Flash mounted this host would be refused: {real_model['error']}",
+    }
+    if gpu is None:
+        reasons["cpu_threads"] = f"{threads}: physical cores minus one, for the CPU reference backend"
+    return Plan("demo", device, gpu.index if gpu else None, gpu.name if gpu else None, 0, 0, 0, 0, 0, threads, 0,
+                settings.context, "demo", None, warnings, reasons, real_model)

@@ -1,0 +1,298 @@
+"""`glm53 plan` and `glm53 preflight`: show the plan for this host; preflight also proves it with live checks.
+
+`plan` only reads files (host facts, config.json, safetensors headers) and is safe to run anywhere, also on a
+fake host tree (--host-root). `preflight` runs on the real host and does what start-up will do first: pin a
+buffer through CUDA, read the store with O_DIRECT, decode its header and sample records.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from glm53 import host as H
+from glm53 import plan as P
+from glm53 import settings as S
+from glm53 import shape as M
+
+EXIT_BLOCKED = 2
+
+
+def register(sub) -> None:
+    p = sub.add_parser("plan", help="the mode and tier sizes this host gets, each with its reason (reads only)")
+    p.add_argument("--host-root", default="/", metavar="DIR",
+                   help="read host facts under DIR (a fake /proc, /sys tree and DIR/nvidia-smi.csv); default /")
+    _common(p)
+    p.set_defaults(func=run_plan)
+    q = sub.add_parser("preflight", help="the plan plus live checks: pin memory, O_DIRECT and header of the store")
+    _common(q)
+    q.set_defaults(func=run_preflight)
+
+
+def _common(p) -> None:
+    p.add_argument("--json", action="store_true", help="print JSON (keys: mode, vram_slots, ram_slots, "
+                   "cpu_threads, nvme_threads, kv_tokens, warnings, reasons, error, ...)")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (overrides GLM53_MODEL_DIR)")
+    p.add_argument("--store", metavar="PATH", help="expert store file (overrides GLM53_STORE)")
+
+
+@dataclass
+class Inputs:
+    settings: S.Settings
+    facts: H.HostFacts
+    shape: M.ModelShape
+    warnings: list[str]
+
+
+def gather(args, root: str) -> Inputs:
+    """Settings (with CLI overrides), host facts under `root`, and the model's shape."""
+    settings = S.load_or_exit()
+    overrides = {k: v for k, v in (("model_dir", args.model), ("store", args.store)) if v is not None}
+    settings = settings.with_overrides(**overrides)
+    warnings: list[str] = []
+    shape = M.DEFAULT_SHAPE
+    if settings.model_dir:
+        # On a fake host the model directory is part of the tree, like every other path.
+        model = Path(root) / settings.model_dir.lstrip("/") if root != "/" else Path(settings.model_dir)
+        if (model / "config.json").is_file():
+            try:
+                shape = M.from_checkpoint(model)
+            except M.ShapeError as exc:
+                print(f"glm53: {exc}", file=sys.stderr)
+                raise SystemExit(EXIT_BLOCKED) from None
+        else:
+            warnings.append(f"no config.json in {settings.model_dir} (model not mounted yet?): planned with the "
+                            "GLM-5.3-Flash 3.05 bpw defaults")
+    facts = H.read_host(root, store=settings.store or None)
+    return Inputs(settings, facts, shape, warnings)
+
+
+def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:
+    """(plan or None, its JSON with facts and shape attached); input warnings go first."""
+    try:
+        plan = P.plan(inp.facts, inp.shape, inp.settings)
+        plan.warnings[:0] = inp.warnings
+        out = plan.to_json()
+    except P.PlanError as exc:
+        exc.warnings[:0] = inp.warnings
+        plan, out = None, exc.to_json()
+    out["facts"] = inp.facts.to_json()
+    out["shape"] = inp.shape.to_json()
+    return plan, out
+
+
+# ---------------------------------------------------------------- text rendering
+
+
+def _host_lines(f: H.HostFacts) -> list[str]:
+    gib = P.gib
+    gpus = "; ".join(f"GPU {g.index} {g.name}, {gib(g.free_mib * P.MIB)} free of {gib(g.total_mib * P.MIB)}, "
+                     f"PCIe {g.pcie_gen or '?'} x{g.pcie_width or '?'}" for g in f.gpus) or "no NVIDIA GPU"
+    c, m = f.cpu, f.memory
+    isa = ", ".join(x.upper() for x in ("avx2", "fma", "f16c") if c.has(x)) or "no AVX2/FMA/F16C"
+    if c.avx512:
+        isa += ", AVX-512"
+    cpu = (f"{c.model}: {c.physical_cores} cores / {c.logical} threads, {c.sockets} socket(s), "
+           f"{f.numa_nodes} NUMA node(s), {isa}" + (f", quota {c.quota_cpus:g} CPUs" if c.quota_cpus else ""))
+    cap = "none" if m.limit is None else gib(m.limit)
+    swap = "unlimited" if m.swap_limit is None else gib(m.swap_limit)
+    ram = (f"MemTotal {gib(m.total or 0)}, MemAvailable {gib(m.available or 0)}; cgroup {m.cgroup or 'none'} cap "
+           f"{cap}, swap cap {swap}; memlock {'unlimited' if m.memlock is None else P.human(m.memlock)}; "
+           f"THP {m.thp or '?'}")
+    lines = [f"  gpu     {gpus}", f"  cpu     {cpu}", f"  ram     {ram}"]
+    if f.store:
+        s = f.store
+        lines.append(f"  store   {s.path}: " + (f"{gib(s.size or 0)} on {s.fstype} ({s.mount_point}); {s.odirect_how}"
+                                                 if s.exists else "not found"))
+    lines += [f"  note    {n}" for n in f.notes]
+    return lines
+
+
+def _value(key: str, out: dict) -> str:
+    gib = P.gib
+    return {
+        "mode": str(out["mode"]),
+        "gpu": str(out["device"]),
+        "vram_slots": f"{out['vram_slots']} ({out['vram_slots_per_layer']}/layer)",
+        "ram_slots": f"{out['ram_slots']} ({gib(out['ram_tier_bytes'] or 0)} pinned)",
+        "cpu_threads": str(out["cpu_threads"]),
+        "nvme_threads": str(out["nvme_threads"]),
+        "kv_tokens": str(out["kv_tokens"]),
+        "store": str(out["store"]),
+        "model": "",  # filled by render from the shape
+        "real_model": str((out.get("real_model") or {}).get("mode") or "refused"),
+    }.get(key, "")
+
+
+def render(out: dict, facts: H.HostFacts) -> str:
+    """The plan as a readable table: host facts, then each decision with its value and reason, then warnings."""
+    lines = [f"glm53 plan (host {facts.root})", *_host_lines(facts), ""]
+    if out["error"]:
+        lines.append("REFUSED: " + out["error"])
+        lines.append("")
+    width = 100
+    for key, reason in out["reasons"].items():
+        value = "" if out["error"] else _value(key, out)
+        if key == "model":
+            value = f"{out['shape']['experts']} experts x {P.human(out['shape']['expert_bytes'])}"
+        lines.append(f"{key:<13} {value}".rstrip())
+        lines += textwrap.wrap(reason, width, initial_indent=" " * 14, subsequent_indent=" " * 16)
+    if out["warnings"]:
+        lines.append("")
+        lines.append("warnings:")
+        for w in out["warnings"]:
+            lines += textwrap.wrap(w, width, initial_indent="  ! ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def run_plan(args) -> int:
+    inp = gather(args, args.host_root)
+    _, out = make_plan(inp)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(out, inp.facts))
+    if out["error"]:
+        print(f"glm53: plan refused: {out['error']}", file=sys.stderr)
+        return EXIT_BLOCKED
+    return 0
+
+
+# ---------------------------------------------------------------- preflight: live checks
+
+
+@dataclass
+class Check:
+    name: str
+    status: str      # ok | fail | skip
+    detail: str
+    blocks: bool = False  # a failure here stops serving
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "status": self.status, "detail": self.detail, "blocks": self.blocks}
+
+
+def check_pinning(plan: P.Plan | None, facts: H.HostFacts) -> Check:
+    """Pin a host buffer through CUDA and copy it to the GPU: proves pinning works and measures PCIe."""
+    try:
+        import torch
+    except ImportError:
+        return Check("pin", "skip", "torch is not installed")
+    if not torch.cuda.is_available():
+        return Check("pin", "skip", "no CUDA device visible to torch (CPU-only build, or no --gpus)")
+    memlock = facts.memory.memlock
+    # Cross the memlock limit on purpose when it is low: pinning only below it would prove nothing.
+    size = 256 * P.MIB if memlock is None else min(P.GIB, max(256 * P.MIB, memlock + 64 * P.MIB))
+    device = plan.device if plan and plan.device.startswith("cuda") else "cuda:0"
+    needs_pin = plan is not None and plan.mode != "demo"
+    try:
+        t0 = time.perf_counter()
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        buf.fill_(1)  # touch every page so the pinning is real, not lazy
+        pinned = time.perf_counter() - t0
+        dst = torch.empty(size, dtype=torch.uint8, device=device)
+        dst.copy_(buf, non_blocking=True)  # warm-up: first copy pays for mapping
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            dst.copy_(buf, non_blocking=True)
+        torch.cuda.synchronize(device)
+        rate = 4 * size / (time.perf_counter() - t0) / 1e9
+        free, total = torch.cuda.mem_get_info(device)
+        del buf, dst
+    except RuntimeError as exc:
+        fix = "add --ulimit memlock=-1" if memlock is not None else "check the NVIDIA driver and container toolkit"
+        return Check("pin", "fail", f"pinning {P.human(size)} failed: {str(exc).splitlines()[0]}: {fix}", needs_pin)
+    note = (f" (works despite RLIMIT_MEMLOCK {P.human(memlock)}: the driver pins without it)"
+            if memlock is not None and memlock < size else "")
+    return Check("pin", "ok", f"pinned {P.human(size)} in {pinned:.2f} s{note}; host->{device} {rate:.1f} GB/s; "
+                              f"{P.gib(free)} free of {P.gib(total)} VRAM")
+
+
+def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings) -> Check:
+    """O_DIRECT-read up to 256 MiB of the store with a page-aligned buffer, and time it."""
+    st = facts.store
+    if st is None:
+        return Check("o_direct", "skip", "no store configured (GLM53_STORE is empty)")
+    blocks = plan is not None and plan.mode in ("nvme", "nvme-exact") and not settings.allow_buffered_reads
+    if not st.exists:
+        return Check("o_direct", "fail", f"store {st.path} not found: run the pack-store container first: "
+                                         f"{P.pack_store_command(st.path)}", blocks)
+    if not st.odirect:
+        return Check("o_direct", "fail", f"{st.path} on {st.fstype}: {st.odirect_how}: put the store on ext4 or xfs",
+                     blocks)
+    chunk, total = 8 * P.MIB, min(256 * P.MIB, (st.size or 0) // H.ODIRECT_BLOCK * H.ODIRECT_BLOCK)
+    fd = os.open(st.path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, chunk)
+    try:
+        t0, done = time.perf_counter(), 0
+        while done < total:
+            got = os.preadv(fd, [memoryview(buf)[:min(chunk, total - done)]], done)
+            if got <= 0:
+                break
+            done += got
+        secs = time.perf_counter() - t0
+    except OSError as exc:
+        return Check("o_direct", "fail", f"O_DIRECT read of {st.path} failed: {exc.strerror}", blocks)
+    finally:
+        buf.close()
+        os.close(fd)
+    rate = f", {done / secs / 1e9:.2f} GB/s (first {P.human(done)}; cold only if not cached)" if secs > 0 else ""
+    return Check("o_direct", "ok", f"{st.odirect_how}{rate}")
+
+
+def check_store_header(plan: P.Plan | None, settings: S.Settings) -> Check:
+    """Decode the store's header and sample records (store.verify's quick check, as start-up runs it)."""
+    path = settings.store
+    if not path:
+        return Check("store", "skip", "no store configured")
+    blocks = plan is not None and plan.mode in ("nvme", "nvme-exact")
+    try:
+        from store import format as store_format
+    except ImportError as exc:
+        return Check("store", "skip", f"store package not importable ({exc}); header not checked")
+    try:
+        head = store_format.read_header(path)
+    except Exception as exc:  # StoreFormatError and I/O errors alike: report them, do not crash preflight
+        return Check("store", "fail", f"{exc}", blocks)
+    summary = f"format v{head.version}, {len(head.entries)} records, {P.gib(head.file_size)}"
+    try:
+        from store.verify import quick_verify
+    except ImportError:
+        return Check("store", "ok", summary + " (store.verify not importable: records not sampled)")
+    report = quick_verify(path, settings.model_dir or None, allow_buffered=settings.allow_buffered_reads)
+    if not report.ok:
+        return Check("store", "fail", summary + "\n" + report.render(), blocks)
+    return Check("store", "ok", summary + "; " + report.render().splitlines()[-1])
+
+
+def run_preflight(args) -> int:
+    inp = gather(args, "/")
+    plan, out = make_plan(inp)
+    checks = [check_pinning(plan, inp.facts), check_odirect(plan, inp.facts, inp.settings),
+              check_store_header(plan, inp.settings)]
+    blocked = [c for c in checks if c.status == "fail" and c.blocks]
+    out["checks"] = [c.to_json() for c in checks]
+    out["blocked"] = bool(out["error"] or blocked)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(render(out, inp.facts))
+        print("\nlive checks:")
+        for c in checks:
+            mark = {"ok": "ok  ", "skip": "skip", "fail": "FAIL" if c.blocks else "warn"}[c.status]
+            first, *rest = c.detail.splitlines() or [""]
+            print(f"  {mark} {c.name:<9} {first}")
+            for line in rest:
+                print(f"                 {line}")
+    if out["error"]:
+        print(f"glm53: preflight: plan refused: {out['error']}", file=sys.stderr)
+    for c in blocked:
+        print(f"glm53: preflight: {c.name}: {c.detail.splitlines()[0]}", file=sys.stderr)
+    return EXIT_BLOCKED if out["blocked"] else 0
