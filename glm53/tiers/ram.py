@@ -1,0 +1,86 @@
+"""The RAM tier: one host arena of R expert slots shared by all layers.
+
+Pinned (page-locked) when CUDA is available, so host->device copies run on the copy engines asynchronously
+and the CPU lane computes on the same bytes in place. In the all-RAM modes (fast, exact) it holds every
+expert not in VRAM plus a few spare slots for write-backs in flight; in the nvme modes it is a cache of the
+store sized by the memory cap. Like VramLayer this is bookkeeping and storage; ExpertTiers moves bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .layout import SlotLayout
+
+
+class RamTier:
+    def __init__(self, layout: SlotLayout, num_layers: int, num_experts: int, num_slots: int, pin: bool | None = None):
+        self.layout = layout
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.pinned = pin
+        self.storage = torch.empty((num_slots, layout.nbytes), dtype=torch.uint8, pin_memory=pin)
+        self.slot_of = np.full((num_layers, num_experts), -1, np.int32)  # owned slot, landed or receiving
+        self.owner = np.full(num_slots, -1, np.int64)  # layer * num_experts + expert, or -1
+        self.pending = np.zeros(num_slots, bool)  # a write-back into the slot is still in flight
+        self._free = list(range(num_slots - 1, -1, -1))  # a stack: low slots first, for reproducible layouts
+        self._flat = [self.storage[r] for r in range(num_slots)]
+
+    def flat(self, slot: int) -> torch.Tensor:
+        return self._flat[slot]
+
+    def views(self, slot: int) -> dict[str, torch.Tensor]:
+        return self.layout.views(self._flat[slot])
+
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def in_use(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def holds(self, layer: int, expert: int) -> bool:
+        """True when the expert's bytes are in the arena and readable (no write-back in flight)."""
+        r = self.slot_of[layer, expert]
+        return r >= 0 and not self.pending[r]
+
+    def alloc(self, layer: int, expert: int, pending: bool) -> int:
+        """Give (layer, expert) a free slot; `pending` while bytes are still on their way into it."""
+        if not self._free:
+            raise RuntimeError("RAM tier has no free slot")
+        if self.slot_of[layer, expert] >= 0:
+            raise RuntimeError(f"expert {layer}/{expert} already has RAM slot {self.slot_of[layer, expert]}")
+        r = self._free.pop()
+        self.slot_of[layer, expert] = r
+        self.owner[r] = layer * self.num_experts + expert
+        self.pending[r] = pending
+        return r
+
+    def land(self, slot: int) -> None:
+        if self.owner[slot] < 0 or not self.pending[slot]:
+            raise RuntimeError(f"RAM slot {slot} has no write-back in flight")
+        self.pending[slot] = False
+
+    def free(self, layer: int, expert: int) -> int:
+        r = int(self.slot_of[layer, expert])
+        if r < 0:
+            raise RuntimeError(f"expert {layer}/{expert} has no RAM slot")
+        self.slot_of[layer, expert] = -1
+        self.owner[r] = -1
+        self.pending[r] = False
+        self._free.append(r)
+        return r
+
+    def check_invariants(self) -> None:
+        owned = np.flatnonzero(self.owner >= 0)
+        assert len(owned) + len(self._free) == self.num_slots, "RAM slots leaked or double-freed"
+        assert not set(owned.tolist()) & set(self._free), "a RAM slot is both owned and free"
+        keys = self.owner[owned]
+        assert len(set(keys.tolist())) == keys.size, "an expert owns two RAM slots"
+        for r, key in zip(owned, keys, strict=True):
+            layer, expert = divmod(int(key), self.num_experts)
+            assert self.slot_of[layer, expert] == r, f"RAM slot {r} disagrees with slot_of"
+        assert int((self.slot_of >= 0).sum()) == owned.size, "slot_of names a slot its owner does not hold"
+        assert not self.pending[self.owner < 0].any(), "a free RAM slot is marked pending"

@@ -1,0 +1,112 @@
+"""Counters of the tier machinery, for /stats (the snapshot as JSON) and /metrics (counters and gauges).
+
+Every pick of every token is counted once, in the lane that served it:
+  vram_hit  the expert was resident in VRAM;
+  pcie      it was in RAM and crossed PCIe (admitted into a slot, or streamed through a staging buffer);
+  cpu       it was in RAM and the CPU lane computed it there;
+  nvme      it was in neither and had to be read from the store first (then computed by either lane).
+The decode thread updates; the server thread snapshots: one lock keeps a snapshot self-consistent.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+LANES = ("vram_hit", "pcie", "cpu", "nvme")
+DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging")
+
+
+class TierStats:
+    def __init__(self, num_layers: int, vram_slots: Sequence[int], ram_slots: int = 0):
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._vram_slots = np.asarray(vram_slots, np.int64)
+        self._ram_slots = int(ram_slots)
+        self._picks = np.zeros((num_layers, len(LANES)), np.int64)
+        self._admissions = np.zeros(num_layers, np.int64)
+        self._evictions = np.zeros(num_layers, np.int64)
+        self._ram_drops = 0  # nvme modes: RAM victims dropped (the store still has them)
+        self._bytes = dict.fromkeys(DIRECTIONS, 0)
+        self._wait = dict.fromkeys(LANES, 0.0)
+        self._slots_in_use = np.zeros(num_layers, np.int64)
+        self._ram_in_use = 0
+
+    def add_picks(self, layer: int, counts: Mapping[str, int]) -> None:
+        with self._lock:
+            for lane, n in counts.items():
+                self._picks[layer, LANES.index(lane)] += n
+
+    def add_admission(self, layer: int) -> None:
+        with self._lock:
+            self._admissions[layer] += 1
+
+    def add_eviction(self, layer: int) -> None:
+        with self._lock:
+            self._evictions[layer] += 1
+
+    def add_ram_drop(self) -> None:
+        with self._lock:
+            self._ram_drops += 1
+
+    def add_bytes(self, direction: str, n: int) -> None:
+        if direction not in self._bytes:
+            raise KeyError(direction)
+        with self._lock:
+            self._bytes[direction] += n
+
+    def add_wait(self, lane: str, seconds: float) -> None:
+        if lane not in self._wait:
+            raise KeyError(lane)
+        with self._lock:
+            self._wait[lane] += seconds
+
+    def set_slots_in_use(self, layer: int, n: int) -> None:
+        with self._lock:
+            self._slots_in_use[layer] = n
+
+    def set_ram_in_use(self, n: int) -> None:
+        with self._lock:
+            self._ram_in_use = n
+
+    def snapshot(self) -> dict:
+        """Everything as plain JSON-able types. Rates are None where nothing was counted yet."""
+        with self._lock:
+            picks = self._picks.copy()
+            adm, evi = self._admissions.copy(), self._evictions.copy()
+            used = self._slots_in_use.copy()
+            doc = {
+                "ram_drops": self._ram_drops,
+                "bytes": dict(self._bytes),
+                "wait_seconds": {k: round(v, 6) for k, v in self._wait.items()},
+                "ram_slots": self._ram_slots,
+                "ram_slots_in_use": self._ram_in_use,
+            }
+        totals = picks.sum(axis=0)
+        total = int(totals.sum())
+        hits = picks[:, LANES.index("vram_hit")]
+        per_layer = picks.sum(axis=1)
+        doc.update(
+            picks={lane: int(n) for lane, n in zip(LANES, totals, strict=True)} | {"total": total},
+            hit_rate=round(int(totals[0]) / total, 6) if total else None,
+            admissions=int(adm.sum()),
+            evictions=int(evi.sum()),
+            vram_slots=int(self._vram_slots.sum()),
+            vram_slots_in_use=int(used.sum()),
+            layers=[
+                {
+                    "layer": layer,
+                    "picks": int(per_layer[layer]),
+                    "hit_rate": round(int(hits[layer]) / int(per_layer[layer]), 6) if per_layer[layer] else None,
+                    "lanes": {lane: int(picks[layer, i]) for i, lane in enumerate(LANES)},
+                    "admissions": int(adm[layer]),
+                    "evictions": int(evi[layer]),
+                    "slots": int(self._vram_slots[layer]),
+                    "slots_in_use": int(used[layer]),
+                }
+                for layer in range(self.num_layers)
+            ],
+        )
+        return doc

@@ -1,0 +1,328 @@
+"""ExpertTiers: where every routed expert lives, and the only code that moves one.
+
+Each (layer, expert) is in exactly one state:
+  VRAM     landed in a slot of its layer and visible in the router map;
+  RAM      in the RAM tier, readable;
+  TO_VRAM  being copied RAM -> VRAM: still owns (and is readable from) its RAM slot until the copy lands;
+  TO_RAM   being written back VRAM -> RAM after eviction: readable nowhere until it lands;
+  STORE    only in the NVMe store (nvme modes; in the all-RAM modes this state is never entered).
+So no expert is ever resident in both tiers, none is lost, and an expert becomes resident only in `_land`,
+after its copy's ticket says the bytes are there. Moves go through one Copier (one copy stream), so they land
+in issue order: an eviction's write-back is always issued before the fill that reuses the slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+
+from .copier import Copier, Ticket
+from .layout import SlotLayout
+from .policy import Policy, ScoredPolicy, choose_admissions, hot_order
+from .ram import RamTier
+from .stats import TierStats
+from .vram import VramLayer
+
+# fill(layer, expert, out): write the expert's slot image into `out` (a contiguous uint8 host tensor).
+Loader = Callable[[int, int, torch.Tensor], None]
+
+
+class Where(IntEnum):
+    VRAM = 0
+    RAM = 1
+    TO_VRAM = 2
+    TO_RAM = 3
+    STORE = 4
+
+
+class TierError(RuntimeError):
+    """A tier operation that cannot be done without breaking an invariant (the caller's bug or a bad plan)."""
+
+
+@dataclass
+class _Move:
+    ticket: Ticket
+    to_vram: bool
+    slot: int  # destination: the VRAM slot (to_vram) or the RAM slot (write-back)
+
+
+class ExpertTiers:
+    def __init__(
+        self,
+        layout: SlotLayout,
+        num_experts: int,
+        vram_slots: Sequence[int],
+        ram_slots: int,
+        *,
+        keep_all: bool = True,
+        device: torch.device | str = "cpu",
+        policy_factory: Callable[[int], Policy] = ScoredPolicy,
+        fetch: Loader | None = None,
+        copier: Copier | None = None,
+        staging_slots: int = 2,
+        pin: bool | None = None,
+        vram_storage: Sequence[torch.Tensor] | None = None,
+    ):
+        """vram_slots: slots per MoE layer (e.g. from policy.split_budget). keep_all: the all-RAM modes, where
+        RAM must hold every expert not in VRAM plus at least one spare slot for a write-back in flight; else
+        RAM is a cache of the store and `fetch` reads a record into it. staging_slots: device buffers for
+        misses streamed over PCIe without admission. vram_storage: per-layer (slots, nbytes) tensors to adopt."""
+        self.layout = layout
+        self.num_layers = len(vram_slots)
+        self.num_experts = num_experts
+        self.keep_all = keep_all
+        self.device = torch.device(device)
+        total, in_vram = self.num_layers * num_experts, int(sum(vram_slots))
+        if keep_all and ram_slots < total - in_vram + 1:
+            raise ValueError(
+                f"all-RAM tiers need ram_slots >= {total - in_vram + 1} "
+                f"({total} experts - {in_vram} VRAM slots + 1 spare for write-backs), got {ram_slots}"
+            )
+        if not keep_all and fetch is None:
+            raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
+        if not keep_all and ram_slots < 1:
+            raise ValueError("a RAM tier that caches the store needs at least one slot")
+        self.vram = [
+            VramLayer(layout, num_experts, s, self.device, None if vram_storage is None else vram_storage[i])
+            for i, s in enumerate(vram_slots)
+        ]
+        self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin)
+        self.policies = [policy_factory(num_experts) for _ in range(self.num_layers)]
+        self.copier = copier or Copier(self.device)
+        self.fetch = fetch
+        self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
+        self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
+        self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
+        self.staging = torch.empty((staging_slots, layout.nbytes), dtype=torch.uint8, device=self.device)
+        self._next_staging = 0
+        self._populated = False
+
+    # ---- start-up -------------------------------------------------------------------------------------------
+
+    def populate(self, load: Loader, counts: np.ndarray | None = None) -> None:
+        """Place every expert once, at start. counts: saved routing statistics (num_layers, num_experts), or None.
+
+        VRAM gets each layer's most-picked experts; RAM the next best across layers (all of the rest in the
+        all-RAM modes); the policies start from the same counts, so the warm set is not evicted at once.
+        Without counts the order is by id, interleaved across layers.
+        """
+        if self._populated:
+            raise TierError("populate() runs once, on empty tiers")
+        self._populated = True
+        counts = np.zeros((self.num_layers, self.num_experts)) if counts is None else np.asarray(counts, np.float64)
+        bounce = torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.ram.pinned)
+        rest = []
+        for layer, vl in enumerate(self.vram):
+            self.policies[layer].seed(counts[layer])
+            order = hot_order(counts[layer])
+            for slot, e in enumerate(order[: vl.num_slots]):
+                load(layer, int(e), bounce)
+                self.copier.copy(vl.flat(slot), bounce).wait()
+                vl.reserve(slot, int(e))
+                vl.land(slot)
+                self.where[layer, e] = Where.VRAM
+            rest.extend((-counts[layer, e], rank, layer, int(e)) for rank, e in enumerate(order[vl.num_slots :]))
+        rest.sort()
+        for _, _, layer, e in rest[: self.ram.num_slots - (1 if self.keep_all else 0)]:
+            r = self.ram.alloc(layer, e, pending=False)
+            load(layer, e, self.ram.flat(r))
+            self.where[layer, e] = Where.RAM
+        self._refresh_gauges()
+
+    # ---- reading ----------------------------------------------------------------------------------------------
+
+    def bytes_of(self, layer: int, expert: int) -> torch.Tensor:
+        """The slot image of a readable expert (VRAM or RAM); settle or fetch it first if it is moving or absent."""
+        w = self.where[layer, expert]
+        if w == Where.VRAM:
+            return self.vram[layer].flat(int(self.vram[layer].slot_of[expert]))
+        if w in (Where.RAM, Where.TO_VRAM):  # a fill in flight still reads from (so leaves intact) the RAM slot
+            return self.ram.flat(int(self.ram.slot_of[layer, expert]))
+        raise TierError(f"expert {layer}/{expert} is {Where(w).name}: not readable")
+
+    def stage(self, layer: int, expert: int) -> torch.Tensor:
+        """Stream a RAM expert to a device staging buffer without admitting it (PCIe, no eviction). The buffer
+        is reused by the next stage() call, after the compute queued so far (the copier orders that)."""
+        src = self.bytes_of(layer, expert)
+        dst = self.staging[self._next_staging]
+        self._next_staging = (self._next_staging + 1) % self.staging.shape[0]
+        self.copier.copy(dst, src).wait()
+        self.stats.add_bytes("ram_to_staging", self.layout.nbytes)
+        return dst
+
+    # ---- moving -----------------------------------------------------------------------------------------------
+
+    def poll(self) -> int:
+        """Land every move whose bytes have arrived (never blocks); returns how many landed."""
+        done = [key for key, mv in self._moves.items() if mv.ticket.done()]
+        for key in done:
+            self._land(key)
+        return len(done)
+
+    def settle(self, layer: int, expert: int) -> float:
+        """Block until the expert's move (if any) has landed; returns seconds waited."""
+        mv = self._moves.get((layer, expert))
+        if mv is None:
+            return 0.0
+        t0 = time.perf_counter()
+        mv.ticket.wait()
+        self._land((layer, expert))
+        return time.perf_counter() - t0
+
+    def settle_all(self) -> None:
+        for layer, expert in list(self._moves):
+            self.settle(layer, expert)
+
+    def fetch_to_ram(self, layer: int, expert: int, protect: np.ndarray | None = None) -> int:
+        """Read a STORE expert into a RAM slot (dropping the weakest RAM expert if full); returns the slot."""
+        if self.where[layer, expert] != Where.STORE:
+            raise TierError(f"expert {layer}/{expert} is {Where(self.where[layer, expert]).name}, not STORE")
+        self._make_ram_room(layer, protect)
+        r = self.ram.alloc(layer, expert, pending=True)
+        try:
+            self.fetch(layer, expert, self.ram.flat(r))
+        except BaseException:
+            self.ram.free(layer, expert)
+            raise
+        self.ram.land(r)
+        self.where[layer, expert] = Where.RAM
+        self.stats.add_bytes("store_to_ram", self.layout.nbytes)
+        self._refresh_gauges()
+        return r
+
+    def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None) -> int:
+        """Start copying a RAM expert into a VRAM slot of its layer: a free one, else `victim`'s (written back
+        first). Returns the slot; the expert becomes resident when the copy lands (poll/settle)."""
+        if self.where[layer, expert] != Where.RAM:
+            raise TierError(f"admit {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not RAM")
+        vl = self.vram[layer]
+        free = vl.free_slots()
+        if free.size:
+            slot = int(free[0])
+        elif victim is None:
+            raise TierError(f"admit {layer}/{expert}: no free slot and no victim")
+        else:
+            keep = np.append(np.asarray([] if protect is None else protect, np.int64), expert)
+            slot = self._write_back(layer, victim, keep)
+        vl.reserve(slot, expert)
+        ticket = self.copier.copy(vl.flat(slot), self.ram.flat(int(self.ram.slot_of[layer, expert])))
+        self._moves[(layer, expert)] = _Move(ticket, True, slot)
+        self.where[layer, expert] = Where.TO_VRAM
+        self.stats.add_admission(layer)
+        self.stats.add_bytes("ram_to_vram", self.layout.nbytes)
+        self._refresh_gauges(layer)
+        return slot
+
+    def evict(self, layer: int, expert: int, protect: np.ndarray | None = None) -> int:
+        """Write a resident back to RAM and free its slot; returns the freed slot."""
+        slot = self._write_back(layer, expert, protect)
+        self._refresh_gauges(layer)
+        return slot
+
+    def try_admit(self, layer: int, misses: np.ndarray, protect: np.ndarray) -> dict[int, int]:
+        """Admit the misses the layer's policy wants (free slots first, then beating the weakest unprotected
+        resident by its margin); returns {expert: slot} of the copies started. Call after observe()."""
+        vl = self.vram[layer]
+        plan = choose_admissions(self.policies[layer], vl.resident(), len(vl.free_slots()), misses, protect)
+        return {e: self.admit(layer, e, v, protect) for e, v in plan}
+
+    def observe(self, layer: int, ids: np.ndarray, weight: float = 1.0) -> None:
+        self.policies[layer].observe(ids, weight)
+
+    def routing_counts(self) -> np.ndarray:
+        """(num_layers, num_experts) statistics to save for the next start's warm-up."""
+        return np.stack([p.counts() for p in self.policies])
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _write_back(self, layer: int, expert: int, protect: np.ndarray | None) -> int:
+        if self.where[layer, expert] != Where.VRAM:
+            raise TierError(f"evict {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not VRAM")
+        self._make_ram_room(layer, protect)
+        r = self.ram.alloc(layer, expert, pending=True)
+        slot = self.vram[layer].release(expert)
+        ticket = self.copier.copy(self.ram.flat(r), self.vram[layer].flat(slot))
+        self._moves[(layer, expert)] = _Move(ticket, False, r)
+        self.where[layer, expert] = Where.TO_RAM
+        self.stats.add_eviction(layer)
+        self.stats.add_bytes("vram_to_ram", self.layout.nbytes)
+        return slot
+
+    def _make_ram_room(self, layer: int, protect: np.ndarray | None) -> None:
+        """Ensure one free RAM slot. Fills in flight free their RAM source when they land, so wait for the oldest;
+        in the nvme modes dropping the weakest RAM expert (the store has it) is cheaper than waiting."""
+        while self.ram.free_count() == 0:
+            if not self.keep_all and self._drop_weakest(layer, protect):
+                continue
+            fills = [key for key, mv in self._moves.items() if mv.to_vram]
+            if not fills:
+                raise TierError("RAM tier is full and nothing in flight will free a slot")
+            self.stats.add_wait("pcie", self.settle(*fills[0]))
+
+    def _drop_weakest(self, layer: int, protect: np.ndarray | None) -> bool:
+        scores = np.stack([p.scores() for p in self.policies])
+        ok = self.where == Where.RAM
+        if protect is not None:
+            ok[layer, np.asarray(protect, np.int64)] = False
+        if not ok.any():
+            return False
+        lay, e = np.unravel_index(np.argmin(np.where(ok, scores, np.inf)), ok.shape)
+        self.ram.free(int(lay), int(e))
+        self.where[lay, e] = Where.STORE
+        self.stats.add_ram_drop()
+        return True
+
+    def _land(self, key: tuple[int, int]) -> None:
+        layer, expert = key
+        mv = self._moves.pop(key)
+        if mv.to_vram:
+            self.vram[layer].land(mv.slot)
+            self.ram.free(layer, expert)  # exclusivity: the RAM copy goes the moment the VRAM one is real
+            self.where[layer, expert] = Where.VRAM
+        else:
+            self.ram.land(mv.slot)
+            self.where[layer, expert] = Where.RAM
+        self._refresh_gauges(layer)
+
+    def _refresh_gauges(self, layer: int | None = None) -> None:
+        for lay in range(self.num_layers) if layer is None else (layer,):
+            self.stats.set_slots_in_use(lay, self.vram[lay].in_use())
+        self.stats.set_ram_in_use(self.ram.in_use())
+
+    # ---- invariants -------------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Assert the tier rules; cheap enough for tests and a debug endpoint, not for every step."""
+        self.ram.check_invariants()
+        for vl in self.vram:
+            vl.check_invariants()
+        if self.keep_all:
+            assert not (self.where == Where.STORE).any(), "an expert was lost (all-RAM mode, in neither tier)"
+        for (layer, e), mv in self._moves.items():
+            want = Where.TO_VRAM if mv.to_vram else Where.TO_RAM
+            assert self.where[layer, e] == want, f"move of {layer}/{e} but state {Where(self.where[layer, e]).name}"
+        for layer, vl in enumerate(self.vram):
+            w = self.where[layer]
+            in_vram_slot = np.zeros(self.num_experts, bool)
+            in_vram_slot[vl.owner[vl.owner >= 0]] = True
+            ram_slot = self.ram.slot_of[layer]
+            for e in range(self.num_experts):
+                s, r, moving = w[e], ram_slot[e], (layer, e) in self._moves
+                if s == Where.VRAM:
+                    ok = vl.slot_of[e] >= 0 and r < 0 and not moving
+                elif s == Where.RAM:
+                    ok = not in_vram_slot[e] and self.ram.holds(layer, e) and not moving
+                elif s == Where.TO_VRAM:
+                    mv = self._moves.get((layer, e))
+                    ok = mv is not None and vl.owner[mv.slot] == e and vl.pending[mv.slot] and self.ram.holds(layer, e)
+                elif s == Where.TO_RAM:
+                    mv = self._moves.get((layer, e))
+                    ok = mv is not None and not in_vram_slot[e] and r == mv.slot and self.ram.pending[r]
+                else:
+                    ok = not in_vram_slot[e] and r < 0 and not moving
+                assert ok, f"expert {layer}/{e} in state {Where(s).name} disagrees with the tiers"

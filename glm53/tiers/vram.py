@@ -1,0 +1,119 @@
+"""The VRAM slot arena of one MoE layer, and its router-id -> slot map.
+
+S slots are allocated once as one (S, nbytes) uint8 tensor on the device; a slot's field views are made
+once and never replaced, because exllamav3 bakes slot pointers into device tables and graphs. The router map
+is an int32 device tensor of num_experts entries, written in place: the slot of a landed resident, or
+`absent` (>= S: exllamav3 makes such ids contribute exact zeros) for everything else.
+
+This class is bookkeeping only: it never copies. ExpertTiers issues the copies and calls `land` when the
+copy's ticket says the bytes are there; that is the only way an expert becomes visible in the router map.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .layout import SlotLayout
+
+
+class VramLayer:
+    def __init__(
+        self,
+        layout: SlotLayout,
+        num_experts: int,
+        num_slots: int,
+        device: torch.device | str = "cpu",
+        storage: torch.Tensor | None = None,
+        absent: int | None = None,
+    ):
+        """storage: an existing (num_slots, nbytes) uint8 tensor to adopt (e.g. one whose rows the engine made
+        exllamav3's slot tensors view into); else one is allocated. absent: the router-map value of a
+        non-resident expert, -1 or >= num_slots (default num_slots)."""
+        if not 0 <= num_slots <= num_experts:
+            raise ValueError(f"num_slots {num_slots} outside [0, {num_experts}]")
+        self.layout = layout
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        if storage is None:
+            storage = torch.empty((num_slots, layout.nbytes), dtype=torch.uint8, device=self.device)
+        elif storage.shape != (num_slots, layout.nbytes) or storage.dtype != torch.uint8 or not storage.is_contiguous():
+            raise ValueError(f"storage must be contiguous uint8 ({num_slots}, {layout.nbytes}), got {tuple(storage.shape)}")
+        self.storage = storage
+        self.absent = num_slots if absent is None else absent
+        if not (self.absent == -1 or self.absent >= num_slots):
+            raise ValueError(f"absent marker {self.absent} would alias slot {self.absent}")
+        self.router_map = torch.full((num_experts,), self.absent, dtype=torch.int32, device=self.device)
+        # Host mirrors, so lookups never read the device map (a sync per read on CUDA).
+        self.slot_of = np.full(num_experts, -1, np.int32)  # landed residents only
+        self.owner = np.full(num_slots, -1, np.int32)  # expert whose bytes the slot holds or is receiving
+        self.pending = np.zeros(num_slots, bool)  # owner's bytes still in flight: not in the router map yet
+        self._flat = [storage[s] for s in range(num_slots)]
+        self._views = [layout.views(f) for f in self._flat]
+
+    def flat(self, slot: int) -> torch.Tensor:
+        return self._flat[slot]
+
+    def views(self, slot: int) -> dict[str, torch.Tensor]:
+        return self._views[slot]
+
+    def resident(self) -> np.ndarray:
+        """bool (num_experts,): landed residents."""
+        return self.slot_of >= 0
+
+    def free_slots(self) -> np.ndarray:
+        return np.flatnonzero(self.owner < 0)
+
+    def in_use(self) -> int:
+        return int((self.owner >= 0).sum())
+
+    def reserve(self, slot: int, expert: int) -> None:
+        """Claim a free slot for `expert` whose bytes are about to be copied in. Not visible to the router."""
+        if self.owner[slot] >= 0:
+            raise RuntimeError(f"slot {slot} is owned by expert {self.owner[slot]}")
+        if self.slot_of[expert] >= 0 or expert in self.owner:
+            raise RuntimeError(f"expert {expert} already has a slot")
+        self.owner[slot] = expert
+        self.pending[slot] = True
+
+    def land(self, slot: int) -> int:
+        """The bytes of the slot's owner have landed: make it resident (router map updated in place)."""
+        expert = int(self.owner[slot])
+        if expert < 0 or not self.pending[slot]:
+            raise RuntimeError(f"slot {slot} has no copy in flight")
+        self.pending[slot] = False
+        self.slot_of[expert] = slot
+        self.router_map[expert] = slot
+        return expert
+
+    def release(self, expert: int) -> int:
+        """Unmap a landed resident and free its slot; returns the slot.
+
+        The slot's bytes stay readable by copies issued afterwards on the same copy stream (the write-back),
+        and the compute stream stops selecting it from the next kernel on, since the map is updated in order.
+        """
+        slot = int(self.slot_of[expert])
+        if slot < 0:
+            raise RuntimeError(f"expert {expert} is not resident")
+        self.router_map[expert] = self.absent
+        self.slot_of[expert] = -1
+        self.owner[slot] = -1
+        return slot
+
+    def check_invariants(self) -> None:
+        owned = self.owner[self.owner >= 0]
+        assert len(set(owned.tolist())) == owned.size, "an expert owns two slots"
+        for slot in range(self.num_slots):
+            e = int(self.owner[slot])
+            if e >= 0 and not self.pending[slot]:
+                assert self.slot_of[e] == slot, f"landed slot {slot} of expert {e} missing from slot_of"
+            else:
+                assert e < 0 or self.slot_of[e] == -1, f"expert {e} resident before its bytes landed"
+            assert e >= 0 or not self.pending[slot], f"free slot {slot} marked pending"
+        for e in np.flatnonzero(self.slot_of >= 0):
+            s = self.slot_of[e]
+            assert self.owner[s] == e and not self.pending[s], f"slot_of[{e}]={s} disagrees with its slot"
+        expect = np.where(self.slot_of >= 0, self.slot_of, self.absent).astype(np.int32)
+        actual = self.router_map.cpu().numpy()
+        assert np.array_equal(actual, expect), "router map disagrees with the landed residents"
