@@ -65,7 +65,7 @@ class TokenEvent:
     """One generated token, in order. The last event of a generation carries finish_reason."""
 
     token_id: int  # the sampled (or forced) token
-    text: str  # incremental detokenized text; "" while a multi-byte character is still incomplete
+    text: str  # incremental detokenized text; "" while a multi-byte character is incomplete, and for a stop token
     token_text: str  # this token alone, decoded (for OpenAI logprobs' `token`; may hold U+FFFD for partial bytes)
     logprob: float | None = None  # log p(token) under the unmodified distribution; set when params.logprobs is not None
     top_logprobs: list[tuple[str, float]] | None = None  # top-n (token text, logprob), most likely first
@@ -134,9 +134,11 @@ class Engine(Protocol):
         ...
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:
-        """Async generator of events for one completion. Raises ContextLengthExceeded before any event if the
-        prompt does not fit. Closing the iterator (or cancelling the task consuming it) frees the request's
-        slot and KV cache promptly; so does cancel(request_id)."""
+        """Async generator of events for one completion. Errors surface on the first iteration, before any
+        event (so pull one event before sending response headers): ContextLengthExceeded if the prompt leaves
+        no room for a token, ValueError for an empty prompt, out-of-range params or a request_id already in
+        flight, EngineNotReady before load(). Closing the iterator (or cancelling the task consuming it)
+        frees the request's slot and KV cache promptly; so does cancel(request_id)."""
         ...
 
     def cancel(self, request_id: str) -> None:
