@@ -1,0 +1,133 @@
+"""`glm53 pack-store`, `glm53 verify-store` and `glm53 bench store`.
+
+Imports stay inside the commands: the front door imports this module at every start of every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_UNSOUND, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def register(sub) -> None:
+    p = sub.add_parser("pack-store", help="pack the routed experts of a checkpoint into an O_DIRECT record store",
+                       description="Stream every routed expert of an EXL3 checkpoint into one file of 4 KiB-aligned "
+                       "records (resumable; published atomically), then verify it in full. If --out already is a "
+                       "sound store of the same checkpoint, it is re-verified instead of repacked.")
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--out", required=True, type=Path, help="store file to write (on ext4/xfs, ideally NVMe)")
+    p.add_argument("--threads", type=int, default=4, help="record writer threads (default 4)")
+    p.add_argument("--lock", type=Path, help="checkpoint lock file: record its repo/revision and check every "
+                   "shard's size and sha256 against it")
+    p.add_argument("--include-mtp", action="store_true", help="also pack the MTP head's experts (unused for serving)")
+    p.add_argument("--no-verify", action="store_true", help="skip the full verify after publishing")
+    p.set_defaults(func=cmd_pack)
+
+    v = sub.add_parser("verify-store", help="check a store: quick (header, identity, sample) or full (every record)",
+                       description="Full (default): read back every record with O_DIRECT and check xxh3 and sha256. "
+                       "--quick: header and table checksum, identity against the checkpoint and a random sample "
+                       "of records; fast enough for every start. Exit status 0 only when the store is sound.")
+    v.add_argument("path", nargs="?", type=Path, help="store file (default: GLM53_STORE)")
+    v.add_argument("--model", type=Path, help="checkpoint to compare with (default: GLM53_MODEL_DIR, if set)")
+    v.add_argument("--quick", action="store_true", help="header + identity + a sample of records")
+    v.add_argument("--sample", type=int, default=8, help="records checked by --quick (default 8)")
+    v.add_argument("--threads", type=int, default=4, help="reader threads of the full verify (default 4)")
+    v.set_defaults(func=cmd_verify)
+
+
+def register_bench(bench_sub) -> None:
+    b = bench_sub.add_parser("store", help="store throughput (pack, full verify, reader) vs the disk's raw O_DIRECT",
+                             description="Pack, full-verify and random-record reader throughput, each printed next "
+                             "to the raw O_DIRECT read rate of the same disk measured in the same run.")
+    b.add_argument("--path", type=Path, help="store file to read (default: pack a synthetic one in --workdir)")
+    b.add_argument("--model", type=Path, help="checkpoint to pack for the pack figure (default: a synthetic one)")
+    b.add_argument("--workdir", type=Path, help="where synthetic files go (default: GLM53_CACHE_DIR/bench-store); "
+                   "must be on the disk you want to measure")
+    b.add_argument("--gb", type=float, default=2.0, help="size of the synthetic checkpoint in GB (default 2)")
+    b.add_argument("--threads", type=int, default=4, help="reader / packer threads (default 4)")
+    b.add_argument("--rounds", type=int, default=3, help="interleaved raw/reader rounds (default 3)")
+    b.add_argument("--keep", action="store_true", help="keep the synthetic files")
+    b.set_defaults(func=cmd_bench)
+
+
+def _settings():
+    from glm53.settings import load_or_exit
+
+    return load_or_exit()
+
+
+def _err(cmd: str, exc) -> None:
+    print(f"glm53 {cmd}: error: {exc.problem}", file=sys.stderr)
+    if exc.fix:
+        print(f"  fix: {exc.fix}", file=sys.stderr)
+
+
+def cmd_pack(args: argparse.Namespace) -> int:
+    from store.errors import PackInterrupted, StoreError
+    from store.pack import PackOptions, pack_store
+
+    settings = _settings()
+    opts = PackOptions(args.model, args.out, threads=args.threads, lock=args.lock, include_mtp=args.include_mtp,
+                       verify=not args.no_verify, allow_buffered=settings.allow_buffered_reads,
+                       verify_threads=args.threads)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        result = pack_store(opts, log=log, warn=lambda m: log(f"warning: {m}"))
+    except PackInterrupted as exc:
+        _err("pack-store", exc)
+        return EXIT_INTERRUPTED if isinstance(exc.__cause__, KeyboardInterrupt) else EXIT_UNSOUND
+    except StoreError as exc:
+        _err("pack-store", exc)
+        return EXIT_UNSOUND
+    if not result.reused:
+        print(f"packed {result.records} records into {result.path}: {result.bytes_written / 1e9:.2f} GB in "
+              f"{result.seconds:.1f} s ({result.rate / 1e9:.2f} GB/s)" +
+              (f", {result.resumed_records} resumed" if result.resumed_records else ""))
+    if result.verify is not None:
+        print(result.verify.render())
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from store.verify import full_verify, quick_verify
+
+    settings = _settings()
+    path = args.path or (Path(settings.store) if settings.store else None)
+    if path is None:
+        print("glm53 verify-store: error: no store given\n  fix: pass the store file, or set GLM53_STORE",
+              file=sys.stderr)
+        return EXIT_USAGE
+    model = args.model or (Path(settings.model_dir) if settings.model_dir else None)
+
+    def warn(msg: str) -> None:
+        print(f"glm53 verify-store: warning: {msg}", file=sys.stderr)
+
+    if args.quick:
+        rep = quick_verify(path, model, sample=args.sample, allow_buffered=settings.allow_buffered_reads, warn=warn)
+    else:
+        rep = full_verify(path, model, threads=args.threads, allow_buffered=settings.allow_buffered_reads,
+                          warn=warn, progress=True)
+    print(rep.render())
+    return EXIT_OK if rep.ok else EXIT_UNSOUND
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from store.bench import BenchOptions, run_bench
+    from store.errors import StoreError
+
+    settings = _settings()
+    workdir = args.workdir or Path(settings.cache_dir) / "bench-store"
+    opts = BenchOptions(path=args.path, model=args.model, workdir=workdir, gb=args.gb, threads=args.threads,
+                        rounds=args.rounds, keep=args.keep, allow_buffered=settings.allow_buffered_reads)
+    try:
+        print(run_bench(opts, log=lambda m: print(m, file=sys.stderr, flush=True)).render())
+    except StoreError as exc:
+        _err("bench store", exc)
+        return EXIT_UNSOUND
+    return EXIT_OK

@@ -1,0 +1,248 @@
+"""The engine's store reader: O_DIRECT reads of (layer, expert) records into caller-provided aligned buffers.
+
+A pool of threads serves one priority queue: demand reads (a token is waiting) before prefetch reads (a
+guess), first come first served within a priority. Re-asking for a queued prefetch as a demand promotes it.
+Every request returns a concurrent.futures.Future; cancelling a prefetch that is still queued drops it.
+os.preadv releases the GIL, so a few Python threads keep an NVMe queue full.
+
+    reader = StoreReader(path, threads=4, allow_buffered=settings.allow_buffered_reads)
+    arena = alloc_slots(64, reader.max_extent)              # pin it with cudaHostRegister if you like
+    fut = reader.read(3, 17, arena[0], priority=Priority.DEMAND)
+    views = reader.views(3, fut.result().data)              # views.gate.trellis, views.down.svh, ...
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from store.directio import open_for_read, pread_into
+from store.errors import StoreCorruptError, StoreReadError
+from store.format import ALIGN, DTYPES, PROJECTIONS, Layout, RecordEntry, StoreHeader, read_header
+from store.verify import pack_command
+
+log = logging.getLogger("glm53.store")
+
+
+class Priority(IntEnum):
+    DEMAND = 0
+    PREFETCH = 1
+
+
+@dataclass(frozen=True)
+class Linear:
+    trellis: np.ndarray      # int16 (in/16, out/16, 16*K)
+    suh: np.ndarray          # float16 (in,)
+    svh: np.ndarray          # float16 (out,)
+
+
+@dataclass(frozen=True)
+class SlotViews:
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+def slot_views(layout: Layout, buf: np.ndarray) -> SlotViews:
+    """Typed views (no copies) of one record's tensors inside buf, per the v1 segment layout."""
+    if buf.dtype != np.uint8 or buf.ndim != 1 or not buf.flags.c_contiguous or buf.nbytes < layout.length:
+        raise ValueError(f"slot_views needs a contiguous 1-D uint8 buffer of at least {layout.length} bytes")
+    views = {}
+    for seg in layout.segments:
+        views[seg.name] = buf[seg.offset:seg.offset + seg.nbytes].view(DTYPES[seg.dtype]).reshape(seg.shape)
+    return SlotViews(*(Linear(views[f"{p}.trellis"], views[f"{p}.suh"], views[f"{p}.svh"]) for p in PROJECTIONS))
+
+
+@dataclass(frozen=True)
+class ReadDone:
+    layer: int
+    expert: int
+    data: np.ndarray         # the caller's buffer, sliced to the record extent (payload + zero padding)
+    attempts: int
+    seconds: float
+
+
+class _Task:
+    __slots__ = ("entry", "out", "future", "verify", "priority", "taken", "key")
+
+    def __init__(self, entry: RecordEntry, out: np.ndarray, verify: bool, priority: int, key: tuple):
+        self.entry, self.out, self.verify, self.priority, self.key = entry, out, verify, priority, key
+        self.future: Future = Future()
+        self.taken = False
+
+
+class StoreReader:
+    def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
+                 retries: int = 2, header: StoreHeader | None = None, warn=None):
+        """Open a store for reading. Raises StoreFormatError for a bad header and DirectIOUnsupported when the
+        filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads)."""
+        self.path = Path(path)
+        self.header = header or read_header(self.path)
+        self.verify = verify
+        self.retries = max(0, retries)
+        self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
+        self._heap: list[tuple[int, int, _Task]] = []
+        self._queued: dict[tuple, _Task] = {}
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0}
+        self._threads = [threading.Thread(target=self._worker, name=f"glm53-store-reader-{i}", daemon=True)
+                         for i in range(max(1, threads))]
+        for t in self._threads:
+            t.start()
+
+    # -- geometry -------------------------------------------------------------------------------------------
+    @property
+    def max_extent(self) -> int:
+        """Buffer size that fits any record of this store."""
+        return self.header.max_extent
+
+    def extent(self, layer: int, expert: int) -> int:
+        return self.header.entry(layer, expert).extent
+
+    def layout(self, layer: int) -> Layout:
+        return self.header.layout(layer)
+
+    def views(self, layer: int, buf: np.ndarray) -> SlotViews:
+        return slot_views(self.header.layout(layer), buf)
+
+    def keys(self) -> list[tuple[int, int]]:
+        return sorted(self.header.index)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def read(self, layer: int, expert: int, out: np.ndarray, *, priority: Priority = Priority.DEMAND,
+             verify: bool | None = None) -> Future:
+        """Queue one read of (layer, expert) into out; the future resolves to a ReadDone or raises
+        StoreReadError / StoreCorruptError naming the store and the record."""
+        return self.read_many([(layer, expert, out)], priority=priority, verify=verify)[0]
+
+    def read_many(self, requests, *, priority: Priority = Priority.PREFETCH, verify: bool | None = None) -> list[Future]:
+        """Queue a batch of (layer, expert, out) under one lock; returns one future per request, in order."""
+        prepared = []
+        for layer, expert, out in requests:
+            entry = self.header.entry(layer, expert)
+            self._check_buffer(out, entry)
+            prepared.append((entry, out))
+        futures = []
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"store reader for {self.path} is closed")
+            for entry, out in prepared:
+                key = (entry.layer, entry.expert, out.ctypes.data)
+                task = self._queued.get(key)
+                if task is not None and not task.taken:
+                    if int(priority) < task.priority:      # promote a queued prefetch to demand
+                        task.priority = int(priority)
+                        heapq.heappush(self._heap, (task.priority, next(self._seq), task))
+                    futures.append(task.future)
+                    continue
+                task = _Task(entry, out, self.verify if verify is None else verify, int(priority), key)
+                self._queued[key] = task
+                heapq.heappush(self._heap, (task.priority, next(self._seq), task))
+                futures.append(task.future)
+            self._cv.notify(len(prepared))
+        return futures
+
+    def _check_buffer(self, out: np.ndarray, entry: RecordEntry) -> None:
+        if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 1 \
+                or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("store reads need a writable, contiguous 1-D uint8 numpy buffer "
+                             "(store.directio.alloc_aligned / alloc_slots make them)")
+        if out.nbytes < entry.extent:
+            raise ValueError(f"buffer of {out.nbytes} bytes is too small for {entry.where()}")
+        if self.direct and out.ctypes.data % ALIGN:
+            raise ValueError(f"O_DIRECT reads need a {ALIGN}-byte aligned buffer (use store.directio.alloc_aligned)")
+
+    # -- workers --------------------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, task = heapq.heappop(self._heap)
+                if task.taken:
+                    continue                # a stale heap item left behind by a promotion
+                task.taken = True
+                self._queued.pop(task.key, None)
+            if not task.future.set_running_or_notify_cancel():
+                self._count("cancelled")
+                continue
+            try:
+                task.future.set_result(self._read(task))
+            except BaseException as exc:   # the caller gets every failure through its future
+                self._count("errors")
+                task.future.set_exception(exc)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._cv:
+            self._stats[key] += n
+
+    def _read(self, task: _Task) -> ReadDone:
+        e = task.entry
+        view = task.out[:e.extent]
+        t0 = time.perf_counter()
+        problem, corrupt = "", False
+        for attempt in range(1, self.retries + 2):
+            if attempt > 1:
+                self._count("retries")
+                time.sleep(0.005 * attempt)
+            try:
+                got = pread_into(self.fd, memoryview(view), e.offset)
+            except OSError as exc:
+                problem, corrupt = f"I/O error: {exc.strerror or exc}", False
+                continue
+            if got < e.extent:
+                problem, corrupt = f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
+                continue
+            if task.verify and xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
+                problem, corrupt = "the bytes fail the record's xxh3 check", True
+                continue
+            with self._cv:
+                self._stats["reads"] += 1
+                self._stats["bytes"] += got
+            return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
+        cls = StoreCorruptError if corrupt else StoreReadError
+        raise cls(f"store {self.path}: {e.where()}: {problem}, after {self.retries + 1} attempts",
+                  f"run glm53 verify-store {self.path}; if it fails (or the disk reports errors in dmesg), "
+                  f"repack: {pack_command(self.path, self.header.source_hint)}")
+
+    def stats(self) -> dict:
+        with self._cv:
+            return dict(self._stats, queued=len(self._queued))
+
+    # -- lifetime -------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Cancel queued reads, let running ones finish, close the file."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            for task in self._queued.values():
+                task.taken = True
+                task.future.cancel()
+            self._queued.clear()
+            self._heap.clear()
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+        os.close(self.fd)
+
+    def __enter__(self) -> StoreReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
