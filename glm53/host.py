@@ -395,7 +395,7 @@ def read_store(root: Path, path: str) -> Store:
         odirect, how = None, "fs type unknown (no mountinfo entry)"
     else:
         odirect = fstype not in NO_ODIRECT_FS
-        how = f"fs type {fstype}" + ("" if odirect else " does not support O_DIRECT")
+        how = f"fs type {fstype} " + ("supports O_DIRECT" if odirect else "does not support O_DIRECT")
     return Store(path, exists, size, fstype, point, odirect, how)
 
 

@@ -109,6 +109,19 @@ MODE_NEEDS = {
 }
 
 
+THRESHOLDS = {
+    "GPU VRAM (total, free, or GLM53_VRAM_BUDGET_GB) at least": f"{MIN_GPU_GIB} GiB",
+    "VRAM reserve (CUDA context, activations, graphs)": f"{VRAM_RESERVE / GIB:g} GiB",
+    "VRAM expert slots per MoE layer at least": "top_k (8 for GLM-5.3-Flash)",
+    "context the plan may lower GLM53_CONTEXT to, at least": f"{MIN_KV_TOKENS} tokens",
+    "usable RAM for nvme modes at least": f"{NVME_MIN_RAM_GIB} GiB",
+    "small-host budget below": f"{SMALL_HOST_GIB} GiB usable RAM",
+    "RAM margin kept free (normal / small host)": f"{RAM_MARGIN / GIB:g} GiB / {RAM_MARGIN_SMALL / GIB:g} GiB",
+    "NVMe reader threads (normal / small host)": f"{NVME_READERS} / {NVME_READERS_SMALL}",
+    "suggested --memory for nvme modes": f"{NVME_SUGGESTED_GIB}g (and an equal --memory-swap)",
+}
+
+
 def decide(all_in_vram: bool, fits_ram: bool, nvme_ok: bool, lane_ok: bool) -> str:
     facts = {"all_in_vram": all_in_vram, "fits_ram": fits_ram, "nvme_ok": nvme_ok, "lane_ok": lane_ok}
     for rule in AUTO_RULES:
@@ -128,6 +141,8 @@ def render_decision_table() -> str:
     lines += [f"| {k} | {v} |" for k, v in CONDITIONS.items()]
     lines += ["", "| GLM53_MODE= | needs |", "|---|---|"]
     lines += [f"| {m} | {', '.join(needs)} |" for m, needs in MODE_NEEDS.items()]
+    lines += ["", "| threshold | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in THRESHOLDS.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -379,7 +394,7 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
     rest = (shape.experts - slots) * eb        # experts that VRAM cannot hold
     all_in_vram = rest == 0
     fits_ram = rest + ram.margin <= ram.usable
-    store_problem = _store_problem(facts, shape, settings, warnings) if settings.store or not fits_ram else None
+    store_problem = _store_problem(facts, shape, settings, warnings)
     nvme_ram_ok = ram.usable >= NVME_MIN_RAM_GIB * GIB
     nvme_ok = store_problem is None and nvme_ram_ok
     cpu = facts.cpu

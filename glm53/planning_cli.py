@@ -28,6 +28,7 @@ def register(sub) -> None:
     p = sub.add_parser("plan", help="the mode and tier sizes this host gets, each with its reason (reads only)")
     p.add_argument("--host-root", default="/", metavar="DIR",
                    help="read host facts under DIR (a fake /proc, /sys tree and DIR/nvidia-smi.csv); default /")
+    p.add_argument("--table", action="store_true", help="print the mode decision table (markdown) and exit")
     _common(p)
     p.set_defaults(func=run_plan)
     q = sub.add_parser("preflight", help="the plan plus live checks: pin memory, O_DIRECT and header of the store")
@@ -152,6 +153,9 @@ def render(out: dict, facts: H.HostFacts) -> str:
 
 
 def run_plan(args) -> int:
+    if args.table:
+        print(P.render_decision_table(), end="")
+        return 0
     inp = gather(args, args.host_root)
     _, out = make_plan(inp)
     if args.json:
@@ -243,7 +247,8 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
     finally:
         buf.close()
         os.close(fd)
-    rate = f", {done / secs / 1e9:.2f} GB/s (first {P.human(done)}; cold only if not cached)" if secs > 0 else ""
+    rate = (f"; read {P.human(done)} at {done / secs / 1e9:.2f} GB/s (page cache bypassed)"
+            if done and secs > 0 else "")
     return Check("o_direct", "ok", f"{st.odirect_how}{rate}")
 
 

@@ -1,0 +1,327 @@
+"""The plan on fake hosts: the right mode or refusal, with reasons, for every host in issue 2 (item 6).
+
+Most cases call the pure function; a few go through `python -m glm53 plan --host-root DIR --json`, the way a
+user (or the container's entrypoint) runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fakehost import BROADWELL_2S, FULL_STORE_BYTES, IVYBRIDGE, RTX3090, RTX4080, HostSpec, write_host
+from safetensors.numpy import save_file
+
+from glm53 import host as H
+from glm53 import plan as P
+from glm53 import settings as S
+from glm53 import shape as M
+
+ROOT = Path(__file__).resolve().parent.parent
+STORE = "/nvx/experts.glm53"
+NVME_55 = HostSpec(mem_cap_gib=55, swap_cap_gib=0, store=STORE)
+
+
+def settings(**env: str) -> S.Settings:
+    return S.load(environ={"GLM53_MODEL_DIR": "/model", **env}, dotenv=None)
+
+
+def run(tmp_path, spec=HostSpec(), shape=M.DEFAULT_SHAPE, **env: str) -> P.Plan:
+    s = settings(**env)
+    return P.plan(H.read_host(write_host(tmp_path, spec), store=s.store or None), shape, s)
+
+
+def refused(tmp_path, spec=HostSpec(), **env: str) -> P.PlanError:
+    with pytest.raises(P.PlanError) as info:
+        run(tmp_path, spec, **env)
+    return info.value
+
+
+def cli(root: Path, *args: str, **env: str) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "glm53", "plan", "--host-root", str(root), "--json", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), **env})
+    assert done.stdout, done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+# ---------------------------------------------------------------- the decision table
+
+
+def test_auto_table_is_total_and_matches_design():
+    for combo in itertools.product((False, True), repeat=4):
+        assert P.decide(*combo) in (*P.MODES, "refuse")
+    assert P.decide(False, True, False, True) == "fast"
+    assert P.decide(False, True, True, False) == "exact"        # fits in RAM wins over a store
+    assert P.decide(False, False, True, True) == "nvme"
+    assert P.decide(False, False, True, False) == "nvme-exact"
+    assert P.decide(False, False, False, True) == "refuse"
+    assert P.decide(True, False, False, True) == "exact"        # all in VRAM: no misses to serve
+
+
+def test_docs_embed_the_code_table():
+    assert P.render_decision_table() in (ROOT / "docs" / "modes.md").read_text()
+
+
+# ---------------------------------------------------------------- the hosts of issue 2
+
+
+def test_3090_epyc_256g_is_fast(tmp_path):
+    p = run(tmp_path)
+    assert p.mode == "fast" and p.device == "cuda:0" and p.budget == "normal"
+    assert p.cpu_threads == 23 and p.nvme_threads == 0 and p.kv_tokens == 131072
+    # ~1,600 9 MiB slots on a 24 GB card (the reference held 1,300-1,376 with a heavier runtime), same per layer.
+    assert 1300 <= p.vram_slots <= 1700 and p.vram_slots == 42 * p.vram_slots_per_layer
+    assert p.ram_slots == 42 * 288 - p.vram_slots  # exclusive tiers: every other expert in RAM, no second copy
+    assert p.warnings == []
+    assert set(p.reasons) >= {"mode", "gpu", "vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "kv_tokens"}
+    assert "SMT siblings unused" in p.reasons["cpu_threads"]
+
+
+def test_55g_cap_with_store_is_nvme(tmp_path):
+    p = run(tmp_path, NVME_55, GLM53_STORE=STORE)
+    assert p.mode == "nvme" and p.budget == "normal" and p.nvme_threads == P.NVME_READERS
+    # RAM tier from the cap: 55 GiB minus the margin and staging, in 9 MiB records.
+    assert 5000 < p.ram_slots < 6000 and p.ram_slots + p.vram_slots < 42 * 288
+    assert p.cpu_threads == 23 and p.warnings == []
+    assert "ext4" in p.reasons["store"]
+
+
+def test_16g_cap_is_nvme_with_small_host_budget(tmp_path):
+    p = run(tmp_path, NVME_55.but(mem_cap_gib=16), GLM53_STORE=STORE)
+    assert p.mode == "nvme" and p.budget == "small-host" and p.nvme_threads == P.NVME_READERS_SMALL
+    assert 1000 < p.ram_slots < 1600
+    assert any(w.startswith("small host") for w in p.warnings)
+
+
+def test_12g_cap_is_refused_naming_threshold_and_fix(tmp_path):
+    err = refused(tmp_path, NVME_55.but(mem_cap_gib=12), GLM53_STORE=STORE)
+    assert "memory cap 12 GiB < 15 GiB needed for nvme mode" in err.message
+    assert "--memory 55g --memory-swap 55g" in err.message
+
+
+def test_cpu_without_avx2_gets_exact_and_nvme_exact(tmp_path):
+    p = run(tmp_path / "a", HostSpec(cpu=IVYBRIDGE))
+    assert p.mode == "exact" and p.cpu_threads == 0
+    assert "lacks AVX2/FMA" in p.reasons["mode"]
+    p = run(tmp_path / "b", NVME_55.but(cpu=IVYBRIDGE), GLM53_STORE=STORE)
+    assert p.mode == "nvme-exact" and p.cpu_threads == 0 and p.nvme_threads > 0
+
+
+def test_glm53_exact_prefers_bit_exact(tmp_path):
+    assert run(tmp_path, GLM53_EXACT="1").mode == "exact"
+
+
+def test_memlock_64k_is_a_warning(tmp_path):
+    p = run(tmp_path, HostSpec(memlock=65536))
+    assert p.mode == "fast"
+    assert any(w.startswith("RLIMIT_MEMLOCK 64 KiB") and "--ulimit memlock=-1" in w for w in p.warnings)
+
+
+def test_cap_without_swap_cap_is_a_warning(tmp_path):
+    p = run(tmp_path, NVME_55.but(swap_cap_gib=None), GLM53_STORE=STORE)
+    assert p.mode == "nvme"
+    (w,) = [w for w in p.warnings if "swap" in w]
+    assert "memory cap 55 GiB without an equal swap cap" in w and "--memory-swap 55g" in w
+    # Without swap on the host there is nothing to leak into.
+    p = run(tmp_path / "noswap", NVME_55.but(swap_cap_gib=None, swap_total_gib=0), GLM53_STORE=STORE)
+    assert not [w for w in p.warnings if "swap" in w]
+
+
+def test_cgroup_v1_cap_without_memsw_warns(tmp_path):
+    p = run(tmp_path, NVME_55.but(cgroup="v1", swap_cap_gib=None), GLM53_STORE=STORE)
+    assert p.mode == "nvme" and any("without an equal swap cap" in w for w in p.warnings)
+
+
+def test_no_gpu_refused_for_the_real_model(tmp_path):
+    err = refused(tmp_path, HostSpec(gpus=()))
+    assert "no NVIDIA GPU" in err.message and "--gpus all" in err.message and "demo" in err.message
+
+
+def test_no_gpu_and_no_model_serves_the_demo_on_cpu(tmp_path):
+    s = S.load(environ={}, dotenv=None)
+    p = P.plan(H.read_host(write_host(tmp_path, HostSpec(gpus=()))), M.DEFAULT_SHAPE, s)
+    assert p.mode == "demo" and p.device == "cpu" and p.cpu_threads == 23
+    assert p.real_model["mode"] is None and "no NVIDIA GPU" in p.real_model["error"]
+
+
+def test_16gb_gpu_refused(tmp_path):
+    err = refused(tmp_path, HostSpec(gpus=(RTX4080,)))
+    assert "16 GiB of VRAM < 20 GiB" in err.message and "24 GB GPU" in err.message
+
+
+def test_busy_gpu_refused_naming_free_vram(tmp_path):
+    err = refused(tmp_path, HostSpec(gpus=(("NVIDIA GeForce RTX 3090", 24576, 9000, 4, 16),)))
+    assert "free of 24 GiB" in err.message and "other processes" in err.message
+
+
+def test_vram_budget_emulates_a_smaller_card(tmp_path):
+    h200 = HostSpec(gpus=(("NVIDIA H200", 143771, 142000, 5, 16),))
+    big = run(tmp_path / "a", h200)
+    assert big.mode == "exact" and big.ram_slots == 0  # every expert fits in 139 GiB: no misses at all
+    small = run(tmp_path / "b", h200, GLM53_VRAM_BUDGET_GB="24")
+    assert small.mode == "fast" and small.vram_budget_bytes == 24 * P.GIB and small.vram_slots < 1700
+    err = refused(tmp_path / "c", h200, GLM53_VRAM_BUDGET_GB="16")
+    assert "GLM53_VRAM_BUDGET_GB=16 < 20 GiB" in err.message
+
+
+def test_two_gpus_uses_one_and_says_which(tmp_path):
+    slow_link = ("NVIDIA GeForce RTX 3090", 24576, 24135, 4, 4)
+    p = run(tmp_path, HostSpec(gpus=(slow_link, RTX3090)))
+    assert p.gpu_index == 1 and p.device == "cuda:1"
+    assert "2 GPUs found" in p.reasons["gpu"] and "GPU 0 stay idle" in p.reasons["gpu"]
+
+
+def test_dual_socket_broadwell_pcie3(tmp_path):
+    spec = HostSpec(cpu=BROADWELL_2S, numa_nodes=2, mem_total_gib=125.8, mem_available_gib=120,
+                    gpus=(("NVIDIA GeForce RTX 3090", 24576, 24135, 3, 16),))
+    p = run(tmp_path, spec)
+    assert p.mode == "fast" and p.cpu_threads == 43
+    assert "2 NUMA nodes" in p.reasons["cpu_threads"] and "88 logical" in p.reasons["cpu_threads"]
+    assert "PCIe 3 x16" in p.reasons["gpu"] and "CPU lane" in p.reasons["gpu"]
+
+
+def test_store_missing_names_pack_store(tmp_path):
+    err = refused(tmp_path, NVME_55.but(store=None), GLM53_STORE=STORE)
+    assert f"store {STORE} not found: run the pack-store container first: docker run" in err.message
+    assert f"pack-store --model /model --out {STORE}" in err.message
+
+
+def test_no_store_configured_names_pack_store(tmp_path):
+    err = refused(tmp_path, NVME_55.but(store=None))
+    assert "GLM53_STORE is empty" in err.message and "pack-store" in err.message
+
+
+def test_store_on_tmpfs_names_o_direct(tmp_path):
+    spec = NVME_55.but(mounts=(("/", "overlay"), ("/nvx", "tmpfs")))
+    err = refused(tmp_path, spec, GLM53_STORE=STORE)
+    assert "/nvx is on tmpfs, which does not support O_DIRECT: put the store on ext4 or xfs" in err.message
+    p = run(tmp_path / "b", spec, GLM53_STORE=STORE, GLM53_ALLOW_BUFFERED_READS="1")
+    assert p.mode == "nvme" and any("page cache" in w for w in p.warnings)
+
+
+def test_truncated_store_refused(tmp_path):
+    err = refused(tmp_path, NVME_55.but(store_bytes=FULL_STORE_BYTES // 2), GLM53_STORE=STORE)
+    assert "truncated" in err.message and "pack-store" in err.message
+
+
+def test_cpu_quota_limits_lane_threads(tmp_path):
+    p = run(tmp_path, HostSpec(extra={"/sys/fs/cgroup/cpu.max": "800000 100000\n"}))
+    assert p.cpu_threads == 7 and "docker --cpus" in p.reasons["cpu_threads"]
+
+
+def test_context_lowered_with_a_warning_when_it_does_not_fit(tmp_path):
+    heavy_kv = M.DEFAULT_SHAPE.__class__(**{**M.DEFAULT_SHAPE.__dict__, "kv_bytes_per_token": 200_000})
+    p = run(tmp_path, shape=heavy_kv)
+    assert p.kv_tokens < 131072 and p.kv_tokens % P.KV_ROUND == 0
+    assert p.vram_slots_per_layer == heavy_kv.top_k
+    assert any("context lowered to" in w and "GLM53_CONTEXT" in w for w in p.warnings)
+
+
+def test_explicit_modes_are_validated(tmp_path):
+    assert run(tmp_path / "a", GLM53_MODE="exact").mode == "exact"
+    err = refused(tmp_path / "b", HostSpec(cpu=IVYBRIDGE), GLM53_MODE="fast")
+    assert "GLM53_MODE=fast refused" in err.message and "AVX2" in err.message and "exact" in err.message
+    err = refused(tmp_path / "c", NVME_55, GLM53_STORE=STORE, GLM53_MODE="fast")
+    assert "GLM53_MODE=fast refused" in err.message and "usable RAM" in err.message
+    err = refused(tmp_path / "d", GLM53_MODE="nvme")
+    assert "GLM53_MODE=nvme refused" in err.message and "GLM53_STORE is empty" in err.message
+    p = run(tmp_path / "e", HostSpec(store=STORE), GLM53_STORE=STORE, GLM53_MODE="nvme-exact")
+    assert p.mode == "nvme-exact" and p.cpu_threads == 0
+
+
+def test_refusal_json_has_every_key(tmp_path):
+    out = refused(tmp_path, HostSpec(gpus=())).to_json()
+    assert out["error"] and out["mode"] is None and isinstance(out["warnings"], list)
+    assert set(P.Plan.JSON_KEYS) <= set(out)
+
+
+# ---------------------------------------------------------------- through the command line
+
+
+def test_cli_fast_json(tmp_path):
+    rc, out = cli(write_host(tmp_path), GLM53_MODEL_DIR="/model")
+    assert rc == 0 and out["mode"] == "fast" and out["error"] is None
+    for key in ("vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "kv_tokens", "warnings", "reasons"):
+        assert key in out
+    assert out["facts"]["cpu"]["physical_cores"] == 24 and out["shape"]["experts"] == 12096
+
+
+def test_cli_refusal_exits_2_with_error(tmp_path):
+    rc, out = cli(write_host(tmp_path, NVME_55.but(mem_cap_gib=12)), "--store", STORE, "--model", "/model")
+    assert rc == 2 and "15 GiB" in out["error"] and out["mode"] is None
+
+
+def test_cli_nvme_and_memlock_warning(tmp_path):
+    rc, out = cli(write_host(tmp_path, NVME_55.but(memlock=65536)), "--store", STORE, GLM53_MODEL_DIR="/model")
+    assert rc == 0 and out["mode"] == "nvme"
+    assert any("RLIMIT_MEMLOCK 64 KiB" in w for w in out["warnings"])
+
+
+def test_cli_demo_without_model_and_text_table(tmp_path):
+    root = write_host(tmp_path, HostSpec(gpus=()))
+    rc, out = cli(root)
+    assert rc == 0 and out["mode"] == "demo" and out["device"] == "cpu" and out["real_model"]["error"]
+    done = subprocess.run([sys.executable, "-m", "glm53", "plan", "--host-root", str(root)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "mode          demo" in done.stdout and "real_model" in done.stdout
+
+
+# ---------------------------------------------------------------- the model's shape
+
+
+def _tiny_checkpoint(root: Path, nested: bool) -> Path:
+    """2 layers + an MTP layer: layer 0 dense, layer 1 MoE with 4 experts; headers are what matters."""
+    text = {"num_hidden_layers": 2, "hidden_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "mlp_layer_types": ["dense", "sparse"],
+            "layer_types": ["linear_attention", "deepseek_sparse_attention"], "num_nextn_predict_layers": 1}
+    config = {"architectures": ["Glm5NextForConditionalGeneration"], "text_config": text} if nested else text
+    root.mkdir(parents=True)
+    (root / "config.json").write_text(json.dumps(config))
+    tensors = {"model.language_model.embed_tokens.weight": np.zeros((10, 64), np.float16),
+               "model.language_model.layers.0.mlp.gate_proj.weight": np.zeros((32, 64), np.float16)}
+    for e in range(4):
+        for proj, (i, o) in (("gate", (64, 32)), ("up", (64, 32)), ("down", (32, 64))):
+            pre = f"model.language_model.layers.1.mlp.experts.{e}.{proj}_proj"
+            tensors[f"{pre}.trellis"] = np.zeros((i // 16, o // 16, 48), np.int16)
+            tensors[f"{pre}.suh"] = np.zeros(i, np.float16)
+            tensors[f"{pre}.svh"] = np.zeros(o, np.float16)
+    save_file({k: v for k, v in tensors.items() if "experts.3" not in k}, str(root / "a.safetensors"))
+    # The last expert sits in a file a broken index would omit: shape reads what is on disk.
+    save_file({k: v for k, v in tensors.items() if "experts.3" in k}, str(root / "kpool_aux.safetensors"))
+    mtp = {f"model.language_model.layers.2.mlp.experts.{e}.up_proj.trellis": np.zeros((4, 2, 48), np.int16)
+           for e in range(4)}
+    save_file({**mtp, "model.language_model.layers.2.hnorm.weight": np.zeros(64, np.float16)},
+              str(root / "mtp.safetensors"))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    return root
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_shape_from_checkpoint_headers(tmp_path, nested):
+    s = M.from_checkpoint(_tiny_checkpoint(tmp_path / "m", nested))
+    per_expert = 3 * (4 * 2 * 48 * 2) + 3 * 2 * (64 + 32)  # trellis int16 + fp16 suh/svh of 3 projections
+    assert (s.layers, s.moe_layers, s.experts_per_layer, s.top_k, s.mla_layers, s.mtp_layer) == (2, 1, 4, 2, 1, 2)
+    assert s.expert_bytes == per_expert and s.experts == 4
+    assert s.always_used_bytes == 10 * 64 * 2 + 32 * 64 * 2  # the MTP layer's tensors are not counted
+    assert s.kv_bytes_per_token == (512 + 64 + 128) * 2
+
+
+def test_shape_errors(tmp_path):
+    with pytest.raises(M.ShapeError, match="no config.json"):
+        M.from_checkpoint(tmp_path)
+    root = _tiny_checkpoint(tmp_path / "m", True)
+    (root / "kpool_aux.safetensors").unlink()
+    with pytest.raises(M.ShapeError, match="3 experts on disk, config says 4"):
+        M.from_checkpoint(root)
+
+
+def test_default_shape_matches_design():
+    d = M.DEFAULT_SHAPE
+    assert d.experts == 12096 and d.expert_bytes == 9 * (1 << 20) + 36 * 1024
+    assert 106 * P.GIB < d.all_experts_bytes < 107 * P.GIB
