@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import json
 import socket
 import threading
 import time
@@ -43,8 +43,9 @@ class FakeEngine:
         self.generated = 0
         self.prompt_tokens = 0
         self.last_params: SamplingParams | None = None
-        self._template = jinja2.Environment(undefined=jinja2.Undefined).from_string(gtok.CHAT_TEMPLATE)
-        self._template.environment.filters["tojson"] = __import__("json").dumps
+        env = jinja2.Environment()
+        env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
+        self._template = env.from_string(gtok.CHAT_TEMPLATE)
         self.vocab_size = _BASE + len(_SPECIALS)
 
     # -- lifecycle --
@@ -112,8 +113,6 @@ class FakeEngine:
                 await asyncio.sleep(self.prefill_delay)
             prompt = self.detokenize(prompt_ids)
             reply = self.script(prompt, params)
-            if params.temperature > 0 and params.seed is None:
-                reply += random.choice(["", " ", "!"])  # nondeterministic unless seeded
             ids = self.tokenize(reply) + [self.eos_token_ids[0]]
             limit = min(params.max_tokens or 1 << 30, self.context_length - len(prompt_ids))
             in_think = prompt.rstrip().endswith(gtok.THINK_OPEN)
