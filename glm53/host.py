@@ -149,7 +149,8 @@ def parse_nvidia_smi(text: str) -> list[Gpu]:
         # A GPU name may itself contain a comma; the numeric columns are always the last four.
         index, name, nums = cells[0], ", ".join(cells[1:-4]), cells[-4:]
         total, free, gen, width = (_int_or_none(c) for c in nums)
-        gpus.append(Gpu(int(index), name, total or 0, free or 0, gen, width))
+        # Some virtual GPUs report free memory as [N/A]: then the whole card is the best we know.
+        gpus.append(Gpu(int(index), name, total or 0, free if free is not None else total or 0, gen, width))
     return gpus
 
 
@@ -157,7 +158,10 @@ def read_gpus(root: Path, notes: list[str]) -> list[Gpu]:
     csv = root / "nvidia-smi.csv"
     if root != Path("/"):
         # A fake host: its GPUs are exactly what nvidia-smi.csv lists (none when the file is absent).
-        return parse_nvidia_smi(_read(csv) or "")
+        text = _read(csv)
+        if text is None:
+            notes.append(f"no {csv}: this fake host has no GPU")
+        return parse_nvidia_smi(text or "")
     if shutil.which(GPU_QUERY[0]) is None:
         notes.append("nvidia-smi not found: no NVIDIA GPU visible (in Docker: --gpus all)")
         return []
@@ -211,13 +215,14 @@ def _sys_topology(root: Path) -> tuple[int | None, int | None]:
 
 
 def _cpu_quota(root: Path) -> float | None:
-    """`docker --cpus N` as N: cgroup v2 cpu.max "quota period", or v1 cfs_quota_us / cfs_period_us."""
-    text = _read(_sub(root, "/sys/fs/cgroup/cpu.max"))
-    if text:
-        quota, period = (text.split() + ["100000"])[:2]
+    """`docker --cpus N` as N: cgroup v2 cpu.max "quota period" (tightest on our path), or v1 cfs quota/period."""
+    quotas = []
+    for d in _ancestors(_sub(root, "/sys/fs/cgroup"), _cgroup_paths(root)[0]):
+        quota, period = ((_read(d / "cpu.max") or "max").split() + ["100000"])[:2]
         if quota != "max" and _int_or_none(quota) and _int_or_none(period):
-            return int(quota) / int(period)
-        return None
+            quotas.append(int(quota) / int(period))
+    if quotas or (_sub(root, "/sys/fs/cgroup/cpu.max")).exists():
+        return min(quotas, default=None)
     quota = _int_or_none(_read(_sub(root, "/sys/fs/cgroup/cpu/cpu.cfs_quota_us")))
     period = _int_or_none(_read(_sub(root, "/sys/fs/cgroup/cpu/cpu.cfs_period_us")))
     if quota and quota > 0 and period:

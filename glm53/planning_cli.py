@@ -49,6 +49,8 @@ class Inputs:
     facts: H.HostFacts
     shape: M.ModelShape
     warnings: list[str]
+    model_error: str | None = None   # the checkpoint is there but unreadable: a refusal, reported like one
+    model_mounted: bool = False
 
 
 def gather(args, root: str) -> Inputs:
@@ -56,27 +58,32 @@ def gather(args, root: str) -> Inputs:
     settings = S.load_or_exit()
     overrides = {k: v for k, v in (("model_dir", args.model), ("store", args.store)) if v is not None}
     settings = settings.with_overrides(**overrides)
+    if root == "/" and settings.store:
+        # The plan compares this path with the store facts, which hold it absolute.
+        settings = settings.with_overrides(store=os.path.abspath(settings.store))
     warnings: list[str] = []
-    shape = M.DEFAULT_SHAPE
+    shape, error, mounted = M.DEFAULT_SHAPE, None, False
     if settings.model_dir:
         # On a fake host the model directory is part of the tree, like every other path.
         model = Path(root) / settings.model_dir.lstrip("/") if root != "/" else Path(settings.model_dir)
-        if (model / "config.json").is_file():
+        mounted = (model / "config.json").is_file()
+        if mounted:
             try:
                 shape = M.from_checkpoint(model)
             except M.ShapeError as exc:
-                print(f"glm53: {exc}", file=sys.stderr)
-                raise SystemExit(EXIT_BLOCKED) from None
+                error = f"{exc}: check the checkpoint with `glm53 model verify {settings.model_dir}`"
         else:
             warnings.append(f"no config.json in {settings.model_dir} (model not mounted yet?): planned with the "
                             "GLM-5.3-Flash 3.05 bpw defaults")
     facts = H.read_host(root, store=settings.store or None)
-    return Inputs(settings, facts, shape, warnings)
+    return Inputs(settings, facts, shape, warnings, error, mounted)
 
 
 def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:
     """(plan or None, its JSON with facts and shape attached); input warnings go first."""
     try:
+        if inp.model_error:
+            raise P.PlanError(inp.model_error)
         plan = P.plan(inp.facts, inp.shape, inp.settings)
         plan.warnings[:0] = inp.warnings
         out = plan.to_json()
@@ -252,7 +259,7 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
     return Check("o_direct", "ok", f"{st.odirect_how}{rate}")
 
 
-def check_store_header(plan: P.Plan | None, settings: S.Settings) -> Check:
+def check_store_header(plan: P.Plan | None, settings: S.Settings, model_dir: str | None) -> Check:
     """Decode the store's header and sample records (store.verify's quick check, as start-up runs it)."""
     path = settings.store
     if not path:
@@ -271,7 +278,10 @@ def check_store_header(plan: P.Plan | None, settings: S.Settings) -> Check:
         from store.verify import quick_verify
     except ImportError:
         return Check("store", "ok", summary + " (store.verify not importable: records not sampled)")
-    report = quick_verify(path, settings.model_dir or None, allow_buffered=settings.allow_buffered_reads)
+    try:
+        report = quick_verify(path, model_dir, allow_buffered=settings.allow_buffered_reads)
+    except Exception as exc:  # a crash in the check is itself a finding; preflight must still print the rest
+        return Check("store", "fail", f"{summary}; quick verify crashed: {exc!r}", blocks)
     if not report.ok:
         return Check("store", "fail", summary + "\n" + report.render(), blocks)
     return Check("store", "ok", summary + "; " + report.render().splitlines()[-1])
@@ -281,7 +291,7 @@ def run_preflight(args) -> int:
     inp = gather(args, "/")
     plan, out = make_plan(inp)
     checks = [check_pinning(plan, inp.facts), check_odirect(plan, inp.facts, inp.settings),
-              check_store_header(plan, inp.settings)]
+              check_store_header(plan, inp.settings, inp.settings.model_dir if inp.model_mounted else None)]
     blocked = [c for c in checks if c.status == "fail" and c.blocks]
     out["checks"] = [c.to_json() for c in checks]
     out["blocked"] = bool(out["error"] or blocked)

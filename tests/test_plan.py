@@ -272,6 +272,37 @@ def test_cli_demo_without_model_and_text_table(tmp_path):
     assert done.returncode == 0 and "mode          demo" in done.stdout and "real_model" in done.stdout
 
 
+def test_cli_reads_the_model_under_the_host_root(tmp_path):
+    root = write_host(tmp_path / "host")
+    _tiny_checkpoint(root / "model", nested=True)
+    rc, out = cli(root, "--model", "/model")
+    assert rc == 0 and out["shape"]["experts"] == 4 and str(root / "model") in out["reasons"]["model"]
+    assert out["mode"] == "exact" and out["vram_slots"] == 4  # a tiny model fits in VRAM: no misses
+
+
+def test_cli_unreadable_checkpoint_is_a_refusal(tmp_path):
+    root = write_host(tmp_path / "host")
+    (root / "model").mkdir()
+    (root / "model" / "config.json").write_text("{not json")
+    rc, out = cli(root, "--model", "/model")
+    assert rc == 2 and "not JSON" in out["error"] and "glm53 model verify" in out["error"]
+
+
+def test_cli_preflight_on_this_machine(tmp_path):
+    # No GPU here (or none needed): the demo plan, with the live checks reported, skipped where they cannot run.
+    blob = tmp_path / "not-a-store"
+    blob.write_bytes(b"\0" * 8192)
+    done = subprocess.run([sys.executable, "-m", "glm53", "preflight", "--json", "--store", str(blob)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    out = json.loads(done.stdout)
+    assert out["mode"] == "demo" and done.returncode == 0 and out["blocked"] is False
+    checks = {c["name"]: c for c in out["checks"]}
+    assert set(checks) == {"pin", "o_direct", "store"}
+    assert checks["o_direct"]["detail"].startswith("probe:")
+    assert checks["store"]["status"] in ("fail", "skip") and not checks["store"]["blocks"]
+
+
 # ---------------------------------------------------------------- the model's shape
 
 
