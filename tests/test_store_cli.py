@@ -1,0 +1,79 @@
+"""`glm53 pack-store`, `glm53 verify-store`, `glm53 bench store` through the front door: exit codes and messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from glm53.cli import main
+from glm53.fixture.exl3 import write_exl3_checkpoint
+from store.format import read_header
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for k in ("GLM53_STORE", "GLM53_MODEL_DIR", "GLM53_ALLOW_BUFFERED_READS", "GLM53_CACHE_DIR"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.chdir(tmp_path)                 # no stray .env
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    return write_exl3_checkpoint(tmp_path_factory.mktemp("cli") / "ck", seed=0, layers=3, experts=8)
+
+
+def test_pack_then_verify(ck, tmp_path, capsys):
+    out = tmp_path / "experts.glm53"
+    assert main(["pack-store", "--model", str(ck), "--out", str(out), "--threads", "2"]) == 0
+    o = capsys.readouterr()
+    assert "packed 16 records" in o.out and "SOUND" in o.out and "published" in o.err
+    assert main(["verify-store", str(out), "--model", str(ck)]) == 0
+    assert "full verify" in capsys.readouterr().out
+    assert main(["verify-store", str(out), "--model", str(ck), "--quick"]) == 0
+    assert "quick verify" in capsys.readouterr().out
+    assert main(["pack-store", "--model", str(ck), "--out", str(out)]) == 0
+    assert "verifying it instead of repacking" in capsys.readouterr().err
+
+
+def test_verify_store_exit_1_with_the_fix(ck, tmp_path, capsys):
+    out = tmp_path / "experts.glm53"
+    assert main(["pack-store", "--model", str(ck), "--out", str(out), "--no-verify"]) == 0
+    e = read_header(out).entries[3]
+    with open(out, "r+b") as f:
+        f.seek(e.offset + 10)
+        f.write(b"\x00\x01\x02")
+    capsys.readouterr()
+    assert main(["verify-store", str(out)]) == 1
+    o = capsys.readouterr().out
+    assert "damaged record" in o and f"fix: the file is damaged (disk or copy error): glm53 pack-store --model " \
+        f"{ck.absolute()} --out {out}" in o
+
+
+def test_verify_store_takes_the_settings(ck, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "experts.glm53"
+    assert main(["pack-store", "--model", str(ck), "--out", str(out), "--no-verify"]) == 0
+    assert main(["verify-store"]) == 2
+    assert "set GLM53_STORE" in capsys.readouterr().err
+    monkeypatch.setenv("GLM53_STORE", str(out))
+    monkeypatch.setenv("GLM53_MODEL_DIR", str(ck))
+    assert main(["verify-store", "--quick"]) == 0
+    assert "SOUND" in capsys.readouterr().out
+
+
+def test_missing_store_and_missing_model(tmp_path, capsys):
+    assert main(["verify-store", str(tmp_path / "none.glm53")]) == 1
+    o = capsys.readouterr().out
+    assert "does not exist" in o and "glm53 pack-store" in o
+    assert main(["pack-store", "--model", str(tmp_path / "nomodel"), "--out", str(tmp_path / "s")]) == 1
+    e = capsys.readouterr().err
+    assert "error: model directory" in e and "fix:" in e
+
+
+def test_bench_store_prints_ratios(tmp_path, capsys):
+    assert main(["bench", "store", "--workdir", str(tmp_path / "w"), "--gb", "0.02", "--rounds", "1",
+                 "--threads", "2"]) == 0
+    o = capsys.readouterr().out
+    for what in ("raw  sequential read", "raw  random-record read", "pack-store", "verify-store full",
+                 "reader random records"):
+        assert what in o
+    assert o.count("x raw") == 3
+    assert not any((tmp_path / "w").iterdir())       # synthetic files removed

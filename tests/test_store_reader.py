@@ -1,0 +1,210 @@
+"""The engine's reader: priorities, promotion, cancellation, retries, errors, buffers, buffered fallback."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import store.reader as R
+from store.directio import alloc_aligned, alloc_slots
+from store.errors import DirectIOUnsupported, StoreReadError
+from store.format import read_header
+from store.pack import PackOptions, pack_store
+from store.reader import Priority, StoreReader
+from store.synth import write_expert_checkpoint
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader")
+    ck = write_expert_checkpoint(root / "ck", layers=3, experts=8, mtp_layers=0)
+    out = root / "s.glm53"
+    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
+    return out
+
+
+def reference(store, layer, expert):
+    e = read_header(store).entry(layer, expert)
+    with open(store, "rb") as f:
+        f.seek(e.offset)
+        return f.read(e.extent)
+
+
+class Gate:
+    """Wraps pread_into: records the order of reads and holds the first one until released."""
+
+    def __init__(self, monkeypatch):
+        self.order, self.release, self.entered = [], threading.Event(), threading.Event()
+        self.real = R.pread_into
+        monkeypatch.setattr(R, "pread_into", self)
+
+    def __call__(self, fd, view, offset):
+        self.order.append(offset)
+        if len(self.order) == 1:
+            self.entered.set()
+            assert self.release.wait(10)
+        return self.real(fd, view, offset)
+
+
+def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1) as r:
+        arena = alloc_slots(5, r.max_extent)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        assert gate.entered.wait(10)                        # the only worker is busy with it
+        pre = r.read_many([(1, 1, arena[1]), (1, 2, arena[2])], priority=Priority.PREFETCH)
+        dem = r.read(2, 7, arena[3], priority=Priority.DEMAND)
+        gate.release.set()
+        for f in [first, *pre, dem]:
+            f.result(10)
+        h = r.header
+        assert gate.order == [h.entry(*k).offset for k in [(1, 0), (2, 7), (1, 1), (1, 2)]]
+
+
+def test_asking_again_as_demand_promotes_a_queued_prefetch(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1) as r:
+        arena = alloc_slots(4, r.max_extent)
+        r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        assert gate.entered.wait(10)
+        a = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        b = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
+        b2 = r.read(1, 2, arena[2], priority=Priority.DEMAND)
+        assert b2 is b                                       # one read, not two
+        gate.release.set()
+        a.result(10), b.result(10)
+        h = r.header
+        assert gate.order == [h.entry(1, 0).offset, h.entry(1, 2).offset, h.entry(1, 1).offset]
+        assert r.stats()["reads"] == 3
+
+
+def test_a_cancelled_prefetch_is_never_read(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1) as r:
+        arena = alloc_slots(3, r.max_extent)
+        r.read(1, 0, arena[0])
+        assert gate.entered.wait(10)
+        doomed = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        kept = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
+        assert doomed.cancel()
+        gate.release.set()
+        kept.result(10)
+        assert r.header.entry(1, 1).offset not in gate.order
+
+
+def test_reads_fill_the_callers_buffer_and_return_views(store):
+    with StoreReader(store, threads=2, verify=True) as r:
+        arena = alloc_slots(16, r.max_extent)
+        futs = r.read_many([(layer, e, arena[i]) for i, (layer, e) in enumerate(r.keys())])
+        for (layer, e), f in zip(r.keys(), futs, strict=True):
+            done = f.result(10)
+            assert (done.layer, done.expert) == (layer, e)
+            assert done.data.ctypes.data % 4096 == 0
+            assert done.data.tobytes() == reference(store, layer, e)
+        v = r.views(2, arena[15])
+        seg = r.layout(2).segment("down.svh")
+        assert v.down.svh.tobytes() == arena[15][seg.offset:seg.offset + seg.nbytes].tobytes()
+
+
+def test_a_failed_read_is_retried(store, monkeypatch):
+    real, calls = R.pread_into, [0]
+
+    def flaky(fd, view, offset):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        if calls[0] == 2:
+            return 4096                                    # a short read
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(R, "pread_into", flaky)
+    with StoreReader(store, threads=1, retries=2) as r:
+        buf = alloc_aligned(r.max_extent)
+        done = r.read(1, 3, buf).result(10)
+        assert done.attempts == 3 and r.stats()["retries"] == 2
+        assert done.data.tobytes() == reference(store, 1, 3)
+
+
+def test_a_read_that_keeps_failing_names_the_store_and_the_record(store, monkeypatch):
+    def broken(fd, view, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(R, "pread_into", broken)
+    with StoreReader(store, threads=1, retries=1) as r:
+        with pytest.raises(StoreReadError) as ei:
+            r.read(2, 6, alloc_aligned(r.max_extent)).result(10)
+        assert str(store) in ei.value.problem and "(layer 2, expert 6)" in ei.value.problem
+        assert "Input/output error" in ei.value.problem and "after 2 attempts" in ei.value.problem
+        assert "glm53 verify-store" in ei.value.fix
+        assert r.stats()["errors"] == 1
+
+
+def test_a_store_truncated_under_the_reader_gives_a_short_read_error(store, tmp_path):
+    p = tmp_path / "s.glm53"
+    p.write_bytes(store.read_bytes())
+    with StoreReader(p, threads=1, retries=0) as r:
+        last = r.keys()[-1]
+        os.truncate(p, r.header.entry(*last).offset + 4096)
+        with pytest.raises(StoreReadError, match="short read"):
+            r.read(*last, alloc_aligned(r.max_extent)).result(10)
+
+
+def test_bad_buffers_are_refused_up_front(store):
+    with StoreReader(store) as r:
+        ext = r.extent(1, 0)
+        with pytest.raises(ValueError, match="too small"):
+            r.read(1, 0, alloc_aligned(ext - 4096))
+        with pytest.raises(ValueError, match="aligned"):
+            r.read(1, 0, alloc_aligned(ext + 4096)[1:ext + 1])
+        with pytest.raises(ValueError, match="uint8"):
+            r.read(1, 0, np.zeros(ext // 2, np.int16))
+        with pytest.raises(KeyError, match="layer 9, expert 0"):
+            r.read(9, 0, alloc_aligned(ext))
+
+
+def test_close_cancels_what_is_queued(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    r = StoreReader(store, threads=1)
+    arena = alloc_slots(3, r.max_extent)
+    running = r.read(1, 0, arena[0])
+    assert gate.entered.wait(10)
+    queued = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+    threading.Timer(0.05, gate.release.set).start()
+    r.close()
+    assert running.result(10).expert == 0 and queued.cancelled()
+    with pytest.raises(RuntimeError, match="closed"):
+        r.read(1, 2, arena[2])
+
+
+def test_buffered_fallback_only_when_allowed_and_then_with_a_warning(store, monkeypatch, caplog):
+    real = os.open
+
+    def fake(path, flags, *a, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", fake)
+    with pytest.raises(DirectIOUnsupported) as ei:
+        StoreReader(store)
+    assert "ext4 or xfs" in ei.value.fix and "GLM53_ALLOW_BUFFERED_READS=1" in ei.value.fix
+    with caplog.at_level(logging.WARNING, logger="glm53.store"):
+        with StoreReader(store, allow_buffered=True) as r:
+            assert not r.direct
+            buf = np.zeros(r.max_extent, np.uint8)               # any buffer will do when buffered
+            assert r.read(1, 5, buf).result(10).data.tobytes() == reference(store, 1, 5)
+    assert "GLM53_ALLOW_BUFFERED_READS" in caplog.text and "does not support O_DIRECT" in caplog.text
+
+
+def test_threads_read_concurrently(store):
+    with StoreReader(store, threads=4) as r:
+        arena = alloc_slots(64, r.max_extent)
+        keys = r.keys() * 4
+        futs = r.read_many([(layer, e, arena[i]) for i, (layer, e) in enumerate(keys)])
+        assert all(f.result(10).data.tobytes() == reference(store, *k) for k, f in zip(keys, futs, strict=True))
+        assert r.stats()["reads"] == 64 and r.stats()["queued"] == 0
