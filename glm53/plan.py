@@ -295,7 +295,7 @@ def _size_vram(shape: ModelShape, settings, budget: int, reasons: dict, warnings
             raise PlanError(f"VRAM budget {gib(budget)} < {gib(need)} needed for the always-used weights "
                             f"({gib(shape.always_used_bytes)}), {shape.top_k} expert slots per MoE layer, "
                             f"KV for {MIN_KV_TOKENS} tokens and the {gib(VRAM_RESERVE)} reserve: use a GPU with "
-                            "more free VRAM or raise GLM53_VRAM_BUDGET_GB", warnings, reasons)
+                            "more free VRAM or raise GLM53_VRAM_BUDGET_GB")
         warnings.append(f"GLM53_CONTEXT={settings.context} needs {gib(settings.context * shape.kv_bytes_per_token)} "
                         f"of KV cache but only {gib(room)} is left after the weights and {shape.top_k} expert "
                         f"slots per layer: context lowered to {fit} tokens; set GLM53_CONTEXT={fit} to silence "
@@ -386,103 +386,151 @@ def plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
         raise
 
 
-def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str]) -> Plan:
-    gpu, budget = _pick_gpu(facts, settings, reasons)
-    slots, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
-    eb = shape.expert_bytes
-    ram = _ram(facts)
-    rest = (shape.experts - slots) * eb        # experts that VRAM cannot hold
-    all_in_vram = rest == 0
-    fits_ram = rest + ram.margin <= ram.usable
-    store_problem = _store_problem(facts, shape, settings, warnings)
-    nvme_ram_ok = ram.usable >= NVME_MIN_RAM_GIB * GIB
-    nvme_ok = store_problem is None and nvme_ram_ok
-    cpu = facts.cpu
-    missing = [f.upper() for f in CPU_LANE_FLAGS if f not in cpu.flags]
-    lane_ok = not missing and not settings.exact
+@dataclass(frozen=True)
+class _Fit:
+    """The conditions of the decision table on this host, and the sentence that explains each failing one."""
 
+    all_in_vram: bool
+    fits_ram: bool
+    nvme_ram_ok: bool
+    store_problem: str | None
+    lane_missing: tuple[str, ...]   # CPU-lane instructions the CPU lacks
+    exact_wanted: bool              # GLM53_EXACT=1
+    fast_msg: str                   # why (or how well) the non-VRAM experts fit in RAM
+    nvme_ram_msg: str               # why usable RAM is too small for nvme, with the fix
+    lane_msg: str
+
+    @property
+    def nvme_ok(self) -> bool:
+        return self.store_problem is None and self.nvme_ram_ok
+
+    @property
+    def lane_ok(self) -> bool:
+        return not self.lane_missing and not self.exact_wanted
+
+
+def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, warnings: list[str]) -> _Fit:
+    rest = (shape.experts - slots) * shape.expert_bytes  # what VRAM cannot hold
+    in_use = f", {gib(facts.memory.current or 0)} in use" if ram.capped else ""
+    fast_msg = (f"fast/exact mode needs {gib(rest + ram.margin)} of RAM for the {shape.experts - slots} experts not "
+                f"in VRAM (with a {gib(ram.margin)} margin); usable RAM is {gib(ram.usable)} ({ram.what}{in_use})")
     suggested = _suggested_cap(facts)
-    mem_fix = (f"run with --memory {suggested}g --memory-swap {suggested}g" if ram.capped
-               else "free memory or use a host with more RAM")
-    nvme_ram_msg = f"{ram.what} < {NVME_MIN_RAM_GIB} GiB needed for nvme mode: {mem_fix}"
-    fast_msg = (f"fast/exact mode needs {gib(rest + ram.margin)} of RAM for the {shape.experts - slots} experts "
-                f"not in VRAM (with a {gib(ram.margin)} margin), but usable RAM is {gib(ram.usable)} "
-                f"({ram.what}, {gib(facts.memory.current or 0)} in use)" if ram.capped else
-                f"fast/exact mode needs {gib(rest + ram.margin)} of RAM for the {shape.experts - slots} experts "
-                f"not in VRAM (with a {gib(ram.margin)} margin), but usable RAM is {gib(ram.usable)} ({ram.what})")
-    lane_msg = (f"CPU ({cpu.model}) lacks {'/'.join(missing)}, which the CPU lane needs" if missing else "")
+    fix = (f"run with --memory {suggested}g --memory-swap {suggested}g" if ram.capped
+           else "free memory or use a host with more RAM")
+    missing = tuple(f.upper() for f in CPU_LANE_FLAGS if f not in facts.cpu.flags)
+    return _Fit(
+        all_in_vram=rest == 0,
+        fits_ram=rest + ram.margin <= ram.usable,
+        nvme_ram_ok=ram.usable >= NVME_MIN_RAM_GIB * GIB,
+        store_problem=_store_problem(facts, shape, settings, warnings),
+        lane_missing=missing,
+        exact_wanted=bool(settings.exact),
+        fast_msg=fast_msg,
+        nvme_ram_msg=f"{ram.what} < {NVME_MIN_RAM_GIB} GiB needed for nvme mode: {fix}",
+        lane_msg=f"CPU ({facts.cpu.model}) lacks {'/'.join(missing)}, which the CPU lane needs" if missing else "",
+    )
 
-    requested = settings.mode
-    if requested == "auto":
-        mode = decide(all_in_vram, fits_ram, nvme_ok, lane_ok)
+
+def _choose_mode(fit: _Fit, settings, reasons: dict[str, str], warnings: list[str]) -> str:
+    """GLM53_MODE=auto walks AUTO_RULES; an explicit mode is checked against MODE_NEEDS."""
+    if settings.mode == "auto":
+        mode = decide(fit.all_in_vram, fit.fits_ram, fit.nvme_ok, fit.lane_ok)
         if mode == "refuse":
-            problems = ([] if nvme_ram_ok else [nvme_ram_msg]) + ([store_problem] if store_problem else [])
-            raise PlanError("; and ".join(problems) + f". (Why not fast: {fast_msg}.)", warnings, reasons)
-        why = {"exact": "every expert fits in VRAM: no misses, so no CPU lane" if all_in_vram else
-               "experts fit in RAM, and " + (lane_msg or "GLM53_EXACT=1 asks for bit-exact numerics"),
-               "fast": f"the {shape.experts - slots} experts not in VRAM ({gib(rest)}) fit in usable RAM "
-                       f"({gib(ram.usable)}, {ram.what}) and the CPU has AVX2/FMA/F16C",
-               "nvme": f"{fast_msg}; the store is valid and usable RAM >= {NVME_MIN_RAM_GIB} GiB",
-               "nvme-exact": f"{fast_msg}; the store is valid; and "
-                             + (lane_msg or "GLM53_EXACT=1 asks for bit-exact numerics")}[mode]
+            problems = ([] if fit.nvme_ram_ok else [fit.nvme_ram_msg]) + [p for p in [fit.store_problem] if p]
+            raise PlanError("; and ".join(problems) + f". (Why not fast: {fit.fast_msg}.)")
+        exact_why = fit.lane_msg or "GLM53_EXACT=1 asks for bit-exact numerics"
+        why = {"exact": "every expert fits in VRAM: no misses, so no CPU lane" if fit.all_in_vram
+               else f"the experts fit in RAM, and {exact_why}",
+               "fast": f"the experts not in VRAM fit in RAM ({fit.fast_msg}) and the CPU has AVX2/FMA/F16C",
+               "nvme": f"{fit.fast_msg}; the store is valid and usable RAM >= {NVME_MIN_RAM_GIB} GiB",
+               "nvme-exact": f"{fit.fast_msg}; the store is valid; and {exact_why}"}[mode]
         reasons["mode"] = f"{mode} (GLM53_MODE=auto): {why}"
-    else:
-        mode = requested
-        if settings.exact:
-            warnings.append(f"GLM53_EXACT=1 ignored: GLM53_MODE={mode} was set explicitly")
-        problems = {"fits_ram": None if fits_ram else fast_msg + ": use GLM53_MODE=auto or nvme with a store",
-                    "lane_ok": f"{lane_msg}: use GLM53_MODE=exact or nvme-exact (or auto)" if missing else None,
-                    "nvme_ok": (nvme_ram_msg if not nvme_ram_ok else store_problem)}
-        for need in MODE_NEEDS[mode]:
-            if problems[need]:
-                raise PlanError(f"GLM53_MODE={mode} refused: {problems[need]}", warnings, reasons)
-        reasons["mode"] = f"{mode} (GLM53_MODE={mode}; the host meets its needs: {', '.join(MODE_NEEDS[mode])})"
+        return mode
+    mode = settings.mode
+    if settings.exact:
+        warnings.append(f"GLM53_EXACT=1 ignored: GLM53_MODE={mode} was set explicitly")
+    problems = {"fits_ram": None if fit.fits_ram else f"{fit.fast_msg}: use GLM53_MODE=auto or nvme with a store",
+                "lane_ok": f"{fit.lane_msg}: use GLM53_MODE=exact or nvme-exact (or auto)" if fit.lane_msg else None,
+                "nvme_ok": fit.store_problem if fit.nvme_ram_ok else fit.nvme_ram_msg}
+    for need in MODE_NEEDS[mode]:
+        if problems[need]:
+            raise PlanError(f"GLM53_MODE={mode} refused: {problems[need]}")
+    reasons["mode"] = f"{mode} (GLM53_MODE={mode}; the host meets its needs: {', '.join(MODE_NEEDS[mode])})"
+    return mode
 
-    nvme = mode in ("nvme", "nvme-exact")
-    staging_records = (shape.top_k if ram.small else 2 * shape.top_k) * 2 if nvme else 0
-    if nvme:
-        room = ram.usable - ram.margin - staging_records * eb
-        ram_slots = max(0, min(shape.experts - slots, room // eb))
-        reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}, {100 * ram_slots / shape.experts:.0f}% "
-                                f"of experts): usable RAM {gib(ram.usable)} ({ram.what}) minus a {gib(ram.margin)} "
-                                f"margin and {staging_records} NVMe staging records; the rest are read from the store")
-        budget_kind = "small-host" if ram.small else "normal"
-        if ram.small:
-            warnings.append(f"small host: usable RAM {gib(ram.usable)} < {SMALL_HOST_GIB} GiB, so the RAM tier holds "
-                            f"{100 * ram_slots / shape.experts:.0f}% of experts and decode is NVMe-bound; "
-                            f"--memory {suggested}g --memory-swap {suggested}g is the measured sweet spot")
-        nvme_threads = NVME_READERS_SMALL if ram.small else NVME_READERS
-        reasons["nvme_threads"] = (f"{nvme_threads}: outstanding O_DIRECT reads of one record each"
-                                   + (" (small-host budget halves them and their staging)" if ram.small else ""))
-        if settings.store and store_problem is None:
-            st = facts.store
-            reasons["store"] = f"{st.path} ({gib(st.size or 0)}) on {st.fstype} at {st.mount_point}; {st.odirect_how}"
-    else:
+
+@dataclass(frozen=True)
+class _RamTier:
+    slots: int
+    staging_records: int
+    nvme_threads: int
+    budget: str
+
+
+def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, slots: int, ram: _Ram,
+              reasons: dict[str, str], warnings: list[str]) -> _RamTier:
+    """Exclusive RAM tier: every non-VRAM expert in fast/exact; what the memory allows in the nvme modes."""
+    eb = shape.expert_bytes
+    if mode not in ("nvme", "nvme-exact"):
         ram_slots = shape.experts - slots
         reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}): every expert not in VRAM, exclusive "
                                 f"of it; usable RAM {gib(ram.usable)} ({ram.what})")
-        budget_kind = "normal"
-        nvme_threads = 0
         reasons["nvme_threads"] = f"0: {mode} mode keeps every expert in VRAM or RAM"
         if settings.store:
-            note = f" ({store_problem})" if store_problem else ""
-            reasons["store"] = f"{settings.store} not used in {mode} mode{note}"
-            if store_problem:
-                warnings.append(f"GLM53_STORE is set but unusable, and {mode} mode does not need it: {store_problem}")
-    ram_tier = (ram_slots + staging_records) * eb
+            reasons["store"] = f"{settings.store} not used in {mode} mode" + (
+                f" ({fit.store_problem})" if fit.store_problem else "")
+            if fit.store_problem:
+                warnings.append(f"GLM53_STORE is set but unusable, and {mode} mode does not need it: "
+                                f"{fit.store_problem}")
+        return _RamTier(ram_slots, 0, 0, "normal")
+    # Prefetched records land in pinned staging first: two layers' picks, double-buffered (one layer on a small host).
+    staging = (shape.top_k if ram.small else 2 * shape.top_k) * 2
+    ram_slots = max(0, min(shape.experts - slots, (ram.usable - ram.margin - staging * eb) // eb))
+    share = f"{100 * ram_slots / shape.experts:.0f}% of experts"
+    reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}, {share}): usable RAM {gib(ram.usable)} "
+                            f"({ram.what}) minus a {gib(ram.margin)} margin and {staging} NVMe staging records; the "
+                            "rest are read from the store")
+    readers = NVME_READERS_SMALL if ram.small else NVME_READERS
+    reasons["nvme_threads"] = (f"{readers}: outstanding O_DIRECT reads of one record each"
+                               + (" (small-host budget: half the readers and staging)" if ram.small else ""))
+    st = facts.store
+    reasons["store"] = f"{st.path} ({gib(st.size or 0)}) on {st.fstype} at {st.mount_point}; {st.odirect_how}"
+    if ram.small:
+        suggested = _suggested_cap(facts)
+        more = (f"; --memory {suggested}g --memory-swap {suggested}g would hold far more"
+                if ram.capped and facts.memory.limit is not None and suggested * GIB > facts.memory.limit else "")
+        warnings.append(f"small host: usable RAM {gib(ram.usable)} < {SMALL_HOST_GIB} GiB, so the RAM tier holds "
+                        f"{share} and decode is NVMe-bound{more}")
+    return _RamTier(ram_slots, staging, readers, "small-host" if ram.small else "normal")
 
+
+def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None:
     mem = facts.memory
-    if mem.memlock is not None and mem.memlock < ram_tier:
-        warnings.append(f"RLIMIT_MEMLOCK {human(mem.memlock)} < the {gib(ram_tier)} pinned RAM tier; pinned tiers "
+    if mem.memlock is not None and mem.memlock < pinned:
+        # Only a warning: some drivers pin without RLIMIT_MEMLOCK. Start-up pins a test buffer and refuses if it fails.
+        warnings.append(f"RLIMIT_MEMLOCK {human(mem.memlock)} < the {gib(pinned)} pinned RAM tier; pinned tiers "
                         "may fail: add --ulimit memlock=-1 (preflight pins a test buffer to check)")
     if mem.limit is not None and mem.swap_limit != 0 and mem.swap_total != 0:
+        # `docker --memory X` alone allows X of swap on top: the kernel would swap the RAM tier out under pressure.
         allowed = "unlimited" if mem.swap_limit is None else gib(mem.swap_limit)
+        cap = round(mem.limit / GIB)
         warnings.append(f"memory cap {gib(mem.limit)} without an equal swap cap (swap allowed: {allowed}): the RAM "
                         f"tier can be swapped out: run with --memory-swap equal to --memory "
-                        f"(--memory {round(mem.limit / GIB)}g --memory-swap {round(mem.limit / GIB)}g)")
+                        f"(--memory {cap}g --memory-swap {cap}g)")
+
+
+def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str]) -> Plan:
+    gpu, budget = _pick_gpu(facts, settings, reasons)
+    slots, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
+    ram = _ram(facts)
+    fit = _fit(facts, shape, settings, slots, ram, warnings)
+    mode = _choose_mode(fit, settings, reasons, warnings)
+    tier = _size_ram(facts, shape, settings, mode, fit, slots, ram, reasons, warnings)
+    pinned = (tier.slots + tier.staging_records) * shape.expert_bytes
+    _memory_warnings(facts, pinned, warnings)
     cpu_threads = _cpu_threads(facts, settings, mode, reasons, warnings)
-    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, slots, slots // shape.moe_layers, ram_slots,
-                ram_tier, cpu_threads, nvme_threads, kv_tokens, budget_kind, settings.store or None, warnings,
+    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, slots, slots // shape.moe_layers, tier.slots,
+                pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
                 reasons)
 
 
