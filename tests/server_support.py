@@ -43,10 +43,10 @@ class FakeEngine:
         self.generated = 0
         self.prompt_tokens = 0
         self.last_params: SamplingParams | None = None
+        self.vocab_size = _BASE + len(_SPECIALS)
         env = jinja2.Environment()
         env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
         self._template = env.from_string(gtok.CHAT_TEMPLATE)
-        self.vocab_size = _BASE + len(_SPECIALS)
 
     # -- lifecycle --
     @property
@@ -83,7 +83,8 @@ class FakeEngine:
         return ids
 
     def detokenize(self, ids: list[int]) -> str:
-        return "".join(_SPECIALS[i - _BASE] if i >= _BASE else chr(i) for i in ids)
+        # Like tokenizers: ids outside the vocabulary decode to nothing.
+        return "".join(_SPECIALS[i - _BASE] if i >= _BASE else chr(i) for i in ids if 0 <= i < self.vocab_size)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
                             add_generation_prompt: bool = True) -> str:
@@ -105,6 +106,8 @@ class FakeEngine:
             raise EngineNotReady("not loaded")
         if len(prompt_ids) >= self.context_length:
             raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         self.last_params = params
         self.running.add(request_id)
         self.prompt_tokens += len(prompt_ids)

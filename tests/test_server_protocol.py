@@ -327,7 +327,9 @@ def test_unsupported_completions_options(server):
     err(httpx.post(server.url + "/v1/completions", json={"prompt": "x", "suffix": "y"}), 400, "unsupported_parameter")
     err(httpx.post(server.url + "/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1}), 400)
     err(httpx.post(server.url + "/v1/completions", json={"prompt": [[]]}), 400)
-    err(httpx.post(server.url + "/v1/completions", json={"prompt": [10**9]}), 400)
+    e = err(httpx.post(server.url + "/v1/completions", json={"prompt": [10**9]}), 400)
+    assert "token ids" in e["message"]
+    e = err(httpx.post(server.url + "/v1/completions", json={"prompt": [10**9], "stream": True}), 400)
 
 
 def test_api_key(engine):

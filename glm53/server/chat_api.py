@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from glm53.engine.interface import SamplingParams
+from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.chat import (
     THINK_CLOSE,
     THINK_OPEN,
@@ -30,13 +30,14 @@ from glm53.server.common import (
     check_unsupported,
     error_frame_body,
     grammar_for,
+    open_runs,
     resolve_max_tokens,
     sampling_params,
     stream_usage_requested,
     unless_disconnected,
 )
 from glm53.server.errors import bad_request
-from glm53.server.generation import TokenLogprob, choice_steps
+from glm53.server.generation import Tally, TokenLogprob, choice_steps
 from glm53.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, SSEResponse, frame, merge, with_keepalive
 
@@ -96,6 +97,7 @@ class ChatPlan:
     param_types: dict[str, dict[str, str]]
     params: list[SamplingParams]
     logprobs: bool
+    runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
 
 
 def _build_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, bool, str | None, bool]:
@@ -150,8 +152,10 @@ async def plan_chat(state: ServerState, req: ChatCompletionRequest, job: Job) ->
             p.reasoning_budget = state.reasoning_budget
             p.reasoning_end_ids = engine.tokenize(THINK_CLOSE + "\n", False)
         params.append(p)
-    return ChatPlan(req, prompt_ids, start_in_reasoning, parse_tools, named, required,
+    plan = ChatPlan(req, prompt_ids, start_in_reasoning, parse_tools, named, required,
                     tool_param_types([t.model_dump() for t in req.tools or []]), params, req.logprobs)
+    plan.runs = await open_runs(engine, prompt_ids, params, job)
+    return plan
 
 
 @dataclass
@@ -163,14 +167,14 @@ class ChoiceEvent:
 
 
 async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -> AsyncIterator[ChoiceEvent]:
-    rid, tally = job.new_choice()
+    rid, tally, events = plan.runs[index]
     parser = ChatStreamParser(start_in_reasoning=plan.start_in_reasoning, parse_tools=plan.parse_tools,
                               param_types=plan.param_types)
     if plan.forced_tool or plan.force_any_tool:
         first = parser.begin_tool_call(plan.forced_tool)
         if first:
             yield ChoiceEvent(index, first, [], None)
-    steps = choice_steps(state.engine, plan.prompt_ids, plan.params[index], rid, plan.req.stop, tally)
+    steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop, tally)
     try:
         async for step in steps:
             delta = parser.feed(step.text) if step.text else Delta()
@@ -244,7 +248,7 @@ async def stream_frames(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIt
         yield frame(error_frame_body(exc))
     finally:
         await events.aclose()
-        job.record()
+        job.finish()
     yield DONE_FRAME
 
 
@@ -262,7 +266,7 @@ async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, An
                 reasons[ev.index] = ev.finish_reason
     finally:
         await events.aclose()
-        job.record()
+        job.finish()
     choices = []
     for i in range(n):
         calls = merge_tool_calls(acc[i].tool_calls)

@@ -7,15 +7,15 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
 
-from glm53.engine.interface import Engine, SamplingParams
+from glm53.engine.interface import Engine, EngineEvent, SamplingParams
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
-from glm53.server.generation import Tally
+from glm53.server.generation import Tally, open_events
 from glm53.server.metrics import Metrics
 from glm53.server.protocol import ResponseFormat, _Sampling
 from glm53.server.sse import wait_for_disconnect
@@ -147,6 +147,12 @@ class Job:
         self.cancel()
         self.state.metrics.observe_disconnect()
 
+    def finish(self) -> None:
+        """The reply is complete or abandoned: stop whatever still runs (idempotent; finished ids are
+        ignored by the engine) and record the metrics."""
+        self.cancel()
+        self.record()
+
     def record(self) -> None:
         if self.recorded:
             return
@@ -156,6 +162,23 @@ class Job:
         self.state.metrics.observe_generation(
             arrived=self.arrived, prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
             first_token_at=min(firsts) if firsts else None, last_token_at=max(lasts) if lasts else None)
+
+
+async def open_runs(engine: Engine, prompt_ids: list[int] | list[list[int]], params: list[SamplingParams],
+                    job: Job) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
+    """Start every choice's generation (see generation.open_events); on a failure, stop the ones started."""
+    runs = []
+    try:
+        for i, p in enumerate(params):
+            rid, tally = job.new_choice()
+            ids = prompt_ids[i] if prompt_ids and isinstance(prompt_ids[0], list) else prompt_ids
+            runs.append((rid, tally, await open_events(engine, ids, p, rid)))  # type: ignore[arg-type]
+    except BaseException:
+        job.cancel()
+        for _, _, events in runs:
+            await events.aclose()
+        raise
+    return runs
 
 
 class ClientGone(Exception):

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from glm53.engine.interface import SamplingParams
+from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.common import (
     ClientGone,
     Job,
@@ -20,13 +20,14 @@ from glm53.server.common import (
     check_unsupported,
     error_frame_body,
     grammar_for,
+    open_runs,
     resolve_max_tokens,
     sampling_params,
     stream_usage_requested,
     unless_disconnected,
 )
 from glm53.server.errors import bad_request
-from glm53.server.generation import Step, TokenLogprob, choice_steps
+from glm53.server.generation import Step, Tally, TokenLogprob, choice_steps
 from glm53.server.protocol import CompletionRequest
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, SSEResponse, frame, merge, with_keepalive
 
@@ -42,6 +43,7 @@ class CompletionPlan:
     req: CompletionRequest
     prompts: list[Prompt]
     params: list[SamplingParams]  # one per choice: prompt-major, n per prompt
+    runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
@@ -55,7 +57,6 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
         raw = list(p)  # type: ignore[arg-type]
     if not raw:
         raise bad_request("prompt must not be empty.", param="prompt")
-    vocab = getattr(engine, "vocab_size", None)
     out = []
     for item in raw:
         if isinstance(item, str):
@@ -63,8 +64,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", param="prompt")
-        if vocab is not None and any(not 0 <= t < vocab for t in item):
-            raise bad_request(f"Token ids must be in [0, {vocab}).", param="prompt")
+        # Ids outside the vocabulary are refused by the engine when the generation starts (a 400 as well).
         out.append(Prompt(list(item), engine.detokenize(list(item))))
     return out
 
@@ -93,13 +93,17 @@ async def plan_completion(state: ServerState, req: CompletionRequest, job: Job) 
         for i in range(req.n):
             params.append(sampling_params(req, engine, max_tokens=max_tokens, index=i, logprobs=req.logprobs,
                                           grammar=grammar))
-    return CompletionPlan(req, prompts, params)
+    plan = CompletionPlan(req, prompts, params)
+    per_choice = [prompts[i // req.n].ids for i in range(len(params))]
+    plan.runs = await open_runs(engine, per_choice, params, job)
+    return plan
 
 
 async def _run(state: ServerState, plan: CompletionPlan, job: Job, index: int) -> AsyncIterator[tuple[int, Step]]:
-    rid, tally = job.new_choice()
+    rid, tally, events = plan.runs[index]
     prompt = plan.prompts[index // plan.req.n]
-    steps = choice_steps(state.engine, prompt.ids, plan.params[index], rid, plan.req.stop, tally)
+    steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop,
+                         tally)
     try:
         if plan.req.echo:
             yield index, Step(prompt.text)
@@ -151,7 +155,7 @@ async def stream_frames(state: ServerState, plan: CompletionPlan, job: Job) -> A
         yield frame(error_frame_body(exc))
     finally:
         await events.aclose()
-        job.record()
+        job.finish()
     yield DONE_FRAME
 
 
@@ -169,7 +173,7 @@ async def _collect(state: ServerState, plan: CompletionPlan, job: Job) -> dict[s
                 reasons[index] = step.finish_reason
     finally:
         await events.aclose()
-        job.record()
+        job.finish()
     choices = [{"index": i, "text": texts[i],
                 "logprobs": _logprobs_json(lps[i], 0) if plan.req.logprobs is not None else None,
                 "finish_reason": reasons[i]} for i in range(count)]

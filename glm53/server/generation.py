@@ -8,13 +8,16 @@ KV cache are freed for others.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from glm53.engine.interface import Engine, EngineError, PromptProgress, SamplingParams, TokenEvent
+from glm53.engine.interface import Engine, EngineError, EngineEvent, PromptProgress, SamplingParams, TokenEvent
 from glm53.server.chat import split_at_tag
+from glm53.server.errors import bad_request, from_engine_error
 
 
 @dataclass
@@ -78,12 +81,64 @@ def _logprob(ev: TokenEvent) -> TokenLogprob | None:
     return TokenLogprob(ev.token_text, ev.logprob, list(ev.top_logprobs or []))
 
 
-async def choice_steps(engine: Engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       stops: list[str], tally: Tally) -> AsyncIterator[Step]:
-    """Yield text steps of one choice; the last step carries finish_reason ("stop" | "length")."""
-    matcher = StopMatcher(stops) if stops else None
-    end_ids = frozenset(params.stop_token_ids)
+async def open_events(engine: Engine, prompt_ids: list[int], params: SamplingParams,
+                      request_id: str) -> AsyncIterator[EngineEvent]:
+    """Start a generation now, so that what the engine rejects up front (prompt ids outside the vocabulary,
+    a prompt over the context, an engine not loaded) becomes an HTTP error before a stream's 200 status
+    line is sent. Engines validate synchronously before their first await, so one loop turn is enough."""
     events = engine.generate(prompt_ids, params, request_id)
+    first = asyncio.ensure_future(anext(events))
+    # If the caller never iterates (a stream whose client left at once), the request is cancelled by id and
+    # this task ends unobserved: mark its outcome as seen so asyncio does not log it.
+    first.add_done_callback(lambda t: t.cancelled() or t.exception())
+    await asyncio.sleep(0)
+    if first.done() and not first.cancelled() and first.exception() is not None:
+        exc = first.exception()
+        await events.aclose()
+        if isinstance(exc, StopAsyncIteration):
+            return _empty()
+        raise start_error(exc)
+    return _chain(first, events)
+
+
+def start_error(exc: BaseException) -> BaseException:
+    """Errors an engine raises before producing anything are about the request (or engine state)."""
+    if isinstance(exc, ValueError):
+        return bad_request(f"The engine rejected the request: {exc}")
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    return exc
+
+
+async def _empty() -> AsyncIterator[EngineEvent]:
+    return
+    yield  # pragma: no cover - makes this an async generator
+
+
+async def _chain(first: asyncio.Future, events: AsyncIterator[EngineEvent]) -> AsyncIterator[EngineEvent]:
+    try:
+        try:
+            item = await first
+        except StopAsyncIteration:
+            return
+        yield item
+        async for item in events:
+            yield item
+    finally:
+        if not first.done():
+            # Cancelling the pending first step cancels the engine generator inside it (its finally frees
+            # the request); only then may the generator be closed.
+            first.cancel()
+            with contextlib.suppress(BaseException):
+                await first
+        await events.aclose()
+
+
+async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], request_id: str, end_ids: frozenset[int],
+                       stops: list[str], tally: Tally) -> AsyncIterator[Step]:
+    """Yield text steps of one choice from opened `events`; the last step carries finish_reason
+    ("stop" | "length")."""
+    matcher = StopMatcher(stops) if stops else None
     engine_done = False  # the engine finished on its own; otherwise it is told to stop (stop string, error, client gone)
     try:
         async for ev in events:
@@ -119,6 +174,4 @@ async def choice_steps(engine: Engine, prompt_ids: list[int], params: SamplingPa
     finally:
         if not engine_done:
             engine.cancel(request_id)
-        aclose = getattr(events, "aclose", None)
-        if aclose is not None:
-            await aclose()
+        await events.aclose()

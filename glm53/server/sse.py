@@ -111,6 +111,7 @@ class SSEResponse(Response):
 
     async def _pump(self, send: Send) -> None:
         try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             async for chunk in self.frames:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -118,7 +119,6 @@ class SSEResponse(Response):
             await self.frames.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         pump = asyncio.ensure_future(self._pump(send))
         watch = asyncio.ensure_future(wait_for_disconnect(receive))
         try:
