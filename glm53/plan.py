@@ -270,8 +270,9 @@ def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu,
     if len(facts.gpus) > 1:
         others = ", ".join(str(o.index) for o in facts.gpus if o is not g)
         why += (f"; {len(facts.gpus)} GPUs found, glm53 serves from one: picked by PCIe bandwidth, then free VRAM "
-                f"(GPU {others} stay idle). Indices are nvidia-smi's PCI bus order; the server sets "
-                "CUDA_DEVICE_ORDER=PCI_BUS_ID so CUDA numbers them the same way")
+                f"(GPU {others} stay idle). Indices are nvidia-smi's, in PCI bus order; CUDA numbers GPUs the "
+                "same way only with CUDA_DEVICE_ORDER=PCI_BUS_ID. To choose another, expose only it: "
+                "docker run --gpus '\"device=N\"'")
     if (g.pcie_gen or 0) and g.pcie_gen < 4:
         why += ("; the link reads below gen 4 (an idle GPU may downshift, so this is a floor): each 9 MiB "
                 "admit costs more, so the planner favours the CPU lane for misses")

@@ -191,6 +191,9 @@ class Check:
 
 def check_pinning(plan: P.Plan | None, facts: H.HostFacts) -> Check:
     """Pin a host buffer through CUDA and copy it to the GPU: proves pinning works and measures PCIe."""
+    if not facts.gpus:
+        # Importing torch costs seconds; without a GPU nvidia-smi can see, CUDA cannot pin anything anyway.
+        return Check("pin", "skip", "no NVIDIA GPU visible (nvidia-smi lists none)")
     try:
         import torch
     except ImportError:
