@@ -54,10 +54,14 @@ class Inputs:
 
 
 def gather(args, root: str) -> Inputs:
-    """Settings (with CLI overrides), host facts under `root`, and the model's shape."""
+    """Settings (with the command line's overrides), host facts under `root`, and the model's shape."""
     settings = S.load_or_exit()
     overrides = {k: v for k, v in (("model_dir", args.model), ("store", args.store)) if v is not None}
-    settings = settings.with_overrides(**overrides)
+    return inputs(settings.with_overrides(**overrides), root)
+
+
+def inputs(settings: S.Settings, root: str = "/") -> Inputs:
+    """Host facts under `root` and the model's shape for `settings`: everything plan() needs."""
     if root == "/" and settings.store:
         # The plan compares this path with the store facts, which hold it absolute.
         settings = settings.with_overrides(store=os.path.abspath(settings.store))
@@ -93,6 +97,16 @@ def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:
     out["facts"] = inp.facts.to_json()
     out["shape"] = inp.shape.to_json()
     return plan, out
+
+
+def current_plan(settings: S.Settings) -> tuple[P.Plan, Inputs]:
+    """The plan `glm53 serve` obeys: this host, these settings. Raises PlanError (its message has the fix)."""
+    inp = inputs(settings)
+    if inp.model_error:
+        raise P.PlanError(inp.model_error, inp.warnings)
+    plan = P.plan(inp.facts, inp.shape, inp.settings)
+    plan.warnings[:0] = inp.warnings
+    return plan, inp
 
 
 # ---------------------------------------------------------------- text rendering

@@ -356,3 +356,11 @@ def test_default_shape_matches_design():
     d = M.DEFAULT_SHAPE
     assert d.experts == 12096 and d.expert_bytes == 9 * (1 << 20) + 36 * 1024
     assert 106 * P.GIB < d.all_experts_bytes < 107 * P.GIB
+
+
+def test_current_plan_for_serve():
+    # What `glm53 serve` calls: this machine, these settings. With no model configured it is always the demo.
+    from glm53 import planning_cli
+
+    plan, inp = planning_cli.current_plan(S.load(environ={}, dotenv=None))
+    assert plan.mode == "demo" and inp.facts.root == "/" and plan.real_model is not None
