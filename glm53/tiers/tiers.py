@@ -85,8 +85,10 @@ class ExpertTiers:
             )
         if not keep_all and fetch is None:
             raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
-        if not keep_all and ram_slots < 1:
-            raise ValueError("a RAM tier that caches the store needs at least one slot")
+        if not keep_all and ram_slots < num_experts + 1:
+            # One step of one layer may pick all of its experts, each must sit in RAM at once (CPU lane, PCIe
+            # source) while a victim's write-back needs one more slot.
+            raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
         self.vram = [
             VramLayer(layout, num_experts, s, self.device, None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
@@ -182,7 +184,8 @@ class ExpertTiers:
         """Read a STORE expert into a RAM slot (dropping the weakest RAM expert if full); returns the slot."""
         if self.where[layer, expert] != Where.STORE:
             raise TierError(f"expert {layer}/{expert} is {Where(self.where[layer, expert]).name}, not STORE")
-        self._make_ram_room(layer, protect)
+        if not self._ram_room(layer, protect):
+            raise TierError(f"RAM tier full ({self.ram.num_slots} slots) of experts in use: cannot read {layer}/{expert}")
         r = self.ram.alloc(layer, expert, pending=True)
         try:
             self.fetch(layer, expert, self.ram.flat(r))
@@ -226,10 +229,16 @@ class ExpertTiers:
 
     def try_admit(self, layer: int, misses: np.ndarray, protect: np.ndarray) -> dict[int, int]:
         """Admit the misses the layer's policy wants (free slots first, then beating the weakest unprotected
-        resident by its margin); returns {expert: slot} of the copies started. Call after observe()."""
+        resident by its margin); returns {expert: slot} of the copies started. Call after observe(). Where RAM has
+        no room for a victim's write-back the rest are not admitted (they stream instead): never an error."""
         vl = self.vram[layer]
         plan = choose_admissions(self.policies[layer], vl.resident(), len(vl.free_slots()), misses, protect)
-        return {e: self.admit(layer, e, v, protect) for e, v in plan}
+        started = {}
+        for e, v in plan:
+            if v is not None and not self._ram_room(layer, np.append(protect, e)):
+                break
+            started[e] = self.admit(layer, e, v, protect)
+        return started
 
     def observe(self, layer: int, ids: np.ndarray, weight: float = 1.0) -> None:
         self.policies[layer].observe(ids, weight)
@@ -243,7 +252,8 @@ class ExpertTiers:
     def _write_back(self, layer: int, expert: int, protect: np.ndarray | None) -> int:
         if self.where[layer, expert] != Where.VRAM:
             raise TierError(f"evict {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not VRAM")
-        self._make_ram_room(layer, protect)
+        if not self._ram_room(layer, protect):  # refused before any state changed
+            raise TierError(f"RAM tier full ({self.ram.num_slots} slots): no room to write {layer}/{expert} back")
         r = self.ram.alloc(layer, expert, pending=True)
         slot = self.vram[layer].release(expert)
         ticket = self.copier.copy(self.ram.flat(r), self.vram[layer].flat(slot))
@@ -253,16 +263,19 @@ class ExpertTiers:
         self.stats.add_bytes("vram_to_ram", self.layout.nbytes)
         return slot
 
-    def _make_ram_room(self, layer: int, protect: np.ndarray | None) -> None:
-        """Ensure one free RAM slot. Fills in flight free their RAM source when they land, so wait for the oldest;
-        in the nvme modes dropping the weakest RAM expert (the store has it) is cheaper than waiting."""
+    def _ram_room(self, layer: int, protect: np.ndarray | None) -> bool:
+        """Make one RAM slot free if possible. Fills in flight free their RAM source when they land, so wait for the
+        oldest; in the nvme modes dropping the weakest RAM expert (the store has it) is cheaper than waiting.
+        False when neither can help: the all-RAM modes keep just enough spare for swaps, and a bare eviction
+        beyond it would need a second copy's worth of RAM."""
         while self.ram.free_count() == 0:
             if not self.keep_all and self._drop_weakest(layer, protect):
                 continue
             fills = [key for key, mv in self._moves.items() if mv.to_vram]
             if not fills:
-                raise TierError("RAM tier is full and nothing in flight will free a slot")
+                return False
             self.stats.add_wait("pcie", self.settle(*fills[0]))
+        return True
 
     def _drop_weakest(self, layer: int, protect: np.ndarray | None) -> bool:
         scores = np.stack([p.scores() for p in self.policies])

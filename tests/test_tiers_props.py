@@ -1,0 +1,190 @@
+"""Property tests of the tier rules over random sequences of operations (hypothesis state machine).
+
+The copier here defers every copy until the test lands it, in issue order, like a CUDA copy stream: an expert
+marked resident too early would be read from a slot still holding someone else's bytes, and the content
+checks would catch it. After every step: exclusivity, nothing lost or duplicated, only landed experts in the
+router map, every readable expert's bytes equal to the source (so write-backs really wrote back).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe, tiered_moe
+from glm53.tiers.policy import ScoredPolicy
+
+LAYERS, EXPERTS = 2, 6
+LAYOUT = SlotLayout.packed([("w", torch.float32, (4, 4))], align=16)
+
+
+class DeferredTicket:
+    def __init__(self, copier: DeferredCopier, seq: int):
+        self.copier, self.seq = copier, seq
+
+    def done(self) -> bool:
+        return self.copier.executed > self.seq
+
+    def wait(self) -> None:
+        self.copier.run(self.seq + 1 - self.copier.executed)
+
+
+class DeferredCopier(Copier):
+    """Copies run only when landed (run), oldest first: the ordering one copy stream gives."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.executed = 0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> DeferredTicket:
+        self.queue.append((dst, src))
+        return DeferredTicket(self, len(self.queue) - 1)
+
+    def run(self, n: int) -> None:
+        for _ in range(max(0, n)):
+            if self.executed < len(self.queue):
+                dst, src = self.queue[self.executed]
+                dst.copy_(src)
+                self.executed += 1
+
+
+def source_bytes() -> torch.Tensor:
+    out = torch.zeros((LAYERS, EXPERTS, LAYOUT.nbytes), dtype=torch.uint8)
+    for layer in range(LAYERS):
+        for e in range(EXPERTS):
+            LAYOUT.views(out[layer, e])["w"].copy_(torch.full((4, 4), float(100 * layer + e)))
+    return out
+
+
+def expert_forward(slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return x @ LAYOUT.views(slot)["w"]
+
+
+layers = st.integers(0, LAYERS - 1)
+experts = st.integers(0, EXPERTS - 1)
+
+
+class TierMachine(RuleBasedStateMachine):
+    @initialize(
+        keep_all=st.booleans(),
+        vram=st.lists(st.integers(0, EXPERTS), min_size=LAYERS, max_size=LAYERS),
+        spare=st.integers(0, 4),
+        counts=st.none() | st.lists(st.floats(0, 50), min_size=LAYERS * EXPERTS, max_size=LAYERS * EXPERTS),
+    )
+    def start(self, keep_all, vram, spare, counts):
+        self.src = source_bytes()
+        self.copier = DeferredCopier()
+        ram = LAYERS * EXPERTS - sum(vram) + 1 + spare if keep_all else EXPERTS + 1 + spare
+        self.tiers = ExpertTiers(
+            LAYOUT, EXPERTS, vram, ram, keep_all=keep_all, copier=self.copier,
+            fetch=lambda lay, e, out: out.copy_(self.src[lay, e]),
+            policy_factory=lambda n: ScoredPolicy(n, margin=0.0),
+        )
+        self.counts = None if counts is None else np.array(counts).reshape(LAYERS, EXPERTS)
+        self.tiers.populate(lambda lay, e, out: out.copy_(self.src[lay, e]), self.counts)
+        if self.counts is not None:  # warm start: each layer's VRAM holds its most-picked experts
+            for layer, s in enumerate(vram):
+                top = np.argsort(-self.counts[layer], kind="stable")[:s]
+                assert set(np.flatnonzero(self.tiers.vram[layer].resident())) == set(top.tolist())
+
+    @rule(layer=layers, expert=experts, data=st.data())
+    def admit(self, layer, expert, data):
+        t, vl = self.tiers, self.tiers.vram[layer]
+        residents = np.flatnonzero(vl.resident()).tolist()
+        victim = data.draw(st.sampled_from(residents)) if residents and not vl.free_slots().size else None
+        before = t.where.copy()
+        no_room = t.keep_all and t.ram.free_count() == 0 and not any(mv.to_vram for mv in t._moves.values())
+        try:
+            t.admit(layer, expert, victim)
+        except TierError:
+            # Refused: not in RAM, no slot, or (all-RAM mode, spare used by bare evictions) no room for the victim.
+            assert before[layer, expert] != Where.RAM or (victim is None and not vl.free_slots().size) or no_room
+            assert np.array_equal(t.where, before), "a refused admission changed state"
+            return
+        assert before[layer, expert] == Where.RAM
+        assert t.where[layer, expert] == Where.TO_VRAM and vl.slot_of[expert] == -1  # not resident before landing
+        if victim is not None:
+            assert t.where[layer, victim] == Where.TO_RAM
+
+    @rule(layer=layers, expert=experts)
+    def evict(self, layer, expert):
+        t = self.tiers
+        if t.where[layer, expert] != Where.VRAM:
+            return
+        if t.keep_all and t.ram.free_count() == 0 and not any(mv.to_vram for mv in t._moves.values()):
+            try:  # all-RAM mode with the spare used up: refused, and nothing changed
+                t.evict(layer, expert)
+            except TierError:
+                assert t.where[layer, expert] == Where.VRAM
+                return
+            raise AssertionError("eviction without room in RAM was accepted")
+        t.evict(layer, expert)
+        assert t.where[layer, expert] == Where.TO_RAM
+
+    @precondition(lambda self: not self.tiers.keep_all)
+    @rule(layer=layers, expert=experts)
+    def fetch(self, layer, expert):
+        if self.tiers.where[layer, expert] == Where.STORE:
+            self.tiers.fetch_to_ram(layer, expert)
+            assert self.tiers.where[layer, expert] == Where.RAM
+
+    @rule(n=st.integers(1, 3))
+    def copies_land(self, n):
+        self.copier.run(n)
+
+    @rule()
+    def poll(self):
+        self.tiers.poll()
+
+    @rule(layer=layers, expert=experts)
+    def settle(self, layer, expert):
+        self.tiers.settle(layer, expert)
+        assert self.tiers.where[layer, expert] not in (Where.TO_VRAM, Where.TO_RAM)
+
+    @rule(layer=layers, picks=st.lists(st.lists(experts, min_size=2, max_size=2, unique=True), min_size=1, max_size=3),
+          cpu=st.booleans(), admit=st.booleans())
+    def step(self, layer, picks, cpu, admit):
+        ids = np.array(picks)
+        x = torch.arange(len(picks) * 4, dtype=torch.float32).reshape(len(picks), 4)
+        w = torch.full(ids.shape, 0.5)
+        got = tiered_moe(self.tiers, layer, x, ids, w, expert_forward,
+                         lane_for=lambda lay, e: "cpu" if cpu else "pcie", admit=admit)
+        assert torch.equal(got.y, direct_moe(x, ids, w, lambda e: self.src[layer, e], expert_forward))
+
+    @invariant()
+    def tier_rules(self):
+        t = self.tiers
+        t.check_invariants()
+        for layer in range(LAYERS):
+            vl = t.vram[layer]
+            held_vram = set(vl.owner[(vl.owner >= 0) & ~vl.pending].tolist())
+            held_ram = {e for e in range(EXPERTS) if t.ram.holds(layer, e)}
+            moving = {e for (lay, e) in t._moves if lay == layer}
+            assert not held_vram & held_ram, "an expert is resident in VRAM and RAM at once"
+            if t.keep_all:  # never lost: every expert is somewhere, or on its way between tiers
+                assert held_vram | held_ram | moving == set(range(EXPERTS))
+            for e in range(EXPERTS):
+                if t.where[layer, e] in (Where.VRAM, Where.RAM, Where.TO_VRAM):
+                    assert torch.equal(t.bytes_of(layer, e), self.src[layer, e]), f"{layer}/{e} bytes wrong"
+            for e, slot in enumerate(vl.router_map.tolist()):
+                if slot != vl.absent:
+                    assert torch.equal(vl.flat(slot), self.src[layer, e]), "router map points at bytes not landed"
+
+    def teardown(self):
+        if hasattr(self, "tiers"):  # everything lands eventually, and then every expert is readable
+            self.tiers.settle_all()
+            self.tier_rules()
+            for layer in range(LAYERS):
+                for e in range(EXPERTS):
+                    w = self.tiers.where[layer, e]
+                    assert w in (Where.VRAM, Where.RAM) or (w == Where.STORE and not self.tiers.keep_all)
+
+
+TierMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_tier_rules = TierMachine.TestCase
