@@ -11,9 +11,10 @@ from __future__ import annotations
 import difflib
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MODES = ("auto", "fast", "exact", "nvme", "nvme-exact")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -113,7 +114,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("GLM53_MAX_CONCURRENCY", "8", "Requests decoded together; more wait in the queue.",
             _int_at_least(1), "integer >= 1"),
     Setting("GLM53_VRAM_BUDGET_GB", "0",
-            "Cap on the VRAM glm53 uses (GB); 0 = what the GPU has free. Emulates a smaller card on a big one.",
+            "Cap on the VRAM glm53 uses, in GiB; 0 = what the GPU has free. Emulates a smaller card on a big one.",
             _float_at_least(0.0), "number >= 0"),
     Setting("GLM53_CPU_THREADS", "0",
             "CPU-lane threads; 0 = physical cores minus one (SMT siblings unused). Exact modes use none.",
@@ -142,7 +143,7 @@ class Settings:
         except KeyError:
             raise AttributeError(key) from None
 
-    def with_overrides(self, **kw: Any) -> "Settings":
+    def with_overrides(self, **kw: Any) -> Settings:
         return Settings({**self.values, **kw}, self.warnings)
 
 
