@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -150,8 +151,47 @@ def test_context_overflow_and_bad_input(reference_engine, hf_model_dir: Path) ->
     assert info.value.prompt_tokens == reference_engine.context_length
     with pytest.raises(ValueError):
         asyncio.run(collect(reference_engine, [], SamplingParams()))
+    with pytest.raises(ValueError):
+        asyncio.run(collect(reference_engine, [1], SamplingParams(temperature=-1)))
+
+
+def test_grammar_unsupported_without_llguidance(reference_engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reference_engine, "supports_grammar", False)
     with pytest.raises(GrammarUnsupported):
-        asyncio.run(collect(reference_engine, [1], SamplingParams(grammar='{"type": "object"}')))
+        asyncio.run(collect(reference_engine, [1], SamplingParams(grammar="start: %json {}")))
+
+
+BOOL_OBJECT = {
+    "x-guidance": {"whitespace_flexible": False},
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+def test_grammar_constrains_the_answer_after_reasoning(reference_engine) -> None:
+    pytest.importorskip("llguidance")
+    eng = reference_engine
+    grammar = "start: %json " + json.dumps(BOOL_OBJECT)
+    with pytest.raises(ValueError):
+        asyncio.run(collect(eng, [1], SamplingParams(grammar="start: %json {")))
+
+    msgs = [{"role": "user", "content": "JSON please"}]
+    no_think = eng.tokenize(eng.apply_chat_template(msgs, None, False))
+    for seed in range(3):
+        events = asyncio.run(collect(eng, no_think, SamplingParams(max_tokens=30, seed=seed, grammar=grammar)))
+        assert events[-1].finish_reason == "stop"  # the grammar completes: nothing more is allowed
+        assert json.loads("".join(e.text for e in events)) in ({"ok": True}, {"ok": False})
+
+    # Reasoning is free text; the grammar applies from the token after the (here budget-forced) </think>.
+    think = eng.tokenize(eng.apply_chat_template(msgs, None, True))
+    close = eng.tokenize(gtok.THINK_CLOSE + "\n")
+    params = SamplingParams(max_tokens=40, seed=0, grammar=grammar, reasoning_budget=2, reasoning_end_ids=close)
+    events = asyncio.run(collect(eng, think, params))
+    assert tokens(events)[2:4] == close and events[-1].finish_reason == "stop"
+    answer = eng.detokenize(tokens(events)[4:])
+    assert json.loads(answer) in ({"ok": True}, {"ok": False})
 
 
 def test_generation_stops_at_the_context_end(hf_model_dir: Path) -> None:

@@ -10,6 +10,11 @@ until it samples `reasoning_end_ids[0]` itself; once `reasoning_budget` tokens w
 it forces `reasoning_end_ids` as the next tokens (emitted as normal TokenEvents with `forced=True`) and
 samples on from there. Doing it inside the engine loop keeps the KV cache consistent with what the client
 sees, costs no extra round trip, and works identically for streamed and non-streamed requests.
+
+Grammar: `SamplingParams.grammar` is an llguidance grammar (lark, e.g. `start: %json {schema}`). When the
+prompt ends inside an open <think> block, the reasoning is unconstrained and the grammar applies from the
+token after the block closes. A generation whose grammar is complete ends with finish_reason "stop" on its
+last content token (which carries text, unlike a stop token).
 """
 
 from __future__ import annotations

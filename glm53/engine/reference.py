@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from glm53.engine import sampling
+from glm53.engine import constrain, sampling
 from glm53.engine.detok import IncrementalDetokenizer
 from glm53.engine.interface import (
     ContextLengthExceeded,
@@ -39,6 +39,7 @@ from glm53.engine.interface import (
 )
 from glm53.engine.template import render_chat
 from glm53.fixture.hf import quiet_transformers
+from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN
 
 log = logging.getLogger("glm53.engine")
 
@@ -57,6 +58,8 @@ class _Request:
     gen: torch.Generator
     detok: IncrementalDetokenizer
     in_reasoning: bool
+    reasoning_end: int | None  # the token that closes the think block when the model samples it
+    constraint: constrain.GrammarConstraint | None = None  # applies once the think block is closed
     cancelled: bool = False
     cache: Any = None
     prefilled: int = 0
@@ -83,7 +86,6 @@ class ReferenceEngine:
     """Engine (glm53.engine.interface) on the CPU with transformers. Construct, then load() (blocking)."""
 
     kind = "reference-cpu"
-    supports_grammar = False
 
     def __init__(
         self,
@@ -111,6 +113,10 @@ class ReferenceEngine:
         self._n_vocab = 0  # real tokenizer entries; the model's padded logits beyond are never sampled
         self._eos: list[int] = []
         self._pieces: dict[int, str] = {}
+        self._think_open: int | None = None
+        self._think_close: int | None = None
+        self._ll_tokenizer: Any = None  # llguidance's vocabulary view, when llguidance is installed
+        self.supports_grammar = constrain.available()
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
@@ -140,6 +146,8 @@ class ReferenceEngine:
     def load(self) -> None:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+        if self.ready:
+            return
         t0 = time.perf_counter()
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -161,6 +169,8 @@ class ReferenceEngine:
             self._eos = sorted({eos} if isinstance(eos, int) else set(eos or []))
             if not self.context_length:
                 self.context_length = int(text.max_position_embeddings)
+            self._think_open = self._tok.token_to_id(THINK_OPEN)
+            self._think_close = self._tok.token_to_id(THINK_CLOSE)
             with torch.inference_mode():  # one prefill and one decode step: both code paths, before serving
                 out = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)
                 model(input_ids=torch.tensor([[2]]), past_key_values=out.past_key_values, use_cache=True)
@@ -216,6 +226,13 @@ class ReferenceEngine:
         if self._tok is None:
             raise EngineNotReady("the model is not loaded yet")
 
+    def _grammar_vocab(self) -> Any:
+        # Built on first use: most deployments never see a grammar request, and it costs an import.
+        with self._cv:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = constrain.make_tokenizer(self._hf_tok, self._n_vocab, self._eos)
+            return self._ll_tokenizer
+
     def _piece(self, token_id: int) -> str:
         piece = self._pieces.get(token_id)
         if piece is None:
@@ -226,8 +243,8 @@ class ReferenceEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:
         if not self.ready:
             raise EngineNotReady("the model is not loaded yet")
-        if params.grammar is not None:
-            raise GrammarUnsupported("the reference-cpu engine has no constrained decoding")
+        if params.grammar is not None and not self.supports_grammar:
+            raise GrammarUnsupported("constrained decoding needs llguidance, which is not installed")
         sampling.validate(params)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
@@ -246,6 +263,12 @@ class ReferenceEngine:
                 req.cancelled = True
 
         room = self.context_length - len(prompt_ids)
+        # A prompt that ends in an open <think> starts in reasoning: the budget counts from there, and a grammar
+        # only constrains the answer after the block closes (JSON inside the reasoning would be wrong).
+        reasoning = params.reasoning_budget is not None or prompt_ids[-1] == self._think_open
+        constraint = None
+        if params.grammar is not None:
+            constraint = constrain.GrammarConstraint(self._grammar_vocab(), params.grammar)
         req = _Request(
             request_id=request_id,
             prompt=list(prompt_ids),
@@ -255,7 +278,9 @@ class ReferenceEngine:
             emit=emit,
             gen=sampling.make_generator(params.seed),
             detok=IncrementalDetokenizer(lambda ids: self._tok.decode(ids, skip_special_tokens=False)),
-            in_reasoning=params.reasoning_budget is not None,
+            in_reasoning=reasoning,
+            reasoning_end=params.reasoning_end_ids[0] if params.reasoning_end_ids else self._think_close,
+            constraint=constraint,
         )
         with self._cv:
             if request_id in self._by_id:
@@ -275,13 +300,17 @@ class ReferenceEngine:
                 if isinstance(item, TokenEvent) and item.finish_reason is not None:
                     return
         finally:
-            if not req.cancelled:
-                self.cancel(request_id)
+            self._cancel(req)  # consumer stopped early (closed, cancelled, raised): free the slot
 
     def cancel(self, request_id: str) -> None:
         with self._cv:
             req = self._by_id.get(request_id)
-            if req is None:
+        if req is not None:
+            self._cancel(req)
+
+    def _cancel(self, req: _Request) -> None:
+        with self._cv:
+            if self._by_id.get(req.request_id) is not req:  # finished already (its id may be reused since)
                 return
             req.cancelled = True
             if req in self._waiting:  # never started: drop it now rather than when a slot frees up
@@ -323,20 +352,15 @@ class ReferenceEngine:
                     while self._waiting and len(self._running) < self.max_running:
                         self._running.append(self._waiting.popleft())
                     batch = list(self._running)
-                made = 0
                 for req in batch:
                     if req.cancelled:
                         self._retire(req, "requests_cancelled", _END)
                         continue
                     try:
-                        made += self._step(req)
+                        self._step(req)
                     except Exception as exc:  # one broken request must not take the engine down
                         log.exception("reference engine: request %s failed", req.request_id)
                         self._retire(req, "requests_failed", EngineError(f"generation failed: {exc}"))
-                if made:
-                    with self._cv:
-                        self._rate.append((time.monotonic(), made))
-                        self._counters["generated_tokens"] += made
 
     def _forward(self, req: _Request, ids: list[int]) -> torch.Tensor:
         out = self._model(
@@ -348,8 +372,8 @@ class ReferenceEngine:
         req.cache = out.past_key_values
         return out.logits[0, -1, : self._n_vocab]
 
-    def _step(self, req: _Request) -> int:
-        """One unit of work for `req`: a prompt chunk or one token. Returns the number of tokens generated."""
+    def _step(self, req: _Request) -> None:
+        """One unit of work for `req`: a prompt chunk or one token."""
         total = len(req.prompt)
         if req.prefilled < total:
             chunk = req.prompt[req.prefilled : req.prefilled + self.prefill_chunk]
@@ -359,10 +383,15 @@ class ReferenceEngine:
                 self._counters["prompt_tokens"] += len(chunk)
             if total > self.prefill_chunk:
                 req.emit(PromptProgress(req.prefilled, total))
-            return 0
+            return
 
-        token, forced = self._next_token(req)
+        token, forced, grammar_done = self._next_token(req)
         req.generated += 1
+        with self._cv:  # counted before the event leaves, so stats() never lags what a client has seen
+            self._counters["generated_tokens"] += 1
+            now = time.monotonic()
+            self._rate.append((now, 1))
+            self._trim_rate(now)
         event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced)
         if req.params.logprobs is not None:
             lp, top = sampling.logprobs_of(req.logits, token, req.params.logprobs)
@@ -373,31 +402,38 @@ class ReferenceEngine:
             event.text = req.detok.flush()  # text held back before the stop token; the stop token adds none
         else:
             event.text = req.detok.push(token)
-            if req.generated >= req.max_new:
-                event.finish_reason = "length"
+            if grammar_done or req.generated >= req.max_new:
+                event.finish_reason = "stop" if grammar_done else "length"
                 event.text += req.detok.flush()
         if event.finish_reason is not None:
             self._retire(req, "requests_finished", event)
-            return 1
+            return
         req.emit(event)
         req.logits = self._forward(req, [token])
-        return 1
 
-    def _next_token(self, req: _Request) -> tuple[int, bool]:
-        """Sample, or take the next forced id of a closing think block (reasoning budget)."""
+    def _next_token(self, req: _Request) -> tuple[int, bool, bool]:
+        """(token, forced, grammar complete): sample, or take the next forced id of a budget-closed think block."""
         p = req.params
-        if not req.forced and req.in_reasoning and req.reasoning_tokens >= (p.reasoning_budget or 0):
+        if (
+            not req.forced
+            and req.in_reasoning
+            and p.reasoning_budget is not None
+            and req.reasoning_tokens >= p.reasoning_budget
+        ):
             req.forced = list(p.reasoning_end_ids)
             req.in_reasoning = False
         if req.forced:
-            return req.forced.pop(0), True
-        token = sampling.sample(req.logits, p, req.gen)
+            return req.forced.pop(0), True, False
+        constrained = req.constraint is not None and not req.in_reasoning
+        logits = req.constraint.masked(req.logits) if constrained else req.logits
+        token = sampling.sample(logits, p, req.gen)
         if req.in_reasoning:
-            if token == p.reasoning_end_ids[0]:
+            if token == req.reasoning_end:
                 req.in_reasoning = False
             else:
                 req.reasoning_tokens += 1
-        return token, False
+        done = constrained and token not in req.stop_ids and req.constraint.advance(token)
+        return token, False, done
 
     def _retire(self, req: _Request, counter: str, last: Any) -> None:
         """Remove a running request, free its cache, send its last item (final event, error or _END)."""
