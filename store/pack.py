@@ -84,15 +84,19 @@ class PackResult:
 
 
 def load_lock(path: Path) -> dict:
-    """A checkpoint lock: {"repo", "revision", "files": [{"path"|"name", "size", "sha256"}] or {name: {...}}}."""
-    raw = Path(path).read_bytes()
+    """A checkpoint lock as glm53.checkpoint writes it: {"repo", "revision", "files": {name: {"size", "sha256"}}}
+    (a list of {"path"|"name", ...} is accepted too). A null size or sha256 means the lock does not know it:
+    that fact is not checked."""
     try:
+        raw = Path(path).read_bytes()
         data = json.loads(raw)
         files = data.get("files", {})
         if isinstance(files, list):
             files = {f.get("path") or f["name"]: f for f in files}
-        files = {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"]).lower()} for k, v in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        files = {str(k): {"size": None if v.get("size") is None else int(v["size"]),
+                          "sha256": None if v.get("sha256") is None else str(v["sha256"]).lower()}
+                 for k, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"lock file {path} cannot be read ({exc})",
                               "pass the lock file written by glm53 (see glm53 model verify --help)") from None
     return {"repo": data.get("repo"), "revision": data.get("revision"), "files": files,
@@ -138,15 +142,20 @@ def make_plan(model_dir: Path, lock: dict | None = None, include_mtp: bool = Fal
 
 
 def _check_lock_sizes(ck: Checkpoint, lock: dict) -> None:
+    """Names, sizes and config.json's sha256 against the lock, before any work (shard sha256s come later)."""
     on_disk = {s.name: s.size for s in ck.shards}
+    fix = f"restore it: glm53 model fetch, then glm53 model verify {ck.root} --lock LOCK"
+    cfg = lock["files"].get("config.json", {}).get("sha256")
+    if cfg is not None and cfg != ck.config_sha256:
+        raise CheckpointError(f"{ck.root}/config.json does not match the lock ({lock['repo']}@{lock['revision']})",
+                              fix)
     for name, f in lock["files"].items():
         if not name.endswith(".safetensors") or "/" in name:
             continue
-        fix = f"restore it: glm53 model fetch, then glm53 model verify {ck.root} --lock LOCK"
         if name not in on_disk:
             raise CheckpointError(f"shard {name} of the lock ({lock['repo']}@{lock['revision']}) is missing from "
                                   f"{ck.root}", fix)
-        if on_disk[name] != f["size"]:
+        if f["size"] is not None and on_disk[name] != f["size"]:
             raise CheckpointError(f"shard {name} is {on_disk[name]} bytes in {ck.root}, the lock says {f['size']}",
                                   fix)
 
@@ -445,7 +454,7 @@ class Packer:
         want = self.lock_files
         for s in shards:
             f = want.get(s["name"])
-            if f is not None and f["sha256"] != s["sha256"]:
+            if f is not None and f["sha256"] is not None and f["sha256"] != s["sha256"]:
                 for p in (self.partial, self.journal.path):
                     p.unlink(missing_ok=True)
                 raise CheckpointError(f"shard {s['name']} in {self.plan.ck.root} does not match the lock "
@@ -494,7 +503,7 @@ def _same_checkpoint(head_ident: dict, plan: Plan, lock: dict | None) -> str | N
     if lock is not None:
         for s in head_ident["shards"]:
             f = lock["files"].get(s["name"])
-            if f is not None and f["sha256"] != s["sha256"]:
+            if f is not None and f["sha256"] is not None and f["sha256"] != s["sha256"]:
                 return f"its shard {s['name']} does not match the lock's sha256"
     return None
 
@@ -519,7 +528,7 @@ def pack_store(opts: PackOptions, log=print, warn=None) -> PackResult:
             reason = exc.problem
         if reason is None:
             log(f"pack-store: {out} is already a store for this checkpoint; verifying it instead of repacking")
-            rep = full_verify(out, None, threads=opts.verify_threads, allow_buffered=opts.allow_buffered,
+            rep = full_verify(out, model_dir, threads=opts.verify_threads, allow_buffered=opts.allow_buffered,
                               warn=warn, progress=opts.progress)
             if rep.ok:
                 return PackResult(out, True, len(plan.keys), verify=rep)
@@ -537,7 +546,7 @@ def pack_store(opts: PackOptions, log=print, warn=None) -> PackResult:
     result = packer.run()
     log(f"pack-store: published {out}")
     if opts.verify:
-        rep = full_verify(out, None, threads=opts.verify_threads, allow_buffered=opts.allow_buffered, warn=warn,
+        rep = full_verify(out, model_dir, threads=opts.verify_threads, allow_buffered=opts.allow_buffered, warn=warn,
                           progress=opts.progress)
         result.verify = rep
         if not rep.ok:

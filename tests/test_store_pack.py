@@ -256,6 +256,24 @@ def test_lock_is_recorded(ck, tmp_path):
     assert lock["repo"] == "turboderp/GLM-5.3-Flash-exl3" and lock["revision"] == "abc123"
 
 
+def test_lock_in_glm53_checkpoint_form_with_unknown_facts(ck, tmp_path):
+    """The shipped lock of the real checkpoint knows only some sizes and hashes: nulls are not checked."""
+    lock = {"format": 1, "repo": "turboderp/GLM-5.3-Flash-exl3", "revision": "332ab45", "complete": False,
+            "files": {"config.json": {"size": None, "sha256": None},
+                      **{p.name: {"size": p.stat().st_size, "sha256": None} for p in ck.glob("*.safetensors")}}}
+    (tmp_path / "lock.json").write_text(json.dumps(lock))
+    out = tmp_path / "s.glm53"
+    pack_store(opts(ck, out, lock=tmp_path / "lock.json", verify=False), log=Log())
+    assert read_header(out).identity["lock"]["revision"] == "332ab45"
+    lock["files"]["config.json"]["sha256"] = "1" * 64
+    (tmp_path / "lock.json").write_text(json.dumps(lock))
+    with pytest.raises(CheckpointError, match="config.json does not match the lock"):
+        pack_store(opts(ck, tmp_path / "t.glm53", lock=tmp_path / "lock.json"), log=Log())
+    (tmp_path / "lock.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        pack_store(opts(ck, tmp_path / "t.glm53", lock=tmp_path / "lock.json"), log=Log())
+
+
 def test_lock_sha256_mismatch_publishes_nothing(ck, tmp_path):
     out = tmp_path / "s.glm53"
     with pytest.raises(CheckpointError, match="does not match the lock") as ei:
