@@ -290,9 +290,11 @@ class Packer:
         needed = max(0, self.plan.file_size - allocated)
         free = _free_bytes(self.out.parent)
         if needed > free:
+            both = (f" (the existing {self.out.name} is only removed once the new store is complete: delete it "
+                    "first if the disk cannot hold both)") if self.out.exists() else ""
             raise DiskFullError(f"not enough free space for {self.out}: the store needs {gb(needed)} more, "
                                 f"{gb(free)} is free on the filesystem holding {self.out.parent}",
-                                f"free at least {gb(needed - free)} there, or pass --out on a disk with room")
+                                f"free at least {gb(needed - free)} there, or pass --out on a disk with room{both}")
 
     # -- the work ---------------------------------------------------------------------------------------------
     def run(self) -> PackResult:
@@ -508,6 +510,11 @@ def _same_checkpoint(head_ident: dict, plan: Plan, lock: dict | None) -> str | N
     return None
 
 
+def _unwritable(out: Path, exc: OSError) -> StoreError:
+    return StoreError(f"cannot write the store {out}: {exc.strerror or exc} ({exc.filename or out.parent})",
+                      "pass --out in a writable directory (in docker: mount the store's volume read-write)")
+
+
 def pack_store(opts: PackOptions, log=print, warn=None) -> PackResult:
     """Pack (or re-verify an existing sound store). Raises StoreError subclasses with a fix."""
     out = Path(opts.out).absolute()
@@ -534,7 +541,10 @@ def pack_store(opts: PackOptions, log=print, warn=None) -> PackResult:
                 return PackResult(out, True, len(plan.keys), verify=rep)
             reason = rep.problems[0].what
         log(f"pack-store: {out} exists but {reason}; repacking (it is replaced only when the new store is complete)")
-    direct = dir_supports_direct(out.parent)
+    try:
+        direct = dir_supports_direct(out.parent)
+    except OSError as exc:
+        raise _unwritable(out, exc) from None
     if not direct and not opts.allow_buffered:
         raise DirectIOUnsupported(f"the filesystem holding {out.parent} does not support O_DIRECT, so the engine "
                                   "could not read the store there", "pass --out on an ext4 or xfs filesystem, or "
@@ -543,7 +553,14 @@ def pack_store(opts: PackOptions, log=print, warn=None) -> PackResult:
         f"{plan.es.layers[plan.keys[0][0]].extent / 2**20:.2f} MiB each) from {len(plan.ck.shards)} shard(s) of "
         f"{model_dir} -> {out} ({gb(plan.file_size)})")
     packer = Packer(plan, out, opts.threads, direct, opts.progress, log, lock["files"] if lock else None)
-    result = packer.run()
+    try:
+        result = packer.run()
+    except (PermissionError, IsADirectoryError) as exc:
+        raise _unwritable(out, exc) from None
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        raise _unwritable(out, exc) from None
     log(f"pack-store: published {out}")
     if opts.verify:
         rep = full_verify(out, model_dir, threads=opts.verify_threads, allow_buffered=opts.allow_buffered, warn=warn,

@@ -388,3 +388,13 @@ def test_store_format_error_type_for_garbage(tmp_path):
     p.write_bytes(b"\0" * 10)
     with pytest.raises(StoreFormatError):
         read_header(p)
+
+
+def test_an_unwritable_destination_is_explained(ck, tmp_path, monkeypatch):
+    def refuse(*a, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(P, "dir_supports_direct", refuse)
+    with pytest.raises(Exception, match="cannot write the store") as ei:
+        pack_store(opts(ck, tmp_path / "s.glm53"), log=Log())
+    assert "writable directory" in ei.value.fix
