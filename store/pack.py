@@ -404,7 +404,10 @@ class Packer:
         finally:
             rec_pool.shutdown(wait=True, cancel_futures=True)
             hash_pool.shutdown(wait=True, cancel_futures=True)
-            self._flush(fd, done_recs, done_shards)
+            try:
+                self._flush(fd, done_recs, done_shards)
+            except OSError as exc:          # e.g. the disk filled up under the journal: those records are redone
+                error = error or exc
             src.close()
             bar.close()
         if error is not None:

@@ -398,3 +398,22 @@ def test_an_unwritable_destination_is_explained(ck, tmp_path, monkeypatch):
     with pytest.raises(Exception, match="cannot write the store") as ei:
         pack_store(opts(ck, tmp_path / "s.glm53"), log=Log())
     assert "writable directory" in ei.value.fix
+
+
+def test_disk_full_under_the_journal(ck, clean, tmp_path, monkeypatch):
+    out = tmp_path / "s.glm53"
+    real, calls = P.Journal.append, [0]
+
+    def append(self, recs, shards):
+        calls[0] += 1
+        if calls[0] > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(self, recs, shards)
+
+    monkeypatch.setattr(P.Journal, "append", append)
+    monkeypatch.setattr(P, "FLUSH_EVERY_S", 0.0)
+    with pytest.raises(DiskFullError, match="full disk"):
+        pack_store(opts(ck, out, threads=1), log=Log())
+    monkeypatch.undo()
+    pack_store(opts(ck, out), log=Log())
+    assert out.read_bytes() == clean.read_bytes()
