@@ -17,7 +17,7 @@ LAYOUT = SlotLayout.packed([("gate", torch.float16, (HIDDEN, INTER)), ("up", tor
 
 def swiglu(slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """A SwiGLU expert whose fp16 weights are decoded from the slot image, clamped like GLM-5.3 (swiglu_limit)."""
-    w = LAYOUT.views(slot)
+    w = LAYOUT.views(slot.to(x.device))  # the CPU-lane stand-in: host bytes computed where x is
     gate = torch.nn.functional.silu(x @ w["gate"].float()).clamp(max=LIMIT)
     up = (x @ w["up"].float()).clamp(-LIMIT, LIMIT)
     return (gate * up) @ w["down"].float()
@@ -57,22 +57,22 @@ def check_contents(tiers: ExpertTiers, experts: torch.Tensor) -> None:
     for layer in range(tiers.num_layers):
         for e in range(tiers.num_experts):
             if tiers.where[layer, e] in (Where.VRAM, Where.RAM, Where.TO_VRAM):
-                assert torch.equal(tiers.bytes_of(layer, e), experts[layer, e]), f"{layer}/{e} corrupt"
+                assert torch.equal(tiers.bytes_of(layer, e).cpu(), experts[layer, e]), f"{layer}/{e} corrupt"
         vl = tiers.vram[layer]
         for e, slot in enumerate(vl.router_map.tolist()):
             if slot != vl.absent:
-                assert torch.equal(vl.flat(slot), experts[layer, e]), f"router map sends {layer}/{e} to foreign bytes"
+                assert torch.equal(vl.flat(slot).cpu(), experts[layer, e]), f"router map sends {layer}/{e} elsewhere"
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_tiered_equals_direct(seed: int) -> None:
+def random_steps(seed: int, device: str) -> None:
+    """25 random layer steps under random budgets, mode and lanes; every output compared with the direct one."""
     rng = np.random.default_rng(seed)
     num_layers, num_experts, top_k = 2, 12, 4
     experts = make_experts(num_layers, num_experts, seed)
     keep_all = seed % 2 == 0
     vram = [int(v) for v in rng.integers(0, num_experts + 1, num_layers)]
     ram_slots = None if keep_all else int(rng.integers(num_experts + 1, num_layers * num_experts))
-    tiers = build(experts, vram, keep_all, ram_slots)
+    tiers = build(experts, vram, keep_all, ram_slots, device=device)
     counts = rng.random((num_layers, num_experts)) * 5 if seed % 3 else None
     tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), counts)
     tiers.check_invariants()
@@ -85,7 +85,8 @@ def test_tiered_equals_direct(seed: int) -> None:
     for _ in range(25):
         layer = int(rng.integers(num_layers))
         ids, w = route(rng, int(rng.integers(1, 6)), num_experts, top_k)
-        x = torch.randn(len(ids), HIDDEN, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+        g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+        x, w = torch.randn(len(ids), HIDDEN, generator=g).to(device), w.to(device)
         want = direct_moe(x, ids, w, lambda e, layer=layer: experts[layer, e], swiglu)
         got = tiered_moe(tiers, layer, x, ids, w, swiglu, lane_for=lane_for, admit=bool(rng.random() < 0.8))
         assert torch.equal(got.y, want), "tiered output differs from the direct computation"
@@ -97,6 +98,11 @@ def test_tiered_equals_direct(seed: int) -> None:
     json.dumps(snap)
     assert snap["picks"]["total"] == picks
     assert sum(layer["picks"] for layer in snap["layers"]) == picks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tiered_equals_direct(seed: int) -> None:
+    random_steps(seed, "cpu")
 
 
 def test_lanes_and_counts() -> None:

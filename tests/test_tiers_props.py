@@ -1,8 +1,8 @@
 """Property tests of the tier rules over random sequences of operations (hypothesis state machine).
 
-The copier here defers every copy until the test lands it, in issue order, like a CUDA copy stream: an expert
-marked resident too early would be read from a slot still holding someone else's bytes, and the content
-checks would catch it. After every step: exclusivity, nothing lost or duplicated, only landed experts in the
+The copier here defers every copy until the test lands it, on two independent queues like the fill and
+write-back copy streams: an expert marked resident too early, or a fill overtaking the write-back that still
+reads its slot, would leave someone else's bytes where the content checks look. After every step: exclusivity, nothing lost or duplicated, only landed experts in the
 router map, every readable expert's bytes equal to the source (so write-backs really wrote back).
 """
 
@@ -22,34 +22,52 @@ LAYOUT = SlotLayout.packed([("w", torch.float32, (4, 4))], align=16)
 
 
 class DeferredTicket:
-    def __init__(self, copier: DeferredCopier, seq: int):
-        self.copier, self.seq = copier, seq
+    def __init__(self, copier: DeferredCopier, queue: int, seq: int, dst, src, after: DeferredTicket | None):
+        self.copier, self.queue, self.seq = copier, queue, seq
+        self.dst, self.src, self.after = dst, src, after
 
     def done(self) -> bool:
-        return self.copier.executed > self.seq
+        return self.copier.executed[self.queue] > self.seq
 
     def wait(self) -> None:
-        self.copier.run(self.seq + 1 - self.copier.executed)
+        self.copier.run_to(self)
 
 
 class DeferredCopier(Copier):
-    """Copies run only when landed (run), oldest first: the ordering one copy stream gives."""
+    """Two copy streams that run only when told to: fills (to VRAM) and write-backs (to RAM), each in its own
+    issue order, independent of the other except where a copy names `after` (like cudaStreamWaitEvent). A copy
+    marked landed too early, or a fill not ordered after the write-back reading its slot, shows up as wrong bytes.
+    """
 
     def __init__(self):
         super().__init__("cpu")
-        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.executed = 0
+        self.queues: tuple[list[DeferredTicket], list[DeferredTicket]] = ([], [])
+        self.executed = [0, 0]
+        self.is_ram = lambda t: False  # set once the RAM arena exists: copies into it are write-backs
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> DeferredTicket:
-        self.queue.append((dst, src))
-        return DeferredTicket(self, len(self.queue) - 1)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> DeferredTicket:
+        q = 1 if self.is_ram(dst) else 0
+        t = DeferredTicket(self, q, len(self.queues[q]), dst, src, after)
+        self.queues[q].append(t)
+        return t
 
-    def run(self, n: int) -> None:
-        for _ in range(max(0, n)):
-            if self.executed < len(self.queue):
-                dst, src = self.queue[self.executed]
-                dst.copy_(src)
-                self.executed += 1
+    def step(self, q: int) -> bool:
+        """Run the head of queue q unless it waits on a copy not landed yet (a stream blocked on an event)."""
+        if self.executed[q] == len(self.queues[q]):
+            return False
+        head = self.queues[q][self.executed[q]]
+        if head.after is not None and not head.after.done():
+            return False
+        head.dst.copy_(head.src)
+        self.executed[q] += 1
+        return True
+
+    def run_to(self, t: DeferredTicket) -> None:
+        while not t.done():
+            head = self.queues[t.queue][self.executed[t.queue]]
+            if head.after is not None:
+                self.run_to(head.after)  # issued earlier, so this recursion ends
+            self.step(t.queue)
 
 
 def source_bytes() -> torch.Tensor:
@@ -84,6 +102,9 @@ class TierMachine(RuleBasedStateMachine):
             fetch=lambda lay, e, out: out.copy_(self.src[lay, e]),
             policy_factory=lambda n: ScoredPolicy(n, margin=0.0),
         )
+        lo = self.tiers.ram.storage.data_ptr()
+        hi = lo + self.tiers.ram.storage.numel()
+        self.copier.is_ram = lambda t: lo <= t.data_ptr() < hi
         self.counts = None if counts is None else np.array(counts).reshape(LAYERS, EXPERTS)
         self.tiers.populate(lambda lay, e, out: out.copy_(self.src[lay, e]), self.counts)
         if self.counts is not None:  # warm start: each layer's VRAM holds its most-picked experts
@@ -132,9 +153,10 @@ class TierMachine(RuleBasedStateMachine):
             self.tiers.fetch_to_ram(layer, expert)
             assert self.tiers.where[layer, expert] == Where.RAM
 
-    @rule(n=st.integers(1, 3))
-    def copies_land(self, n):
-        self.copier.run(n)
+    @rule(queue=st.integers(0, 1), n=st.integers(1, 3))
+    def copies_land(self, queue, n):
+        for _ in range(n):
+            self.copier.step(queue)
 
     @rule()
     def poll(self):

@@ -1,10 +1,11 @@
 """Copies between tiers, and the tickets that say when their bytes have landed.
 
-On CUDA every tier move goes through one dedicated copy stream (the copy engines, not SMs: the reference lost
-28% of its time to an SM-driven gather). One stream means moves land in issue order, which the tiers rely on:
-a victim's write-back is issued before the newcomer's fill of the same slot, so the fill cannot overwrite
-bytes not yet read. Before each copy the copy stream waits for the work already queued on the compute stream,
-so a slot is never refilled under a kernel that still reads it.
+On CUDA tier moves run on the copy engines (not SMs: the reference lost 28% of its time to an SM-driven
+gather), on two streams: fills (host -> device) and write-backs (device -> host). They cross PCIe in opposite
+directions, so on two streams they overlap; on one stream each write-back would stall the fills behind it.
+Ordering is explicit instead of by issue order: a copy may name `after`, a ticket it must wait for (a fill
+into a slot waits for the write-back still reading that slot). Before each copy its stream also waits for
+the work already queued on the compute stream, so a slot is never refilled under a kernel that still reads it.
 
 On a CPU device `copy_` is synchronous: the ticket is done when `copy` returns.
 """
@@ -17,43 +18,47 @@ import torch
 class Ticket:
     """One issued copy. `done()` never blocks; `wait()` blocks the host until the bytes have landed."""
 
-    __slots__ = ("_event",)
+    __slots__ = ("event",)
 
     def __init__(self, event: torch.cuda.Event | None = None):
-        self._event = event
+        self.event = event
 
     def done(self) -> bool:
-        return self._event is None or self._event.query()
+        return self.event is None or self.event.query()
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
 
 
 DONE = Ticket()
 
 
 class Copier:
-    """Issues tier copies on `device` (the VRAM stand-in). Subclass or replace to inject slow or deferred copies."""
+    """Issues tier copies on `device` (the VRAM stand-in). Replace to inject slow or deferred copies."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._fill = torch.cuda.Stream(self.device) if self.cuda else None
+        self._write_back = torch.cuda.Stream(self.device) if self.cuda else None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ticket:
-        """dst.copy_(src), asynchronously where the device allows; both are whole contiguous slot images."""
-        if self._stream is None:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Ticket | None = None) -> Ticket:
+        """dst.copy_(src), asynchronously where the device allows, once `after` (if any) has landed."""
+        if not self.cuda:
             dst.copy_(src)
             return DONE
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
+        stream = self._fill if dst.is_cuda else self._write_back
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if after is not None and after.event is not None:
+            stream.wait_event(after.event)
+        with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self._stream)
-        # The caching allocator must not recycle either buffer while the copy stream still uses it. Slots are
+            event.record(stream)
+        # The caching allocator must not recycle a device buffer while the copy stream still uses it. Slots are
         # long-lived arenas, but a caller may hand in a temporary.
         for t in (dst, src):
             if t.is_cuda:
-                t.record_stream(self._stream)
+                t.record_stream(stream)
         return Ticket(event)

@@ -91,8 +91,10 @@ def tiered_moe(
     Per picked expert: VRAM hit -> compute from its slot; in RAM -> `lane_for` says "cpu" (compute from the RAM
     arena in place) or "pcie" (admit into a slot when the policy agrees, else stream through staging); only in
     the store -> read into RAM first, then as RAM. All of the step's admissions are issued before any compute
-    so their copies overlap. observe=False / admit=False: count nothing / admit nothing (prefill streams its
-    misses and must not evict the decode hot set).
+    so their copies overlap. observe=False keeps the picks from the policy (they still count in stats);
+    admit=False streams every PCIe miss: prefill uses both, so it never evicts the decode hot set.
+    `expert_forward` gets the slot image where it lies: a device tensor (VRAM, staging) or a host tensor (RAM,
+    for the CPU lane); it must compute the same function from either.
     """
     ids = _ids_np(ids)
     tiers.poll()
@@ -132,7 +134,7 @@ def tiered_moe(
             res.staged += 1
         t0 = time.perf_counter()
         outputs[e] = expert_forward(src, x[torch.from_numpy(rows).to(x.device)])
-        if route.get(e) == "cpu":
+        if route.get(e) == "cpu":  # the host waits on the CPU lane for as long as it computes
             tiers.stats.add_wait("cpu", time.perf_counter() - t0)
         res.picks[label[e]] += len(rows)
     res.admitted = len(admitted)

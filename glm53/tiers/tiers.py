@@ -7,8 +7,9 @@ Each (layer, expert) is in exactly one state:
   TO_RAM   being written back VRAM -> RAM after eviction: readable nowhere until it lands;
   STORE    only in the NVMe store (nvme modes; in the all-RAM modes this state is never entered).
 So no expert is ever resident in both tiers, none is lost, and an expert becomes resident only in `_land`,
-after its copy's ticket says the bytes are there. Moves go through one Copier (one copy stream), so they land
-in issue order: an eviction's write-back is always issued before the fill that reuses the slot.
+after its copy's ticket says the bytes are there. Fills and write-backs run on separate copy streams, so the
+one ordering that matters is made explicit: a fill into a slot waits for the write-back still reading it.
+A RAM slot is reused only after the copies touching it have landed (host-confirmed), so it needs none.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ExpertTiers:
         self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
         self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
+        self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
         self.staging = torch.empty((staging_slots, layout.nbytes), dtype=torch.uint8, device=self.device)
         self._next_staging = 0
         self._populated = False
@@ -213,7 +215,8 @@ class ExpertTiers:
             keep = np.append(np.asarray([] if protect is None else protect, np.int64), expert)
             slot = self._write_back(layer, victim, keep)
         vl.reserve(slot, expert)
-        ticket = self.copier.copy(vl.flat(slot), self.ram.flat(int(self.ram.slot_of[layer, expert])))
+        src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
+        ticket = self.copier.copy(vl.flat(slot), src, after=self._slot_reader.pop((layer, slot), None))
         self._moves[(layer, expert)] = _Move(ticket, True, slot)
         self.where[layer, expert] = Where.TO_VRAM
         self.stats.add_admission(layer)
@@ -257,6 +260,7 @@ class ExpertTiers:
         r = self.ram.alloc(layer, expert, pending=True)
         slot = self.vram[layer].release(expert)
         ticket = self.copier.copy(self.ram.flat(r), self.vram[layer].flat(slot))
+        self._slot_reader[(layer, slot)] = ticket  # the slot's next fill must wait for this read
         self._moves[(layer, expert)] = _Move(ticket, False, r)
         self.where[layer, expert] = Where.TO_RAM
         self.stats.add_eviction(layer)

@@ -90,8 +90,8 @@ class VramLayer:
     def release(self, expert: int) -> int:
         """Unmap a landed resident and free its slot; returns the slot.
 
-        The slot's bytes stay readable by copies issued afterwards on the same copy stream (the write-back),
-        and the compute stream stops selecting it from the next kernel on, since the map is updated in order.
+        The slot's bytes stay intact for the write-back issued next (ExpertTiers makes the slot's next fill wait
+        for it), and the compute stream stops selecting it from the next kernel on: the map updates in order.
         """
         slot = int(self.slot_of[expert])
         if slot < 0:
