@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -85,15 +86,26 @@ def _api_key_dependency(key: str):
     return require_key
 
 
+def _shard_count(engine: Engine) -> int:
+    model_dir = getattr(engine, "model_dir", None)
+    return len(list(Path(model_dir).glob("*.safetensors"))) if model_dir else 0
+
+
 async def _load_in_background(state: ServerState, on_ready: Any) -> None:
     engine = state.engine
     started = time.perf_counter()
+    # The launcher-parsed phrasing. The engine loads all shards in one call, so only the ends are reported.
+    shards = _shard_count(engine)
+    if shards:
+        log.info("Loading safetensors checkpoint shards: 0%% Completed | 0/%d", shards)
     try:
         await asyncio.to_thread(engine.load)
     except Exception as exc:  # noqa: BLE001 - keep serving /health and a clear 503 instead of dying silently
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("model load failed: %s", state.load_error, exc_info=exc)
         return
+    if shards:
+        log.info("Loading safetensors checkpoint shards: 100%% Completed | %d/%d", shards, shards)
     log.info("Loading weights took %.2f s", time.perf_counter() - started)
     on_ready()
 

@@ -78,12 +78,12 @@ def grammar_for(engine: Engine, fmt: ResponseFormat | None) -> str | None:
     return "start: %json " + json.dumps(schema, separators=(",", ":"))
 
 
-def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int) -> int:
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, param: str = "messages") -> int:
     """Default: the rest of the context. A larger request is clamped to what fits (the reply then ends with
     finish_reason "length"), since a desktop user cannot know the window the plan picked."""
     remaining = context - prompt_tokens
     if remaining < 1:
-        raise context_exceeded(prompt_tokens, context)
+        raise context_exceeded(prompt_tokens, context, param)
     return remaining if requested is None else min(requested, remaining)
 
 

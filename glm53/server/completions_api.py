@@ -89,7 +89,7 @@ async def plan_completion(state: ServerState, req: CompletionRequest, job: Job) 
     job.prompt_tokens = sum(len(p.ids) for p in prompts)
     params = []
     for p in prompts:
-        max_tokens = resolve_max_tokens(req.max_tokens, len(p.ids), engine.context_length)
+        max_tokens = resolve_max_tokens(req.max_tokens, len(p.ids), engine.context_length, "prompt")
         for i in range(req.n):
             params.append(sampling_params(req, engine, max_tokens=max_tokens, index=i, logprobs=req.logprobs,
                                           grammar=grammar))

@@ -44,10 +44,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def context_exceeded(prompt_tokens: int, context: int) -> APIError:
+def context_exceeded(prompt_tokens: int, context: int, param: str = "messages") -> APIError:
     return APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
                          f"{prompt_tokens} tokens (at least one token must be left for the reply).",
-                    param="messages", code="context_length_exceeded")
+                    param=param, code="context_length_exceeded")
 
 
 def from_engine_error(exc: Exception) -> APIError:

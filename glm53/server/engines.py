@@ -1,0 +1,104 @@
+"""Which engine `glm53 serve` runs, decided from the settings and the checkpoint directory.
+
+- No model configured: the random-weight demo model, generated once into the cache directory, on the CPU
+  reference backend.
+- An HF bf16 Glm5Next checkpoint: the CPU reference backend (meant for small checkpoints: tests, demos).
+- An EXL3 checkpoint: needs exllamav3 on a CUDA GPU; this build has no exllamav3 engine yet, so start-up
+  stops with a message saying so rather than pretending.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEMO_BANNER = ("random-weight demo model; set GLM53_MODEL_DIR=/path/to/GLM-5.3-Flash-exl3 to serve the real one")
+
+
+class EngineChoiceError(RuntimeError):
+    """Start-up cannot serve this configuration; the message says why and what to do (exit status 2)."""
+
+
+@dataclass
+class EngineChoice:
+    engine: Any
+    model_dir: Path
+    demo: bool
+    banner: list[str]
+
+
+def read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise EngineChoiceError(f"{model_dir} has no config.json: is GLM53_MODEL_DIR a checkpoint directory "
+                                f"(and is it mounted)?") from None
+    except (OSError, ValueError) as exc:
+        raise EngineChoiceError(f"cannot read {path}: {exc}") from None
+
+
+def checkpoint_format(config: dict) -> str:
+    """ "exl3" | "hf" (unquantized Glm5Next) | "unknown"."""
+    quant = config.get("quantization_config") or {}
+    if str(quant.get("quant_method", "")).lower() == "exl3":
+        return "exl3"
+    archs = " ".join(config.get("architectures") or [])
+    model_type = str(config.get("model_type", ""))
+    if "Glm5Next" in archs or model_type.startswith("glm5_next"):
+        return "hf"
+    return "unknown"
+
+
+def model_context(config: dict) -> int | None:
+    text = config.get("text_config") or config
+    value = text.get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def exllamav3_available() -> bool:
+    return importlib.util.find_spec("exllamav3") is not None
+
+
+def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
+    from glm53.engine.reference import ReferenceEngine
+
+    native = model_context(config)
+    context = min(settings.context, native) if native else settings.context
+    return ReferenceEngine(model_dir, model_id=settings.model_id, context_length=context,
+                           max_running=settings.max_concurrency)
+
+
+def choose_engine(settings: Any) -> EngineChoice:
+    if not settings.model_dir:
+        from glm53.engine.demo import ensure_demo_model
+
+        model_dir = ensure_demo_model(Path(settings.cache_dir))
+        config = read_config(model_dir)
+        banner = [DEMO_BANNER,
+                  f"demo checkpoint {model_dir} on the CPU reference backend (output is random text)"]
+        return EngineChoice(_reference(model_dir, settings, config), model_dir, True, banner)
+
+    model_dir = Path(settings.model_dir).expanduser()
+    if not model_dir.is_dir():
+        raise EngineChoiceError(f"GLM53_MODEL_DIR={settings.model_dir} is not a directory.")
+    config = read_config(model_dir)
+    fmt = checkpoint_format(config)
+    if fmt == "exl3":
+        if not exllamav3_available():
+            raise EngineChoiceError(
+                f"{model_dir} is an EXL3 checkpoint: serving it needs exllamav3 on a CUDA GPU, and exllamav3 is "
+                f"not installed here. Use the glm53 Docker image (or `pip install 'glm53[gpu]'` on a CUDA host), "
+                f"or leave GLM53_MODEL_DIR empty to serve the demo model on the CPU.")
+        raise EngineChoiceError(
+            f"{model_dir} is an EXL3 checkpoint and exllamav3 is installed, but this build of glm53 has no "
+            f"exllamav3 serving engine yet. Leave GLM53_MODEL_DIR empty for the demo, or point it at an HF bf16 "
+            f"Glm5Next checkpoint for the CPU reference backend.")
+    if fmt == "hf":
+        banner = [f"serving {model_dir} (HF bf16 Glm5Next) on the CPU reference backend"]
+        return EngineChoice(_reference(model_dir, settings, config), model_dir, False, banner)
+    raise EngineChoiceError(f"{model_dir}/config.json is neither an EXL3 nor an HF Glm5Next checkpoint "
+                            f"(architectures={config.get('architectures')}, model_type={config.get('model_type')}).")
