@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "glm53.fixture.cli",     # fixture
     "glm53.checkpoint",      # model verify / fetch
     "store.cli",             # pack-store, verify-store, bench store
+    "glm53.engine.bench",    # bench decode
 )
 
 

@@ -1,0 +1,260 @@
+"""`glm53 bench decode`: exact-mode decode speed next to stock exllamav3 and the PCIe bound, measured in one run.
+
+One process loads the same full-width synthetic checkpoint twice: stock exllamav3 with every routed expert in
+VRAM (the upper bound), and exact mode with a 24 GB card's share of expert slots (the rest in the pinned RAM
+tier). Decode windows alternate between the two (A/B interleaved, never compared across sessions). Both sample
+with the same seed, so they generate the same tokens and route the same experts. The PCIe bound is
+    t_bound = (bytes that crossed host -> device per decoded token) / (measured pinned H2D rate) + t_stock,
+i.e. what exact mode would take if every miss cost only its transfer at full PCIe speed on top of the all-in-VRAM
+step. Stock `moe_cpu_split` is not run here: on the GPU machine every call into exllamav3's CPU MoE code
+segfaulted (2026-11-29, DESIGN section 3), so it dies at load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SKEW = (0.11, 0.40)
+CARD_FRACTION = 0.11  # a 24 GB card holds ~11% of GLM-5.3-Flash's routed experts (REFERENCE: ~1,300 slots)
+
+
+def register_bench(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("decode", help="exact-mode decode tok/s vs stock exllamav3 (all in VRAM) and the PCIe "
+                                            "bound, on a full-width synthetic checkpoint (GPU)")
+    p.add_argument("--model", metavar="DIR", help="existing EXL3 checkpoint (default: write a synthetic one)")
+    p.add_argument("--moe-layers", type=int, default=8, help="MoE layers of the synthetic checkpoint (default 8)")
+    p.add_argument("--skew", default=f"{SKEW[0]},{SKEW[1]}",
+                   help="router skew: fraction of experts drawing a fraction of picks (default 0.11,0.40)")
+    p.add_argument("--slots", type=int, help=f"VRAM slots per MoE layer (default {CARD_FRACTION:.0%} of experts)")
+    p.add_argument("--tokens", type=int, default=128, help="decoded tokens per window (default 128)")
+    p.add_argument("--windows", type=int, default=2, help="A/B window pairs (default 2)")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, also timed as prefill (default 512)")
+    p.add_argument("--work", metavar="DIR", help="where to write the synthetic checkpoint (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=cmd_bench_decode)
+
+
+def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Pinned host -> device bytes/s on one copy stream (median of `repeats`)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    times = sorted(times[1:])
+    del src, dst
+    return nbytes / times[len(times) // 2]
+
+
+class _Runner:
+    """One loaded model (stock or exact) with its generator."""
+
+    def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int):
+        import torch
+        from exllamav3 import Cache, Config, Generator, Model, Tokenizer
+
+        from glm53.engine.exl3_adapter import TieredMoE
+
+        t0 = time.perf_counter()
+        config = Config.from_directory(str(model_dir))
+        self.model = Model.from_config(config)
+        self.cache = Cache(self.model, max_num_tokens=cache_tokens)
+        self.tiered = None
+        if slots is not None:
+            self.tiered = TieredMoE(self.model, model_dir, slots)
+            self.tiered.install()
+        self.model.load(device=torch.device("cuda:0"))
+        if self.tiered is not None:
+            self.tiered.populate()
+        self.gen = Generator(model=self.model, cache=self.cache, tokenizer=Tokenizer.from_config(config),
+                             max_batch_size=1)
+        self.load_s = time.perf_counter() - t0
+
+    def run(self, prompt: list[int], tokens: int, seed: int) -> dict:
+        """One job: prefill time, decode tok/s (first to last token), and the tier counters over the decode."""
+        import torch
+        from exllamav3 import ComboSampler, Job
+
+        job = Job(input_ids=torch.tensor([prompt], dtype=torch.long), max_new_tokens=tokens,
+                  sampler=ComboSampler(temperature=1.0), seed=seed, stop_conditions=[])
+        t0 = time.perf_counter()
+        self.gen.enqueue(job)
+        first = last = None
+        snap0 = None
+        ids: list[int] = []
+        while self.gen.num_remaining_jobs():
+            for r in self.gen.iterate():
+                if r.get("stage") == "streaming" and "token_ids" in r:
+                    now = time.perf_counter()
+                    ids += r["token_ids"][0].tolist()
+                    if first is None:
+                        first = now
+                        snap0 = self.tiered.snapshot() if self.tiered else None
+                    last = now
+        out = {"prefill_s": first - t0, "decode_tok_s": (len(ids) - 1) / (last - first), "tokens": ids}
+        if self.tiered is not None:
+            snap1 = self.tiered.snapshot()
+            n = len(ids) - 1
+            h2d = sum(snap1["bytes"][k] - snap0["bytes"][k] for k in ("ram_to_vram", "ram_to_staging"))
+            d2h = snap1["bytes"]["vram_to_ram"] - snap0["bytes"]["vram_to_ram"]
+            picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "total")}
+            out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n,
+                       hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks)
+        return out
+
+    def close(self) -> None:
+        import torch
+
+        self.model.unload()
+        if self.tiered is not None:
+            self.tiered.close()
+        self.model = self.cache = self.gen = self.tiered = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int, log=print) -> dict:
+    import torch
+
+    rate = h2d_rate()
+    log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
+    stock = _Runner(model_dir, None, cache_tokens=prompt_tokens + tokens + 512)
+    log(f"stock exllamav3 (all experts in VRAM) loaded in {stock.load_s:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+    mem0 = torch.cuda.memory_allocated()
+    exact = _Runner(model_dir, slots, cache_tokens=prompt_tokens + tokens + 512)
+    log(f"exact mode ({slots} slots/layer) loaded in {exact.load_s:.1f} s, "
+        f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
+    try:
+        vocab = 150000
+        prompt = [(13 * i + 7) % vocab for i in range(prompt_tokens)]
+        for r in (stock, exact):  # warm-up: first-use kernels, allocator, policy
+            r.run(prompt[:64], 16, seed=0)
+        rows: list[dict] = []
+        for w in range(windows):
+            for name, r in (("stock", stock), ("exact", exact)):
+                res = r.run(prompt, tokens, seed=1000 + w)
+                res["name"], res["window"] = name, w
+                rows.append(res)
+                log(f"window {w} {name}: prefill {prompt_tokens} tok in {res['prefill_s']:.3f} s, decode "
+                    f"{res['decode_tok_s']:.1f} tok/s"
+                    + (f", hit rate {res['hit_rate']:.3f}, {res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
+                       f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H" if name == "exact" else ""))
+        same = all(a["tokens"] == b["tokens"] for a, b in zip(rows[0::2], rows[1::2], strict=True))
+        s_tok = [x["decode_tok_s"] for x in rows if x["name"] == "stock"]
+        e_rows = [x for x in rows if x["name"] == "exact"]
+        e_tok = [x["decode_tok_s"] for x in e_rows]
+        stock_tok = sum(s_tok) / len(s_tok)
+        exact_tok = sum(e_tok) / len(e_tok)
+        h2d = sum(x["h2d_bytes_per_token"] for x in e_rows) / len(e_rows)
+        bound_s = h2d / rate + 1 / stock_tok
+        result = {
+            "h2d_GBps": rate / 1e9,
+            "stock_decode_tok_s": stock_tok,
+            "exact_decode_tok_s": exact_tok,
+            "bound_decode_tok_s": 1 / bound_s,
+            "exact_over_stock": exact_tok / stock_tok,
+            "exact_over_bound": exact_tok * bound_s,
+            "h2d_MiB_per_token": h2d / 2**20,
+            "d2h_MiB_per_token": sum(x["d2h_bytes_per_token"] for x in e_rows) / len(e_rows) / 2**20,
+            "hit_rate": sum(x["hit_rate"] for x in e_rows) / len(e_rows),
+            "stock_prefill_tok_s": prompt_tokens / (sum(x["prefill_s"] for x in rows if x["name"] == "stock")
+                                                    / len(s_tok)),
+            "exact_prefill_tok_s": prompt_tokens / (sum(x["prefill_s"] for x in e_rows) / len(e_rows)),
+            "same_tokens": same,
+            "slots_per_layer": slots,
+            "stock_load_s": stock.load_s,
+            "exact_load_s": exact.load_s,
+            "windows": [{k: v for k, v in x.items() if k != "tokens"} for x in rows],
+            "tiers": exact.tiered.snapshot(),
+            "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (DESIGN section 3)",
+        }
+        return result
+    finally:
+        exact.close()
+        stock.close()
+
+
+def report(res: dict, moe_layers: int | None) -> str:
+    lines = [
+        f"glm53 bench decode: {moe_layers or '?'} full-width MoE layers, {res['slots_per_layer']} VRAM slots/layer "
+        f"(hit rate {res['hit_rate']:.3f}), same tokens in both modes: {res['same_tokens']}",
+        f"  stock exllamav3, all experts in VRAM : {res['stock_decode_tok_s']:8.1f} tok/s decode, "
+        f"{res['stock_prefill_tok_s']:8.1f} tok/s prefill",
+        f"  exact mode                           : {res['exact_decode_tok_s']:8.1f} tok/s decode, "
+        f"{res['exact_prefill_tok_s']:8.1f} tok/s prefill",
+        f"  PCIe bound ({res['h2d_MiB_per_token']:.0f} MiB/token at {res['h2d_GBps']:.1f} GB/s + stock step): "
+        f"{res['bound_decode_tok_s']:8.1f} tok/s",
+        f"  ratios: exact/stock {res['exact_over_stock']:.3f}, exact/bound {res['exact_over_bound']:.3f} "
+        f"(target >= 0.85); write-backs {res['d2h_MiB_per_token']:.0f} MiB/token D2H",
+        f"  stock moe_cpu_split: {res['moe_cpu_split']}",
+    ]
+    return "\n".join(lines)
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    try:
+        import torch
+    except ImportError:
+        print("glm53: bench decode needs torch with CUDA", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("glm53: bench decode needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from glm53.engine.exl3_adapter import Exl3ContractError, check_contract
+
+    try:
+        check_contract()
+    except Exl3ContractError as exc:
+        print(f"glm53: {exc}", file=sys.stderr)
+        return 2
+    try:
+        skew = tuple(float(x) for x in args.skew.split(","))
+        if len(skew) != 2:
+            raise ValueError
+    except ValueError:
+        print(f"glm53: --skew wants two fractions like 0.11,0.40, got {args.skew!r}", file=sys.stderr)
+        return 2
+    work = None
+    if args.model:
+        model_dir = Path(args.model)
+        experts = json.loads((model_dir / "config.json").read_text()).get("text_config", {}).get("n_routed_experts", 288)
+    else:
+        from glm53.fixture.exl3 import write_exl3_checkpoint
+
+        work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
+        t0 = time.perf_counter()
+        model_dir = write_exl3_checkpoint(work / "ckpt", shape="glm53", moe_layers=args.moe_layers, mtp_layers=0,
+                                          shards=max(2, args.moe_layers), router_skew=skew)
+        print(f"wrote a {args.moe_layers}-MoE-layer full-width checkpoint in {time.perf_counter() - t0:.0f} s")
+        experts = 288
+    slots = args.slots if args.slots is not None else round(CARD_FRACTION * experts)
+    try:
+        res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens)
+    finally:
+        if work is not None and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    res.update(moe_layers=None if args.model else args.moe_layers, skew=list(skew), tokens=args.tokens,
+               date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name())
+    print(report(res, res["moe_layers"]))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0 if res["same_tokens"] else 1

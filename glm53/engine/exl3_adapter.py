@@ -1,0 +1,648 @@
+"""The one place that touches exllamav3 internals: routed experts of every MoE layer through glm53.tiers.
+
+Supported: exllamav3 1.6.5 (layer-split loading, one CUDA device). `check_contract()` verifies every hook below
+at start-up and fails with the missing piece named, before any weight is read.
+
+How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
+- Its gate/up/down expert lists are replaced by S + P *slot* Linears: S cache slots of this layer (a
+  `VramLayer` arena of glm53.tiers) and P staging slots shared by all layers (`ExpertTiers.staging`). A slot
+  Linear's `load` is replaced so its `LinearEXL3` is built directly on typed views into those arenas: no expert
+  is read from the checkpoint by exllamav3, and the tensors exllamav3 bakes into its pointer tables (MultiLinear,
+  BC_BlockSparseMLP, per-linear BC objects) are the arenas themselves. Refilling a slot later is a `.copy_()`
+  into those bytes (glm53.tiers' Copier), never a new tensor, so every baked pointer stays valid.
+- `num_local_experts`, `routing_first`, `routing_last` describe the S + P slots (the expert-interval machinery
+  exllamav3 uses for TP shards and its own CPU split): any id outside them contributes exact zeros.
+- After load, `cpu_split_first` is set and the instance's `cpu_split_submit` replaced: exllamav3's forward calls
+  it right after routing and before any expert kernel (the stock CPU-split seam). The hook reads the picks,
+  makes every picked expert readable on the GPU (VRAM hit; admission into a slot; or a copy into a staging
+  slot), and rewrites the router ids IN PLACE into slot ids (the bsz-1 routing buffers live at fixed addresses).
+  It returns no CPU partial, so the stock `cpu_split_combine` is the identity.
+- `_split_saved` holds the original lists, so stock `cpu_unload()` (called by `unload()`) restores the module.
+
+Why this is bit-identical to stock exllamav3 with every expert in VRAM: the stock kernels run on the same
+inputs, with every pick's weights byte-identical (raw checkpoint bytes, copied whole), in the same per-token
+k order (the fused decode kernel and the prefill gather both reduce in k order; slot ids only change which
+pointer a pick reads and how picks of one expert are grouped, which is a bijective relabelling per step).
+
+Nothing here decides placement: glm53.tiers does (ExpertTiers, policy, stats). Only the host marks an expert
+resident, after its copy's ticket says the bytes landed (ExpertTiers.settle / poll).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SUPPORTED_VERSION = "1.6.5"
+PROJECTIONS = ("gate", "up", "down")
+MAX_BSZN = 8  # exllamav3's fused decode kernel row limit (block_sparse_mlp.MAX_BSZN); checked by the contract
+
+
+class Exl3ContractError(RuntimeError):
+    """The installed exllamav3 lacks something the adapter hooks (another version, or a changed internal)."""
+
+
+class Exl3TierError(RuntimeError):
+    """A step could not make its picks readable on the GPU (configuration too small): fail loudly, never guess."""
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One thing the adapter relies on: `target` is "module:Class" or "module", `name` an attribute on it."""
+
+    target: str
+    name: str
+    why: str
+    source_contains: str | None = None  # for methods: a call that must appear in the method's source
+
+
+CONTRACT: tuple[Hook, ...] = (
+    Hook("exllamav3", "Config", "Config.from_directory reads the checkpoint"),
+    Hook("exllamav3", "Model", "Model.from_config builds the modules we patch before load()"),
+    Hook("exllamav3", "Cache", "paged KV cache sized by the plan"),
+    Hook("exllamav3", "Tokenizer", "the generator's tokenizer"),
+    Hook("exllamav3", "Generator", "jobs, streaming, sampling"),
+    Hook("exllamav3", "Job", "one request"),
+    Hook("exllamav3.modules.block_sparse_mlp", "MAX_BSZN", "decode batches (<= 8 rows) run the fused kernel"),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
+         "calls the CPU-split seam after routing, before any expert kernel", "self.cpu_split_submit("),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
+         "folds the seam's partial back in (None: identity)", "self.cpu_split_combine("),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "load",
+         "builds the pointer tables from the (slot) expert lists after the submodules load", "self.load_local("),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "load_local",
+         "bakes expert tensor pointers into MultiLinear / BC_BlockSparseMLP", "MultiLinear("),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "cpu_unload",
+         "restores the expert lists from _split_saved on unload", "self._split_saved"),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "cpu_split_combine",
+         "the stock combine (identity for a None partial)"),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "_cpu_init_state",
+         "initialises cpu_split_first / _split_map to None"),
+    Hook("exllamav3.modules.linear:Linear", "load", "replaced per slot Linear: builds LinearEXL3 on arena views"),
+    Hook("exllamav3.modules.linear:Linear", "load_exl3", "the stock EXL3 load we mirror (codebook markers)",
+         "get_codebook_marker("),
+    Hook("exllamav3.modules.quant.exl3:LinearEXL3", "__init__",
+         "LinearEXL3(config, in, out, scale, su, sv, suh, svh, trellis, mcg, mul1, bias, out_dtype, key=)",
+         "ext.BC_LinearEXL3("),
+    Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mul1_mult", "mul1 codebook marker value"),
+    Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mcg_mult", "mcg codebook marker value"),
+)
+
+# LinearEXL3's positional parameters, in order: the slot loader passes them by position like the stock loader.
+LINEAR_EXL3_PARAMS = ("config", "in_features", "out_features", "scale", "su", "sv", "suh", "svh", "trellis", "mcg",
+                      "mul1", "bias", "out_dtype")
+
+
+def describe_contract() -> str:
+    """The contract as text (for logs and `glm53 bench decode --help`-style output)."""
+    lines = [f"glm53 exllamav3 adapter contract (exllamav3 {SUPPORTED_VERSION}):"]
+    for h in CONTRACT:
+        extra = f" [source contains {h.source_contains!r}]" if h.source_contains else ""
+        lines.append(f"  {h.target}.{h.name}: {h.why}{extra}")
+    return "\n".join(lines)
+
+
+def _resolve(target: str, importer: Callable[[str], Any]) -> Any:
+    mod_name, _, cls = target.partition(":")
+    obj = importer(mod_name)
+    return getattr(obj, cls) if cls else obj
+
+
+def check_contract(importer: Callable[[str], Any] | None = None, version: str | None = None) -> None:
+    """Raise Exl3ContractError naming the first missing piece; `importer`/`version` let CPU tests inject fakes."""
+    import importlib
+
+    importer = importer or importlib.import_module
+    where = f"glm53 supports exllamav3 {SUPPORTED_VERSION} only"
+    if version is None:
+        try:
+            version = importer("exllamav3.version").__version__
+        except Exception as exc:  # an ImportError, or a broken build: both mean "not usable"
+            raise Exl3ContractError(f"exllamav3 is not importable ({exc!r}); {where}") from exc
+    if version != SUPPORTED_VERSION:
+        raise Exl3ContractError(f"exllamav3 {version} is installed; {where} (pip install exllamav3=={SUPPORTED_VERSION})")
+    for h in CONTRACT:
+        try:
+            owner = _resolve(h.target, importer)
+        except (ImportError, AttributeError) as exc:
+            raise Exl3ContractError(f"exllamav3 {version}: {h.target} is missing ({exc}); {where}") from exc
+        if not hasattr(owner, h.name):
+            raise Exl3ContractError(f"exllamav3 {version}: {h.target}.{h.name} is missing (needed: {h.why}); {where}")
+        if h.source_contains:
+            try:
+                src = inspect.getsource(getattr(owner, h.name))
+            except (OSError, TypeError) as exc:
+                raise Exl3ContractError(f"exllamav3 {version}: cannot read the source of {h.target}.{h.name} "
+                                        f"to check it ({exc}); {where}") from exc
+            if h.source_contains not in src:
+                raise Exl3ContractError(f"exllamav3 {version}: {h.target}.{h.name} no longer contains "
+                                        f"{h.source_contains!r} (needed: {h.why}); {where}")
+    lin = _resolve("exllamav3.modules.quant.exl3:LinearEXL3", importer)
+    params = tuple(inspect.signature(lin.__init__).parameters)[1 : 1 + len(LINEAR_EXL3_PARAMS)]
+    if params != LINEAR_EXL3_PARAMS:
+        raise Exl3ContractError(f"exllamav3 {version}: LinearEXL3.__init__ takes {params}, expected "
+                                f"{LINEAR_EXL3_PARAMS}; {where}")
+    bsz = _resolve("exllamav3.modules.block_sparse_mlp", importer).MAX_BSZN
+    if bsz != MAX_BSZN:
+        raise Exl3ContractError(f"exllamav3 {version}: MAX_BSZN is {bsz}, expected {MAX_BSZN}; {where}")
+
+
+# ---- pure helpers (CPU-tested) ---------------------------------------------------------------------------------
+
+def translate(ids: np.ndarray, slot_of: np.ndarray, staged: Sequence[int], staging_base: int) -> np.ndarray:
+    """Router ids -> slot ids: a resident expert's cache slot, else `staging_base + i` for staged[i].
+
+    slot_of: int (num_experts,), the landed cache slot of each expert or -1. Raises Exl3TierError if a pick
+    is neither resident nor staged (that pick would silently contribute zero: never allowed)."""
+    lut = np.asarray(slot_of, np.int64).copy()
+    for i, e in enumerate(staged):
+        if lut[e] >= 0:
+            raise Exl3TierError(f"expert {e} is both resident (slot {lut[e]}) and staged")
+        lut[e] = staging_base + i
+    out = lut[np.asarray(ids, np.int64)]
+    if out.size and out.min() < 0:
+        missing = sorted(set(np.asarray(ids)[out < 0].tolist()))
+        raise Exl3TierError(f"experts {missing} are picked but neither resident nor staged")
+    return out
+
+
+def staging_needed(rows: int, top_k: int, num_experts: int) -> int:
+    """Staging slots that cover any step of `rows` token rows: every distinct pick may be a miss."""
+    return min(num_experts, rows * top_k)
+
+
+_ST_DTYPES = {"I16": np.int16, "F16": np.float16, "BF16": None, "F32": np.float32, "I32": np.int32, "I64": np.int64,
+              "U8": np.uint8}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    path: Path
+    dtype: str  # safetensors dtype string (I16, F16, ...)
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the file
+    nbytes: int
+
+
+class SafetensorsIndex:
+    """Tensor name -> where its bytes are, from the headers of every *.safetensors file on disk.
+
+    Like exllamav3, it never trusts model.safetensors.index.json (the published checkpoint's index omits files).
+    Reads are raw `pread`s into caller buffers: the bytes that land are exactly the checkpoint's, which is
+    what stock exllamav3 loads for int16 trellis and fp16 scales (no conversion on either side)."""
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.model_dir = Path(model_dir)
+        self.entries: dict[str, TensorEntry] = {}
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {self.model_dir}")
+        for path in files:
+            with open(path, "rb") as f:
+                (hlen,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(hlen))
+            for name, h in header.items():
+                if name == "__metadata__":
+                    continue
+                beg, end = h["data_offsets"]
+                self.entries[name] = TensorEntry(path, h["dtype"], tuple(h["shape"]), 8 + hlen + beg, end - beg)
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def entry(self, name: str) -> TensorEntry:
+        try:
+            return self.entries[name]
+        except KeyError:
+            raise KeyError(f"tensor {name} is in no *.safetensors file of {self.model_dir}") from None
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
+    def read_into(self, name: str, out: np.ndarray, start: int = 0, length: int | None = None) -> None:
+        """Copy bytes [start, start+length) of tensor `name` into the uint8 array `out` (exactly that size)."""
+        e = self.entry(name)
+        length = e.nbytes - start if length is None else length
+        if out.dtype != np.uint8 or out.nbytes != length:
+            raise ValueError(f"{name}: destination of {out.nbytes} bytes for {length}")
+        fd, mv, done = self._fd(e.path), memoryview(out).cast("B"), 0
+        while done < length:
+            n = os.preadv(fd, [mv[done:]], e.offset + start + done)
+            if n <= 0:
+                raise OSError(f"{e.path}: short read of {name} at byte {start + done} of {e.nbytes}")
+            done += n
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+# ---- the runtime: tiered routed experts under a loaded exllamav3 model ------------------------------------------
+
+@dataclass
+class _Layer:
+    module: Any  # exllamav3 BlockSparseMLP
+    keys: list[tuple[str, str, str]]  # per expert: gate, up, down Linear keys
+    slots: int  # S: cache slots of this layer
+    saved: tuple  # the module's original (gates, ups, downs, modules, num_local_experts, routing_first, routing_last)
+    slot_linears: tuple[list, list, list] | None = None
+    ids_host: Any = None  # pinned int64: the step's router ids
+    out_host: Any = None  # pinned int64: the step's slot ids
+
+
+class TieredMoE:
+    """Routed experts of an exllamav3 model in glm53.tiers: S VRAM slots per MoE layer, the rest in the pinned RAM
+    tier, misses over PCIe into admitted or staging slots, computed by exllamav3's own kernels (exact mode).
+
+    Lifecycle: construct (after Model.from_config, before load) -> install() -> model.load() -> populate() ->
+    forwards ... -> close() (after model.unload() or before; both orders restore the modules)."""
+
+    def __init__(
+        self,
+        model: Any,
+        model_dir: str | os.PathLike,
+        slots_per_layer: int | Sequence[int],
+        *,
+        staging_slots: int | None = None,
+        device: Any = None,
+        counts: np.ndarray | None = None,
+        admit: bool = True,
+        policy_factory: Callable[[int], Any] | None = None,
+        ram_spare: int | None = None,
+        read_threads: int = 8,
+    ):
+        """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
+        layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
+        num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed."""
+        import torch
+        from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+        self.model = model
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device if device is not None else "cuda:0")
+        self.admit = admit
+        self.counts = counts
+        self.policy_factory = policy_factory
+        self.index = SafetensorsIndex(self.model_dir)
+        self.read_threads = max(1, read_threads)
+        mods = [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
+        if not mods:
+            raise Exl3TierError("the model has no BlockSparseMLP (MoE) layer to tier")
+        self.num_experts = mods[0].num_experts
+        self.top_k = mods[0].num_experts_per_tok
+        for m in mods:
+            if m.num_experts != self.num_experts or m.num_experts_per_tok != self.top_k:
+                raise Exl3TierError(f"{m.key}: {m.num_experts} experts / top-{m.num_experts_per_tok} differs from "
+                                    f"the first MoE layer's {self.num_experts} / top-{self.top_k}")
+            if m.num_local_experts != m.num_experts or m.routing_first is not None:
+                raise Exl3TierError(f"{m.key}: already an expert slice (TP or CPU split); not supported with tiers")
+            if not m.gated or len(m.gates) != m.num_experts:
+                raise Exl3TierError(f"{m.key}: expected gated experts (gate/up/down per expert)")
+        budgets = [int(slots_per_layer)] * len(mods) if np.isscalar(slots_per_layer) else [int(s) for s in slots_per_layer]
+        if len(budgets) != len(mods):
+            raise ValueError(f"{len(budgets)} slot budgets for {len(mods)} MoE layers")
+        if any(not 0 <= s <= self.num_experts for s in budgets):
+            raise ValueError(f"slots per layer must be in [0, {self.num_experts}], got {budgets}")
+        self.staging_slots = self.num_experts if staging_slots is None else int(staging_slots)
+        if self.staging_slots < self.top_k:
+            raise ValueError(f"staging_slots {self.staging_slots} < top_k {self.top_k}: a decode step could not run")
+        self.layers = [
+            _Layer(m, [(g.key, u.key, d.key) for g, u, d in zip(m.gates, m.ups, m.downs, strict=True)], s,
+                   (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))
+            for m, s in zip(mods, budgets, strict=True)
+        ]
+        self.layout = self._layout()
+        self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
+        self.tiers: Any = None
+        self.populated = False
+        self._installed = False
+        self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="glm53-expert-read")
+        self.step_time = {"sync": 0.0, "plan": 0.0, "copy_wait": 0.0}
+        self.steps = 0
+
+    # ---- set-up -------------------------------------------------------------------------------------------
+
+    def _layout(self):
+        """The slot image from the checkpoint headers; every routed expert of every MoE layer must match it."""
+        import torch
+
+        from glm53.tiers import SlotLayout
+
+        dt = {"I16": torch.int16, "F16": torch.float16}
+        first = self.layers[0].keys[0]
+        fields: list[tuple[str, Any, tuple[int, ...]]] = []
+        for p, key in zip(PROJECTIONS, first, strict=True):
+            e = self.index.entry(f"{key}.trellis")
+            fields.append((f"{p}.trellis", dt.get(e.dtype), e.shape))
+        for p, key in zip(PROJECTIONS, first, strict=True):
+            for s in ("suh", "svh"):
+                e = self.index.entry(f"{key}.{s}")
+                fields.append((f"{p}.{s}", dt.get(e.dtype), e.shape))
+        want = {"trellis": "I16", "suh": "F16", "svh": "F16"}
+        for name, dtype, _ in fields:
+            if dtype is None:
+                raise Exl3TierError(f"routed expert tensor {first[0]}... {name}: only int16 trellis and fp16 suh/svh "
+                                    "are supported by the tier loader")
+        layout = SlotLayout.packed(fields)
+        spec = {f.name: f for f in layout.fields}
+        for layer in self.layers:
+            for keys in layer.keys:
+                for p, key in zip(PROJECTIONS, keys, strict=True):
+                    for s in ("trellis", "suh", "svh"):
+                        e = self.index.entry(f"{key}.{s}")
+                        f = spec[f"{p}.{s}"]
+                        if e.dtype != want[s] or e.shape != f.shape:
+                            raise Exl3TierError(f"{key}.{s} is {e.dtype}{list(e.shape)}; every routed expert must be "
+                                                f"{want[s]}{list(f.shape)} like the first one (mixed widths unsupported)")
+                    if (f"{key}.mcg" in self.index) != (f"{first[0]}.mcg" in self.index) or \
+                            (f"{key}.mul1" in self.index) != (f"{first[0]}.mul1" in self.index):
+                        raise Exl3TierError(f"{key}: codebook marker differs from {first[0]}'s (mixed codebooks)")
+        return layout
+
+    def install(self) -> None:
+        """Allocate the tiers and shrink every MoE layer to its slots. Call before model.load()."""
+
+        from glm53.tiers import ExpertTiers, ScoredPolicy
+
+        if self._installed:
+            raise RuntimeError("install() runs once")
+        total = len(self.layers) * self.num_experts
+        in_vram = sum(layer.slots for layer in self.layers)
+        self.tiers = ExpertTiers(
+            self.layout, self.num_experts, [layer.slots for layer in self.layers], total - in_vram + self.ram_spare,
+            keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
+            staging_slots=self.staging_slots, pin=True,
+        )
+        for li, layer in enumerate(self.layers):
+            self._shrink(li, layer)
+            self._grow(layer, MAX_BSZN * self.top_k)
+        self._installed = True
+
+    @staticmethod
+    def _grow(layer: _Layer, n: int) -> None:
+        """Pinned host buffers for a step's ids and slot ids (one pair per layer: a layer's H2D write of the
+        previous step has completed before its next step rewrites the buffer, since every step syncs first)."""
+        import torch
+
+        layer.ids_host = torch.empty(n, dtype=torch.long, pin_memory=True)
+        layer.out_host = torch.empty(n, dtype=torch.long, pin_memory=True)
+
+    def _marker(self, key: str, name: str):
+        from exllamav3.modules.quant.exl3_lib.quantize import codebook_mcg_mult, codebook_mul1_mult
+
+        if f"{key}.{name}" not in self.index:
+            return None
+        mult = codebook_mcg_mult if name == "mcg" else codebook_mul1_mult
+        return self.layers[0].module.config.stc.get_codebook_marker(f"{key}.{name}", mult)
+
+    def _shrink(self, li: int, layer: _Layer) -> None:
+        m = layer.module
+        gates, ups, downs = layer.saved[0], layer.saved[1], layer.saved[2]
+        n_local = layer.slots + self.staging_slots
+        vl = self.tiers.vram[li]
+        markers = {p: (self._marker(k, "mcg"), self._marker(k, "mul1")) for p, k in zip(PROJECTIONS, layer.keys[0],
+                                                                                        strict=True)}
+        new: tuple[list, list, list] = ([], [], [])
+        for i in range(n_local):
+            views = vl.views(i) if i < layer.slots else self.tiers.layout.views(self.tiers.staging[i - layer.slots])
+            for j, (p, src) in enumerate(zip(PROJECTIONS, (gates, ups, downs), strict=True)):
+                lin = copy.copy(src[i % len(src)])
+                lin.lora_a_tensors, lin.lora_b_tensors = {}, {}
+                lin.caps = dict(lin.caps)
+                lin.modules = []
+                lin.inner, lin.quant_type = None, None
+                lin.load = _slot_loader(lin, views[f"{p}.trellis"], views[f"{p}.suh"], views[f"{p}.svh"], *markers[p])
+                new[j].append(lin)
+        originals = {id(x) for x in (*gates, *ups, *downs)}
+        m.modules = [x for x in m.modules if id(x) not in originals] + [x for trio in zip(*new, strict=True) for x in trio]
+        m.gates, m.ups, m.downs = new
+        m.num_local_experts = n_local
+        m.routing_first, m.routing_last = 0, n_local
+        layer.slot_linears = new
+
+    def populate(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Place every expert once (VRAM: each layer's hottest by `counts`, else lowest ids; RAM: the rest), then
+        open the seam. Call after model.load()."""
+        if not self._installed:
+            raise RuntimeError("populate() needs install() and model.load() first")
+        total = len(self.layers) * self.num_experts
+        done = [0]
+
+        def load(layer: int, expert: int, out) -> None:
+            self._read_expert(layer, expert, out)
+            done[0] += 1
+            if progress is not None and (done[0] % 64 == 0 or done[0] == total):
+                progress(done[0], total)
+
+        self.tiers.populate(load, self.counts)
+        for li, layer in enumerate(self.layers):
+            m = layer.module
+            if m.bc is None:
+                raise Exl3TierError(f"{m.key}: exllamav3 built no fused expert path (BC_BlockSparseMLP) on the slots")
+            m._split_perm = None
+            m._split_saved = layer.saved
+            m.cpu_split_submit = _seam(self, li)
+            m.cpu_split_first = m.num_local_experts
+        self.populated = True
+
+    def _read_expert(self, layer: int, expert: int, out) -> None:
+        """The expert's slot image into `out` (contiguous uint8 CPU tensor): raw checkpoint bytes, parallel reads."""
+        buf = out.numpy()
+        keys = self.layers[layer].keys[expert]
+        jobs = []
+        chunk = 4 << 20
+        for f in self.layout.fields:
+            p, s = f.name.split(".")
+            name = f"{keys[PROJECTIONS.index(p)]}.{s}"
+            for start in range(0, f.nbytes, chunk):
+                n = min(chunk, f.nbytes - start)
+                dst = buf[f.offset + start : f.offset + start + n]
+                jobs.append(self._pool.submit(self.index.read_into, name, dst, start, n))
+        for j in jobs:
+            j.result()
+
+    # ---- the seam -------------------------------------------------------------------------------------------
+
+    def step(self, li: int, y: Any, bsz: int, selected: Any, weights: Any) -> tuple[None, None]:
+        """Called by exllamav3 after layer li's routing: make the picks readable, rewrite ids to slots in place."""
+        import torch
+
+        layer = self.layers[li]
+        n = selected.numel()
+        if n > layer.ids_host.numel():
+            self._grow(layer, n)  # a prefill chunk larger than any before: safe, the stream is synced below
+        t0 = time.perf_counter()
+        host = layer.ids_host[:n]
+        host.copy_(selected.reshape(-1), non_blocking=True)
+        torch.cuda.current_stream(selected.device).synchronize()
+        t1 = time.perf_counter()
+        ids = host.numpy().reshape(selected.shape).copy()
+        slots = self.resolve(li, ids, decode=bsz <= MAX_BSZN)
+        out = layer.out_host[:n]
+        out.numpy()[:] = slots.reshape(-1)
+        selected.copy_(out.view(selected.shape), non_blocking=True)
+        self.step_time["sync"] += t1 - t0
+        self.step_time["plan"] += time.perf_counter() - t1
+        self.steps += 1
+        return None, None
+
+    def resolve(self, li: int, ids: np.ndarray, decode: bool) -> np.ndarray:
+        """Host side of one layer step: settle, count, then make every pick readable and translate.
+
+        Decode steps (<= MAX_BSZN rows) teach the policy, admit the misses it wants and stream the rest through
+        staging. Prefill steps neither teach nor admit (they must not evict the decode hot set) and stage EVERY
+        picked expert, residents included (a device-to-device copy), in ascending id order: the mapping id ->
+        slot is then monotonic, so exllamav3's prefill paths, which sort and group picks by expert id (fused
+        runs, batched-reconstruct groups), see exactly the stock order and stay bit-identical."""
+        from glm53.tiers import Where
+
+        tiers = self.tiers
+        layer = self.layers[li]
+        tiers.poll()
+        uniq = np.unique(ids)
+        for e in uniq.tolist():
+            w = tiers.settle(li, e)
+            if w:
+                tiers.stats.add_wait("pcie", w)
+        hit = tiers.where[li] == Where.VRAM
+        n_hit = int(hit[ids].sum())
+        tiers.stats.add_picks(li, {"vram_hit": n_hit, "pcie": int(ids.size) - n_hit})
+        misses = uniq[~hit[uniq]]
+        admitted: dict[int, int] = {}
+        if decode:
+            tiers.observe(li, ids)
+            if self.admit and misses.size:
+                admitted = tiers.try_admit(li, misses, uniq)
+            staged = [int(e) for e in misses.tolist() if e not in admitted]
+        else:
+            staged = [int(e) for e in uniq.tolist()]
+        if len(staged) > self.staging_slots:
+            raise Exl3TierError(f"layer {li}: {len(staged)} experts to stage in one step exceed the "
+                                f"{self.staging_slots} staging slots; raise staging_slots (or lower the prefill chunk)")
+        last = None
+        nbytes = self.layout.nbytes
+        for i, e in enumerate(staged):
+            last = tiers.copier.copy(tiers.staging[i], tiers.bytes_of(li, e))
+            if not hit[e]:
+                tiers.stats.add_bytes("ram_to_staging", nbytes)
+        t0 = time.perf_counter()
+        for e in admitted:
+            tiers.settle(li, e)
+        if last is not None:
+            last.wait()
+        waited = time.perf_counter() - t0
+        if admitted or staged:
+            tiers.stats.add_wait("pcie", waited)
+            self.step_time["copy_wait"] += waited
+        slot_of = tiers.vram[li].slot_of if decode else np.full(self.num_experts, -1, np.int32)
+        return translate(ids, slot_of, staged, layer.slots)
+
+    # ---- reporting / teardown -------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        if self.tiers is None:
+            return {}
+        doc = self.tiers.stats.snapshot()
+        doc.update(
+            mode="exact",
+            expert_bytes=self.layout.nbytes,
+            staging_slots=self.staging_slots,
+            moe_layers=len(self.layers),
+            experts_per_layer=self.num_experts,
+            host_seconds={k: round(v, 4) for k, v in self.step_time.items()},
+            layer_steps=self.steps,
+        )
+        return doc
+
+    def routing_counts(self) -> np.ndarray:
+        return self.tiers.routing_counts()
+
+    def check_invariants(self) -> None:
+        self.tiers.check_invariants()
+        for li, layer in enumerate(self.layers):
+            vl = self.tiers.vram[li]
+            for i, (g, u, d) in enumerate(zip(*layer.slot_linears, strict=True)):
+                views = vl.views(i) if i < layer.slots else self.tiers.layout.views(self.tiers.staging[i - layer.slots])
+                for p, lin in zip(PROJECTIONS, (g, u, d), strict=True):
+                    assert lin.inner.trellis.data_ptr() == views[f"{p}.trellis"].data_ptr(), "slot tensor replaced"
+
+    def close(self) -> None:
+        """Restore the modules (if unload() has not already) and drop the arenas."""
+        for layer in self.layers:
+            m = layer.module
+            m.__dict__.pop("cpu_split_submit", None)
+            if m.cpu_split_first is not None:
+                (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last) = layer.saved
+                m.cpu_split_first = None
+            layer.slot_linears = None
+        if self.tiers is not None:
+            self.tiers.settle_all()
+        self.tiers = None
+        self._pool.shutdown(wait=True)
+        self.index.close()
+
+
+def _slot_loader(lin: Any, trellis: Any, suh: Any, svh: Any, mcg: Any, mul1: Any) -> Callable[..., None]:
+    """A replacement `Linear.load` that builds the LinearEXL3 on arena views instead of checkpoint tensors."""
+
+    def load(device: Any, **kwargs: Any) -> None:
+        from exllamav3.modules.quant.exl3 import LinearEXL3
+
+        lin.device = device
+        lin.used_alt_key = False
+        lin.inner = LinearEXL3(lin.config, lin.in_features, lin.out_features, None, None, None, suh, svh, trellis, mcg,
+                               mul1, None, lin.out_dtype, key=lin.key)
+        lin.quant_type = "exl3"
+
+    return load
+
+
+def _seam(tiered: TieredMoE, li: int) -> Callable[..., tuple[None, None]]:
+    def cpu_split_submit(y: Any, bsz: int, selected_experts: Any, routing_weights: Any) -> tuple[None, None]:
+        return tiered.step(li, y, bsz, selected_experts, routing_weights)
+
+    return cpu_split_submit
+
+
+def wrap_load_progress(model: Any, report: Callable[[int, int], None]) -> Callable[[], None]:
+    """Report after each top-level module of `model` loads (exllamav3's single-device loader has no callback).
+    Returns a function that removes the wrappers."""
+    mods = list(model.modules)
+    total = len(mods)
+    wrapped = []
+    for i, mod in enumerate(mods):
+        orig = mod.load
+
+        def load(*args: Any, _orig: Any = orig, _i: int = i, **kwargs: Any) -> Any:
+            out = _orig(*args, **kwargs)
+            report(_i + 1, total)
+            return out
+
+        mod.load = load
+        wrapped.append(mod)
+
+    def undo() -> None:
+        for mod in wrapped:
+            mod.__dict__.pop("load", None)
+
+    return undo

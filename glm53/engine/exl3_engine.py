@@ -1,0 +1,704 @@
+"""The GPU engine: exllamav3's Generator and jobs, with the routed experts tiered by glm53 (exact mode).
+
+Modes: "exact" keeps `slots_per_layer` routed experts per MoE layer in VRAM and the rest in the pinned RAM tier;
+every miss crosses PCIe and is computed by exllamav3's own kernels (glm53.engine.exl3_adapter), so logits are
+bit-identical to stock exllamav3 with all experts in VRAM. "stock" is plain exllamav3 (all experts in VRAM):
+what the plan picks when everything fits, and the baseline the tests and `glm53 bench decode` compare against.
+
+Threads: one worker thread owns the model, the cache and the generator; the asyncio side only enqueues and reads
+events (loop.call_soon_threadsafe into a per-request queue), exactly like the CPU reference engine. The worker
+runs `Generator.iterate()` while any job is live: exllamav3 batches the running jobs' decode steps and chunks
+prompts itself. Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit
+the same TokenEvents; exllamav3's own text stream is ignored.
+
+Reasoning budget: when a request has spent its budget inside <think>, its job is cancelled, the close tokens
+are emitted as forced events, and a continuation job (prompt + generated + forced) is enqueued; exllamav3's
+page cache recognises the shared prefix, so only the tail is prefilled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from glm53.engine import sampling
+from glm53.engine.detok import IncrementalDetokenizer
+from glm53.engine.interface import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineEvent,
+    EngineNotReady,
+    GrammarUnsupported,
+    PromptProgress,
+    SamplingParams,
+    TokenEvent,
+)
+
+log = logging.getLogger("glm53.engine")
+
+_END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
+RATE_WINDOW_S = 10.0
+PAGE = 256  # exllamav3's KV page: cache sizes are whole pages
+
+EXL3_DEMO_DIR = "demo-model-exl3"
+EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
+# Bump when the fixture writer's output changes, so cached demo checkpoints are rebuilt.
+EXL3_DEMO_RECIPE = {"recipe": 1, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: frozenset[int]
+    emit: Callable[[Any], None]
+    detok: IncrementalDetokenizer
+    in_reasoning: bool
+    reasoning_end: int | None
+    cancelled: bool = False
+    job: Any = None
+    generated: list[int] = field(default_factory=list)  # every token emitted so far (sampled and forced)
+    reasoning_tokens: int = 0
+    done: bool = False
+
+
+def ensure_exl3_demo_model(cache_dir: Path) -> Path:
+    """The tiny synthetic EXL3 demo checkpoint under `cache_dir` (generated once, atomically, like demo.py's)."""
+    from glm53.fixture.exl3 import write_exl3_checkpoint
+
+    cache_dir = Path(cache_dir)
+    final = cache_dir / EXL3_DEMO_DIR
+
+    def complete(path: Path) -> bool:
+        try:
+            return json.loads((path / EXL3_DEMO_MARKER).read_text()) == EXL3_DEMO_RECIPE
+        except (OSError, ValueError):
+            return False
+
+    if complete(final):
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    log.info("demo: generating the synthetic EXL3 demo model into %s (once)", final)
+    work = Path(tempfile.mkdtemp(prefix=f".{EXL3_DEMO_DIR}-", dir=cache_dir))
+    work.chmod(0o755)
+    try:
+        write_exl3_checkpoint(work, seed=EXL3_DEMO_RECIPE["seed"], router_skew=tuple(EXL3_DEMO_RECIPE["router_skew"]))
+        (work / EXL3_DEMO_MARKER).write_text(json.dumps(EXL3_DEMO_RECIPE))
+        if final.exists():
+            if complete(final):  # another process finished first
+                shutil.rmtree(work, ignore_errors=True)
+                return final
+            shutil.rmtree(final)
+        os.replace(work, final)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return final
+
+
+def gpu_engine_available() -> bool:
+    """exllamav3 importable (not imported here: that JIT-loads CUDA code) and a CUDA device present."""
+    import importlib.util
+
+    if importlib.util.find_spec("exllamav3") is None:
+        return False
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def model_key(model_dir: Path) -> str:
+    """Identity of a checkpoint for saved routing statistics: directory name + config.json hash."""
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+    return f"{Path(model_dir).name}-{digest}"
+
+
+def slots_from_plan(plan: Any, shape: Any, staging_slots: int | None = None) -> tuple[str, int, int]:
+    """(mode, slots per layer, staging slots) for a Plan: stock when every expert fits, else exact.
+
+    The plan reserves 2 x top_k staging experts; exact mode stages a whole layer's worth by default (any prefill
+    chunk fits and stays bit-exact), so the extra staging comes out of the per-layer cache slots."""
+    experts = shape.experts_per_layer
+    if plan.vram_slots_per_layer >= experts:
+        return "stock", experts, 0
+    staging = experts if staging_slots is None else staging_slots
+    extra = max(0, staging - 2 * shape.top_k)
+    per_layer = max(0, plan.vram_slots_per_layer - math.ceil(extra / max(1, shape.moe_layers)))
+    return "exact", per_layer, staging
+
+
+class Exl3Engine:
+    """Engine (glm53.engine.interface) on exllamav3. Construct, then load() (blocking, from a worker thread)."""
+
+    kind = "exllamav3"
+    supports_grammar = False  # constrained decoding runs only on the reference engine so far
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        model_id: str = "glm-5.3-flash",
+        mode: str = "exact",
+        slots_per_layer: int | list[int] | None = None,
+        staging_slots: int | None = None,
+        kv_tokens: int = 131072,
+        context_length: int | None = None,
+        max_running: int = 8,
+        prefill_chunk: int = 2048,
+        device: str = "cuda:0",
+        routing_stats_dir: Path | None = None,
+        admit: bool = True,
+    ) -> None:
+        if mode not in ("exact", "stock"):
+            raise ValueError(f"mode must be 'exact' or 'stock', got {mode!r}")
+        if mode == "exact" and slots_per_layer is None:
+            raise ValueError("exact mode needs slots_per_layer (VRAM expert slots per MoE layer)")
+        self.model_dir = Path(model_dir)
+        self.model_id = model_id
+        self.mode = mode
+        self.slots_per_layer = slots_per_layer
+        self.staging_slots = staging_slots
+        self.kv_tokens = max(PAGE, kv_tokens // PAGE * PAGE)
+        self.context_length = context_length or 0
+        self.max_running = max(1, max_running)
+        self.prefill_chunk = max(PAGE, prefill_chunk // PAGE * PAGE)
+        self.device = device
+        self.routing_stats_dir = Path(routing_stats_dir) if routing_stats_dir else None
+        self.admit = admit
+        self.model: Any = None
+        self.cache: Any = None
+        self.generator: Any = None
+        self.tiered: Any = None
+        self._exl: Any = None
+        self._hf_tok: Any = None
+        self._tok: Any = None
+        self._n_vocab = 0
+        self._eos: list[int] = []
+        self._pieces: dict[int, str] = {}
+        self._think_open: int | None = None
+        self._think_close: int | None = None
+        self._cv = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._by_id: dict[str, _Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counters = dict.fromkeys(("requests_total", "requests_finished", "requests_cancelled", "requests_failed",
+                                        "prompt_tokens", "generated_tokens"), 0)
+        self._rate: deque[tuple[float, int]] = deque()
+        self._started = time.monotonic()
+        self.load_seconds = 0.0
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.generator is not None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def load(self) -> None:
+        """Load the model (progress lines in the phrases launchers parse), fill the tiers, warm up, start serving."""
+        if self.ready:
+            return
+        import torch
+
+        from glm53.engine import exl3_adapter as A
+
+        t0 = time.perf_counter()
+        A.check_contract()
+        import exllamav3 as exl
+
+        self._exl = exl
+        self._load_text()
+        config = exl.Config.from_directory(str(self.model_dir))
+        if config.infer_params.moe_cpu_split or config.infer_params.moe_cpu_offload:
+            raise EngineError("EXL3_MOE_CPU_SPLIT / EXL3_MOE_CPU_OFFLOAD are set: glm53 tiers the experts itself; "
+                              "unset them")
+        model = exl.Model.from_config(config)
+        cache = exl.Cache(model, max_num_tokens=self.kv_tokens, max_batch_size=max(16, self.max_running))
+        tiered = None
+        if self.mode == "exact":
+            counts = self._saved_counts(model)
+            tiered = A.TieredMoE(model, self.model_dir, self.slots_per_layer, staging_slots=self.staging_slots,
+                                 device=self.device, counts=counts, admit=self.admit)
+            tiered.install()
+            log.info("exact mode: %s VRAM slots per MoE layer x %d layers, %d shared staging slots, %d experts in "
+                     "the pinned RAM tier (%.1f GiB)", self.slots_per_layer, len(tiered.layers), tiered.staging_slots,
+                     tiered.tiers.ram.num_slots, tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30)
+
+        def shards(done: int, total: int) -> None:
+            log.info("Loading safetensors checkpoint shards: %d%% Completed | %d/%d", 100 * done // total, done, total)
+
+        undo = A.wrap_load_progress(model, shards)
+        try:
+            with torch.inference_mode():
+                model.load(device=torch.device(self.device))
+        finally:
+            undo()
+        if tiered is not None:
+            t1 = time.perf_counter()
+
+            def experts(done: int, total: int) -> None:
+                log.info("Loading routed experts into the tiers: %d%% Completed | %d/%d", 100 * done // total, done,
+                         total)
+
+            tiered.populate(experts)
+            log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
+        self.model, self.cache, self.tiered = model, cache, tiered
+        tokenizer = exl.Tokenizer.from_config(config)
+        self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=self.max_running,
+                                       max_chunk_size=self.prefill_chunk)
+        native = int(getattr(config, "max_position_embeddings", 0) or 0) or self.kv_tokens
+        limit = min(self.kv_tokens, native)
+        self.context_length = min(self.context_length, limit) if self.context_length else limit
+        log.info("Loading weights took %.1f s", time.perf_counter() - t0)
+        self._warmup()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name="glm53-exl3-engine", daemon=True)
+        self._thread.start()
+        self.load_seconds = time.perf_counter() - t0
+        log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
+                 self.context_length)
+
+    def _load_text(self) -> None:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from glm53.fixture.hf import quiet_transformers
+        from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN
+
+        with quiet_transformers():
+            self._hf_tok = AutoTokenizer.from_pretrained(self.model_dir)
+            text = AutoConfig.from_pretrained(self.model_dir).get_text_config()
+            try:
+                eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            except OSError:
+                eos = text.eos_token_id
+        self._tok = self._hf_tok.backend_tokenizer
+        self._n_vocab = min(len(self._hf_tok), text.vocab_size)
+        eos = eos if eos is not None else self._hf_tok.eos_token_id
+        self._eos = sorted({eos} if isinstance(eos, int) else set(eos or []))
+        self._think_open = self._tok.token_to_id(THINK_OPEN)
+        self._think_close = self._tok.token_to_id(THINK_CLOSE)
+
+    def _saved_counts(self, model: Any) -> Any:
+        if self.routing_stats_dir is None:
+            return None
+        from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+        from glm53.tiers import load_routing_stats, routing_stats_path
+
+        mods = [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
+        if not mods:
+            return None
+        key = model_key(self.model_dir)
+        counts, reason = load_routing_stats(routing_stats_path(self.routing_stats_dir, key), key, len(mods),
+                                            mods[0].num_experts)
+        log.info("routing statistics: %s", reason)
+        return counts
+
+    def _warmup(self) -> None:
+        """One short generation through both MoE paths (prefill > 8 rows, decode), before serving."""
+        import torch
+
+        exl = self._exl
+        ids = torch.tensor([[i % max(1, self._n_vocab) for i in range(1, 24)]], dtype=torch.long)
+        job = exl.Job(input_ids=ids, max_new_tokens=2, sampler=exl.ArgmaxSampler(), stop_conditions=[])
+        with torch.inference_mode():
+            self.generator.enqueue(job)
+            while self.generator.num_remaining_jobs():
+                self.generator.iterate()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        with self._cv:
+            pending = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+            self._running.clear()
+            self._by_id.clear()
+        for req in pending:
+            req.emit(EngineNotReady("the engine was shut down"))
+        self._save_counts()
+        if self.model is not None:
+            self.model.unload()
+        if self.tiered is not None:
+            self.tiered.close()
+        self.generator = self.cache = self.model = self.tiered = None
+        self._thread = None
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except Exception:  # best effort: a CUDA error on the way out must not mask the shutdown
+            log.debug("torch.cuda.empty_cache failed on close", exc_info=True)
+
+    def _save_counts(self) -> None:
+        if self.tiered is None or self.routing_stats_dir is None or self.tiered.tiers is None:
+            return
+        from glm53.tiers import routing_stats_path, save_routing_stats
+
+        key = model_key(self.model_dir)
+        try:
+            save_routing_stats(routing_stats_path(self.routing_stats_dir, key), self.tiered.routing_counts(), key,
+                               steps=self.tiered.steps)
+        except OSError as exc:
+            log.warning("routing statistics not saved: %s", exc)
+
+    # --- text ---------------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        self._need_tokenizer()
+        return self._tok.encode(text, add_special_tokens=add_special).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        self._need_tokenizer()
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        self._need_tokenizer()
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
+                            add_generation_prompt: bool = True) -> str:
+        from glm53.engine.template import render_chat
+
+        self._need_tokenizer()
+        return render_chat(self._hf_tok, messages, tools, enable_thinking, add_generation_prompt)
+
+    def _need_tokenizer(self) -> None:
+        if self._tok is None:
+            raise EngineNotReady("the model is not loaded yet")
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return piece
+
+    # --- requests -----------------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:
+        if not self.ready:
+            raise EngineNotReady("the model is not loaded yet")
+        if params.grammar is not None:
+            raise GrammarUnsupported("constrained decoding is not supported by the exllamav3 engine yet")
+        sampling.validate(params)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        if any(not 0 <= t < self._n_vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is gone
+                req.cancelled = True
+
+        room = self.context_length - len(prompt_ids)
+        req = _Request(
+            request_id=request_id,
+            prompt=list(prompt_ids),
+            params=params,
+            max_new=min(params.max_tokens or room, room),
+            stop_ids=frozenset(params.stop_token_ids),
+            emit=emit,
+            detok=IncrementalDetokenizer(lambda ids: self._tok.decode(ids, skip_special_tokens=False)),
+            in_reasoning=params.reasoning_budget is not None or prompt_ids[-1] == self._think_open,
+            reasoning_end=params.reasoning_end_ids[0] if params.reasoning_end_ids else self._think_close,
+        )
+        with self._cv:
+            if request_id in self._by_id:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._by_id[request_id] = req
+            self._waiting.append(req)
+            self._counters["requests_total"] += 1
+            self._cv.notify()
+        try:
+            while True:
+                item = await queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, TokenEvent) and item.finish_reason is not None:
+                    return
+        finally:
+            self.cancel_request(req)
+
+    def cancel(self, request_id: str) -> None:
+        with self._cv:
+            req = self._by_id.get(request_id)
+        if req is not None:
+            self.cancel_request(req)
+
+    def cancel_request(self, req: _Request) -> None:
+        with self._cv:
+            if self._by_id.get(req.request_id) is not req:
+                return
+            req.cancelled = True
+            if req in self._waiting:
+                self._waiting.remove(req)
+                self._forget(req, "requests_cancelled")
+                req.emit(_END)
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        now = time.monotonic()
+        with self._cv:
+            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+                self._rate.popleft()
+            window = min(RATE_WINDOW_S, max(now - self._started, 1e-9))
+            rate = sum(n for _, n in self._rate) / window
+            doc = {
+                "kind": self.kind,
+                "mode": self.mode,
+                "model_id": self.model_id,
+                "context_length": self.context_length,
+                "waiting": len(self._waiting),
+                "running": len(self._running),
+                "max_running": self.max_running,
+                **self._counters,
+                "tokens_per_s": round(rate, 2),
+                "uptime_s": round(now - self._started, 1),
+            }
+        tiered = self.tiered
+        doc["tiers"] = tiered.snapshot() if tiered is not None else {}
+        return doc
+
+    # --- worker -------------------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stopping and not self._waiting and not self._running:
+                        self._cv.wait()
+                    if self._stopping:
+                        self._drop_jobs()
+                        return
+                    new = []
+                    while self._waiting and len(self._running) < self.max_running:
+                        req = self._waiting.popleft()
+                        self._running.append(req)
+                        new.append(req)
+                    running = list(self._running)
+                try:
+                    for req in new:
+                        self._start(req)
+                    for req in running:
+                        if req.cancelled and not req.done:
+                            self._stop_job(req)
+                            self._retire(req, "requests_cancelled", _END)
+                    if self.generator.num_remaining_jobs():
+                        for r in self.generator.iterate():
+                            self._on_result(r)
+                except Exception as exc:  # a failed step fails its requests loudly; the server stays up
+                    log.exception("exllamav3 engine: generation step failed")
+                    self._fail_all(EngineError(f"generation failed: {exc}"))
+
+    def _sampler(self, p: SamplingParams) -> Any:
+        exl = self._exl
+        if p.temperature == 0:
+            return exl.ArgmaxSampler()
+        return exl.ComboSampler(temperature=p.temperature, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p)
+
+    def _start(self, req: _Request) -> None:
+        """Enqueue the request's (next) job: the prompt plus everything emitted so far."""
+        import torch
+
+        if self._budget_spent(req):
+            self._force_close(req)
+            if req.done:
+                return
+        ids = req.prompt + req.generated
+        left = req.max_new - len(req.generated)
+        p = req.params
+        seed = None if p.seed is None else (p.seed + len(req.generated)) & 0x7FFF_FFFF
+        req.job = self._exl.Job(
+            input_ids=torch.tensor([ids], dtype=torch.long),
+            max_new_tokens=left,
+            sampler=self._sampler(p),
+            seed=seed,
+            stop_conditions=sorted(req.stop_ids),
+            identifier=req,
+            return_logits=p.logprobs is not None,
+            decode_special_tokens=True,
+        )
+        self.generator.enqueue(req.job)
+        if not req.generated:
+            with self._cv:
+                self._counters["prompt_tokens"] += len(req.prompt)
+
+    def _stop_job(self, req: _Request) -> None:
+        if req.job is not None:
+            self.generator.cancel(req.job)
+            req.job = None
+
+    def _budget_spent(self, req: _Request) -> bool:
+        b = req.params.reasoning_budget
+        return req.in_reasoning and b is not None and req.reasoning_tokens >= b
+
+    def _force_close(self, req: _Request) -> None:
+        """Emit the think-close tokens as forced events (the job producing reasoning must be stopped first)."""
+        req.in_reasoning = False
+        for t in req.params.reasoning_end_ids:
+            if req.done:
+                return
+            self._emit_token(req, t, None, forced=True)
+
+    def _on_result(self, r: dict) -> None:
+        req = r.get("identifier")
+        if not isinstance(req, _Request) or req.done or r.get("job") is not req.job:
+            return  # a cancelled job's late result
+        if r.get("stage") == "prefill":
+            if r.get("max_progress", 0) > self.prefill_chunk:
+                req.emit(PromptProgress(int(r["curr_progress"]), int(r["max_progress"])))
+            return
+        if r.get("stage") != "streaming":
+            return
+        tokens, logits = r.get("token_ids"), r.get("logits")
+        stop_token = r.get("eos_triggering_token_id") if r.get("eos_reason") == "stop_token" else None
+        if stop_token is not None:
+            held = r.get("held", {})
+            tokens, logits = held.get("token_ids", tokens), held.get("logits", logits)
+        ids = tokens[0].tolist() if tokens is not None else []
+        for i, t in enumerate(ids):
+            if req.done:
+                return
+            row = logits[0, i, : self._n_vocab] if logits is not None and i < logits.shape[1] else None
+            self._emit_token(req, t, row)
+            if self._budget_spent(req) and not req.done:
+                # Budget reached mid-stream: stop this job, close the block, continue in a new job.
+                self._stop_job(req)
+                self._force_close(req)
+                if not req.done:
+                    self._start(req)
+                return
+        if r.get("eos") and not req.done:
+            # The job ended without a token we treat as final (e.g. its max_new_tokens cut a continuation).
+            self._finish(req, "length")
+
+    def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False) -> None:
+        req.generated.append(token)
+        event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced)
+        if req.params.logprobs is not None and row is not None:
+            lp, top = sampling.logprobs_of(row, token, req.params.logprobs)
+            event.logprob = lp
+            event.top_logprobs = [(self._piece(t), v) for t, v in top]
+        if not forced and req.in_reasoning:
+            if token == req.reasoning_end:
+                req.in_reasoning = False
+            else:
+                req.reasoning_tokens += 1
+        with self._cv:
+            self._counters["generated_tokens"] += 1
+            self._rate.append((time.monotonic(), 1))
+        if token in req.stop_ids and not forced:
+            event.finish_reason = "stop"
+            event.text = req.detok.flush()
+        else:
+            event.text = req.detok.push(token)
+            if len(req.generated) >= req.max_new:
+                event.finish_reason = "length"
+                event.text += req.detok.flush()
+        if event.finish_reason is not None:
+            self._stop_job(req)
+            self._retire(req, "requests_finished", event)
+        else:
+            req.emit(event)
+
+    def _finish(self, req: _Request, reason: str) -> None:
+        event = TokenEvent(token_id=req.generated[-1] if req.generated else 0, text=req.detok.flush(), token_text="",
+                           finish_reason=reason)
+        self._stop_job(req)
+        self._retire(req, "requests_finished", event)
+
+    def _retire(self, req: _Request, counter: str, last: Any) -> None:
+        req.done = True
+        req.job = None
+        with self._cv:
+            if req in self._running:
+                self._running.remove(req)
+            self._forget(req, counter)
+        req.emit(last)
+
+    def _forget(self, req: _Request, counter: str) -> None:
+        if self._by_id.get(req.request_id) is req:
+            del self._by_id[req.request_id]
+        self._counters[counter] += 1
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cv:
+            running = list(self._running)
+        for req in running:
+            if not req.done:
+                self._retire(req, "requests_failed", exc)
+        try:
+            self.generator.clear_queue()
+        except Exception:  # the generator may be wedged by the failure; the next request will tell
+            log.exception("exllamav3 engine: clearing the queue after a failure failed")
+
+    def _drop_jobs(self) -> None:
+        try:
+            self.generator.clear_queue()
+        except Exception:
+            log.debug("clear_queue on shutdown failed", exc_info=True)
+
+
+def engine_for_plan(model_dir: Path, settings: Any, plan: Any, shape: Any) -> Exl3Engine:
+    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan (exact mode unless all fits)."""
+    mode, per_layer, staging = slots_from_plan(plan, shape)
+    if plan.mode not in ("exact", "nvme-exact") and mode == "exact":
+        log.warning("plan mode %s: this build serves the bit-exact PCIe lanes only (no CPU or NVMe lane yet); "
+                    "running exact mode", plan.mode)
+    return Exl3Engine(
+        model_dir,
+        model_id=settings.model_id,
+        mode=mode,
+        slots_per_layer=per_layer if mode == "exact" else None,
+        staging_slots=staging if mode == "exact" else None,
+        kv_tokens=plan.kv_tokens,
+        context_length=settings.context,
+        max_running=settings.max_concurrency,
+        device=plan.device if str(plan.device).startswith("cuda") else "cuda:0",
+        routing_stats_dir=Path(settings.cache_dir).expanduser(),
+    )
+
+
+def demo_engine(cache_dir: Path, settings: Any) -> tuple[Exl3Engine, Path]:
+    """The no-model demo on a GPU: the tiny EXL3 fixture, exact mode with a quarter of the experts in VRAM, so the
+    demo exercises the tiers and PCIe lane like the real model does."""
+    model_dir = ensure_exl3_demo_model(Path(cache_dir).expanduser())
+    cfg = json.loads((model_dir / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    experts = int(text.get("n_routed_experts") or text.get("num_experts") or 16)
+    engine = Exl3Engine(model_dir, model_id=settings.model_id, mode="exact", slots_per_layer=max(1, experts // 4),
+                        kv_tokens=min(settings.context, 32768), max_running=settings.max_concurrency)
+    return engine, model_dir
