@@ -6,8 +6,10 @@ import errno
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -416,4 +418,62 @@ def test_disk_full_under_the_journal(ck, clean, tmp_path, monkeypatch):
         pack_store(opts(ck, out, threads=1), log=Log())
     monkeypatch.undo()
     pack_store(opts(ck, out), log=Log())
+    assert out.read_bytes() == clean.read_bytes()
+
+
+SLOW_PACK = """
+import sys, time
+import store.pack as P
+real = P.pwrite_from
+def slow(*a):
+    time.sleep(0.1)
+    return real(*a)
+P.pwrite_from = slow
+from glm53.cli import main
+sys.exit(main(["pack-store", "--model", sys.argv[1], "--out", sys.argv[2], "--threads", "1"]))
+"""
+
+
+def journaled(out: Path) -> int:
+    try:
+        return (out.parent / (out.name + ".partial.journal")).read_text().count('{"r"')
+    except OSError:
+        return 0
+
+
+def start_slow_pack(ck: Path, out: Path) -> subprocess.Popen:
+    """A real pack in a child process, slowed down so that it can be hit mid-way; returns once 3 records
+    are journaled."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PACK, str(ck), str(out)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while journaled(out) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    assert journaled(out) >= 3 and proc.poll() is None, proc.communicate()
+    return proc
+
+
+def test_sigkill_mid_pack_then_resume(ck, clean, tmp_path):
+    out = tmp_path / "s.glm53"
+    proc = start_slow_pack(ck, out)
+    proc.kill()                                    # no finally blocks, no flush: a real crash
+    proc.communicate(timeout=30)
+    assert not out.exists()
+    log = Log()
+    res = pack_store(opts(ck, out), log=log)
+    assert res.resumed_records >= 3 and "resuming" in log.text()
+    assert out.read_bytes() == clean.read_bytes()
+
+
+def test_ctrl_c_mid_pack_exits_130_and_resumes(ck, clean, tmp_path):
+    out = tmp_path / "s.glm53"
+    proc = start_slow_pack(ck, out)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "interrupted after" in err and "rerun the same command" in err
+    assert not out.exists() and journaled(out) >= 3
+    res = pack_store(opts(ck, out), log=Log())
+    assert res.resumed_records >= 3
     assert out.read_bytes() == clean.read_bytes()
