@@ -3,8 +3,9 @@
 - No model configured: the random-weight demo model, generated once into the cache directory, on the CPU
   reference backend.
 - An HF bf16 Glm5Next checkpoint: the CPU reference backend (meant for small checkpoints: tests, demos).
-- An EXL3 checkpoint: needs exllamav3 on a CUDA GPU; this build has no exllamav3 engine yet, so start-up
-  stops with a message saying so rather than pretending.
+- An EXL3 checkpoint: the exllamav3 engine (glm53.engine.exl3_engine) on the plan's GPU, in exact mode unless
+  every expert fits in VRAM; without exllamav3 or a CUDA GPU start-up stops with a message saying so.
+- No model on a host with exllamav3 and a GPU: the synthetic EXL3 demo model through the exllamav3 engine.
 """
 
 from __future__ import annotations
@@ -72,8 +73,32 @@ def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
                            max_running=settings.max_concurrency)
 
 
+def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
+    from glm53.engine.exl3_engine import engine_for_plan, gpu_engine_available
+    from glm53.plan import PlanError
+    from glm53.planning_cli import current_plan
+
+    if not gpu_engine_available():
+        raise EngineChoiceError(f"{model_dir} is an EXL3 checkpoint: serving it needs a CUDA GPU, and torch sees none "
+                                f"here. Run the container with --gpus all, or leave GLM53_MODEL_DIR empty for the demo.")
+    try:
+        plan, inp = current_plan(settings.with_overrides(model_dir=str(model_dir)))
+    except PlanError as exc:
+        raise EngineChoiceError(str(exc)) from None
+    engine = engine_for_plan(model_dir, settings, plan, inp.shape)
+    banner = [f"serving {model_dir} (EXL3) on the exllamav3 engine, {engine.mode} mode, plan mode {plan.mode}",
+              *plan.warnings]
+    return EngineChoice(engine, model_dir, False, banner)
+
+
 def choose_engine(settings: Any) -> EngineChoice:
     if not settings.model_dir:
+        from glm53.engine.exl3_engine import demo_engine, gpu_engine_available
+
+        if gpu_engine_available():
+            engine, model_dir = demo_engine(Path(settings.cache_dir), settings)
+            return EngineChoice(engine, model_dir, True, [DEMO_BANNER, f"demo checkpoint {model_dir} (synthetic EXL3) "
+                                                          "on the exllamav3 engine, exact mode (output is random text)"])
         from glm53.engine.demo import ensure_demo_model
 
         model_dir = ensure_demo_model(Path(settings.cache_dir))
@@ -93,10 +118,7 @@ def choose_engine(settings: Any) -> EngineChoice:
                 f"{model_dir} is an EXL3 checkpoint: serving it needs exllamav3 on a CUDA GPU, and exllamav3 is "
                 f"not installed here. Use the glm53 Docker image (or `pip install 'glm53[gpu]'` on a CUDA host), "
                 f"or leave GLM53_MODEL_DIR empty to serve the demo model on the CPU.")
-        raise EngineChoiceError(
-            f"{model_dir} is an EXL3 checkpoint and exllamav3 is installed, but this build of glm53 has no "
-            f"exllamav3 serving engine yet. Leave GLM53_MODEL_DIR empty for the demo, or point it at an HF bf16 "
-            f"Glm5Next checkpoint for the CPU reference backend.")
+        return _exl3(model_dir, settings)
     if fmt == "hf":
         banner = [f"serving {model_dir} (HF bf16 Glm5Next) on the CPU reference backend"]
         return EngineChoice(_reference(model_dir, settings, config), model_dir, False, banner)
