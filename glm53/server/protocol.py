@@ -16,6 +16,8 @@ MAX_N = 16
 MAX_STOPS = 16
 MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Token ids are 32-bit in every tokenizer backend; larger numbers overflow there instead of being "unknown".
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class _Model(BaseModel):
@@ -132,7 +134,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     suffix: str | None = None
@@ -152,4 +154,4 @@ class TokenizeRequest(_Model):
 
 class DetokenizeRequest(_Model):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]

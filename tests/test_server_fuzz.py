@@ -1,0 +1,72 @@
+"""Schemathesis fuzz of the app's own OpenAPI schema: valid and invalid requests to every operation, never a
+5xx, never FastAPI's 422 `{"detail": ...}` shape. Bounded: a fixed number of examples per operation.
+
+It runs twice: with the scripted fake engine (many examples, fast: it fuzzes the HTTP layer) and with the
+real ReferenceEngine behind a 48-token window (fewer examples: it catches what only the engine rejects)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from server_support import FakeEngine
+
+from glm53 import settings as S
+from glm53.engine.reference import ReferenceEngine
+from glm53.server import create_app
+
+SUPPRESS = list(HealthCheck)
+
+
+def fuzz(app, examples: int, budget_s: float) -> int:
+    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    started = time.perf_counter()
+    calls = 0
+    for result in schema.get_all_operations():
+        op = result.ok()
+        strategy = op.as_strategy(generation_mode=GenerationMode.POSITIVE) | op.as_strategy(
+            generation_mode=GenerationMode.NEGATIVE)
+
+        @settings(max_examples=examples, deadline=None, suppress_health_check=SUPPRESS, database=None,
+                  derandomize=True)
+        @given(case=strategy)
+        def check(case) -> None:
+            nonlocal calls
+            if time.perf_counter() - started > budget_s:
+                return
+            response = case.call()
+            calls += 1
+            assert response.status_code < 500, (case.method, case.path, case.body, response.text[:500])
+            content_type = response.headers.get("content-type") or [""]
+            if content_type[0].startswith("application/json"):
+                body = response.json()
+                assert not (isinstance(body, dict) and "detail" in body), response.text[:500]
+                if response.status_code >= 400:
+                    assert set(body) == {"error"}, response.text[:500]
+
+        check()
+    return calls
+
+
+def test_fuzz_http_layer_with_fake_engine():
+    eng = FakeEngine(lambda prompt, params: "Some thought.</think>\nAn answer.")
+    eng.load()
+    calls = fuzz(create_app(eng, S.load(environ={}, dotenv=None)), examples=60, budget_s=12)
+    assert calls > 100
+
+
+@pytest.fixture(scope="module")
+def tiny_window_engine(hf_model_dir):
+    engine = ReferenceEngine(hf_model_dir, context_length=48, max_running=16)
+    engine.load()
+    yield engine
+    engine.close()
+
+
+def test_fuzz_with_reference_engine(tiny_window_engine):
+    calls = fuzz(create_app(tiny_window_engine, S.load(environ={}, dotenv=None)), examples=15, budget_s=12)
+    assert calls > 30
+    assert tiny_window_engine.stats()["running"] == 0
