@@ -240,6 +240,10 @@ def read_header(path: str | Path) -> StoreHeader:
     except FileNotFoundError:
         raise StoreFormatError(f"store {path} does not exist",
                                f"make it: glm53 pack-store --model MODEL_DIR --out {path}") from None
+    if path.is_dir():
+        os.close(fd)
+        raise StoreFormatError(f"{path} is a directory, not a store file",
+                               f"name the store file itself, e.g. {path / 'experts.glm53'}")
     try:
         size = os.fstat(fd).st_size
         sb = os.pread(fd, SUPERBLOCK_SIZE, 0)

@@ -522,6 +522,8 @@ def pack_store(opts: PackOptions, log=print, warn=None) -> PackResult:
     """Pack (or re-verify an existing sound store). Raises StoreError subclasses with a fix."""
     out = Path(opts.out).absolute()
     model_dir = Path(opts.model_dir)
+    if out.is_dir():
+        raise StoreError(f"--out {out} is a directory", f"name the store file, e.g. --out {out / 'experts.glm53'}")
     if not out.parent.is_dir():
         raise StoreError(f"the directory for {out} does not exist", f"create it first: mkdir -p {out.parent}")
     lock = load_lock(opts.lock) if opts.lock else None

@@ -477,3 +477,11 @@ def test_ctrl_c_mid_pack_exits_130_and_resumes(ck, clean, tmp_path):
     res = pack_store(opts(ck, out), log=Log())
     assert res.resumed_records >= 3
     assert out.read_bytes() == clean.read_bytes()
+
+
+def test_out_is_a_directory(ck, tmp_path):
+    with pytest.raises(Exception, match="is a directory") as ei:
+        pack_store(opts(ck, tmp_path), log=Log())
+    assert "experts.glm53" in ei.value.fix
+    with pytest.raises(StoreFormatError, match="is a directory"):
+        read_header(tmp_path)
