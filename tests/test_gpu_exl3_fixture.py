@@ -63,9 +63,11 @@ def test_tiny_exl3_fixture_loads_and_generates(tmp_path, exl3):
     print(f"tiny: load {r['load_s']:.1f} s, {r['new_tokens']} tokens in {r['gen_s']:.2f} s: {r['text'][:60]!r}")
 
 
-def test_glm53_width_fixture_loads_and_generates(tmp_path, exl3):
-    # Real width (hidden 4096, 288 experts of 9 MiB at K=3), 1 dense + 2 MoE layers: about 9 GB on disk
-    path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4,
+@pytest.mark.parametrize("moe_layers", [2, 3])
+def test_glm53_width_fixture_loads_and_generates(tmp_path, exl3, moe_layers):
+    # Real width (hidden 4096, 288 experts of 9 MiB at K=3) after 1 dense layer: 2 MoE layers is about 9 GB on
+    # disk, all KDA; 3 MoE layers adds layer 3, the first full-width MLA + DSA indexer layer.
+    path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=moe_layers, mtp_layers=0, shards=4,
                                  router_skew=(0.11, 0.40))
     r = _load_and_generate(path, exl3)
-    print(f"glm53 x2: load {r['load_s']:.1f} s, {r['new_tokens']} tokens in {r['gen_s']:.2f} s")
+    print(f"glm53 x{moe_layers}: load {r['load_s']:.1f} s, {r['new_tokens']} tokens in {r['gen_s']:.2f} s")
