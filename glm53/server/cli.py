@@ -40,6 +40,8 @@ class _DropUvicornStartupLine(logging.Filter):
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     logging.getLogger("uvicorn.error").addFilter(_DropUvicornStartupLine())
+    if level != "debug":
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per benchmark request is noise
 
 
 def uvicorn_log_config(level: str) -> dict:

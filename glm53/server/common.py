@@ -75,6 +75,10 @@ def grammar_for(engine: Engine, fmt: ResponseFormat | None) -> str | None:
             raise bad_request("response_format json_schema needs json_schema.schema.",
                               param="response_format.json_schema")
         schema = fmt.json_schema.schema_
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        # Compact JSON, as OpenAI returns it. With flexible whitespace a weak or heavily quantized model can
+        # spend its whole budget on spaces and newlines between tokens the grammar allows.
+        schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
     return "start: %json " + json.dumps(schema, separators=(",", ":"))
 
 
