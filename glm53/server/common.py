@@ -17,7 +17,7 @@ from glm53.engine.interface import Engine, EngineEvent, SamplingParams
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
 from glm53.server.metrics import Metrics
-from glm53.server.protocol import ResponseFormat, _Sampling
+from glm53.server.protocol import ResponseFormat, SamplingFields
 from glm53.server.sse import wait_for_disconnect
 
 T = TypeVar("T")
@@ -47,7 +47,7 @@ def check_ready(state: ServerState) -> None:
         raise APIError(503, f"The model is still loading{why}.", code="model_not_ready")
 
 
-def check_unsupported(req: _Sampling) -> None:
+def check_unsupported(req: SamplingFields) -> None:
     """Refuse parameters this server cannot honour rather than silently ignoring them."""
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
@@ -91,7 +91,7 @@ def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, 
     return remaining if requested is None else min(requested, remaining)
 
 
-def sampling_params(req: _Sampling, engine: Engine, *, max_tokens: int, index: int,
+def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, index: int,
                     logprobs: int | None, grammar: str | None) -> SamplingParams:
     seed = req.seed
     if seed is not None:
@@ -206,7 +206,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) ->
     return task.result()
 
 
-def stream_usage_requested(req: _Sampling) -> bool:
+def stream_usage_requested(req: SamplingFields) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
 
 
