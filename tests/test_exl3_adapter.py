@@ -205,3 +205,59 @@ def test_index_reads_raw_bytes_from_every_shard_ignoring_the_index_json(tmp_path
 def test_index_needs_safetensors(tmp_path):
     with pytest.raises(FileNotFoundError):
         A.SafetensorsIndex(tmp_path)
+
+
+# ---- the host side of a layer step, on CPU tiers ------------------------------------------------------------------
+
+def _cpu_tiered(num_layers=2, experts=16, slots=(3, 0), staging=16, admit=True):
+    import torch
+
+    from glm53.tiers import ExpertTiers, SlotLayout
+
+    layout = SlotLayout.packed([("gate.trellis", torch.int16, (2, 2, 48)), ("gate.suh", torch.float16, (32,))])
+    tiers = ExpertTiers(layout, experts, list(slots), num_layers * experts - sum(slots) + 4, device="cpu",
+                        staging_slots=staging, pin=False)
+
+    def fill(layer, e, out):  # every expert's image is distinct: byte b of (layer, e) = (layer*31 + e*7 + b) % 251
+        out.copy_(torch.arange(out.numel(), dtype=torch.int64).add_(layer * 31 + e * 7).remainder_(251).to(torch.uint8))
+
+    tiers.populate(fill)
+    t = A.TieredMoE.__new__(A.TieredMoE)
+    t.tiers, t.layout, t.staging_slots, t.admit, t.num_experts = tiers, layout, staging, admit, experts
+    t.layers = [A._Layer(module=None, keys=[], slots=s, saved=()) for s in slots]
+    t.step_time = {"sync": 0.0, "plan": 0.0, "copy_wait": 0.0}
+    return t, fill
+
+
+def test_resolve_points_every_pick_at_its_own_bytes():
+    import torch
+
+    t, fill = _cpu_tiered()
+    rng = np.random.default_rng(3)
+    want = torch.empty(t.layout.nbytes, dtype=torch.uint8)
+    for step in range(200):
+        li = step % 2
+        rows = 1 if step % 5 else 12  # mostly decode (<= 8 rows), sometimes a prefill chunk
+        ids = np.stack([rng.choice(16, 4, replace=False, p=np.r_[np.full(4, 0.15), np.full(12, 0.4 / 12)])
+                        for _ in range(rows)])
+        decode = rows <= A.MAX_BSZN
+        slots = t.resolve(li, ids, decode)
+        S = t.layers[li].slots
+        for e, s in zip(ids.ravel().tolist(), slots.ravel().tolist(), strict=True):
+            got = t.tiers.vram[li].flat(s) if s < S else t.tiers.staging[s - S]
+            fill(li, e, want)
+            assert torch.equal(got, want), f"step {step}: expert {e} mapped to slot {s} holds other bytes"
+        if not decode:  # prefill: every pick staged in ascending id order
+            assert (slots >= S).all()
+            assert np.array_equal(np.argsort(ids.ravel(), kind="stable"), np.argsort(slots.ravel(), kind="stable"))
+        t.tiers.check_invariants()
+    snap = t.tiers.stats.snapshot()
+    assert snap["admissions"] > 0 and snap["evictions"] > 0 and snap["picks"]["total"] == snap["picks"]["vram_hit"] + \
+        snap["picks"]["pcie"]
+    assert snap["layers"][1]["hit_rate"] == 0  # no slots in layer 1: every pick crossed PCIe
+
+
+def test_resolve_refuses_more_misses_than_staging_slots():
+    t, _ = _cpu_tiered(slots=(0, 0), staging=4, admit=False)
+    with pytest.raises(A.Exl3TierError, match="exceed the 4 staging slots"):
+        t.resolve(0, np.array([[0, 1, 2, 3], [4, 5, 6, 7]]), decode=True)

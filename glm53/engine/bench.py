@@ -76,7 +76,7 @@ class _Runner:
         t0 = time.perf_counter()
         config = Config.from_directory(str(model_dir))
         self.model = Model.from_config(config)
-        self.cache = Cache(self.model, max_num_tokens=cache_tokens)
+        self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = None
         if slots is not None:
             self.tiered = TieredMoE(self.model, model_dir, slots)
