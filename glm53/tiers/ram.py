@@ -8,10 +8,32 @@ store sized by the memory cap. Like VramLayer this is bookkeeping and storage; E
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import torch
 
 from .layout import SlotLayout
+
+
+def pinned_empty(shape: tuple[int, ...], pin: bool) -> torch.Tensor:
+    """A uint8 host tensor, page-locked when `pin`, costing exactly its size.
+
+    torch's pinned allocator (pin_memory=True) rounds every block up to a power of two, so a 100 GiB arena
+    would lock 128 GiB and blow the memory cap the plan sized it for. Instead allocate ordinary pages and
+    register exactly those with the driver; the registration is undone when the tensor is freed.
+    """
+    t = torch.empty(shape, dtype=torch.uint8)
+    if not pin or t.numel() == 0:
+        return t
+    cudart = torch.cuda.cudart()
+    nbytes = t.numel()
+    err = cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(err) != 0:
+        raise MemoryError(f"could not pin {nbytes / 2**30:.1f} GiB for the RAM tier (CUDA error {int(err)}): raise "
+                          f"RLIMIT_MEMLOCK (docker run --ulimit memlock=-1) or lower the memory the plan may use")
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
 
 
 class RamTier:
@@ -22,7 +44,7 @@ class RamTier:
         self.num_slots = num_slots
         pin = torch.cuda.is_available() if pin is None else pin
         self.pinned = pin
-        self.storage = torch.empty((num_slots, layout.nbytes), dtype=torch.uint8, pin_memory=pin)
+        self.storage = pinned_empty((num_slots, layout.nbytes), pin)
         self.slot_of = np.full((num_layers, num_experts), -1, np.int32)  # owned slot, landed or receiving
         self.owner = np.full(num_slots, -1, np.int64)  # layer * num_experts + expert, or -1
         self.pending = np.zeros(num_slots, bool)  # a write-back into the slot is still in flight
