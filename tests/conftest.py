@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,11 +18,24 @@ def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference_engine(hf_model_dir: Path) -> Iterator:
-    """A loaded ReferenceEngine on hf_model_dir. Shared: don't close it or change its settings in a test."""
-    from glm53.engine.reference import ReferenceEngine
+def reference_engine(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The loaded engine the server suites run against. Shared: don't close it or change its settings in a test.
 
-    engine = ReferenceEngine(hf_model_dir, max_running=8)
+    By default the CPU ReferenceEngine on hf_model_dir. With GLM53_TEST_ENGINE=exl3 (the GPU machine) the same
+    suites run against the exllamav3 engine in exact mode on a tiny generated EXL3 checkpoint, with a quarter of
+    each layer's experts in VRAM so the PCIe lane and evictions are exercised too.
+    """
+    if os.environ.get("GLM53_TEST_ENGINE", "reference") == "exl3":
+        from glm53.engine.exl3_engine import Exl3Engine
+        from glm53.fixture.exl3 import write_exl3_checkpoint
+
+        path = write_exl3_checkpoint(tmp_path_factory.mktemp("exl3-tiny") / "model", seed=0)
+        engine = Exl3Engine(path, mode="exact", slots_per_layer=4, kv_tokens=4096, context_length=4096,
+                            max_running=8)
+    else:
+        from glm53.engine.reference import ReferenceEngine
+
+        engine = ReferenceEngine(hf_model_dir, max_running=8)
     engine.load()
     yield engine
     engine.close()
