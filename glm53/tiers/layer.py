@@ -90,7 +90,8 @@ def tiered_moe(
 
     Per picked expert: VRAM hit -> compute from its slot; in RAM -> `lane_for` says "cpu" (compute from the RAM
     arena in place) or "pcie" (admit into a slot when the policy agrees, else stream through staging); only in
-    the store -> read into RAM first, then as RAM. All of the step's admissions are issued before any compute
+    the store -> read into RAM first, then as RAM (with a store source attached, every such read of the step is
+    in flight before the first wait, and a prefetch still in flight counts as a store pick). All of the step's admissions are issued before any compute
     so their copies overlap. observe=False keeps the picks from the policy (they still count in stats);
     admit=False streams every PCIe miss: prefill uses both, so it never evicts the decode hot set.
     `expert_forward` gets the slot image where it lies: a device tensor (VRAM, staging) or a host tensor (RAM,
@@ -100,13 +101,14 @@ def tiered_moe(
     tiers.poll()
     groups = group_picks(ids)
     used = np.array([e for e, _, _ in groups], np.int64)
+    tiers.demand_reads(layer, used)
     res = LayerResult(y=x)
     label: dict[int, str] = {}  # the lane each expert's picks are counted in
     route: dict[int, str] = {}  # for experts not in VRAM: "cpu" or "pcie"
     for e in used.tolist():
         # A move in flight (a prefetch's fill, an old victim's write-back) must land before we read anything.
         tiers.stats.add_wait("pcie", tiers.settle(layer, e))
-        from_store = tiers.where[layer, e] == Where.STORE
+        from_store = tiers.where[layer, e] in (Where.STORE, Where.FROM_STORE)
         if from_store:
             tiers.stats.add_wait("nvme", _timed(lambda e=e: tiers.fetch_to_ram(layer, e, protect=used)))
         if tiers.where[layer, e] == Where.VRAM:

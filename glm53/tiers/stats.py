@@ -5,6 +5,10 @@ Every pick of every token is counted once, in the lane that served it:
   pcie      it was in RAM and crossed PCIe (admitted into a slot, or streamed through a staging buffer);
   cpu       it was in RAM and the CPU lane computed it there;
   nvme      it was in neither and had to be read from the store first (then computed by either lane).
+In the nvme modes the store reads are counted too: reads, timeouts and failed records (`nvme`), and the
+prefetcher's effect (`prefetch`): an expert read ahead and then picked is a hit (late if its read was still in
+flight), one read ahead and not picked is wasted, and a store pick no prefetch covered is a demand miss; recall
+is hits / (hits + demand misses), the share of would-be store waits that prefetch took off the critical path.
 The decode thread updates; the server thread snapshots: one lock keeps a snapshot self-consistent.
 """
 
@@ -17,6 +21,8 @@ import numpy as np
 
 LANES = ("vram_hit", "pcie", "cpu", "nvme")
 DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging")
+PREFETCH = ("issued", "hits", "late", "wasted", "demand_misses")
+NVME = ("reads", "prefetch_reads", "timeouts", "failed_reads")
 
 
 class TierStats:
@@ -33,6 +39,8 @@ class TierStats:
         self._wait = dict.fromkeys(LANES, 0.0)
         self._slots_in_use = np.zeros(num_layers, np.int64)
         self._ram_in_use = 0
+        self._prefetch = dict.fromkeys(PREFETCH, 0)
+        self._nvme = dict.fromkeys(NVME, 0)
 
     def add_picks(self, layer: int, counts: Mapping[str, int]) -> None:
         with self._lock:
@@ -63,6 +71,19 @@ class TierStats:
         with self._lock:
             self._wait[lane] += seconds
 
+    def add_prefetch(self, **counts: int) -> None:
+        with self._lock:
+            for key, n in counts.items():
+                if key not in self._prefetch:
+                    raise KeyError(key)
+                self._prefetch[key] += n
+
+    def add_nvme(self, key: str, n: int = 1) -> None:
+        if key not in self._nvme:
+            raise KeyError(key)
+        with self._lock:
+            self._nvme[key] += n
+
     def set_slots_in_use(self, layer: int, n: int) -> None:
         with self._lock:
             self._slots_in_use[layer] = n
@@ -83,7 +104,13 @@ class TierStats:
                 "wait_seconds": {k: round(v, 6) for k, v in self._wait.items()},
                 "ram_slots": self._ram_slots,
                 "ram_slots_in_use": self._ram_in_use,
+                "nvme": dict(self._nvme),
             }
+            pf = dict(self._prefetch)
+        covered = pf["hits"] + pf["late"]
+        pf["recall"] = round(covered / (covered + pf["demand_misses"]), 6) if covered + pf["demand_misses"] else None
+        pf["precision"] = round(covered / (covered + pf["wasted"]), 6) if covered + pf["wasted"] else None
+        doc["prefetch"] = pf
         totals = picks.sum(axis=0)
         total = int(totals.sum())
         hits = picks[:, LANES.index("vram_hit")]

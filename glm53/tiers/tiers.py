@@ -5,11 +5,16 @@ Each (layer, expert) is in exactly one state:
   RAM      in the RAM tier, readable;
   TO_VRAM  being copied RAM -> VRAM: still owns (and is readable from) its RAM slot until the copy lands;
   TO_RAM   being written back VRAM -> RAM after eviction: readable nowhere until it lands;
-  STORE    only in the NVMe store (nvme modes; in the all-RAM modes this state is never entered).
+  STORE    only in the NVMe store (nvme modes; in the all-RAM modes this state is never entered);
+  FROM_STORE  being read from the store into its (pending) RAM slot: readable nowhere until the read lands.
 So no expert is ever resident in both tiers, none is lost, and an expert becomes resident only in `_land`,
 after its copy's ticket says the bytes are there. Fills and write-backs run on separate copy streams, so the
 one ordering that matters is made explicit: a fill into a slot waits for the write-back still reading it.
 A RAM slot is reused only after the copies touching it have landed (host-confirmed), so it needs none.
+
+Store reads are asynchronous in the nvme modes: a `StoreSource` (glm53.tiers.nvme) attached as `store` claims a
+RAM slot with `begin_read`, reads into it on its own threads, and calls `land_read` (or `abort_read`) from the
+thread that owns these tiers. Without one, `fetch` reads synchronously.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -39,6 +45,20 @@ class Where(IntEnum):
     TO_VRAM = 2
     TO_RAM = 3
     STORE = 4
+    FROM_STORE = 5
+
+
+class StoreSource(Protocol):
+    """Asynchronous store reads behind the RAM tier (nvme modes). Called only from the thread owning the tiers."""
+
+    def demand(self, layer: int, experts: np.ndarray) -> None:
+        """The step about to run uses `experts` of `layer`: start reading those only in the store, all at once."""
+
+    def wait(self, layer: int, expert: int, protect: np.ndarray | None) -> None:
+        """Block until the expert (STORE or FROM_STORE) is readable in RAM; raise a StoreError if it cannot be."""
+
+    def poll(self) -> int:
+        """Land the reads that have finished (never blocks); returns how many landed."""
 
 
 class TierError(RuntimeError):
@@ -68,11 +88,14 @@ class ExpertTiers:
         staging_slots: int = 2,
         pin: bool | None = None,
         vram_storage: Sequence[torch.Tensor] | None = None,
+        ram_storage: torch.Tensor | None = None,
     ):
         """vram_slots: slots per MoE layer (e.g. from policy.split_budget). keep_all: the all-RAM modes, where
         RAM must hold every expert not in VRAM plus at least one spare slot for a write-back in flight; else
         RAM is a cache of the store and `fetch` reads a record into it. staging_slots: device buffers for
-        misses streamed over PCIe without admission. vram_storage: per-layer (slots, nbytes) tensors to adopt."""
+        misses streamed over PCIe without admission. vram_storage: per-layer (slots, nbytes) tensors to adopt.
+        ram_storage: a (ram_slots, stride >= nbytes) host tensor to adopt as the RAM arena (the nvme tier's
+        4 KiB-aligned rows, which O_DIRECT reads land in)."""
         self.layout = layout
         self.num_layers = len(vram_slots)
         self.num_experts = num_experts
@@ -94,10 +117,13 @@ class ExpertTiers:
             VramLayer(layout, num_experts, s, self.device, None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
         ]
-        self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin)
+        self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin, storage=ram_storage)
         self.policies = [policy_factory(num_experts) for _ in range(self.num_layers)]
         self.copier = copier or Copier(self.device)
         self.fetch = fetch
+        self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
+        # RAM experts to drop last (prefetched, not used yet): a soft guard, so a demand read is never refused.
+        self.ram_guard = np.zeros((self.num_layers, num_experts), bool)
         self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
         self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
@@ -108,19 +134,19 @@ class ExpertTiers:
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
-    def populate(self, load: Loader, counts: np.ndarray | None = None) -> None:
+    def populate(self, load: Loader, counts: np.ndarray | None = None, fill_ram: bool = True) -> None:
         """Place every expert once, at start. counts: saved routing statistics (num_layers, num_experts), or None.
 
         VRAM gets each layer's most-picked experts; RAM the next best across layers (all of the rest in the
         all-RAM modes); the policies start from the same counts, so the warm set is not evicted at once.
-        Without counts the order is by id, interleaved across layers.
+        Without counts the order is by id, interleaved across layers. fill_ram=False places VRAM only (the nvme
+        tier fills RAM itself, with reads in flight together, in `warm_ram_order`).
         """
         if self._populated:
             raise TierError("populate() runs once, on empty tiers")
         self._populated = True
         counts = np.zeros((self.num_layers, self.num_experts)) if counts is None else np.asarray(counts, np.float64)
         bounce = torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.ram.pinned)
-        rest = []
         for layer, vl in enumerate(self.vram):
             self.policies[layer].seed(counts[layer])
             order = hot_order(counts[layer])
@@ -130,13 +156,23 @@ class ExpertTiers:
                 vl.reserve(slot, int(e))
                 vl.land(slot)
                 self.where[layer, e] = Where.VRAM
-            rest.extend((-counts[layer, e], rank, layer, int(e)) for rank, e in enumerate(order[vl.num_slots :]))
-        rest.sort()
-        for _, _, layer, e in rest[: self.ram.num_slots - (1 if self.keep_all else 0)]:
-            r = self.ram.alloc(layer, e, pending=False)
-            load(layer, e, self.ram.flat(r))
-            self.where[layer, e] = Where.RAM
+        if fill_ram:
+            for layer, e in self.warm_ram_order(counts)[: self.ram.num_slots - (1 if self.keep_all else 0)]:
+                r = self.ram.alloc(layer, e, pending=False)
+                load(layer, e, self.ram.flat(r))
+                self.where[layer, e] = Where.RAM
         self._refresh_gauges()
+
+    def warm_ram_order(self, counts: np.ndarray | None) -> list[tuple[int, int]]:
+        """Experts not in VRAM, best first for the RAM tier: by saved count, then by rank within their layer (so
+        without statistics the layers interleave), then by layer."""
+        counts = np.zeros((self.num_layers, self.num_experts)) if counts is None else np.asarray(counts, np.float64)
+        rest = []
+        for layer in range(self.num_layers):
+            order = [int(e) for e in hot_order(counts[layer]) if self.where[layer, e] != Where.VRAM]
+            rest.extend((-counts[layer, e], rank, layer, e) for rank, e in enumerate(order))
+        rest.sort()
+        return [(layer, e) for _, _, layer, e in rest]
 
     # ---- reading ----------------------------------------------------------------------------------------------
 
@@ -166,7 +202,7 @@ class ExpertTiers:
         done = [key for key, mv in self._moves.items() if mv.ticket.done()]
         for key in done:
             self._land(key)
-        return len(done)
+        return len(done) + (self.store.poll() if self.store is not None else 0)
 
     def settle(self, layer: int, expert: int) -> float:
         """Block until the expert's move (if any) has landed; returns seconds waited."""
@@ -182,23 +218,84 @@ class ExpertTiers:
         for layer, expert in list(self._moves):
             self.settle(layer, expert)
 
+    def demand_reads(self, layer: int, experts: np.ndarray) -> None:
+        """Tell the attached store source which experts the coming step uses, so that all of its store reads are
+        in flight before the first wait. A no-op without one (synchronous `fetch`)."""
+        if self.store is not None:
+            self.store.demand(layer, np.asarray(experts, np.int64))
+
     def fetch_to_ram(self, layer: int, expert: int, protect: np.ndarray | None = None) -> int:
-        """Read a STORE expert into a RAM slot (dropping the weakest RAM expert if full); returns the slot."""
+        """Make a STORE (or FROM_STORE) expert readable in RAM, dropping the weakest RAM expert if full; returns
+        its RAM slot. Through the attached store source if any, else a synchronous `fetch`."""
+        if self.store is not None:
+            self.store.wait(layer, expert, protect)
+            return int(self.ram.slot_of[layer, expert])
         if self.where[layer, expert] != Where.STORE:
             raise TierError(f"expert {layer}/{expert} is {Where(self.where[layer, expert]).name}, not STORE")
-        if not self._ram_room(layer, protect):
+        r = self.begin_read(layer, expert, protect)
+        if r is None:
             raise TierError(f"RAM tier full ({self.ram.num_slots} slots) of experts in use: cannot read {layer}/{expert}")
-        r = self.ram.alloc(layer, expert, pending=True)
         try:
             self.fetch(layer, expert, self.ram.flat(r))
         except BaseException:
-            self.ram.free(layer, expert)
+            self.abort_read(layer, expert)
             raise
-        self.ram.land(r)
+        self.land_read(layer, expert)
+        return r
+
+    # ---- store reads (the seam for an asynchronous StoreSource) -------------------------------------------------
+
+    def begin_read(self, layer: int, expert: int, protect: np.ndarray | None = None) -> int | None:
+        """Claim a RAM slot for reading a STORE expert from the store (dropping the weakest unprotected RAM expert
+        if full): the expert becomes FROM_STORE, readable nowhere until `land_read`. None when RAM has no room."""
+        if self.where[layer, expert] != Where.STORE:
+            raise TierError(f"read {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not STORE")
+        if not self._ram_room(layer, protect):
+            return None
+        r = self.ram.alloc(layer, expert, pending=True)
+        self.where[layer, expert] = Where.FROM_STORE
+        self._refresh_gauges()
+        return r
+
+    def land_read(self, layer: int, expert: int) -> None:
+        """The read's bytes are in the RAM slot (and checked): only now is the expert resident."""
+        if self.where[layer, expert] != Where.FROM_STORE:
+            raise TierError(f"land {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not FROM_STORE")
+        self.ram.land(int(self.ram.slot_of[layer, expert]))
         self.where[layer, expert] = Where.RAM
         self.stats.add_bytes("store_to_ram", self.layout.nbytes)
         self._refresh_gauges()
+
+    def abort_read(self, layer: int, expert: int, retire: bool = False) -> int:
+        """A read failed or was given up: the expert is STORE again; returns the RAM slot it had. retire=True when
+        the read may still be writing into the slot (a timeout): the slot stays out of use until `reclaim`."""
+        if self.where[layer, expert] != Where.FROM_STORE:
+            raise TierError(f"abort {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not FROM_STORE")
+        r = self.ram.retire(layer, expert) if retire else self.ram.free(layer, expert)
+        self.where[layer, expert] = Where.STORE
+        self.ram_guard[layer, expert] = False
+        self._refresh_gauges()
         return r
+
+    def reclaim(self, slot: int) -> None:
+        """A retired RAM slot's late read has finished: the slot is free again."""
+        self.ram.reclaim(slot)
+        self._refresh_gauges()
+
+    def drop_ram(self, layer: int, expert: int) -> None:
+        """Drop a RAM expert (nvme modes: the store still has it)."""
+        if self.keep_all or self.where[layer, expert] != Where.RAM:
+            raise TierError(f"drop {layer}/{expert}: it is {Where(self.where[layer, expert]).name}"
+                            + (" (all-RAM mode)" if self.keep_all else ", not RAM"))
+        self.ram.free(layer, expert)
+        self.where[layer, expert] = Where.STORE
+        self.ram_guard[layer, expert] = False
+        self.stats.add_ram_drop()
+        self.stats.set_ram_in_use(self.ram.in_use())
+
+    def scores(self) -> np.ndarray:
+        """(num_layers, num_experts) policy scores: the keep-worthiness the RAM tier ranks victims by."""
+        return np.stack([p.scores() for p in self.policies])
 
     def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None) -> int:
         """Start copying a RAM expert into a VRAM slot of its layer: a free one, else `victim`'s (written back
@@ -215,6 +312,7 @@ class ExpertTiers:
             keep = np.append(np.asarray([] if protect is None else protect, np.int64), expert)
             slot = self._write_back(layer, victim, keep)
         vl.reserve(slot, expert)
+        self.ram_guard[layer, expert] = False  # in use now: the guard's job is done
         src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
         ticket = self.copier.copy(vl.flat(slot), src, after=self._slot_reader.pop((layer, slot), None))
         self._moves[(layer, expert)] = _Move(ticket, True, slot)
@@ -282,16 +380,16 @@ class ExpertTiers:
         return True
 
     def _drop_weakest(self, layer: int, protect: np.ndarray | None) -> bool:
-        scores = np.stack([p.scores() for p in self.policies])
         ok = self.where == Where.RAM
         if protect is not None:
             ok[layer, np.asarray(protect, np.int64)] = False
         if not ok.any():
             return False
-        lay, e = np.unravel_index(np.argmin(np.where(ok, scores, np.inf)), ok.shape)
-        self.ram.free(int(lay), int(e))
-        self.where[lay, e] = Where.STORE
-        self.stats.add_ram_drop()
+        unguarded = ok & ~self.ram_guard
+        if unguarded.any():  # guarded experts (prefetched for a step still to come) go only when nothing else can
+            ok = unguarded
+        lay, e = np.unravel_index(np.argmin(np.where(ok, self.scores(), np.inf)), ok.shape)
+        self.drop_ram(int(lay), int(e))
         return True
 
     def _land(self, key: tuple[int, int]) -> None:
@@ -320,6 +418,8 @@ class ExpertTiers:
             vl.check_invariants()
         if self.keep_all:
             assert not (self.where == Where.STORE).any(), "an expert was lost (all-RAM mode, in neither tier)"
+        assert not (self.ram_guard & (self.where != Where.RAM) & (self.where != Where.FROM_STORE)).any(), \
+            "a guard on an expert that is not (being read) in RAM"
         for (layer, e), mv in self._moves.items():
             want = Where.TO_VRAM if mv.to_vram else Where.TO_RAM
             assert self.where[layer, e] == want, f"move of {layer}/{e} but state {Where(self.where[layer, e]).name}"
@@ -340,6 +440,8 @@ class ExpertTiers:
                 elif s == Where.TO_RAM:
                     mv = self._moves.get((layer, e))
                     ok = mv is not None and not in_vram_slot[e] and r == mv.slot and self.ram.pending[r]
+                elif s == Where.FROM_STORE:
+                    ok = not in_vram_slot[e] and r >= 0 and self.ram.pending[r] and not moving
                 else:
                     ok = not in_vram_slot[e] and r < 0 and not moving
                 assert ok, f"expert {layer}/{e} in state {Where(s).name} disagrees with the tiers"

@@ -1,0 +1,615 @@
+"""The NVMe tier of the nvme modes: the RAM tier as a cache of the record store, fed by O_DIRECT reads.
+
+Every expert is in the store; the RAM arena holds as many as the plan's RAM budget allows, exclusive of VRAM.
+The arena is one block of 4 KiB-aligned rows, one per record (pinned where CUDA is), so a store read lands in
+the very bytes that the CPU lane computes on and that the copy engines take to VRAM: no bounce, no second copy.
+
+Reads run on the StoreReader's threads; everything else (claiming a slot, landing, dropping) happens on the thread
+that owns the tiers, so the tier state needs no lock. A read's expert is FROM_STORE while it is in flight and
+becomes RAM only when the reader says its bytes are there and pass their xxh3 check (`ExpertTiers.land_read`).
+
+  demand    the step's store misses, all queued at once at demand priority, then waited for one by one;
+  prefetch  predicted (layer, expert) picks (router lookahead for the next layer; every expert of prefill's
+            upcoming layers) at prefetch priority, which demand reads overtake in the reader's queue. Prefetched
+            experts are guarded (dropped last) until their layer next runs, and at most `window` are outstanding.
+  victims   when RAM is full the weakest RAM expert by its layer's policy score is dropped (the store has it).
+  faults    the reader retries I/O errors, short reads and checksum failures; a demanded read that is still not
+            back after `timeout_s` is retried into a fresh slot (its old slot is retired until the slow read
+            returns, since it may still write there). What still fails is raised as the reader's StoreReadError or
+            StoreCorruptError, which name the store path and the record, and is kept as a fault for `health()`
+            until that record reads cleanly. Nothing unverified is ever marked resident.
+
+    tier = open_nvme_tier(store, model_dir, plan, stats_path=...)   # verify, size from the plan, warm from stats
+    y = tiered_moe(tier.tiers, layer, x, ids, weights, forward)      # misses read through the tier
+    tier.prefetch([(layer + 1, e) for e in predicted])                 # router lookahead
+    tier.health()                                                      # None, or the fault for /ready
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from store.directio import alloc_aligned, alloc_slots
+from store.errors import StoreError, StoreReadError
+from store.format import SEGMENT_ALIGN, StoreHeader, align_up, read_header
+from store.reader import Priority, StoreReader
+from store.verify import pack_command, quick_verify
+
+from .copier import Copier
+from .layout import Field, SlotLayout
+from .policy import Policy, ScoredPolicy, hot_order, load_routing_stats, save_routing_stats, split_budget
+from .ram import pin_host
+from .tiers import ExpertTiers, TierError, Where
+
+log = logging.getLogger("glm53.tiers.nvme")
+
+DEFAULT_TIMEOUT_S = 5.0  # a 9 MiB O_DIRECT read takes milliseconds; seconds means a stalled or failing disk
+TORCH_DTYPES = {"int16": torch.int16, "float16": torch.float16}
+READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
+
+
+class StoreRefused(StoreError):
+    """The store cannot serve the mounted checkpoint (another checkpoint's, damaged, unreadable)."""
+
+
+def slot_layout(header: StoreHeader, layers: Sequence[int]) -> SlotLayout:
+    """The tiers' slot image of the store's records: the record payload, field for field (one layout for all)."""
+    layouts = {header.layout(layer) for layer in layers}
+    if len(layouts) != 1:
+        raise ValueError(f"the store's MoE layers have {len(layouts)} different record layouts; the tiers need one")
+    lay = layouts.pop()
+    fields = tuple(Field(s.name, TORCH_DTYPES[s.dtype], s.shape, s.offset) for s in lay.segments)
+    return SlotLayout(fields, align_up(lay.length, SEGMENT_ALIGN))
+
+
+@dataclass
+class _Read:
+    layer: int  # tier layer index
+    expert: int
+    slot: int
+    future: Future
+    priority: Priority
+    since: float  # the clock its timeout runs from: issue, or demand for a prefetch being waited on
+    demanded: bool  # a step waits for it (retried on timeout); else a prefetch or warm-up read (a guess)
+    timeouts: int = 0
+
+
+class NvmeTier:
+    def __init__(
+        self,
+        reader: StoreReader,
+        num_experts: int,
+        vram_slots: Sequence[int],
+        ram_slots: int,
+        *,
+        layers: Sequence[int] | None = None,
+        device: torch.device | str = "cpu",
+        pin: bool | None = None,
+        policy_factory: Callable[[int], Policy] = ScoredPolicy,
+        copier: Copier | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        timeout_retries: int = 1,
+        window: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """reader: a StoreReader (or anything with its read/header/path/max_extent). layers: the store's layer
+        number of each tier layer index (default: every layer in the store, ascending). ram_slots: the RAM arena
+        in records of `reader.max_extent` bytes; the caller sizes it from the plan. window: prefetched records
+        outstanding at most (default two layers' worth of top-8 picks, as the plan's staging)."""
+        self.reader = reader
+        header = reader.header
+        self.store_layers = list(layers) if layers is not None else sorted({e.layer for e in header.entries})
+        self.layout = slot_layout(header, self.store_layers)
+        self.stride = reader.max_extent
+        self.timeout_s = timeout_s
+        self.timeout_retries = timeout_retries
+        self.window = 32 if window is None else window
+        self.clock = clock
+        pin = torch.cuda.is_available() if pin is None else pin
+        self.arena = alloc_slots(ram_slots, self.stride)  # each row 4 KiB-aligned: O_DIRECT reads land in place
+        storage = torch.from_numpy(self.arena)
+        if pin and ram_slots:
+            pin_host(storage)
+        self.tiers = ExpertTiers(
+            self.layout, num_experts, vram_slots, ram_slots, keep_all=False, device=device, pin=pin,
+            policy_factory=policy_factory, fetch=self._read_sync, copier=copier, ram_storage=storage,
+        )
+        self.tiers.store = self
+        self.stats = self.tiers.stats
+        self._reads: dict[tuple[int, int], _Read] = {}
+        self._retired: dict[int, Future] = {}  # RAM slot -> the timed-out read that may still write into it
+        self._prefetched: set[tuple[int, int]] = set()  # read ahead, their layer has not run since
+        self._faults: dict[tuple[int, int], dict] = {}
+        self._lock = threading.Lock()  # health() runs on the server's thread; the rest on the tiers' owner
+        self._bounce: np.ndarray | None = None
+
+    # ---- geometry -------------------------------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        return Path(self.reader.path)
+
+    @property
+    def num_layers(self) -> int:
+        return self.tiers.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self.tiers.num_experts
+
+    @property
+    def budget_bytes(self) -> int:
+        """The RAM tier's whole arena: what the tier may ever hold (in flight and retired slots included)."""
+        return self.arena.nbytes
+
+    def resident_bytes(self) -> int:
+        """Arena bytes in use: landed experts, reads in flight, retired slots. Never above `budget_bytes`."""
+        return self.tiers.ram.in_use() * self.stride
+
+    def layer_index(self, store_layer: int) -> int:
+        """The tier layer index of a model layer number (as the store and the checkpoint number them)."""
+        return self.store_layers.index(store_layer)
+
+    # ---- the step's misses (StoreSource) -----------------------------------------------------------------------
+
+    def demand(self, layer: int, experts: np.ndarray) -> None:
+        """Queue reads of every expert of this step that is only in the store, before anything waits."""
+        self.poll()
+        experts = np.asarray(experts, np.int64)
+        self._account_prefetch(layer, experts)
+        now = self.clock()
+        for e in experts.tolist():
+            w = self.tiers.where[layer, e]
+            if w == Where.STORE:
+                self._issue(layer, e, experts, Priority.DEMAND, demanded=True)
+            elif w == Where.FROM_STORE:
+                r = self._reads[(layer, e)]
+                if not r.demanded:  # a prefetch still in flight: from now on a step waits for it
+                    r.demanded, r.since = True, now
+
+    def wait(self, layer: int, expert: int, protect: np.ndarray | None = None) -> None:
+        """Block until the expert is readable in RAM (reading it if it is only in the store). Raises StoreError
+        naming the store and the record when its read fails or stays stalled after the retries."""
+        protect = np.asarray([expert] if protect is None else protect, np.int64)
+        while True:
+            w = self.tiers.where[layer, expert]
+            if w in READABLE:
+                return
+            if w == Where.STORE:
+                self._issue(layer, expert, protect, Priority.DEMAND, demanded=True)
+                continue
+            if w != Where.FROM_STORE:  # TO_RAM: a write-back the caller settles, not a store read
+                raise TierError(f"expert {layer}/{expert} is {Where(w).name}: settle its move first")
+            r = self._reads[(layer, expert)]
+            r.demanded = True
+            error = self._await(r, protect)
+            if error is not None:
+                raise error
+
+    def poll(self) -> int:
+        """Land every finished read, reclaim retired slots whose late read is over; never blocks."""
+        landed = 0
+        for key, r in list(self._reads.items()):
+            if r.future.done():
+                landed += self._finish(key) is None
+        for slot, fut in list(self._retired.items()):
+            if fut.done():
+                with self._lock:
+                    del self._retired[slot]
+                self.tiers.reclaim(slot)
+        return landed
+
+    # ---- prefetch ---------------------------------------------------------------------------------------------
+
+    def prefetch(self, picks: Iterable[tuple[int, int]], *, protect: Mapping[int, Iterable[int]] | None = None,
+                 window: int | None = None) -> int:
+        """Read predicted (layer, expert) picks ahead, in the given order (most likely first); returns the number of
+        reads started. Only experts in the store alone are read; a prefetch never waits, never drops a guarded
+        expert, one in `protect` ({layer: experts a lane is reading now}) or another of these picks, and stops
+        when `window` prefetched experts are outstanding or RAM has nothing it may drop."""
+        self.poll()
+        window = self.window if window is None else window
+        picks = [(int(layer), int(e)) for layer, e in picks]
+        keep = np.zeros_like(self.tiers.ram_guard)
+        for layer, e in picks:
+            keep[layer, e] = True
+        for layer, es in (protect or {}).items():
+            keep[layer, np.asarray(list(es), np.int64)] = True
+        self._prune_prefetched()
+        started = 0
+        for layer, e in picks:
+            if self.tiers.where[layer, e] != Where.STORE:
+                continue
+            if len(self._prefetched) >= window or not self._room_without_waiting(keep):
+                break
+            self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False)
+            self.tiers.ram_guard[layer, e] = True
+            self._prefetched.add((layer, e))
+            started += 1
+        self.stats.add_prefetch(issued=started)
+        return started
+
+    def prefetch_prefill(self, layers: Sequence[int], picks: Mapping[int, Iterable[int]] | None = None, *,
+                         protect: Mapping[int, Iterable[int]] | None = None, window: int | None = None) -> int:
+        """Prefill's upcoming layers, nearest first: the experts `picks` names per layer (the router run ahead on
+        the prompt), else every expert of the layer, most popular first (a long prompt picks nearly all).
+        window defaults to one layer's experts: prefill reads drop the weakest RAM experts, which after the first
+        layer are mostly prefill's own earlier reads (prefill does not raise scores), never the decode hot set
+        first."""
+        window = self.num_experts if window is None else window
+        order = []
+        for layer in layers:
+            es = list(picks[layer]) if picks is not None and layer in picks else hot_order(self.tiers.scores()[layer])
+            order.extend((layer, int(e)) for e in es)
+        return self.prefetch(order, protect=protect, window=window)
+
+    # ---- start-up ---------------------------------------------------------------------------------------------
+
+    def warm(self, counts: np.ndarray | None) -> dict:
+        """Place experts from saved routing statistics: each layer's most-picked in VRAM, the next best across
+        layers in RAM (only experts that were picked at all: without statistics RAM fills by demand). VRAM loads
+        read ahead through a few bounce rows; RAM reads land in their slots, all in flight together. A record
+        that cannot be read is left in the store and kept as a fault; start-up goes on."""
+        t0 = time.perf_counter()
+        counts = None if counts is None else np.asarray(counts, np.float64)
+        zeros = np.zeros((self.num_layers, self.num_experts))
+        vram_order = [(layer, int(e)) for layer, vl in enumerate(self.tiers.vram)
+                      for e in hot_order((zeros if counts is None else counts)[layer])[: vl.num_slots]]
+        ahead = _ReadAhead(self, vram_order, depth=8)
+        try:
+            self.tiers.populate(ahead, counts, fill_ram=False)
+        finally:
+            ahead.close()
+        ram_order = [] if counts is None else [k for k in self.tiers.warm_ram_order(counts) if counts[k] > 0]
+        issued = []
+        for layer, e in ram_order[: self.tiers.ram.free_count()]:
+            self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False)
+            issued.append((layer, e))
+        failed = 0
+        for layer, e in issued:
+            r = self._reads.get((layer, e))
+            if r is not None and self._await(r, None) is not None:
+                failed += 1
+        return {"vram": len(vram_order), "ram": len(issued) - failed, "failed": failed,
+                "seconds": round(time.perf_counter() - t0, 3)}
+
+    def save_routing_stats(self, path: str | Path, steps: int = 0) -> None:
+        """Save the per-layer pick statistics for the next start's warm-up."""
+        save_routing_stats(path, self.tiers.routing_counts(), self.model_key, steps)
+
+    @property
+    def model_key(self) -> str:
+        return model_key(self.reader.header)
+
+    # ---- health -----------------------------------------------------------------------------------------------
+
+    def health(self) -> dict | None:
+        """None while the store serves cleanly; else what /ready should report: records that failed (the tier
+        keeps serving every other record), reads stalled past the timeout, slots held by reads given up on."""
+        now = self.clock()
+        with self._lock:
+            faults = [dict(f) for f in self._faults.values()]
+            stalled = sum(now - r.since > self.timeout_s for r in self._reads.values())
+            retired = len(self._retired)
+        if not faults and not stalled and not retired:
+            return None
+        faults.sort(key=lambda f: (f["layer"], f["expert"]))
+        return {"state": "fault" if faults else "degraded", "store": str(self.path), "faults": faults,
+                "stalled_reads": stalled, "retired_slots": retired}
+
+    # ---- lifetime ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the reader (queued reads are cancelled, running ones finish) and detach from the tiers."""
+        self.reader.close()
+        self.tiers.store = None
+
+    def __enter__(self) -> NvmeTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- invariants -------------------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """The tier rules plus this tier's: every store read in flight owns a pending RAM slot of its expert,
+        retired slots are exactly the given-up reads', guards only on prefetched experts, bytes within budget."""
+        t = self.tiers
+        t.check_invariants()
+        reading = {(int(a), int(b)) for a, b in zip(*np.nonzero(t.where == Where.FROM_STORE), strict=True)}
+        assert reading == set(self._reads), "FROM_STORE experts and reads in flight disagree"
+        for (layer, e), r in self._reads.items():
+            assert t.ram.slot_of[layer, e] == r.slot and t.ram.pending[r.slot], f"read of {layer}/{e} lost its slot"
+        retired = set(np.flatnonzero(t.ram.owner == -2).tolist())
+        assert retired == set(self._retired), "retired RAM slots disagree with the reads given up on"
+        guarded = {(int(a), int(b)) for a, b in zip(*np.nonzero(t.ram_guard), strict=True)}
+        assert guarded <= self._prefetched, "a guard on an expert that was not prefetched"
+        assert self.resident_bytes() <= self.budget_bytes, "the RAM tier outgrew its budget"
+
+    # ---- internals --------------------------------------------------------------------------------------------
+
+    def _issue(self, layer: int, e: int, protect: np.ndarray | None, priority: Priority, demanded: bool,
+               may_wait: bool = True, timeouts: int = 0) -> _Read:
+        """Claim a RAM slot (dropping the weakest unprotected RAM expert, or waiting for reads in flight to land
+        when nothing can be dropped) and queue the read into it."""
+        while True:
+            slot = self.tiers.begin_read(layer, e, protect)
+            if slot is not None:
+                break
+            if not may_wait or not self._wait_oldest(protect):
+                raise TierError(f"RAM tier full ({self.tiers.ram.num_slots} slots, {len(self._retired)} held by "
+                                f"stalled reads) of experts in use: cannot read {layer}/{e}")
+        fut = self.reader.read(self.store_layers[layer], e, self.arena[slot], priority=priority)
+        r = _Read(layer, e, slot, fut, priority, self.clock(), demanded, timeouts)
+        with self._lock:
+            self._reads[(layer, e)] = r
+        self.stats.add_nvme("reads" if demanded else "prefetch_reads")
+        return r
+
+    def _wait_oldest(self, protect: np.ndarray | None) -> bool:
+        """Wait for the oldest read in flight to land or fail (freeing or filling a slot); False if there is none.
+        Reads a step waits for are all of that step's layer, so its `protect` is the right one for a retry."""
+        if not self._reads:
+            return False
+        self._await(next(iter(self._reads.values())), protect)
+        return True
+
+    def _await(self, r: _Read, protect: np.ndarray | None) -> StoreError | None:
+        """Wait for one read until its deadline; land it, or handle its failure or timeout. Returns the error
+        that ended a failed read (already recorded as a fault), None when it landed or was retried."""
+        key = (r.layer, r.expert)
+        try:
+            r.future.result(timeout=max(0.0, r.since + self.timeout_s - self.clock()))
+        except FutureTimeout:
+            return self._timed_out(r, protect)
+        except (Exception, CancelledError):  # noqa: BLE001 - the reader's error is taken from the future below
+            pass
+        return self._finish(key)
+
+    def _finish(self, key: tuple[int, int]) -> StoreError | None:
+        """A read's future is done: land it, or put the expert back in the store and keep the fault."""
+        with self._lock:
+            r = self._reads.pop(key)
+        exc = _exception(r.future)
+        if exc is None:
+            self.tiers.land_read(r.layer, r.expert)
+            with self._lock:
+                self._faults.pop(key, None)
+            return None
+        self.tiers.abort_read(r.layer, r.expert)  # the reader is done with the slot: free it
+        self._prefetched.discard(key)
+        self.stats.add_nvme("failed_reads")
+        if not isinstance(exc, StoreError):
+            exc = StoreReadError(f"store {self.path}: {self._where(key)}: {type(exc).__name__}: {exc}", self._fix())
+        self._fault(key, exc)
+        return exc
+
+    def _timed_out(self, r: _Read, protect: np.ndarray | None) -> StoreError | None:
+        """Give the slow read up: retire its slot (it may still write there) and, for a demanded read, read the
+        record again into a fresh slot, up to `timeout_retries` times; then it is a fault."""
+        key = (r.layer, r.expert)
+        with self._lock:
+            del self._reads[key]
+        slot = self.tiers.abort_read(r.layer, r.expert, retire=True)
+        with self._lock:
+            self._retired[slot] = r.future
+        self._prefetched.discard(key)
+        self.stats.add_nvme("timeouts")
+        if not r.demanded:
+            return None  # a guess that did not come back: the store still has the expert
+        if r.timeouts < self.timeout_retries:
+            self._issue(r.layer, r.expert, protect, Priority.DEMAND, demanded=True, timeouts=r.timeouts + 1)
+            return None
+        err = StoreReadError(f"store {self.path}: {self._where(key)}: no data after {r.timeouts + 1} attempts of "
+                             f"{self.timeout_s:g} s each (the disk is stalled or failing)", self._fix())
+        self._fault(key, err)
+        return err
+
+    def _room_without_waiting(self, keep: np.ndarray) -> bool:
+        """A free RAM slot, or one made by dropping the weakest RAM expert that is neither guarded nor kept."""
+        t = self.tiers
+        if t.ram.free_count():
+            return True
+        ok = (t.where == Where.RAM) & ~t.ram_guard & ~keep
+        if not ok.any():
+            return False
+        layer, e = np.unravel_index(np.argmin(np.where(ok, t.scores(), np.inf)), ok.shape)
+        t.drop_ram(int(layer), int(e))
+        return True
+
+    def _account_prefetch(self, layer: int, experts: np.ndarray) -> None:
+        """The layer runs: settle what was read ahead for it (hit, late, wasted) and count the store misses no
+        prefetch covered. Its guards end here either way."""
+        used = set(experts.tolist())
+        hits = late = wasted = 0
+        for key in [k for k in self._prefetched if k[0] == layer]:
+            self._prefetched.discard(key)
+            w = self.tiers.where[key]
+            if w in (Where.RAM, Where.FROM_STORE):
+                self.tiers.ram_guard[key] = False
+            if key[1] not in used:
+                wasted += 1
+            elif w in READABLE:
+                hits += 1
+            elif w == Where.FROM_STORE:
+                late += 1
+        misses = int((self.tiers.where[layer, experts] == Where.STORE).sum()) if experts.size else 0
+        self.stats.add_prefetch(hits=hits, late=late, wasted=wasted, demand_misses=misses)
+
+    def _prune_prefetched(self) -> None:
+        """Prefetched experts dropped again before their layer ran no longer count against the window."""
+        gone = {k for k in self._prefetched if self.tiers.where[k] == Where.STORE}
+        self._prefetched -= gone
+        self.stats.add_prefetch(wasted=len(gone))
+
+    def _fault(self, key: tuple[int, int], exc: StoreError) -> None:
+        now = time.time()
+        with self._lock:
+            f = self._faults.get(key)
+            if f is None:
+                f = self._faults[key] = {"layer": key[0], "store_layer": self.store_layers[key[0]], "expert": key[1],
+                                         "record": self._where(key), "count": 0, "first": now}
+            f.update(error=exc.problem, fix=exc.fix, count=f["count"] + 1, last=now)
+        log.error("%s", exc)
+
+    def _where(self, key: tuple[int, int]) -> str:
+        return self.reader.header.entry(self.store_layers[key[0]], key[1]).where()
+
+    def _fix(self) -> str:
+        return (f"run glm53 verify-store {self.path}; if it fails (or the disk reports errors in dmesg), repack: "
+                f"{pack_command(self.path, self.reader.header.source_hint)}")
+
+    def _read_sync(self, layer: int, e: int, out: torch.Tensor) -> None:
+        """A blocking read into any host tensor (through one aligned bounce row): ExpertTiers' `fetch`."""
+        if self._bounce is None:
+            self._bounce = alloc_aligned(self.stride)
+        try:
+            done = self.reader.read(self.store_layers[layer], e, self._bounce).result(self.timeout_s * 4)
+        except FutureTimeout:
+            self._bounce = None  # the stalled read may still write into it: the next read gets a new one
+            raise StoreReadError(f"store {self.path}: {self._where((layer, e))}: no data after "
+                                 f"{self.timeout_s * 4:g} s (the disk is stalled or failing)", self._fix()) from None
+        out.copy_(torch.from_numpy(done.data[: self.layout.nbytes]))
+
+
+class _ReadAhead:
+    """A `populate` loader that keeps `depth` reads of the expected order in flight through bounce rows, so the
+    VRAM warm-up runs at the disk's rate rather than one record's latency at a time."""
+
+    def __init__(self, tier: NvmeTier, order: list[tuple[int, int]], depth: int):
+        self.tier = tier
+        self.todo = deque(order)
+        self.rows = alloc_slots(max(1, min(depth, len(order))), tier.stride) if order else None
+        self.free = list(range(0 if self.rows is None else len(self.rows)))
+        self.inflight: deque[tuple[tuple[int, int], int, Future]] = deque()
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.free and self.todo:
+            layer, e = self.todo.popleft()
+            row = self.free.pop()
+            fut = self.tier.reader.read(self.tier.store_layers[layer], e, self.rows[row], priority=Priority.DEMAND)
+            self.inflight.append(((layer, e), row, fut))
+
+    def __call__(self, layer: int, e: int, out: torch.Tensor) -> None:
+        if not self.inflight or self.inflight[0][0] != (layer, e):
+            self.tier._read_sync(layer, e, out)  # not the expected order: correct, just not read ahead
+            return
+        _, row, fut = self.inflight.popleft()
+        try:
+            done = fut.result(self.tier.timeout_s * 4)
+        except FutureTimeout:
+            raise StoreReadError(f"store {self.tier.path}: {self.tier._where((layer, e))}: no data after "
+                                 f"{self.tier.timeout_s * 4:g} s (the disk is stalled or failing)",
+                                 self.tier._fix()) from None
+        out.copy_(torch.from_numpy(done.data[: self.tier.layout.nbytes]))
+        self.free.append(row)
+        self._fill()
+
+    def close(self) -> None:
+        # Reads still running keep their row's mapping alive (the reader holds the array), so no waiting here.
+        for _, _, fut in self.inflight:
+            fut.cancel()
+        self.inflight.clear()
+        self.rows = None
+
+
+def _exception(fut: Future) -> BaseException | None:
+    if fut.cancelled():
+        return CancelledError("the read was cancelled (the store reader closed)")
+    return fut.exception()
+
+
+# ---- start-up from the plan ---------------------------------------------------------------------------------------
+
+
+def model_key(header: StoreHeader) -> str:
+    """The identity routing statistics are saved under: the checkpoint's config hash, as the store records it."""
+    return "glm53-" + str(header.identity.get("config_sha256", "unknown"))[:16]
+
+
+def ram_slots_for(plan, stride: int, num_layers: int, num_experts: int, vram_total: int) -> int:
+    """RAM arena rows: as many records as the plan's RAM tier bytes hold (never more), and no more than every
+    expert VRAM does not hold. At least one layer's experts plus one are needed (a step may pick all of them)."""
+    budget = int(plan.ram_tier_bytes) // stride
+    need = num_experts + 1
+    if budget < need:
+        raise ValueError(f"the plan's RAM tier ({plan.ram_tier_bytes} bytes) holds {budget} records of {stride} bytes;"
+                         f" the nvme tier needs at least {need} (one layer's {num_experts} experts plus one)")
+    return min(budget, max(need, num_layers * num_experts - vram_total))
+
+
+def open_nvme_tier(
+    store_path: str | Path,
+    model_dir: str | Path,
+    plan,
+    *,
+    device: torch.device | str | None = None,
+    stats_path: str | Path | None = None,
+    allow_buffered: bool = False,
+    verify_sample: int = 8,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
+    pin: bool | None = None,
+    policy_factory: Callable[[int], Policy] = ScoredPolicy,
+    warm: bool = True,
+) -> NvmeTier:
+    """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
+    statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
+    store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small."""
+    if plan.mode not in ("nvme", "nvme-exact"):
+        raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
+    store_path, model_dir = Path(store_path), Path(model_dir)
+    rep = quick_verify(store_path, model_dir, sample=verify_sample, allow_buffered=allow_buffered)
+    if not rep.ok:
+        raise _refusal(rep, store_path, model_dir)
+    header = read_header(store_path)
+    layers = sorted({e.layer for e in header.entries})
+    per_layer = {layer: sum(1 for e in header.entries if e.layer == layer) for layer in layers}
+    num_experts = per_layer[layers[0]]
+    if set(per_layer.values()) != {num_experts}:
+        raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
+    reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
+                         verify=True, header=header)
+    try:
+        counts, why = (None, "no routing statistics path given (cold start)")
+        if stats_path is not None:
+            counts, why = load_routing_stats(stats_path, model_key(header), len(layers), num_experts)
+        log.info("nvme tier: %s", why)
+        basis = np.zeros((len(layers), num_experts)) if counts is None else counts
+        vram = split_budget(basis, min(int(plan.vram_slots), len(layers) * num_experts))
+        ram = ram_slots_for(plan, reader.max_extent, len(layers), num_experts, int(vram.sum()))
+        tier = NvmeTier(reader, num_experts, vram.tolist(), ram, layers=layers,
+                        device=plan.device if device is None else device, pin=pin, policy_factory=policy_factory,
+                        timeout_s=timeout_s)
+    except BaseException:
+        reader.close()
+        raise
+    if warm:
+        report = tier.warm(counts)
+        log.info("nvme tier: warmed %d VRAM and %d RAM experts in %.1f s (%d unreadable)", report["vram"],
+                 report["ram"], report["seconds"], report["failed"])
+    return tier
+
+
+def _refusal(rep, store_path: Path, model_dir: Path) -> StoreRefused:
+    problems = "\n".join(f"  - {p.what}\n    fix: {p.fix}" for p in rep.problems)
+    return StoreRefused(f"the store {store_path} cannot serve the checkpoint {model_dir}:\n{problems}",
+                        pack_command(store_path, model_dir))
+
+
+def _refusal_text(store_path: Path, model_dir: Path, what: str) -> StoreRefused:
+    return StoreRefused(f"the store {store_path} cannot serve the checkpoint {model_dir}: {what}",
+                        pack_command(store_path, model_dir))
