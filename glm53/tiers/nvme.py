@@ -42,7 +42,7 @@ import torch
 
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
-from store.format import SEGMENT_ALIGN, StoreHeader, align_up, read_header
+from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up, read_header
 from store.reader import Priority, StoreReader
 from store.verify import pack_command, quick_verify
 
@@ -63,14 +63,18 @@ class StoreRefused(StoreError):
     """The store cannot serve the mounted checkpoint (another checkpoint's, damaged, unreadable)."""
 
 
+def record_layout(lay: Layout) -> SlotLayout:
+    """The tiers' slot image of one store record layout: the record payload, field for field."""
+    fields = tuple(Field(s.name, TORCH_DTYPES[s.dtype], s.shape, s.offset) for s in lay.segments)
+    return SlotLayout(fields, align_up(lay.length, SEGMENT_ALIGN))
+
+
 def slot_layout(header: StoreHeader, layers: Sequence[int]) -> SlotLayout:
-    """The tiers' slot image of the store's records: the record payload, field for field (one layout for all)."""
+    """The slot image of the store's MoE layers, which must share one record layout."""
     layouts = {header.layout(layer) for layer in layers}
     if len(layouts) != 1:
         raise ValueError(f"the store's MoE layers have {len(layouts)} different record layouts; the tiers need one")
-    lay = layouts.pop()
-    fields = tuple(Field(s.name, TORCH_DTYPES[s.dtype], s.shape, s.offset) for s in lay.segments)
-    return SlotLayout(fields, align_up(lay.length, SEGMENT_ALIGN))
+    return record_layout(layouts.pop())
 
 
 @dataclass

@@ -1,0 +1,285 @@
+"""The nvme tier on a real store packed from a generated checkpoint, CPU tensors standing in for VRAM: results equal
+the direct computation from the checkpoint, prefetch lands before demand, start-up verifies and warms, budgets hold."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, route, slot_forward
+
+import store.reader as R
+from glm53.tiers import Where, exl3_expert_layout, tiered_moe
+from glm53.tiers.nvme import NvmeTier, StoreRefused, model_key, open_nvme_tier, record_layout
+from store.format import Layout, read_header
+from store.reader import StoreReader
+
+LAYERS, EXPERTS, TOP_K = 3, 16, 4  # 2 MoE layers (store layers 1, 2) of 16 experts
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("nvme"), layers=LAYERS, experts=EXPERTS)
+
+
+@pytest.fixture(scope="module")
+def direct(packed):
+    return Direct(packed[0])
+
+
+def settle_reads(tier: NvmeTier, timeout: float = 10.0) -> None:
+    """Poll until no store read is in flight (the reader's threads finish on their own)."""
+    deadline = time.monotonic() + timeout
+    while tier._reads:
+        assert time.monotonic() < deadline, "store reads did not land"
+        tier.poll()
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_tiered_through_the_store_equals_direct(packed, direct, seed):
+    """Random budgets (VRAM per layer, RAM records), warm or cold, random lanes, admissions, prefetches of
+    predictions right or wrong: every layer output equals the direct computation bit for bit, every readable
+    expert holds its record's bytes, and the arena never grows past the plan."""
+    ck, store = packed
+    rng = np.random.default_rng(seed)
+    ram = int(rng.integers(EXPERTS + 1, EXPERTS + 6))  # a RAM tier smaller than the experts VRAM leaves out
+    vram = int(rng.integers(0, 2 * EXPERTS // 2))
+    plan = nvme_plan(store, ram, vram)
+    stats = None
+    if seed % 2:
+        stats = ck.parent / f"routing-{seed}.json"
+        from glm53.tiers import save_routing_stats
+        save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
+    with open_nvme_tier(store, ck, plan, stats_path=stats) as tier:
+        assert tier.budget_bytes <= plan.ram_tier_bytes
+        tier.check_invariants()
+        forward = slot_forward(tier.layout)
+        cpu_share = rng.random()
+        for _ in range(12):
+            layer = int(rng.integers(2))
+            ids, w = route(rng, int(rng.integers(1, 4)), EXPERTS, TOP_K)
+            x = torch.from_numpy(rng.standard_normal((len(ids), HIDDEN)).astype(np.float32))
+            got = tiered_moe(tier.tiers, layer, x, ids, w, forward, admit=bool(rng.random() < 0.7),
+                             lane_for=lambda lay, e: "cpu" if rng.random() < cpu_share else "pcie")
+            assert torch.equal(got.y, direct.moe(tier.store_layers[layer], x, ids, w))
+            tier.check_invariants()
+            nxt = 1 - layer
+            guess = rng.choice(EXPERTS, TOP_K, replace=False)
+            tier.prefetch([(nxt, int(e)) for e in guess])
+            tier.check_invariants()
+        settle_reads(tier)
+        tier.check_invariants()
+        check_bytes(tier, store)
+        snap = tier.stats.snapshot()
+        json.dumps(snap)
+        assert snap["bytes"]["store_to_ram"] == (snap["nvme"]["reads"] + snap["nvme"]["prefetch_reads"]
+                                                 - snap["nvme"]["failed_reads"]) * tier.layout.nbytes
+        assert tier.health() is None
+
+
+def test_record_layout_is_the_vram_slot_image():
+    """At GLM-5.3-Flash width the store record's payload is exactly the tiers' EXL3 slot image, so a record read
+    into RAM is one contiguous copy away from a VRAM slot."""
+    assert record_layout(Layout.build(4096, 2048, (3, 3, 3))) == exl3_expert_layout()
+
+
+def test_prefetch_lands_before_demand(packed, direct):
+    ck, store = packed
+    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0)) as tier:
+        forward = slot_forward(tier.layout)
+        ids = np.array([[3, 5, 7, 11], [5, 7, 13, 2]])
+        w = torch.rand(2, 4)
+        x = torch.randn(2, HIDDEN)
+        assert tier.prefetch([(1, int(e)) for e in np.unique(ids)]) == 6
+        assert all(tier.tiers.where[1, e] in (Where.FROM_STORE, Where.RAM) for e in np.unique(ids))
+        settle_reads(tier)
+        reads = tier.reader.stats()["reads"]
+        got = tiered_moe(tier.tiers, 1, x, ids, w, forward, lane_for=lambda lay, e: "cpu")
+        assert got.picks["nvme"] == 0 and got.picks["cpu"] == ids.size
+        assert tier.reader.stats()["reads"] == reads, "the step read the store although every pick was prefetched"
+        assert torch.equal(got.y, direct.moe(2, x, ids, w))
+        pf = tier.stats.snapshot()["prefetch"]
+        assert pf["hits"] == 6 and pf["demand_misses"] == 0 and pf["recall"] == 1.0
+
+
+def test_recall_and_waste_of_a_partial_predictor(packed):
+    ck, store = packed
+    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0)) as tier:
+        forward = slot_forward(tier.layout)
+        tier.prefetch([(0, e) for e in (1, 2, 3, 4, 9)])  # right: 1 2 3 4; wrong: 9
+        settle_reads(tier)
+        tiered_moe(tier.tiers, 0, torch.randn(1, HIDDEN), np.array([[1, 2, 3, 4, 5, 6]]), torch.rand(1, 6), forward)
+        pf = tier.stats.snapshot()["prefetch"]
+        assert (pf["issued"], pf["hits"], pf["wasted"], pf["demand_misses"]) == (5, 4, 1, 2)
+        assert pf["recall"] == pytest.approx(4 / 6) and pf["precision"] == pytest.approx(4 / 5)
+        assert not tier.tiers.ram_guard.any(), "guards outlived the layer they were for"
+        tier.check_invariants()
+
+
+def test_a_prefetch_still_in_flight_is_waited_for_not_read_twice(packed, direct, monkeypatch):
+    ck, store = packed
+    real, gate = R.pread_into, threading.Event()
+
+    def held(fd, view, offset):
+        assert gate.wait(10)
+        return real(fd, view, offset)
+
+    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0)) as tier:
+        monkeypatch.setattr(R, "pread_into", held)
+        tier.prefetch([(0, 6)])
+        threading.Timer(0.05, gate.set).start()
+        ids, w, x = np.array([[6, 8]]), torch.rand(1, 2), torch.randn(1, HIDDEN)
+        got = tiered_moe(tier.tiers, 0, x, ids, w, slot_forward(tier.layout))
+        assert torch.equal(got.y, direct.moe(1, x, ids, w))
+        assert got.picks["nvme"] == 2 and tier.reader.stats()["reads"] == 2
+        assert tier.stats.snapshot()["prefetch"]["late"] == 1
+
+
+def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
+    ck, store = packed
+    real, order, first, release = R.pread_into, [], threading.Event(), threading.Event()
+
+    def gated(fd, view, offset):
+        order.append(offset)
+        if len(order) == 1:
+            first.set()
+            assert release.wait(10)
+        return real(fd, view, offset)
+
+    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
+    with open_nvme_tier(store, ck, plan) as tier:
+        monkeypatch.setattr(R, "pread_into", gated)
+        tier.prefetch([(1, e) for e in (0, 1, 2)])
+        assert first.wait(10)  # the only reader thread holds the first prefetch
+        tier.demand(1, np.array([9]))
+        release.set()
+        settle_reads(tier)
+        head = tier.reader.header
+        assert order == [head.entry(2, e).offset for e in (0, 9, 1, 2)]
+
+
+def test_prefetch_respects_window_guards_and_protection(packed):
+    ck, store = packed
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
+        t = tier.tiers
+        assert tier.prefetch([(0, e) for e in range(EXPERTS)], window=5) == 5
+        settle_reads(tier)
+        assert tier.prefetch([(1, e) for e in range(EXPERTS)]) == 17 - 5
+        settle_reads(tier)
+        # RAM is full: 17 slots, all guarded prefetches. Nothing may be dropped for another guess.
+        assert t.ram.free_count() == 0 and tier.prefetch([(1, 15)]) == 0
+        # A step of layer 0 ends layer 0's guards; its unused prefetches become droppable, but not those protected.
+        tiered_moe(t, 0, torch.randn(1, HIDDEN), np.array([[0]]), torch.ones(1, 1), slot_forward(tier.layout))
+        assert tier.prefetch([(1, 15)], protect={0: [0, 1, 2, 3, 4]}) == 0
+        assert t.where[1, 15] == Where.STORE
+        tier.check_invariants()
+
+
+def test_prefill_prefetch_reads_upcoming_layers_without_touching_the_hot_set(packed):
+    ck, store = packed
+    stats = ck.parent / "routing-prefill.json"
+    counts = np.zeros((2, EXPERTS))
+    counts[:, :4] = 50.0  # a decode hot set: experts 0-3 of both layers
+    from glm53.tiers import save_routing_stats
+    save_routing_stats(stats, counts, model_key(read_header(store)))
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 4, 0), stats_path=stats) as tier:
+        t = tier.tiers
+        hot = [(layer, e) for layer in range(2) for e in range(4)]
+        assert all(t.where[k] == Where.RAM for k in hot)
+        n = tier.prefetch_prefill([0, 1], window=EXPERTS)
+        settle_reads(tier)
+        assert n > 0 and all(t.where[k] == Where.RAM for k in hot), "prefill reads evicted the decode hot set"
+        tier.check_invariants()
+
+
+def test_start_up_warms_vram_and_ram_from_saved_statistics(packed):
+    ck, store = packed
+    key = model_key(read_header(store))
+    counts = np.zeros((2, EXPERTS))
+    counts[0, [5, 6, 7]] = [9, 8, 7]
+    counts[1, [1, 2]] = [6, 5]
+    path = ck.parent / "routing-warm.json"
+    from glm53.tiers import save_routing_stats
+    save_routing_stats(path, counts, key)
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 2), stats_path=path) as tier:
+        t = tier.tiers
+        # split_budget gives both VRAM slots to layer 1, whose top two draw the larger share of its picks; RAM
+        # gets the rest of what was ever picked.
+        assert sorted(np.flatnonzero(t.vram[1].resident()).tolist()) == [1, 2] and t.vram[0].num_slots == 0
+        ram = {(lay, int(e)) for lay, e in zip(*np.nonzero(t.where == Where.RAM), strict=True)}
+        assert ram == {(0, 5), (0, 6), (0, 7)}
+        assert np.allclose(t.routing_counts(), counts)
+        check_bytes(tier, store)
+        tier.save_routing_stats(path, steps=3)
+        assert json.loads(path.read_text())["model"] == key
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 2)) as cold:  # no statistics: RAM fills by demand
+        assert (cold.tiers.where == Where.RAM).sum() == 0 and cold.tiers.vram[0].num_slots == 1
+
+
+def test_a_store_of_another_checkpoint_is_refused_with_the_pack_command(packed, tmp_path):
+    ck, store = packed
+    other, _ = make_store(tmp_path, layers=LAYERS, experts=EXPERTS, seed=1)
+    with pytest.raises(StoreRefused) as ei:
+        open_nvme_tier(store, other, nvme_plan(store, EXPERTS + 1, 0))
+    assert ei.value.fix == f"glm53 pack-store --model {other} --out {store}"
+    assert str(store) in ei.value.problem and "different checkpoint" in ei.value.problem
+
+
+@pytest.mark.parametrize("where", ["record", "header"])
+def test_a_damaged_store_is_refused_with_the_pack_command(packed, tmp_path, where):
+    ck, store = packed
+    bad = tmp_path / "damaged.glm53"
+    data = bytearray(store.read_bytes())
+    head = read_header(store)
+    offset = head.entries[-1].offset + 100 if where == "record" else 200  # quick verify always reads the tail
+    data[offset] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    with pytest.raises(StoreRefused) as ei:
+        open_nvme_tier(bad, ck, nvme_plan(store, EXPERTS + 1, 0))
+    assert ei.value.fix == f"glm53 pack-store --model {ck} --out {bad}"
+    assert f"glm53 pack-store --model {ck} --out {bad}" in str(ei.value)
+
+
+def test_plans_the_tier_cannot_serve_are_refused(packed):
+    ck, store = packed
+    with pytest.raises(ValueError, match="needs at least 17"):
+        open_nvme_tier(store, ck, nvme_plan(store, EXPERTS, 0))
+    with pytest.raises(ValueError, match="mode is fast"):
+        open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0, mode="fast"))
+
+
+def test_the_arena_is_the_plan_budget_never_more(packed):
+    """A RAM budget larger than every non-VRAM expert is not spent; a smaller one is spent exactly, in aligned
+    rows of one record extent, and reads never take the tier past it."""
+    ck, store = packed
+    extent = read_header(store).max_extent
+    with open_nvme_tier(store, ck, nvme_plan(store, 100, 4)) as tier:
+        assert tier.tiers.ram.num_slots == 2 * EXPERTS - 4
+    plan = nvme_plan(store, EXPERTS + 3, 0)
+    with open_nvme_tier(store, ck, plan) as tier:
+        assert tier.budget_bytes == plan.ram_tier_bytes == (EXPERTS + 3) * extent
+        assert all(tier.arena[r].ctypes.data % 4096 == 0 for r in range(tier.tiers.ram.num_slots))
+        rng = np.random.default_rng(0)
+        for _ in range(60):
+            layer = int(rng.integers(2))
+            es = rng.choice(EXPERTS, 6, replace=False)
+            tier.tiers.demand_reads(layer, es)
+            for e in es:
+                tier.tiers.fetch_to_ram(layer, int(e), protect=es)
+            tier.prefetch([(1 - layer, int(e)) for e in rng.choice(EXPERTS, 4, replace=False)])
+            assert tier.resident_bytes() <= tier.budget_bytes
+        settle_reads(tier)
+        tier.check_invariants()
+
+
+def test_reader_geometry_matches_the_tier(packed):
+    ck, store = packed
+    with StoreReader(store, threads=1) as r:
+        tier = NvmeTier(r, EXPERTS, [0, 0], EXPERTS + 1)
+        assert tier.store_layers == [1, 2] and tier.layer_index(2) == 1
+        assert tier.stride == r.max_extent and tier.arena.shape == (EXPERTS + 1, r.max_extent)
