@@ -9,10 +9,10 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG TORCH_CUDA_ARCH_LIST="8.6;8.9;9.0;12.0"
 ENV DEBIAN_FRONTEND=noninteractive TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} MAX_JOBS=8 \
     TORCH_EXTENSIONS_DIR=/opt/torch_extensions
-RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev ninja-build git \
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv python3-dev ninja-build git g++ \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/glm53
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY docker/install.sh docker/
 COPY glm53 glm53
 COPY store store

@@ -1,0 +1,555 @@
+// The CPU expert kernel's generic part: decode tables, CPU feature detection, the pinned thread pool, the
+// per-expert phase program, and the C ABI that glm53/cpu_lane/kernel.py loads with ctypes.
+//
+// Why our own kernel: exllamav3's CPU MoE code segfaulted on the GPU machine (DESIGN section 3); this one needs
+// no torch headers, builds with any C++17 compiler at `pip install`, and is tested on the CPU against the numpy
+// reference decoder. One call runs a list of experts (one layer step's CPU picks) with T pinned threads:
+//   per expert: prep (gate/up input transforms) | gate+up GEMV | mid (output transforms, SwiGLU, down input
+//   transform) | down GEMV | out (output transform); a barrier between phases, work units shared out by an atomic
+//   counter within each. Each output column is summed by one thread in a fixed order, so results do not depend
+//   on the thread count or on which thread took which unit.
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+#include "kernel_api.h"
+
+#ifndef GLM53_SRC_HASH
+#define GLM53_SRC_HASH "unknown"
+#endif
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the EXL3 trellis is read as little-endian 32-bit words: a big-endian host needs byte swaps added"
+#endif
+
+namespace glm53 {
+
+float g_mul1_by_bytesum[1024];
+
+namespace {
+
+thread_local std::string t_error;
+
+int fail(int code, const std::string& msg) {
+    t_error = msg;
+    return code;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Tables
+
+float round_to_half(float v) {
+    // fp32 -> nearest fp16 (ties to even) -> fp32, for values in fp16's normal range (all mul1 values are).
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits += 0xFFFu + ((bits >> 13) & 1u);
+    bits &= 0xFFFFE000u;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+struct Tables {
+    DecodeTables k[9];
+    std::string error;  // non-empty if some K's windows did not fit (a bug: checked by the tests)
+
+    Tables() {
+        for (int b = 0; b < 1024; ++b)
+            g_mul1_by_bytesum[b] = b <= 1020 ? round_to_half((float)b * kMul1Inv + kMul1Bias) : 0.0f;
+        for (int kb = 1; kb <= 8; ++kb) build(kb);
+    }
+
+    static int floordiv(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+    void build(int kb) {
+        DecodeTables& T = k[kb];
+        memset(&T, 0, sizeof T);
+        T.k = kb;
+        T.words = 8 * kb;
+        const int total = 256 * kb;
+        for (int t = 0; t < kTileElems; ++t) {
+            // Element t's 16-bit window ends at bit (t+1)K of the tile's MSB-first bitstream, wrapping around.
+            const int start = (((t + 1) * kb - 16) % total + total) % total;
+            T.i0[t] = (uint16_t)(start / 32);
+            T.i1[t] = (uint16_t)((start / 32 + 1) % T.words);
+            T.sh[t] = (uint8_t)(48 - start % 32);
+        }
+        T.nwrap = 0;
+        for (int g = 0; g < kGroups; ++g) {
+            const int s_first = (8 * g + 1) * kb - 16;  // negative: the window wraps to the end of the tile
+            const bool wrap = s_first < 0;
+            if (wrap) {
+                if (T.nwrap != g) error = "wrapping groups are not a prefix";
+                T.nwrap = g + 1;
+            }
+            const int base = wrap ? -2 : std::min(s_first / 32, T.words - 4);
+            T.base[g] = base;
+            for (int j = 0; j < 8; ++j) {
+                const int s = (8 * g + j + 1) * kb - 16;
+                const int q0 = floordiv(s, 8);
+                const int last_needed = floordiv(s + 15, 8);
+                for (int d = 0; d < 4; ++d) {
+                    // Stream byte q0 + d goes to byte 3 - d of the lane's dword (most significant first).
+                    const int q = q0 + d;
+                    const int word = floordiv(q, 4);
+                    uint8_t idx = 0x80;  // pshufb: zero
+                    if (word >= base && word < base + 4)
+                        idx = (uint8_t)(4 * (word - base) + 3 - (q - 4 * word));
+                    else if (q <= last_needed)
+                        error = "K=" + std::to_string(kb) + ": a trellis window does not fit its 16-byte load";
+                    T.ctrl[g][4 * j + 3 - d] = idx;
+                }
+                T.shift[g][j] = (uint32_t)(16 - (s - 8 * q0));
+            }
+        }
+    }
+};
+
+const Tables& tables() {
+    static const Tables t;  // thread-safe one-time init
+    return t;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// CPU features: cpuid + xgetbv only. No instruction is executed to probe (exllamav3's probe crashed in a VM), and
+// XCR0 says whether the OS saves the vector state (a hypervisor may advertise AVX-512 and not enable it).
+
+bool cpu_has(int isa) {
+    if (isa == GLM53_ISA_SCALAR) return true;
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+    const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+    if (!(fma && osxsave && avx && f16c)) return false;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0x6u) != 0x6u) return false;  // SSE and AVX state
+    if (__get_cpuid_max(0, nullptr) < 7) return false;
+    __cpuid_count(7, 0, a, b, c, d);
+    const bool avx2 = b & (1u << 5);
+    if (isa == GLM53_ISA_AVX2) return avx2;
+    if (isa == GLM53_ISA_AVX512) {
+        const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+        return avx2 && f && dq && bw && vl && (lo & 0xE0u) == 0xE0u;  // opmask, ZMM_Hi256, Hi16_ZMM state
+    }
+#endif
+    return false;
+}
+
+const IsaOps* ops_for(int isa) {
+    if (!cpu_has(isa)) return nullptr;
+    switch (isa) {
+        case GLM53_ISA_SCALAR: return &kScalarOps;
+#if defined(__x86_64__)
+        case GLM53_ISA_AVX2: return &kAvx2Ops;
+        case GLM53_ISA_AVX512: return &kAvx512Ops;
+#endif
+        default: return nullptr;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Buffers
+
+struct Buf {
+    float* p = nullptr;
+    size_t n = 0;
+    Buf() = default;
+    Buf(const Buf&) = delete;
+    Buf& operator=(const Buf&) = delete;
+    ~Buf() { free(p); }
+    void reserve(size_t m) {
+        if (m <= n) return;
+        free(p);
+        p = nullptr;
+        n = 0;
+        void* q = nullptr;
+        if (posix_memalign(&q, 64, m * sizeof(float)) != 0) throw std::bad_alloc();
+        p = static_cast<float*>(q);
+        n = m;
+    }
+};
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Per-job geometry, computed and checked before the threads start
+
+enum { kPhasePrep, kPhaseGateUp, kPhaseMid, kPhaseDown, kPhaseOut, kPhases };
+
+struct Shape {
+    int hidden, inter, rows;
+    int chunk_gu, nchunk_gu;   // tile columns per gate/up unit, units per linear
+    int chunk_d, nchunk_d;
+};
+
+int check_linear(const Glm53Linear& l, const char* name, int in, int out) {
+    if (!l.trellis || !l.suh || !l.svh) return fail(-2, std::string(name) + ": null pointer");
+    if (l.in_features != in || l.out_features != out)
+        return fail(-2, std::string(name) + ": shape " + std::to_string(l.in_features) + "x" +
+                            std::to_string(l.out_features) + " does not chain (expected " + std::to_string(in) +
+                            "x" + std::to_string(out) + ")");
+    if (l.k_bits < 1 || l.k_bits > 8) return fail(-2, std::string(name) + ": K must be an integer 1..8");
+    return 0;
+}
+
+int chunk_for(int cols_total, int threads, int rows) {
+    // About four units per thread for balance, at least 2 columns (6+ cache lines per tile row at K=3), and an
+    // accumulator block (rows x chunk x 512 B) that stays within L2.
+    int c = (cols_total + 4 * threads - 1) / (4 * threads);
+    c = std::max(2, std::min(32, c));
+    return std::max(1, std::min(c, 512 / std::max(1, rows)));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The pool
+
+class Pool {
+public:
+    Pool(int threads, const int32_t* cpus, int ncpus, int spin_us)
+        : n_(threads), spin_us_(std::max(0, spin_us)), workers_(threads) {
+        cpus_.assign(cpus, cpus + std::max(0, ncpus));
+        threads_.reserve(threads);
+        for (int i = 0; i < threads; ++i) threads_.emplace_back(&Pool::loop, this, i);
+        while (started_.load(std::memory_order_acquire) < n_) std::this_thread::yield();
+    }
+
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            stop_.store(true, std::memory_order_release);
+        }
+        cv_.notify_all();
+        for (auto& t : threads_) t.join();
+    }
+
+    int threads() const { return n_; }
+    int pinned() const { return pinned_.load(); }
+
+    int run(const Glm53Job* jobs, int njobs, const IsaOps* ops, const volatile int32_t* cancel,
+            volatile int32_t* done) {
+        std::lock_guard<std::mutex> one_call(call_m_);
+        static const volatile int32_t never = 0;
+        call_.jobs = jobs;
+        call_.njobs = njobs;
+        call_.ops = ops;
+        call_.cancel = cancel ? cancel : &never;
+        call_.done = done;
+        call_.shapes.resize(njobs);
+        size_t xv_gu = 0, raw = 0, xv_d = 0, yraw = 0, acc = 0;
+        for (int j = 0; j < njobs; ++j) {
+            const Glm53Job& job = jobs[j];
+            const int h = job.gate.in_features, in = job.gate.out_features, r = job.rows;
+            if (r < 1) return fail(-2, "job " + std::to_string(j) + ": rows must be >= 1");
+            if (!job.x || !job.out) return fail(-2, "job " + std::to_string(j) + ": null x or out");
+            if (h <= 0 || in <= 0 || h % kHad || in % kHad)
+                return fail(-2, "job " + std::to_string(j) + ": hidden and intermediate must be multiples of 128");
+            int rc;
+            if ((rc = check_linear(job.gate, "gate", h, in)) || (rc = check_linear(job.up, "up", h, in)) ||
+                (rc = check_linear(job.down, "down", in, h)))
+                return rc;
+            Shape& s = call_.shapes[j];
+            s.hidden = h;
+            s.inter = in;
+            s.rows = r;
+            s.chunk_gu = chunk_for(2 * (in / 16), n_, r);
+            s.nchunk_gu = (in / 16 + s.chunk_gu - 1) / s.chunk_gu;
+            s.chunk_d = chunk_for(h / 16, n_, r);
+            s.nchunk_d = (h / 16 + s.chunk_d - 1) / s.chunk_d;
+            xv_gu = std::max(xv_gu, (size_t)r * 2 * h);
+            raw = std::max(raw, (size_t)r * in);
+            xv_d = std::max(xv_d, (size_t)r * 2 * in);
+            yraw = std::max(yraw, (size_t)r * h);
+            acc = std::max(acc, (size_t)r * std::max(s.chunk_gu, s.chunk_d) * kAccFloats);
+        }
+        const Tables& tab = tables();
+        if (!tab.error.empty()) return fail(-3, "decode tables: " + tab.error);
+        try {
+            xv_[0].reserve(xv_gu);
+            xv_[1].reserve(xv_gu);
+            raw_[0].reserve(raw);
+            raw_[1].reserve(raw);
+            xv_[2].reserve(xv_d);
+            yraw_.reserve(yraw);
+            for (auto& w : workers_) {
+                w.acc.reserve(acc);
+                w.wbuf.reserve(kTileBlock * kTileElems);
+            }
+            counters_ = std::vector<std::atomic<int>>(std::max(1, njobs * kPhases));
+        } catch (const std::bad_alloc&) {
+            return fail(-4, "out of memory for the kernel's scratch buffers");
+        }
+        finished_.store(0, std::memory_order_relaxed);
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            gen_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        std::unique_lock<std::mutex> lk(done_m_);
+        done_cv_.wait(lk, [&] { return finished_.load(std::memory_order_acquire) == n_; });
+        return *call_.cancel ? 1 : 0;
+    }
+
+private:
+    struct Worker {
+        Buf acc, wbuf;
+        int sense = 0;
+    };
+    struct Call {
+        const Glm53Job* jobs = nullptr;
+        int njobs = 0;
+        const IsaOps* ops = nullptr;
+        const volatile int32_t* cancel = nullptr;
+        volatile int32_t* done = nullptr;
+        std::vector<Shape> shapes;
+    };
+
+    void loop(int tid) {
+        if (!cpus_.empty()) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus_[tid % cpus_.size()], &set);
+            // A container may forbid some CPUs: then this thread runs unpinned, which is only slower.
+            if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) pinned_.fetch_add(1);
+        }
+        started_.fetch_add(1, std::memory_order_release);
+        uint64_t seen = 0;
+        for (;;) {
+            // Spin briefly for the next call (a layer's experts come back to back), then sleep.
+            const auto t0 = std::chrono::steady_clock::now();
+            while (gen_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_acquire)) {
+                if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_)) {
+                    std::unique_lock<std::mutex> lk(m_);
+                    cv_.wait(lk, [&] { return gen_.load() != seen || stop_.load(); });
+                    break;
+                }
+                for (int i = 0; i < 64; ++i) cpu_relax();
+            }
+            if (stop_.load(std::memory_order_acquire)) return;
+            seen = gen_.load(std::memory_order_acquire);
+            execute(tid);
+            if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
+                std::lock_guard<std::mutex> lk(done_m_);
+                done_cv_.notify_one();
+            }
+        }
+    }
+
+    void barrier(int tid) {
+        Worker& w = workers_[tid];
+        w.sense ^= 1;
+        if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
+            bar_count_.store(0, std::memory_order_relaxed);
+            bar_sense_.store(w.sense, std::memory_order_release);
+            return;
+        }
+        for (long spins = 0; bar_sense_.load(std::memory_order_acquire) != w.sense; ++spins) {
+            if (spins < 20000)
+                cpu_relax();
+            else
+                std::this_thread::yield();  // more threads than free cores: let the others reach the barrier
+        }
+    }
+
+    template <class F>
+    void share(std::atomic<int>& counter, int units, F&& work) {
+        for (int u; (u = counter.fetch_add(1, std::memory_order_relaxed)) < units;) {
+            if (*call_.cancel) return;
+            work(u);
+        }
+    }
+
+    void execute(int tid) {
+        const Call& c = call_;
+        const IsaOps& ops = *c.ops;
+        const Tables& tab = tables();
+        Worker& w = workers_[tid];
+        for (int j = 0; j < c.njobs; ++j) {
+            const Glm53Job& job = c.jobs[j];
+            const Shape& s = c.shapes[j];
+            std::atomic<int>* ctr = &counters_[(size_t)j * kPhases];
+            const int h = s.hidden, in = s.inter, r = s.rows, hb = h / kHad, ib = in / kHad;
+            const Glm53Linear* gu[2] = {&job.gate, &job.up};
+
+            share(ctr[kPhasePrep], 2 * r * hb, [&](int u) {
+                const int lin = u / (r * hb), row = u / hb % r, b = u % hb;
+                ops.prep_block(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b,
+                               xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * 32);
+            });
+            barrier(tid);
+            share(ctr[kPhaseGateUp], 2 * s.nchunk_gu, [&](int u) {
+                const int lin = u / s.nchunk_gu, tn0 = u % s.nchunk_gu * s.chunk_gu;
+                gemv(*gu[lin], tab, xv_[lin].p, r, tn0, std::min(in / 16, tn0 + s.chunk_gu), w, raw_[lin].p, in);
+            });
+            barrier(tid);
+            share(ctr[kPhaseMid], r * ib, [&](int u) {
+                const int row = u / ib, b = u % ib;
+                const size_t off = (size_t)row * in + kHad * b;
+                ops.mid_block(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b, job.up.svh + kHad * b,
+                              job.down.suh + kHad * b, job.swiglu_limit,
+                              xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * 32);
+            });
+            barrier(tid);
+            share(ctr[kPhaseDown], s.nchunk_d, [&](int u) {
+                const int tn0 = u * s.chunk_d;
+                gemv(job.down, tab, xv_[2].p, r, tn0, std::min(h / 16, tn0 + s.chunk_d), w, yraw_.p, h);
+            });
+            barrier(tid);
+            share(ctr[kPhaseOut], r * hb, [&](int u) {
+                const int row = u / hb, b = u % hb;
+                const size_t off = (size_t)row * h + kHad * b;
+                ops.out_block(yraw_.p + off, job.down.svh + kHad * b, job.out + off);
+            });
+            barrier(tid);
+            // Cancellation only ever goes 0 -> 1, and every skipped unit saw it before this barrier: a job is
+            // marked done only if no unit of it was skipped.
+            if (tid == 0 && c.done && !*c.cancel) __atomic_store_n(&c.done[j], 1, __ATOMIC_RELEASE);
+        }
+    }
+
+    void gemv(const Glm53Linear& l, const Tables& tab, const float* xv, int rows, int tn0, int tn1, Worker& w,
+              float* yraw, int ystride) {
+        GemvArgs a;
+        a.tab = &tab.k[l.k_bits];
+        a.trellis = reinterpret_cast<const uint8_t*>(l.trellis);
+        a.tiles_k = l.in_features / 16;
+        a.tiles_n = l.out_features / 16;
+        a.tile_bytes = 32 * l.k_bits;
+        a.xv = xv;
+        a.rows = rows;
+        a.tn0 = tn0;
+        a.tn1 = tn1;
+        a.acc = w.acc.p;
+        a.wbuf = w.wbuf.p;
+        a.yraw = yraw;
+        a.ystride = ystride;
+        a.cancel = call_.cancel;
+        call_.ops->gemv_cols(a);
+    }
+
+    const int n_;
+    const int spin_us_;
+    std::vector<int> cpus_;
+    std::vector<Worker> workers_;
+    std::vector<std::thread> threads_;
+    std::atomic<int> started_{0}, pinned_{0};
+
+    std::mutex m_;  // guards the wake-up of idle workers
+    std::condition_variable cv_;
+    std::atomic<uint64_t> gen_{0};
+    std::atomic<bool> stop_{false};
+
+    std::mutex done_m_;  // the caller sleeps here until every worker has finished the call
+    std::condition_variable done_cv_;
+    std::atomic<int> finished_{0};
+
+    std::mutex call_m_;  // one call at a time
+    Call call_;
+    std::vector<std::atomic<int>> counters_;
+    Buf xv_[3], raw_[2], yraw_;
+
+    alignas(64) std::atomic<int> bar_count_{0};
+    alignas(64) std::atomic<int> bar_sense_{0};
+};
+
+}  // namespace
+}  // namespace glm53
+
+// ---------------------------------------------------------------------------------------------------------------
+// C ABI
+
+using glm53::Pool;
+
+#define GLM53_API extern "C" __attribute__((visibility("default")))
+
+GLM53_API int glm53_abi_version(void) { return 1; }
+
+GLM53_API const char* glm53_source_hash(void) { return GLM53_SRC_HASH; }
+
+GLM53_API const char* glm53_last_error(void) { return glm53::t_error.c_str(); }
+
+GLM53_API int glm53_isa_supported(int isa) { return glm53::ops_for(isa) != nullptr; }
+
+GLM53_API const char* glm53_isa_name(int isa) {
+    const glm53::IsaOps* ops = glm53::ops_for(isa);
+    return ops ? ops->name : "";
+}
+
+GLM53_API void* glm53_pool_new(int threads, const int32_t* cpus, int ncpus, int spin_us) {
+    if (threads < 1 || threads > 4096) {
+        glm53::fail(-2, "threads must be 1..4096");
+        return nullptr;
+    }
+    try {
+        return new Pool(threads, cpus, ncpus, spin_us);
+    } catch (const std::exception& e) {
+        glm53::fail(-4, std::string("cannot start the thread pool: ") + e.what());
+        return nullptr;
+    }
+}
+
+GLM53_API void glm53_pool_free(void* pool) { delete static_cast<Pool*>(pool); }
+
+GLM53_API int glm53_pool_threads(void* pool) { return static_cast<Pool*>(pool)->threads(); }
+
+GLM53_API int glm53_pool_pinned(void* pool) { return static_cast<Pool*>(pool)->pinned(); }
+
+// Run njobs experts in order. done[j] (optional) becomes 1 once job j's output is complete; *cancel (optional)
+// going non-zero stops the call at the next work unit. Returns 0, 1 (cancelled) or < 0 (see glm53_last_error).
+GLM53_API int glm53_run(void* pool, const Glm53Job* jobs, int njobs, int isa, const volatile int32_t* cancel,
+                        volatile int32_t* done) {
+    if (!pool) return glm53::fail(-2, "no pool");
+    if (njobs < 0 || (njobs > 0 && !jobs)) return glm53::fail(-2, "bad job list");
+    const glm53::IsaOps* ops = glm53::ops_for(isa);
+    if (!ops) return glm53::fail(-2, "ISA " + std::to_string(isa) + " is not supported by this CPU");
+    if (njobs == 0) return 0;
+    try {
+        return static_cast<Pool*>(pool)->run(jobs, njobs, ops, cancel, done);
+    } catch (const std::exception& e) {
+        return glm53::fail(-4, std::string("kernel failed: ") + e.what());
+    }
+}
+
+// Decode a whole trellis (in/16, out/16, 16K) into the inner weight W^ (in x out, fp32 of the fp16 values), with
+// the given ISA's tile decoder: the tests compare it bit for bit with the numpy reference and exllamav3's output.
+GLM53_API int glm53_decode_linear(const int16_t* trellis, int in, int out, int k, int isa, float* w) {
+    const glm53::IsaOps* ops = glm53::ops_for(isa);
+    if (!ops) return glm53::fail(-2, "ISA not supported by this CPU");
+    if (k < 1 || k > 8 || in % 16 || out % 16 || in <= 0 || out <= 0) return glm53::fail(-2, "bad trellis shape");
+    const glm53::Tables& tab = glm53::tables();
+    if (!tab.error.empty()) return glm53::fail(-3, "decode tables: " + tab.error);
+    alignas(64) float tile[glm53::kTileElems];
+    const int tn_count = out / 16;
+    for (int tk = 0; tk < in / 16; ++tk)
+        for (int tn = 0; tn < tn_count; ++tn) {
+            ops->decode_tile(tab.k[k], reinterpret_cast<const uint8_t*>(trellis) + ((size_t)tk * tn_count + tn) * 32 * k,
+                             tile);
+            for (int t = 0; t < glm53::kTileElems; ++t) {
+                const int g = t / 8, j = t % 8;
+                const int row = 2 * (g % 4) + (j & 1) + 8 * ((j >> 1) & 1), col = g / 4 + 8 * (j >> 2);
+                w[(size_t)(16 * tk + row) * out + 16 * tn + col] = tile[t];
+            }
+        }
+    return 0;
+}
