@@ -180,3 +180,16 @@ def test_stop_matcher_keeps_logprob_items_with_their_text():
         if matched:
             break
     assert released == [0, 1, 2]
+
+
+def test_forced_token_without_a_score_still_gets_a_logprobs_entry():
+    # The exllamav3 engine inserts the reasoning budget's `</think>` without logits for it; clients expect one
+    # logprobs entry per token all the same.
+    from glm53.engine.interface import TokenEvent
+    from glm53.server.generation import _logprob
+
+    forced = _logprob(TokenEvent(token_id=5, text="", token_text="</think>", forced=True))
+    assert forced is not None and forced.token == "</think>" and forced.logprob == 0.0
+    assert _logprob(TokenEvent(token_id=5, text="", token_text="x")) is None
+    scored = _logprob(TokenEvent(token_id=5, text="", token_text="x", logprob=-1.5, forced=True))
+    assert scored.logprob == -1.5

@@ -77,7 +77,9 @@ class StopMatcher:
 
 def _logprob(ev: TokenEvent) -> TokenLogprob | None:
     if ev.logprob is None:
-        return None
+        # A token the engine inserted (the reasoning budget's `</think>`) without scoring it still belongs in the
+        # client's logprobs list, one entry per token; it was emitted with certainty, hence log 1 = 0.
+        return TokenLogprob(ev.token_text, 0.0, []) if ev.forced else None
     return TokenLogprob(ev.token_text, ev.logprob, list(ev.top_logprobs or []))
 
 
