@@ -161,6 +161,13 @@ def check_contract(importer: Callable[[str], Any] | None = None, version: str | 
 
 # ---- pure helpers (CPU-tested) ---------------------------------------------------------------------------------
 
+def moe_modules(model: Any) -> list:
+    """The model's routed-expert layers (exllamav3 BlockSparseMLP modules), in layer order."""
+    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
+
+    return [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
+
+
 def translate(ids: np.ndarray, slot_of: np.ndarray, staged: Sequence[int], staging_base: int) -> np.ndarray:
     """Router ids -> slot ids: a resident expert's cache slot, else `staging_base + i` for staged[i].
 
@@ -295,7 +302,6 @@ class TieredMoE:
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
         num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed."""
         import torch
-        from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
 
         self.model = model
         self.model_dir = Path(model_dir)
@@ -305,7 +311,7 @@ class TieredMoE:
         self.policy_factory = policy_factory
         self.index = SafetensorsIndex(self.model_dir)
         self.read_threads = max(1, read_threads)
-        mods = [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
+        mods = moe_modules(model)
         if not mods:
             raise Exl3TierError("the model has no BlockSparseMLP (MoE) layer to tier")
         self.num_experts = mods[0].num_experts

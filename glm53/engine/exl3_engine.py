@@ -302,11 +302,10 @@ class Exl3Engine:
     def _saved_counts(self, model: Any) -> Any:
         if self.routing_stats_dir is None:
             return None
-        from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
-
+        from glm53.engine.exl3_adapter import moe_modules
         from glm53.tiers import load_routing_stats, routing_stats_path
 
-        mods = [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
+        mods = moe_modules(model)
         if not mods:
             return None
         key = model_key(self.model_dir)
