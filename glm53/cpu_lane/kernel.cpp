@@ -94,29 +94,46 @@ struct Tables {
             const int s_first = (8 * g + 1) * kb - 16;  // negative: the window wraps to the end of the tile
             const bool wrap = s_first < 0;
             if (wrap) {
-                if (T.nwrap != g) error = "wrapping groups are not a prefix";
+                if (T.nwrap != g || g >= 2) error = "wrapping groups are not groups 0 and 1";
                 T.nwrap = g + 1;
             }
-            const int base = wrap ? -2 : std::min(s_first / 32, T.words - 4);
-            T.base[g] = base;
+            T.base[g] = wrap ? -2 : std::min(s_first / 32, T.words - 4);
             for (int j = 0; j < 8; ++j) {
                 const int s = (8 * g + j + 1) * kb - 16;
-                const int q0 = floordiv(s, 8);
-                const int last_needed = floordiv(s + 15, 8);
-                for (int d = 0; d < 4; ++d) {
-                    // Stream byte q0 + d goes to byte 3 - d of the lane's dword (most significant first).
-                    const int q = q0 + d;
-                    const int word = floordiv(q, 4);
-                    uint8_t idx = 0x80;  // pshufb: zero
-                    if (word >= base && word < base + 4)
-                        idx = (uint8_t)(4 * (word - base) + 3 - (q - 4 * word));
-                    else if (q <= last_needed)
-                        error = "K=" + std::to_string(kb) + ": a trellis window does not fit its 16-byte load";
-                    T.ctrl[g][4 * j + 3 - d] = idx;
-                }
-                T.shift[g][j] = (uint32_t)(16 - (s - 8 * q0));
+                if (!fill_lane(s, T.base[g], &T.ctrl[g][4 * j]))
+                    error = "K=" + std::to_string(kb) + ": a trellis window does not fit its 16-byte load";
+                T.shift[g][j] = (uint32_t)(16 - (s - 8 * floordiv(s, 8)));
             }
         }
+        T.pair_ok = 1;
+        T.pair_nwrap = 0;
+        for (int p = 0; p < kGroups / 2; ++p) {
+            const int s_first = (16 * p + 1) * kb - 16;
+            const bool wrap = s_first < 0;
+            if (wrap) T.pair_nwrap = p + 1;
+            if (wrap && p > 0) T.pair_ok = 0;  // the SIMD code assumes only pair 0 wraps
+            T.pair_base[p] = wrap ? -2 : std::min(s_first / 32, T.words - 4);
+            for (int j = 0; j < 16; ++j)
+                T.pair_ok &= fill_lane((16 * p + j + 1) * kb - 16, T.pair_base[p], &T.pair_ctrl[p][4 * j]);
+        }
+    }
+
+    // pshufb control for one element whose window starts at stream bit s, reading the 16-byte window of 4 words
+    // from word `base`: stream byte q0 + d goes to byte 3 - d of the lane's dword (most significant first).
+    // False if a byte the window needs lies outside the load.
+    static bool fill_lane(int s, int base, uint8_t* ctrl) {
+        const int q0 = floordiv(s, 8), last_needed = floordiv(s + 15, 8);
+        bool ok = true;
+        for (int d = 0; d < 4; ++d) {
+            const int q = q0 + d, word = floordiv(q, 4);
+            uint8_t idx = 0x80;  // pshufb: zero
+            if (word >= base && word < base + 4)
+                idx = (uint8_t)(4 * (word - base) + 3 - (q - 4 * word));
+            else if (q <= last_needed)
+                ok = false;
+            ctrl[3 - d] = idx;
+        }
+        return ok;
     }
 };
 
@@ -143,10 +160,10 @@ bool cpu_has(int isa) {
     __cpuid_count(7, 0, a, b, c, d);
     const bool avx2 = b & (1u << 5);
     if (isa == GLM53_ISA_AVX2) return avx2;
-    if (isa == GLM53_ISA_AVX512) {
-        const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
-        return avx2 && f && dq && bw && vl && (lo & 0xE0u) == 0xE0u;  // opmask, ZMM_Hi256, Hi16_ZMM state
-    }
+    const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+    const bool avx512 = avx2 && f && dq && bw && vl && (lo & 0xE0u) == 0xE0u;  // opmask, ZMM_Hi256, Hi16_ZMM state
+    if (isa == GLM53_ISA_AVX512) return avx512;
+    if (isa == GLM53_ISA_AVX512VNNI) return avx512 && (c & (1u << 11));
 #endif
     return false;
 }
@@ -158,6 +175,7 @@ const IsaOps* ops_for(int isa) {
 #if defined(__x86_64__)
         case GLM53_ISA_AVX2: return &kAvx2Ops;
         case GLM53_ISA_AVX512: return &kAvx512Ops;
+        case GLM53_ISA_AVX512VNNI: return &kAvx512VnniOps;
 #endif
         default: return nullptr;
     }

@@ -29,7 +29,7 @@ import numpy as np
 
 from . import buildinfo
 
-ISAS = ("scalar", "avx2", "avx512")
+ISAS = ("scalar", "avx2", "avx512", "avx512vnni")  # the library's ISA codes, in this order
 ABI_VERSION = 1
 PROJECTIONS = ("gate", "up", "down")
 SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash's swiglu_limit (config.json); 0 disables the clamp
@@ -348,10 +348,12 @@ def decode_linear(trellis: np.ndarray, isa: str | None = None) -> np.ndarray:
 # Which CPUs to pin to
 
 
-def physical_cores(sys_root: str | Path = "/sys/devices/system/cpu") -> list[int]:
-    """One logical CPU (the lowest-numbered) per physical core we may run on, in core order. Empty if the topology
-    is unreadable (then the pool runs unpinned)."""
-    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+def physical_cores(sys_root: str | Path = "/sys/devices/system/cpu", allowed: set[int] | None = None) -> list[int]:
+    """One logical CPU (the lowest-numbered) per physical core among `allowed` (default: this process's affinity
+    mask, which a container's cpuset restricts), in core order. Empty if the topology is unreadable (then the pool
+    runs unpinned)."""
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
     cores: dict[tuple[str, str], int] = {}
     for cpu in sorted(allowed):
         topo = Path(sys_root) / f"cpu{cpu}" / "topology"
@@ -363,11 +365,12 @@ def physical_cores(sys_root: str | Path = "/sys/devices/system/cpu") -> list[int
     return sorted(cores.values())
 
 
-def pick_cpus(threads: int, sys_root: str | Path = "/sys/devices/system/cpu") -> list[int] | None:
+def pick_cpus(threads: int, sys_root: str | Path = "/sys/devices/system/cpu",
+              allowed: set[int] | None = None) -> list[int] | None:
     """CPUs for a pool of `threads`: distinct physical cores, the highest-numbered ones, so that CPU 0 (interrupts,
     the server's event loop, the thread feeding the GPU) stays free. None when there are fewer physical cores
     than threads or no topology: pinning two workers to one core would only make them take turns."""
-    cores = physical_cores(sys_root)
+    cores = physical_cores(sys_root, allowed)
     if len(cores) < threads or threads < 1:
         return None
     return cores[-threads:]

@@ -34,7 +34,7 @@ typedef struct Glm53Job {
     float swiglu_limit; // 0 disables the clamp
 } Glm53Job;
 
-enum { GLM53_ISA_SCALAR = 0, GLM53_ISA_AVX2 = 1, GLM53_ISA_AVX512 = 2 };
+enum { GLM53_ISA_SCALAR = 0, GLM53_ISA_AVX2 = 1, GLM53_ISA_AVX512 = 2, GLM53_ISA_AVX512VNNI = 3 };
 
 #ifdef __cplusplus
 }
@@ -60,6 +60,12 @@ struct DecodeTables {
     int32_t base[kGroups];
     alignas(64) uint8_t ctrl[kGroups][32];
     alignas(64) uint32_t shift[kGroups][8];
+    // AVX-512: when one 16-byte window holds both groups of a pair (2p, 2p+1), as for K <= 4, a single broadcast
+    // load serves 16 elements; pair_ok says it does for this K, pair_nwrap how many pairs use the wrap window.
+    int pair_ok;
+    int pair_nwrap;
+    int32_t pair_base[kGroups / 2];
+    alignas(64) uint8_t pair_ctrl[kGroups / 2][64];
     uint16_t i0[kTileElems];
     uint16_t i1[kTileElems];
     uint8_t sh[kTileElems];
@@ -69,6 +75,11 @@ struct DecodeTables {
 extern float g_mul1_by_bytesum[1024];
 constexpr float kMul1Inv = 1774.0f / 262144.0f;                  // fp16 0x1EEE = 1774 * 2^-18
 constexpr float kMul1Bias = 1024.0f * kMul1Inv - 1329.0f / 128.0f;  // 1024 * k_inv + fp16 0xC931, exact in fp32
+// The VNNI path makes b a float without a conversion: the bits 0x4B000000 + b read as 2^23 + b, and
+// fma(2^23 + b, k_inv, kMul1Bias - 2^23 k_inv) is exactly b * k_inv + kMul1Bias (the bias is exact in fp32:
+// -56771.453125 needs 22 significant bits; the fused result is exact, so its single rounding changes nothing).
+constexpr int32_t kTwo23Bits = 0x4B000000;
+constexpr float kMul1Bias23 = kMul1Bias - 8388608.0f * kMul1Inv;
 
 struct GemvArgs {
     const DecodeTables* tab;
@@ -102,6 +113,7 @@ extern const IsaOps kScalarOps;
 #if defined(__x86_64__)
 extern const IsaOps kAvx2Ops;
 extern const IsaOps kAvx512Ops;
+extern const IsaOps kAvx512VnniOps;
 #endif
 
 }  // namespace glm53

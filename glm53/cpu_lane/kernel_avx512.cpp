@@ -11,6 +11,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
 #define GLM53_LEVEL 2
+#define GLM53_VNNI 0
 #define GLM53_NS isa_avx512
 #include "kernel_impl.h"
 #if defined(__clang__)

@@ -123,7 +123,10 @@ void out_block(const float* yraw, const uint16_t* svh, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Trellis decode: 256 weights of one tile, in element order
+// Trellis decode (256 weights of one tile, in element order) and the accumulation of decoded tiles into one
+// (row, tile column) accumulator block. Two ways to combine them: decode a few tiles into a buffer and reuse it
+// for every row (rows > 1), or FMA each group as it is decoded, with the accumulators in registers (one row: the
+// decode step, where the buffer round trip would be pure overhead).
 
 #if GLM53_LEVEL == 0
 
@@ -137,70 +140,24 @@ inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* 
     }
 }
 
-#elif GLM53_LEVEL == 1
-
-// mul1 for 8 states (16-bit values in 32-bit lanes): x = s * 0x83DCD12D, b = the byte sum of x (two widening
-// multiply-adds), w = fp16(b * k_inv + (1024 k_inv + k_bias)). The fp32 FMA is exact (|value| < 2^20 units of
-// 2^-18), so the single fp16 rounding is exactly the GPU kernel's __hfma rounding: weights are bit-identical.
-inline __m256 mul1_values(__m256i s) {
-    const __m256i x = _mm256_mullo_epi32(s, _mm256_set1_epi32((int)kMul1));
-    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(x, _mm256_set1_epi8(1)), _mm256_set1_epi16(1));
-    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias));
-    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, 0));  // 0: round to nearest even
-}
-
-inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* w) {
-    const __m128i wrap = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
-    const __m256i m16 = _mm256_set1_epi32(0xFFFF);
-    for (int g = 0; g < kGroups; ++g) {
-        const __m128i src = g < T.nwrap ? wrap : _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]));
-        const __m256i d = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(src),
-                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
-        const __m256i s = _mm256_and_si256(
-            _mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))), m16);
-        _mm256_storeu_ps(w + 8 * g, mul1_values(s));
-    }
-}
-
-#else  // GLM53_LEVEL == 2: two groups per 512-bit vector
-
-inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* w) {
-    const __m128i wrap = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
-                                            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
-    const __m512i m16 = _mm512_set1_epi32(0xFFFF);
-    const __m512i mul = _mm512_set1_epi32((int)kMul1);
-    const __m512i ones8 = _mm512_set1_epi8(1), ones16 = _mm512_set1_epi16(1);
-    const __m512 kinv = _mm512_set1_ps(kMul1Inv), kbias = _mm512_set1_ps(kMul1Bias);
-    for (int g = 0; g < kGroups; g += 2) {
-        const __m128i s0 = g < T.nwrap ? wrap : _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]));
-        const __m128i s1 =
-            g + 1 < T.nwrap ? wrap : _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 4 * T.base[g + 1]));
-        const __m512i win = _mm512_inserti64x4(_mm512_broadcast_i32x4(s0), _mm256_broadcastsi128_si256(s1), 1);
-        const __m512i d = _mm512_shuffle_epi8(win, _mm512_load_si512(T.ctrl[g]));
-        const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(d, _mm512_load_si512(T.shift[g])), m16);
-        const __m512i x = _mm512_mullo_epi32(s, mul);
-        const __m512i b = _mm512_madd_epi16(_mm512_maddubs_epi16(x, ones8), ones16);
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), kinv, kbias);
-        _mm512_storeu_ps(w + 8 * g, _mm512_cvtph_ps(_mm512_cvtps_ph(v, 0)));
-    }
-}
-
-#endif
-
-void decode_tile(const DecodeTables& T, const uint8_t* tile, float* w) { decode_tile_impl(T, tile, w); }
-
-// ---------------------------------------------------------------------------------------------------------------
-// Accumulate decoded tiles into one (row, tile column) accumulator block
-
-#if GLM53_LEVEL == 0
-
 // acc: 8 column pairs x 8 lanes (lanes 0-3: column c, 4-7: column c+8).
 inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
     for (int b = 0; b < nb; ++b, xv += 32, w += kTileElems)
         for (int c = 0; c < 8; ++c)
             for (int p = 0; p < 4; ++p)
                 for (int j = 0; j < 8; ++j) acc[8 * c + j] += w[32 * c + 8 * p + j] * xv[8 * p + j];
+}
+
+inline void decode_accumulate1(const DecodeTables& T, const uint8_t* tile, const float* xv, float* acc, float* wbuf) {
+    decode_tile_impl(T, tile, wbuf);
+    accumulate(acc, xv, wbuf, 1);
+}
+
+// All rows of one tile column over a block of decoded tiles. acc: row r's block at acc + r * acc_stride; xv: row
+// r's patterns at xv + r * xv_stride.
+inline void accumulate_rows(float* acc, size_t acc_stride, const float* xv, size_t xv_stride, const float* w, int nb,
+                            int rows) {
+    for (int r = 0; r < rows; ++r) accumulate(acc + r * acc_stride, xv + r * xv_stride, w, nb);
 }
 
 inline void reduce(const float* acc, float* y) {
@@ -211,6 +168,50 @@ inline void reduce(const float* acc, float* y) {
 }
 
 #elif GLM53_LEVEL == 1
+
+inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
+}
+
+// The decode's constants, made once per tile and hidden from the optimiser (an empty asm that "changes" them), so
+// they stay in registers: otherwise GCC rematerialises each one (mov + vpbroadcastd) for every group.
+struct Consts {
+    __m256i m16, mul, ones8, ones16;
+    __m256 kinv, kbias;
+};
+
+inline Consts consts() {
+    Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1), _mm256_set1_epi16(1),
+             _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias)};
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.ones16), "+v"(c.kinv), "+v"(c.kbias));
+    return c;
+}
+
+// Group g's 8 weights. mul1: x = s * 0x83DCD12D, b = the byte sum of x (two widening multiply-adds),
+// w = fp16(b * k_inv + (1024 k_inv + k_bias)). The fp32 FMA is exact (|value| < 2^20 units of 2^-18), so the
+// single fp16 rounding is exactly the GPU kernel's __hfma rounding: the weights are bit-identical to exllamav3's.
+// Only groups 0 and 1 can wrap (kernel.cpp checks); the others broadcast their window straight from memory (one
+// load, no shuffle).
+inline __m256 group_values(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int g) {
+    const __m128i* at = reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]);
+    const __m256i win = g >= 2 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(at))
+                               : _mm256_broadcastsi128_si256(g < T.nwrap ? wrap : _mm_loadu_si128(at));
+    const __m256i d = _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
+    const __m256i s =
+        _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))), k.m16);
+    const __m256i x = _mm256_mullo_epi32(s, k.mul);
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(x, k.ones8), k.ones16);
+    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), k.kinv, k.kbias);
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, 0));  // 0: round to nearest even
+}
+
+inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* w) {
+    const Consts k = consts();
+    const __m128i wrap = wrap_window(T, tile);
+#pragma GCC unroll 4
+    for (int g = 0; g < kGroups; ++g) _mm256_storeu_ps(w + 8 * g, group_values(T, k, tile, wrap, g));
+}
 
 inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
     __m256 s[8];
@@ -232,6 +233,20 @@ inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, s[c]);
 }
 
+// One row: the same as decode + accumulate. (Fusing them, as the AVX-512 path does, needs 18 live vectors: with
+// 16 registers the spills made it slower.)
+inline void decode_accumulate1(const DecodeTables& T, const uint8_t* tile, const float* xv, float* acc, float* wbuf) {
+    decode_tile_impl(T, tile, wbuf);
+    accumulate(acc, xv, wbuf, 1);
+}
+
+// All rows of one tile column over a block of decoded tiles. acc: row r's block at acc + r * acc_stride; xv: row
+// r's patterns at xv + r * xv_stride.
+inline void accumulate_rows(float* acc, size_t acc_stride, const float* xv, size_t xv_stride, const float* w, int nb,
+                            int rows) {
+    for (int r = 0; r < rows; ++r) accumulate(acc + r * acc_stride, xv + r * xv_stride, w, nb);
+}
+
 inline void reduce(const float* acc, float* y) {
     for (int c = 0; c < 8; ++c) {
         y[c] = (acc[8 * c] + acc[8 * c + 1]) + (acc[8 * c + 2] + acc[8 * c + 3]);
@@ -239,7 +254,67 @@ inline void reduce(const float* acc, float* y) {
     }
 }
 
+#else  // GLM53_LEVEL == 2: two groups per 512-bit vector
+
+inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
+}
+
+inline __m128i window(const uint8_t* tile, int base) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 4 * base));
+}
+
+// As in the AVX2 path: constants kept in registers.
+struct Consts {
+    __m512i m16, mul, ones8, b0;  // b0: the byte sum's start (2^23's bits with VNNI, else the madd's ones16)
+    __m512 kinv, kbias;
+};
+
+inline Consts consts() {
+#if GLM53_VNNI
+    Consts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1),
+             _mm512_set1_epi32(kTwo23Bits), _mm512_set1_ps(kMul1Inv), _mm512_set1_ps(kMul1Bias23)};
 #else
+    Consts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1),
+             _mm512_set1_epi16(1), _mm512_set1_ps(kMul1Inv), _mm512_set1_ps(kMul1Bias)};
+#endif
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.b0), "+v"(c.kinv), "+v"(c.kbias));
+    return c;
+}
+
+// Groups 2p and 2p+1 (16 weights), as group_values in the AVX2 path.
+inline __m512 pair_values(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int p) {
+    __m512i d;
+    if (T.pair_ok) {  // only pair 0 can wrap (kernel.cpp checks)
+        const __m128i src = p > 0 ? window(tile, T.pair_base[p]) : T.pair_nwrap ? wrap : window(tile, T.pair_base[0]);
+        d = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(src), _mm512_load_si512(T.pair_ctrl[p]));
+    } else {
+        const int g = 2 * p;
+        const __m128i s0 = g >= 2 || g >= T.nwrap ? window(tile, T.base[g]) : wrap;
+        const __m128i s1 = g + 1 >= 2 || g + 1 >= T.nwrap ? window(tile, T.base[g + 1]) : wrap;
+        const __m512i win = _mm512_inserti64x4(_mm512_broadcast_i32x4(s0), _mm256_broadcastsi128_si256(s1), 1);
+        d = _mm512_shuffle_epi8(win, _mm512_load_si512(T.ctrl[g]));
+    }
+    const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(d, _mm512_load_si512(T.shift[2 * p])), k.m16);
+    const __m512i x = _mm512_mullo_epi32(s, k.mul);
+#if GLM53_VNNI
+    // The byte sum in one instruction, accumulated onto the bits of 2^23, so it reads as the float 2^23 + b
+    // with no conversion (kernel_api.h: kMul1Bias23).
+    const __m512 v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_dpbusd_epi32(k.b0, x, k.ones8)), k.kinv, k.kbias);
+#else
+    const __m512i b = _mm512_madd_epi16(_mm512_maddubs_epi16(x, k.ones8), k.b0);
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), k.kinv, k.kbias);
+#endif
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, 0));
+}
+
+inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* w) {
+    const Consts k = consts();
+    const __m128i wrap = wrap_window(T, tile);
+#pragma GCC unroll 4
+    for (int p = 0; p < kGroups / 2; ++p) _mm512_storeu_ps(w + 16 * p, pair_values(T, k, tile, wrap, p));
+}
 
 // acc: 8 column pairs x 16 lanes: groups 4c and 4c+1 (patterns 0, 1) in one vector, 4c+2 and 4c+3 (patterns 2,
 // 3) in the next FMA; lanes 0-3 and 8-11 belong to column c, 4-7 and 12-15 to column c+8.
@@ -259,6 +334,52 @@ inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
     for (int c = 0; c < 8; ++c) _mm512_storeu_ps(acc + 16 * c, s[c]);
 }
 
+// Two rows at once: each weight vector is loaded once for both (loads, not FMAs, bound the one-row loop at 8 rows).
+inline void accumulate2(float* acc0, float* acc1, const float* xv0, const float* xv1, const float* w, int nb) {
+    __m512 s0[8], s1[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+        s0[c] = _mm512_loadu_ps(acc0 + 16 * c);
+        s1[c] = _mm512_loadu_ps(acc1 + 16 * c);
+    }
+    for (int b = 0; b < nb; ++b, xv0 += 32, xv1 += 32, w += kTileElems) {
+        const __m512 a01 = _mm512_loadu_ps(xv0), a23 = _mm512_loadu_ps(xv0 + 16);
+        const __m512 b01 = _mm512_loadu_ps(xv1), b23 = _mm512_loadu_ps(xv1 + 16);
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+            const __m512 w01 = _mm512_loadu_ps(w + 32 * c), w23 = _mm512_loadu_ps(w + 32 * c + 16);
+            s0[c] = _mm512_fmadd_ps(w23, a23, _mm512_fmadd_ps(w01, a01, s0[c]));
+            s1[c] = _mm512_fmadd_ps(w23, b23, _mm512_fmadd_ps(w01, b01, s1[c]));
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+        _mm512_storeu_ps(acc0 + 16 * c, s0[c]);
+        _mm512_storeu_ps(acc1 + 16 * c, s1[c]);
+    }
+}
+
+inline void accumulate_rows(float* acc, size_t acc_stride, const float* xv, size_t xv_stride, const float* w, int nb,
+                            int rows) {
+    int r = 0;
+    for (; r + 1 < rows; r += 2)
+        accumulate2(acc + r * acc_stride, acc + (r + 1) * acc_stride, xv + r * xv_stride, xv + (r + 1) * xv_stride, w, nb);
+    if (r < rows) accumulate(acc + r * acc_stride, xv + r * xv_stride, w, nb);
+}
+
+inline void decode_accumulate1(const DecodeTables& T, const uint8_t* tile, const float* xv, float* acc, float*) {
+    const Consts k = consts();
+    const __m128i wrap = wrap_window(T, tile);
+    const __m512 x01 = _mm512_loadu_ps(xv), x23 = _mm512_loadu_ps(xv + 16);
+    __m512 s[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) s[c] = _mm512_loadu_ps(acc + 16 * c);
+#pragma GCC unroll 16
+    for (int p = 0; p < kGroups / 2; ++p) s[p >> 1] = _mm512_fmadd_ps(pair_values(T, k, tile, wrap, p), p & 1 ? x23 : x01, s[p >> 1]);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(acc + 16 * c, s[c]);
+}
+
 inline void reduce(const float* acc, float* y) {
     for (int c = 0; c < 8; ++c) {
         const float* a = acc + 16 * c;
@@ -268,6 +389,8 @@ inline void reduce(const float* acc, float* y) {
 }
 
 #endif
+
+void decode_tile(const DecodeTables& T, const uint8_t* tile, float* w) { decode_tile_impl(T, tile, w); }
 
 // Decode-and-accumulate for tile columns [tn0, tn1) of one linear. Tiles are taken kTileBlock rows at a time
 // down each column, walking the columns left to right, so a thread reads kTileBlock sequential streams (one per
@@ -282,17 +405,20 @@ void gemv_cols(const GemvArgs& a) {
         const int nb = a.tiles_k - tk0 < kTileBlock ? a.tiles_k - tk0 : kTileBlock;
         for (int c = 0; c < ncol; ++c) {
             const uint8_t* tile = a.trellis + (size_t)tk0 * rstride + (size_t)(a.tn0 + c) * (size_t)a.tile_bytes;
-            for (int b = 0; b < nb; ++b) {
-                const uint8_t* tb = tile + (size_t)b * rstride;
-                if (c + kPrefetchCols < ncol) {
-                    const uint8_t* ahead = tb + (size_t)kPrefetchCols * (size_t)a.tile_bytes;
+            if (c + kPrefetchCols < ncol)
+                for (int b = 0; b < nb; ++b) {
+                    const uint8_t* ahead = tile + (size_t)b * rstride + (size_t)kPrefetchCols * (size_t)a.tile_bytes;
                     for (int off = 0; off < a.tile_bytes; off += 64) __builtin_prefetch(ahead + off);
                 }
-                decode_tile_impl(T, tb, a.wbuf + (size_t)b * kTileElems);
+            if (a.rows == 1) {
+                for (int b = 0; b < nb; ++b)
+                    decode_accumulate1(T, tile + (size_t)b * rstride, a.xv + (size_t)(tk0 + b) * 32,
+                                       a.acc + (size_t)c * kAccFloats, a.wbuf);
+                continue;
             }
-            for (int r = 0; r < a.rows; ++r)
-                accumulate(a.acc + ((size_t)r * ncol + c) * kAccFloats, a.xv + ((size_t)r * a.tiles_k + tk0) * 32,
-                           a.wbuf, nb);
+            for (int b = 0; b < nb; ++b) decode_tile_impl(T, tile + (size_t)b * rstride, a.wbuf + (size_t)b * kTileElems);
+            accumulate_rows(a.acc + (size_t)c * kAccFloats, (size_t)ncol * kAccFloats, a.xv + (size_t)tk0 * 32,
+                            (size_t)a.tiles_k * 32, a.wbuf, nb, a.rows);
         }
     }
     for (int r = 0; r < a.rows; ++r)
