@@ -1,0 +1,133 @@
+"""`glm53 bench cpu-lane`: the CPU expert kernel's expert-bytes/s against this host's RAM read bandwidth.
+
+For 1..N threads (pinned one per physical core) and 1, 4 and 8 rows per expert, the time of a lane step of four
+GLM-5.3-Flash-sized experts (synthetic, spread over more memory than the caches hold), as expert bytes/s, next
+to the RAM read bandwidth measured in the same run with the same thread count (a torch sum over 512 MiB). The
+ratio says how close the lane comes to reading experts as fast as memory can deliver them (the issue's target is
+0.5 of the host's RAM read bandwidth). Also: which SIMD path is fastest here, and the cost model fitted from the
+timings, as the planner would use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def register_bench(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("cpu-lane", help="CPU expert kernel: expert bytes/s at 1/4/8 rows and 1..N threads vs "
+                                              "the measured RAM read bandwidth")
+    p.add_argument("--threads", type=int, help="most threads to try (default: every physical core)")
+    p.add_argument("--thread-list", help="comma-separated thread counts (default: 1, 2, 4, ... and the maximum)")
+    p.add_argument("--rows", default="1,4,8", help="rows per expert (default 1,4,8)")
+    p.add_argument("--experts", type=int, default=4, help="experts per timed lane step (default 4)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per point; the best counts (default 5)")
+    p.add_argument("--isa", help="SIMD path (default: the fastest measured here)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin worker threads to cores")
+    p.add_argument("--hidden", type=int, default=4096, help="expert geometry (default GLM-5.3-Flash: 4096)")
+    p.add_argument("--intermediate", type=int, default=2048, help="(default 2048)")
+    p.add_argument("--bits", type=int, default=3, help="EXL3 K of the trellis (default 3)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.set_defaults(func=cmd_bench_cpu_lane)
+
+
+def _thread_list(max_threads: int, spec: str | None) -> list[int]:
+    if spec:
+        out = sorted({int(t) for t in spec.split(",") if t.strip()})
+        if not out or out[0] < 1:
+            raise ValueError("--thread-list takes positive integers")
+        return out
+    out, t = [], 1
+    while t < max_threads:
+        out.append(t)
+        t *= 2
+    return out + [max_threads]
+
+
+def run_bench(args: argparse.Namespace, log=print) -> dict:
+    from . import kernel as K
+    from .calibrate import _Pool, calibrate_cpu, expert_geometry, ram_read_bandwidth, time_step
+    from .planner import CpuSample, fit_cpu
+
+    if not K.available():
+        raise K.KernelUnavailable(f"the CPU expert kernel is unavailable: {K.unavailable_reason()}")
+    cores = K.physical_cores()
+    max_threads = args.threads or len(cores) or 1
+    threads = _thread_list(max_threads, args.thread_list)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    geo = expert_geometry(args.hidden, args.intermediate, args.bits)
+    pin = not args.no_pin
+
+    def cpus(t: int) -> list[int] | None:
+        return K.pick_cpus(t) if pin else None
+
+    log(f"glm53 bench cpu-lane: {_cpu_model()}; {len(cores) or '?'} physical cores; paths: "
+        f"{', '.join(K.supported_isas())}; expert {geo.nbytes / 2**20:.2f} MiB "
+        f"({geo.hidden}x{geo.intermediate}, K={geo.k_bits[0]})")
+    if args.isa:
+        isa, isa_seconds = args.isa, {}
+    else:
+        cal = calibrate_cpu(max_threads, cpus(max_threads), geo=geo, rows=(1,), experts=(1,),
+                            thread_counts=(max_threads,), repeats=args.repeats)
+        isa, isa_seconds = cal.isa, cal.isa_seconds
+        log("path, 1 row at " + f"{max_threads} threads: " + "  ".join(
+            f"{k} {v * 1e3:.2f} ms" for k, v in sorted(isa_seconds.items(), key=lambda kv: kv[1])) + f"  -> {isa}")
+
+    pool = _Pool(geo, seed=0)
+    rng = np.random.default_rng(1)
+    results, samples, ram = [], [], {}
+    log(f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}")
+    for t in threads:
+        ram[t] = ram_read_bandwidth(threads=t)
+        with K.CpuKernel(t, cpus(t), isa=isa) as kern:
+            time_step(kern, geo, pool.take(1), (1,), rng)
+            for r in rows_list:
+                rows = (r,) * args.experts
+                sec = min(time_step(kern, geo, pool.take(args.experts), rows, rng) for _ in range(args.repeats))
+                samples.append(CpuSample(rows, t, sec))
+                per = sec / args.experts
+                bps = geo.nbytes / per
+                results.append({"threads": t, "rows": r, "seconds_per_expert": per, "expert_bytes_per_s": bps,
+                                "ram_bytes_per_s": ram[t], "ratio": bps / ram[t], "pinned": kern.pinned})
+                log(f"{t:>7} {r:>4} {per * 1e3:>9.3f} {bps / 1e9:>11.2f} {ram[t] / 1e9:>8.1f} {bps / ram[t]:>6.3f}")
+    host_ram = max(ram.values())
+    best = max(results, key=lambda x: x["expert_bytes_per_s"])
+    log(f"best: {best['expert_bytes_per_s'] / 1e9:.2f} GB/s of experts ({best['threads']} threads, {best['rows']} "
+        f"row{'s' if best['rows'] > 1 else ''}) = {best['expert_bytes_per_s'] / host_ram:.3f} of the host's RAM read "
+        f"bandwidth ({host_ram / 1e9:.1f} GB/s)")
+    cost, rms = fit_cpu(samples)
+    log("fitted CPU cost (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cost.__dict__.items())
+        + f"; RMS residual {rms * 1e6:.1f} us")
+    return {"cpu": _cpu_model(), "isa": isa, "isa_seconds": isa_seconds, "expert_bytes": geo.nbytes,
+            "experts_per_step": args.experts, "results": results,
+            "ram_bytes_per_s": {str(k): v for k, v in ram.items()}, "host_ram_bytes_per_s": host_ram,
+            "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()}}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def cmd_bench_cpu_lane(args: argparse.Namespace) -> int:
+    from .kernel import KernelError, KernelUnavailable
+
+    try:
+        doc = run_bench(args)
+    except (KernelUnavailable, KernelError, ValueError) as exc:
+        print(f"glm53 bench cpu-lane: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 0
