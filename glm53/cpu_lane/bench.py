@@ -4,8 +4,8 @@ For 1..N threads (pinned one per physical core) and 1, 4 and 8 rows per expert, 
 GLM-5.3-Flash-sized experts (synthetic, spread over more memory than the caches hold), as expert bytes/s, next
 to the RAM read bandwidth measured in the same run with the same thread count (a torch sum over 512 MiB). The
 ratio says how close the lane comes to reading experts as fast as memory can deliver them (the issue's target is
-0.5 of the host's RAM read bandwidth). Also: which SIMD path is fastest here, and the cost model fitted from the
-timings, as the planner would use it.
+0.5 of the host's RAM read bandwidth). First, the start-up calibration the lane runs: which SIMD path is fastest
+here, and the CPU cost model fitted from its timings, as the planner would use it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _thread_list(max_threads: int, spec: str | None) -> list[int]:
 def run_bench(args: argparse.Namespace, log=print) -> dict:
     from . import kernel as K
     from .calibrate import _Pool, calibrate_cpu, expert_geometry, ram_read_bandwidth, time_step
-    from .planner import CpuSample, fit_cpu
+    from .planner import fit_cpu
 
     if not K.available():
         raise K.KernelUnavailable(f"the CPU expert kernel is unavailable: {K.unavailable_reason()}")
@@ -68,18 +68,19 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     log(f"glm53 bench cpu-lane: {_cpu_model()}; {len(cores) or '?'} physical cores; paths: "
         f"{', '.join(K.supported_isas())}; expert {geo.nbytes / 2**20:.2f} MiB "
         f"({geo.hidden}x{geo.intermediate}, K={geo.k_bits[0]})")
-    if args.isa:
-        isa, isa_seconds = args.isa, {}
-    else:
-        cal = calibrate_cpu(max_threads, cpus(max_threads), geo=geo, rows=(1,), experts=(1,),
-                            thread_counts=(max_threads,), repeats=args.repeats)
-        isa, isa_seconds = cal.isa, cal.isa_seconds
-        log("path, 1 row at " + f"{max_threads} threads: " + "  ".join(
-            f"{k} {v * 1e3:.2f} ms" for k, v in sorted(isa_seconds.items(), key=lambda kv: kv[1])) + f"  -> {isa}")
+    # The start-up calibration, as the lane runs it: the fastest path here and the planner's CPU cost model.
+    cal = calibrate_cpu(max_threads, cpus(max_threads), geo=geo, repeats=args.repeats,
+                        isas=[args.isa] if args.isa else None)
+    isa = cal.isa
+    log("path, 1 row at " + f"{max_threads} threads: " + "  ".join(
+        f"{k} {v * 1e3:.2f} ms" for k, v in sorted(cal.isa_seconds.items(), key=lambda kv: kv[1])) + f"  -> {isa}")
+    cost, rms = fit_cpu(cal.samples)
+    log("calibrated CPU cost (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cost.__dict__.items())
+        + f"; RMS residual {rms * 1e6:.1f} us over {len(cal.samples)} steps")
 
     pool = _Pool(geo, seed=0)
     rng = np.random.default_rng(1)
-    results, samples, ram = [], [], {}
+    results, ram = [], {}
     log(f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}")
     for t in threads:
         ram[t] = ram_read_bandwidth(threads=t)
@@ -88,7 +89,6 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
             for r in rows_list:
                 rows = (r,) * args.experts
                 sec = min(time_step(kern, geo, pool.take(args.experts), rows, rng) for _ in range(args.repeats))
-                samples.append(CpuSample(rows, t, sec))
                 per = sec / args.experts
                 bps = geo.nbytes / per
                 results.append({"threads": t, "rows": r, "seconds_per_expert": per, "expert_bytes_per_s": bps,
@@ -99,10 +99,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     log(f"best: {best['expert_bytes_per_s'] / 1e9:.2f} GB/s of experts ({best['threads']} threads, {best['rows']} "
         f"row{'s' if best['rows'] > 1 else ''}) = {best['expert_bytes_per_s'] / host_ram:.3f} of the host's RAM read "
         f"bandwidth ({host_ram / 1e9:.1f} GB/s)")
-    cost, rms = fit_cpu(samples)
-    log("fitted CPU cost (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cost.__dict__.items())
-        + f"; RMS residual {rms * 1e6:.1f} us")
-    return {"cpu": _cpu_model(), "isa": isa, "isa_seconds": isa_seconds, "expert_bytes": geo.nbytes,
+    return {"cpu": _cpu_model(), "isa": isa, "isa_seconds": cal.isa_seconds, "expert_bytes": geo.nbytes,
             "experts_per_step": args.experts, "results": results,
             "ram_bytes_per_s": {str(k): v for k, v in ram.items()}, "host_ram_bytes_per_s": host_ram,
             "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()}}
