@@ -214,13 +214,17 @@ inline void cpu_relax() {
 // ---------------------------------------------------------------------------------------------------------------
 // Per-job geometry, computed and checked before the threads start
 
-enum { kPhasePrep, kPhaseGateUp, kPhaseMid, kPhaseDown, kPhaseOut, kPhases };
-
 struct Shape {
     int hidden, inter, rows;
-    int chunk_gu, nchunk_gu;   // tile columns per gate/up unit, units per linear
+    int chunk_gu, nchunk_gu;   // tile columns per gate/up unit (a power of two), units per linear
     int chunk_d, nchunk_d;
+    size_t counters;           // this job's first counter in Pool::counters_
 };
+
+// A job's counters: three work-unit dispensers, then per 128-column block of the intermediate the gate/up units
+// still to finish before its mid step, per 128-column block of the output the down units still to finish before its
+// output transform, and the output blocks still to finish before the job is done.
+enum { kCtrPrep, kCtrGateUp, kCtrDown, kCtrOutDone, kCtrBlocks };
 
 int check_linear(const Glm53Linear& l, const char* name, int in, int out) {
     if (!l.trellis || !l.suh || !l.svh) return fail(-2, std::string(name) + ": null pointer");
@@ -233,11 +237,13 @@ int check_linear(const Glm53Linear& l, const char* name, int in, int out) {
 }
 
 int chunk_for(int cols_total, int threads, int rows) {
-    // About four units per thread for balance, at least 2 columns (6+ cache lines per tile row at K=3), and an
-    // accumulator block (rows x chunk x 512 B) that stays within L2.
-    int c = (cols_total + 4 * threads - 1) / (4 * threads);
-    c = std::max(2, std::min(32, c));
-    return std::max(1, std::min(c, 512 / std::max(1, rows)));
+    // About eight units per thread, so the last units of a phase leave little idle time; a power of two, so a unit
+    // never straddles a 128-column (8-tile) block; an accumulator block (rows x chunk x 512 B) that stays in L2.
+    int want = (cols_total + 8 * threads - 1) / (8 * threads);
+    want = std::max(1, std::min({want, 32, 512 / std::max(1, rows)}));
+    int c = 1;
+    while (2 * c <= want) c *= 2;
+    return c;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -275,7 +281,7 @@ public:
         call_.cancel = cancel ? cancel : &never;
         call_.done = done;
         call_.shapes.resize(njobs);
-        size_t xv_gu = 0, raw = 0, xv_d = 0, yraw = 0, acc = 0;
+        size_t xv_gu = 0, raw = 0, xv_d = 0, yraw = 0, acc = 0, ncounters = 0;
         for (int j = 0; j < njobs; ++j) {
             const Glm53Job& job = jobs[j];
             const int h = job.gate.in_features, in = job.gate.out_features, r = job.rows;
@@ -295,6 +301,8 @@ public:
             s.nchunk_gu = (in / 16 + s.chunk_gu - 1) / s.chunk_gu;
             s.chunk_d = chunk_for(h / 16, n_, r);
             s.nchunk_d = (h / 16 + s.chunk_d - 1) / s.chunk_d;
+            s.counters = ncounters;
+            ncounters += kCtrBlocks + in / kHad + h / kHad;
             xv_gu = std::max(xv_gu, (size_t)r * 2 * h);
             raw = std::max(raw, (size_t)r * in);
             xv_d = std::max(xv_d, (size_t)r * 2 * in);
@@ -314,7 +322,16 @@ public:
                 w.acc.reserve(acc);
                 w.wbuf.reserve(kTileBlock * kTileElems);
             }
-            counters_ = std::vector<std::atomic<int>>(std::max(1, njobs * kPhases));
+            counters_ = std::vector<std::atomic<int>>(std::max<size_t>(1, ncounters));
+            for (int j = 0; j < njobs; ++j) {
+                const Shape& s = call_.shapes[j];
+                std::atomic<int>* ctr = &counters_[s.counters];
+                ctr[kCtrOutDone].store(s.hidden / kHad, std::memory_order_relaxed);
+                for (int b = 0; b < s.inter / kHad; ++b)
+                    ctr[kCtrBlocks + b].store(2 * std::max(1, 8 / s.chunk_gu), std::memory_order_relaxed);
+                for (int b = 0; b < s.hidden / kHad; ++b)
+                    ctr[kCtrBlocks + s.inter / kHad + b].store(std::max(1, 8 / s.chunk_d), std::memory_order_relaxed);
+            }
         } catch (const std::bad_alloc&) {
             return fail(-4, "out of memory for the kernel's scratch buffers");
         }
@@ -398,6 +415,11 @@ private:
         }
     }
 
+    // Two barriers per expert: after the input transforms (every gate/up unit reads all of them) and after the
+    // mid steps (every down unit reads all of the intermediate). The mid step of a 128-block and the output
+    // transform of a 128-block run on whichever thread finishes the block's last GEMV unit (a counter per block),
+    // and the next expert's input transforms follow the output transforms without a barrier (they touch other
+    // buffers). Fewer barriers, fewer places where one descheduled thread stops all the others.
     void execute(int tid) {
         const Call& c = call_;
         const IsaOps& ops = *c.ops;
@@ -406,44 +428,51 @@ private:
         for (int j = 0; j < c.njobs; ++j) {
             const Glm53Job& job = c.jobs[j];
             const Shape& s = c.shapes[j];
-            std::atomic<int>* ctr = &counters_[(size_t)j * kPhases];
-            const int h = s.hidden, in = s.inter, r = s.rows, hb = h / kHad, ib = in / kHad;
+            std::atomic<int>* ctr = &counters_[s.counters];
+            std::atomic<int>* mid_left = ctr + kCtrBlocks;
+            std::atomic<int>* out_left = mid_left + s.inter / kHad;
+            const int h = s.hidden, in = s.inter, r = s.rows, hb = h / kHad;
             const Glm53Linear* gu[2] = {&job.gate, &job.up};
 
-            share(ctr[kPhasePrep], 2 * r * hb, [&](int u) {
+            share(ctr[kCtrPrep], 2 * r * hb, [&](int u) {
                 const int lin = u / (r * hb), row = u / hb % r, b = u % hb;
                 ops.prep_block(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b,
                                xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * 32);
             });
             barrier(tid);
-            share(ctr[kPhaseGateUp], 2 * s.nchunk_gu, [&](int u) {
+            share(ctr[kCtrGateUp], 2 * s.nchunk_gu, [&](int u) {
                 const int lin = u / s.nchunk_gu, tn0 = u % s.nchunk_gu * s.chunk_gu;
-                gemv(*gu[lin], tab, xv_[lin].p, r, tn0, std::min(in / 16, tn0 + s.chunk_gu), w, raw_[lin].p, in);
+                const int tn1 = std::min(in / 16, tn0 + s.chunk_gu);
+                gemv(*gu[lin], tab, xv_[lin].p, r, tn0, tn1, w, raw_[lin].p, in);
+                for (int b = tn0 / 8; b * 8 < tn1; ++b)
+                    if (mid_left[b].fetch_sub(1, std::memory_order_acq_rel) == 1 && !*c.cancel)
+                        for (int row = 0; row < r; ++row) {
+                            const size_t off = (size_t)row * in + kHad * b;
+                            ops.mid_block(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b,
+                                          job.up.svh + kHad * b, job.down.suh + kHad * b, job.swiglu_limit,
+                                          xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * 32);
+                        }
             });
             barrier(tid);
-            share(ctr[kPhaseMid], r * ib, [&](int u) {
-                const int row = u / ib, b = u % ib;
-                const size_t off = (size_t)row * in + kHad * b;
-                ops.mid_block(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b, job.up.svh + kHad * b,
-                              job.down.suh + kHad * b, job.swiglu_limit,
-                              xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * 32);
+            share(ctr[kCtrDown], s.nchunk_d, [&](int u) {
+                const int tn0 = u * s.chunk_d, tn1 = std::min(h / 16, tn0 + s.chunk_d);
+                gemv(job.down, tab, xv_[2].p, r, tn0, tn1, w, yraw_.p, h);
+                for (int b = tn0 / 8; b * 8 < tn1; ++b) {
+                    if (out_left[b].fetch_sub(1, std::memory_order_acq_rel) != 1 || *c.cancel) continue;
+                    for (int row = 0; row < r; ++row) {
+                        const size_t off = (size_t)row * h + kHad * b;
+                        ops.out_block(yraw_.p + off, job.down.svh + kHad * b, job.out + off);
+                    }
+                    // Done only if no unit of the job was skipped: cancellation only ever goes 0 -> 1, and a
+                    // skipped unit never counts down, so then this is not reached for every block.
+                    if (ctr[kCtrOutDone].fetch_sub(1, std::memory_order_acq_rel) == 1 && c.done && !*c.cancel)
+                        __atomic_store_n(&c.done[j], 1, __ATOMIC_RELEASE);
+                }
             });
-            barrier(tid);
-            share(ctr[kPhaseDown], s.nchunk_d, [&](int u) {
-                const int tn0 = u * s.chunk_d;
-                gemv(job.down, tab, xv_[2].p, r, tn0, std::min(h / 16, tn0 + s.chunk_d), w, yraw_.p, h);
-            });
-            barrier(tid);
-            share(ctr[kPhaseOut], r * hb, [&](int u) {
-                const int row = u / hb, b = u % hb;
-                const size_t off = (size_t)row * h + kHad * b;
-                ops.out_block(yraw_.p + off, job.down.svh + kHad * b, job.out + off);
-            });
-            barrier(tid);
-            // Cancellation only ever goes 0 -> 1, and every skipped unit saw it before this barrier: a job is
-            // marked done only if no unit of it was skipped.
-            if (tid == 0 && c.done && !*c.cancel) __atomic_store_n(&c.done[j], 1, __ATOMIC_RELEASE);
+            // No barrier: the next expert's input transforms write buffers this one no longer reads, and its
+            // first barrier comes before anything overwrites the intermediate or the raw outputs.
         }
+        barrier(tid);  // the call ends when every unit has finished
     }
 
     void gemv(const Glm53Linear& l, const Tables& tab, const float* xv, int rows, int tn0, int tn1, Worker& w,

@@ -22,7 +22,9 @@ namespace GLM53_NS {
 namespace {
 
 constexpr float kHadScale = 0.08838834764831845f;  // 1 / sqrt(128)
-constexpr int kPrefetchCols = 4;                   // tile columns ahead: the same rows' next bytes
+// Software prefetch, this many tile blocks down the same column: a unit reads a few tiles per tile row at a large
+// stride (the row of tiles of the whole linear), which the hardware prefetchers do not follow.
+constexpr int kPrefetchBlocks = 2;
 
 // ---------------------------------------------------------------------------------------------------------------
 // fp16 vectors (suh, svh) -> fp32
@@ -405,10 +407,12 @@ void gemv_cols(const GemvArgs& a) {
         const int nb = a.tiles_k - tk0 < kTileBlock ? a.tiles_k - tk0 : kTileBlock;
         for (int c = 0; c < ncol; ++c) {
             const uint8_t* tile = a.trellis + (size_t)tk0 * rstride + (size_t)(a.tn0 + c) * (size_t)a.tile_bytes;
-            if (c + kPrefetchCols < ncol)
+            if (tk0 + kPrefetchBlocks * kTileBlock < a.tiles_k)
                 for (int b = 0; b < nb; ++b) {
-                    const uint8_t* ahead = tile + (size_t)b * rstride + (size_t)kPrefetchCols * (size_t)a.tile_bytes;
-                    for (int off = 0; off < a.tile_bytes; off += 64) __builtin_prefetch(ahead + off);
+                    const uint8_t* ahead = tile + (size_t)(b + kPrefetchBlocks * kTileBlock) * rstride;
+                    __builtin_prefetch(ahead);
+                    __builtin_prefetch(ahead + a.tile_bytes - 1);
+                    for (int off = 64; off < a.tile_bytes - 1; off += 64) __builtin_prefetch(ahead + off);
                 }
             if (a.rows == 1) {
                 for (int b = 0; b < nb; ++b)
