@@ -213,3 +213,21 @@ def test_cpu_picking_uses_one_cpu_per_physical_core(tmp_path):
     assert K.pick_cpus(1, tmp_path, every) == [1]
     assert K.pick_cpus(3, tmp_path, every) is None            # more threads than cores: leave it to the OS
     assert K.physical_cores(tmp_path, {0, 9}) == []           # no topology for CPU 9: unpinned
+
+
+def test_a_missing_or_stale_library_is_explained(monkeypatch):
+    monkeypatch.setattr(K.buildinfo, "source_hash", lambda directory=K.HERE: "0" * 16)
+    lib, why = K._load()
+    assert lib is None and "stale build" in why and "pip install -e ." in why
+    monkeypatch.setattr(K, "_LIB", None)
+    monkeypatch.setattr(K, "_WHY", "not built (test)")
+    assert not K.available() and K.supported_isas() == []
+    with pytest.raises(K.KernelUnavailable, match="not built"):
+        K.CpuKernel(1)
+
+
+def test_store_record_layout_is_the_tiers_slot_layout():
+    from store.format import Layout
+
+    store_geo = K.ExpertGeometry.from_layout(Layout.build(4096, 2048, (3, 3, 3)))
+    assert store_geo == K.ExpertGeometry.from_layout(exl3_expert_layout(4096, 2048, 3))
