@@ -127,6 +127,8 @@ def assign(misses: Sequence[Miss], model: CostModel, *, gpu_busy: float = 0.0, c
 
 
 def _exact(classes: dict[int, list[int]], rows: list[int], model: CostModel, gpu_busy: float) -> Assignment:
+    if len(rows) == 1:
+        return _exact_one_class(classes[rows[0]], rows[0], model, gpu_busy)
     counts = np.array([len(classes[r]) for r in rows])
     c = np.array([model.cpu_expert(r) for r in rows])
     p = np.array([model.pcie.expert_cost(r) for r in rows])
@@ -142,6 +144,28 @@ def _exact(classes: dict[int, list[int]], rows: list[int], model: CostModel, gpu
         cpu += classes[r][:kk]
         pcie += classes[r][kk:]
     return Assignment(tuple(sorted(cpu)), tuple(sorted(pcie)), float(t_cpu[best]), float(t_pcie[best]))
+
+
+def _exact_one_class(experts: list[int], rows: int, model: CostModel, gpu_busy: float) -> Assignment:
+    """Every expert with the same rows (decode: one each): k to the CPU for k = 0..n, in plain Python (this runs for
+    every layer of every token; numpy's per-call overhead would be most of the cost)."""
+    n, c, p = len(experts), model.cpu_expert(rows), model.pcie.expert_cost(rows)
+    best = None
+    for k in range(n + 1):
+        tc = model.cpu.step + k * c if k else 0.0
+        tp = gpu_busy + (model.pcie.step + (n - k) * p if k < n else 0.0)
+        key = (max(tc, tp), tc + tp, k)
+        if best is None or _better(key, best[0]):
+            best = (key, k, tc, tp)
+    _, k, tc, tp = best
+    return Assignment(tuple(sorted(experts[:k])), tuple(sorted(experts[k:])), tc, tp)
+
+
+def _better(a: tuple[float, float, int], b: tuple[float, float, int]) -> bool:
+    """Lower makespan (equal within 1e-12 relative counts as a tie), then less total work, then fewer CPU experts."""
+    if abs(a[0] - b[0]) > 1e-12 * max(a[0], b[0]):
+        return a[0] < b[0]
+    return (a[1], a[2]) < (b[1], b[2])
 
 
 def _quantise(span: np.ndarray) -> np.ndarray:
