@@ -210,9 +210,27 @@ def test_cpu_picking_uses_one_cpu_per_physical_core(tmp_path):
     every = {0, 1, 2, 3}
     assert K.physical_cores(tmp_path, every) == [0, 1]
     assert K.physical_cores(tmp_path, {2, 3}) == [2, 3]
-    assert K.pick_cpus(1, tmp_path, every) == [1]
-    assert K.pick_cpus(3, tmp_path, every) is None            # more threads than cores: leave it to the OS
+    assert K.pick_cpus(1, tmp_path, every, set()) == [1]
+    assert K.pick_cpus(3, tmp_path, every, set()) is None     # more threads than cores: leave it to the OS
     assert K.physical_cores(tmp_path, {0, 9}) == []           # no topology for CPU 9: unpinned
+
+
+def test_cpu_picking_prefers_performance_cores(tmp_path):
+    # A hybrid CPU: cores 0-3 are performance cores, 4-7 efficiency cores (no SMT here, for brevity).
+    for cpu in range(8):
+        topo = tmp_path / "cpu" / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0")
+        (topo / "core_id").write_text(str(cpu))
+    (tmp_path / "cpu_core").mkdir()
+    (tmp_path / "cpu_core" / "cpus").write_text("0-3\n")
+    perf = K.performance_cpus(tmp_path)
+    assert perf == {0, 1, 2, 3}
+    every = set(range(8))
+    assert K.pick_cpus(3, tmp_path / "cpu", every, perf) == [1, 2, 3]
+    assert K.pick_cpus(6, tmp_path / "cpu", every, perf) == [0, 1, 2, 3, 6, 7]
+    assert K.pick_cpus(3, tmp_path / "cpu", every, set()) == [5, 6, 7]
+    assert K.performance_cpus(tmp_path / "nowhere") is None
 
 
 def test_a_missing_or_stale_library_is_explained(monkeypatch):

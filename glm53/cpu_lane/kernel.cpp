@@ -160,6 +160,11 @@ bool cpu_has(int isa) {
     __cpuid_count(7, 0, a, b, c, d);
     const bool avx2 = b & (1u << 5);
     if (isa == GLM53_ISA_AVX2) return avx2;
+    if (isa == GLM53_ISA_AVX2VNNI) {
+        unsigned a1, b1, c1, d1;
+        __cpuid_count(7, 1, a1, b1, c1, d1);
+        return avx2 && (a1 & (1u << 4));  // AVX-VNNI (VEX-encoded vpdpbusd)
+    }
     const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
     const bool avx512 = avx2 && f && dq && bw && vl && (lo & 0xE0u) == 0xE0u;  // opmask, ZMM_Hi256, Hi16_ZMM state
     if (isa == GLM53_ISA_AVX512) return avx512;
@@ -174,6 +179,7 @@ const IsaOps* ops_for(int isa) {
         case GLM53_ISA_SCALAR: return &kScalarOps;
 #if defined(__x86_64__)
         case GLM53_ISA_AVX2: return &kAvx2Ops;
+        case GLM53_ISA_AVX2VNNI: return &kAvx2VnniOps;
         case GLM53_ISA_AVX512: return &kAvx512Ops;
         case GLM53_ISA_AVX512VNNI: return &kAvx512VnniOps;
 #endif

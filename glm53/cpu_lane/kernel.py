@@ -29,7 +29,9 @@ import numpy as np
 
 from . import buildinfo
 
-ISAS = ("scalar", "avx2", "avx512", "avx512vnni")  # the library's ISA codes, in this order
+# The library's ISA codes (kernel_api.h), and the order best_isa() prefers them in: widest first.
+ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx2vnni": 4}
+ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512vnni")  # narrowest first
 ABI_VERSION = 1
 PROJECTIONS = ("gate", "up", "down")
 SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash's swiglu_limit (config.json); 0 disables the clamp
@@ -117,7 +119,7 @@ def supported_isas() -> list[str]:
     """ISAs this CPU (and its OS) can run, slowest first. Empty when the library is not loaded."""
     if _LIB is None:
         return []
-    return [name for i, name in enumerate(ISAS) if _LIB.glm53_isa_supported(i)]
+    return [name for name in ISAS if _LIB.glm53_isa_supported(ISA_CODES[name])]
 
 
 def best_isa() -> str:
@@ -134,7 +136,7 @@ def _isa_code(isa: str | None) -> int:
         raise ValueError(f"unknown ISA {isa!r} (known: {', '.join(ISAS)})")
     if isa not in supported_isas():
         raise KernelError(f"this CPU cannot run the {isa} path (it can: {', '.join(supported_isas())})")
-    return ISAS.index(isa)
+    return ISA_CODES[isa]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -365,12 +367,37 @@ def physical_cores(sys_root: str | Path = "/sys/devices/system/cpu", allowed: se
     return sorted(cores.values())
 
 
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11} (the kernel's cpulist format)."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def performance_cpus(devices_root: str | Path = "/sys/devices") -> set[int] | None:
+    """On a hybrid Intel CPU, the logical CPUs of its performance cores (the kernel lists them in cpu_core/cpus;
+    the efficiency cores, in cpu_atom, usually carry the highest numbers). None on other CPUs."""
+    try:
+        return _cpu_list((Path(devices_root) / "cpu_core" / "cpus").read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def pick_cpus(threads: int, sys_root: str | Path = "/sys/devices/system/cpu",
-              allowed: set[int] | None = None) -> list[int] | None:
+              allowed: set[int] | None = None, perf: set[int] | None = None) -> list[int] | None:
     """CPUs for a pool of `threads`: distinct physical cores, the highest-numbered ones, so that CPU 0 (interrupts,
-    the server's event loop, the thread feeding the GPU) stays free. None when there are fewer physical cores
-    than threads or no topology: pinning two workers to one core would only make them take turns."""
+    the server's event loop, the thread feeding the GPU) stays free; on a hybrid CPU, performance cores first
+    (pass perf=set() to treat every core alike; default: performance_cpus()). None when there are fewer
+    physical cores than threads or no topology: pinning two workers to one core would only make them take turns."""
     cores = physical_cores(sys_root, allowed)
     if len(cores) < threads or threads < 1:
         return None
-    return cores[-threads:]
+    perf = performance_cpus() if perf is None else perf
+    fast = [c for c in cores if perf and c in perf]
+    slow = [c for c in cores if not (perf and c in perf)]
+    if len(fast) >= threads:
+        return fast[-threads:]
+    return sorted(fast + slow[len(slow) - (threads - len(fast)):])

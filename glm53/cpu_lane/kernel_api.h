@@ -34,7 +34,8 @@ typedef struct Glm53Job {
     float swiglu_limit; // 0 disables the clamp
 } Glm53Job;
 
-enum { GLM53_ISA_SCALAR = 0, GLM53_ISA_AVX2 = 1, GLM53_ISA_AVX512 = 2, GLM53_ISA_AVX512VNNI = 3 };
+// Codes are part of the ABI (kernel.py's ISA_CODES); new paths get new numbers.
+enum { GLM53_ISA_SCALAR = 0, GLM53_ISA_AVX2 = 1, GLM53_ISA_AVX512 = 2, GLM53_ISA_AVX512VNNI = 3, GLM53_ISA_AVX2VNNI = 4 };
 
 #ifdef __cplusplus
 }
@@ -112,6 +113,7 @@ struct IsaOps {
 extern const IsaOps kScalarOps;
 #if defined(__x86_64__)
 extern const IsaOps kAvx2Ops;
+extern const IsaOps kAvx2VnniOps;
 extern const IsaOps kAvx512Ops;
 extern const IsaOps kAvx512VnniOps;
 #endif

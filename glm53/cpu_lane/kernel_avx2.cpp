@@ -7,6 +7,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 #define GLM53_LEVEL 1
+#define GLM53_VNNI 0
 #define GLM53_NS isa_avx2
 #include "kernel_impl.h"
 #if defined(__clang__)

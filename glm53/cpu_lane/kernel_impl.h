@@ -179,14 +179,19 @@ inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
 // The decode's constants, made once per tile and hidden from the optimiser (an empty asm that "changes" them), so
 // they stay in registers: otherwise GCC rematerialises each one (mov + vpbroadcastd) for every group.
 struct Consts {
-    __m256i m16, mul, ones8, ones16;
+    __m256i m16, mul, ones8, b0;  // b0: the byte sum's start (2^23's bits with VNNI, else the madd's ones16)
     __m256 kinv, kbias;
 };
 
 inline Consts consts() {
+#if GLM53_VNNI
+    Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1),
+             _mm256_set1_epi32(kTwo23Bits), _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias23)};
+#else
     Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1), _mm256_set1_epi16(1),
              _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias)};
-    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.ones16), "+v"(c.kinv), "+v"(c.kbias));
+#endif
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.b0), "+v"(c.kinv), "+v"(c.kbias));
     return c;
 }
 
@@ -203,8 +208,13 @@ inline __m256 group_values(const DecodeTables& T, const Consts& k, const uint8_t
     const __m256i s =
         _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))), k.m16);
     const __m256i x = _mm256_mullo_epi32(s, k.mul);
-    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(x, k.ones8), k.ones16);
+#if GLM53_VNNI
+    // AVX-VNNI (Alder Lake and later, Zen 5): the byte sum in one vpdpbusd onto the bits of 2^23, read as a float.
+    const __m256 v = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_dpbusd_avx_epi32(k.b0, x, k.ones8)), k.kinv, k.kbias);
+#else
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(x, k.ones8), k.b0);
     const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), k.kinv, k.kbias);
+#endif
     return _mm256_cvtph_ps(_mm256_cvtps_ph(v, 0));  // 0: round to nearest even
 }
 
