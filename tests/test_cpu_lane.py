@@ -258,6 +258,8 @@ def test_duplicate_experts_and_bad_rows_are_refused(experts):
         with pytest.raises(ValueError, match="float32"):
             lane.submit(0, [bad], exact_path(experts, []), deadline=1.0)
         assert lane.submit(0, [], exact_path(experts, []), deadline=1.0).outputs() == {}
+    with pytest.raises(ValueError, match="mul1 experts only"):
+        CpuLane(LAYOUT, threads=1, codebook="mcg")
 
 
 def test_tier_state_is_unchanged_by_the_lane(experts):

@@ -172,10 +172,16 @@ class CpuLane:
 
     def __init__(self, layout: Any, threads: int, *, cpus: Sequence[int] | None = None, isa: str | None = None,
                  stats: Any = None, swiglu_limit: float = SWIGLU_LIMIT, compute: Compute | None = None,
-                 fit: LiveFit | None = None, grace: float = GRACE_S, name: str = "glm53-cpu-lane"):
+                 fit: LiveFit | None = None, grace: float = GRACE_S, name: str = "glm53-cpu-lane",
+                 codebook: str = "mul1"):
         """stats: a glm53.tiers.TierStats (picks by lane, time waited), or None. compute: replaces the kernel (tests
         inject slow or failing ones). fit: a LiveFit fed with every clean step's timing, so the planner's model
-        follows the host."""
+        follows the host. isa: calibrate.calibrate_cpu's choice (default: the widest path). codebook: the experts'
+        EXL3 codebook (the store identity's quantization.codebook.kind); the kernel decodes mul1 only, and any
+        other would give wrong numbers without an error, so it is refused here."""
+        if codebook != "mul1":
+            raise ValueError(f"the CPU lane decodes EXL3 mul1 experts only; these use {codebook!r}: serve them in "
+                             "exact mode (GLM53_MODE=exact or nvme-exact)")
         self.geometry = ExpertGeometry.from_layout(layout)
         self.kernel: CpuKernel | None = None
         if compute is None:
