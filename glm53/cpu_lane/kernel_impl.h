@@ -1,7 +1,8 @@
 // The per-ISA part of the CPU expert kernel: trellis decode, the decode-and-accumulate GEMV over a range of tile
 // columns, and the small 128-wide transforms around it. Included once per ISA by kernel_scalar.cpp,
-// kernel_avx2.cpp and kernel_avx512.cpp with GLM53_LEVEL (0, 1, 2) and GLM53_NS defined, the SIMD ones after a
-// target pragma, so the plain loops here are also auto-vectorised for that ISA. C headers only (see kernel_api.h).
+// kernel_avx2[vnni].cpp and kernel_avx512[vnni].cpp with GLM53_LEVEL (0, 1, 2), GLM53_VNNI and GLM53_NS defined,
+// the SIMD ones after a target pragma, so the plain loops here are also auto-vectorised for that ISA. C headers
+// only (see kernel_api.h).
 //
 // Data flow for one linear (DESIGN section 2): x -> H(x * suh) -> x W^ -> H(.) * svh, H = blockwise 128x128
 // Sylvester Hadamard / sqrt(128). W^ is never materialised: each 16x16 tile is decoded into 256 fp32 weights in
