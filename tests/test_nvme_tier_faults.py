@@ -145,7 +145,9 @@ def test_a_slow_read_times_out_and_is_retried_into_a_fresh_slot(tier, direct, mo
         return real(fd, view, offset)
 
     Inject(monkeypatch, tier, stall_first)
-    threading.Timer(5, release.set).start()  # never leave a reader thread stuck past the test
+    guard = threading.Timer(5, release.set)  # never leave a reader thread stuck past the test
+    guard.daemon = True
+    guard.start()
     got = step(tier, direct, 1, [BAD[1], 4])
     assert got.picks["nvme"] == 2
     snap = tier.stats.snapshot()
