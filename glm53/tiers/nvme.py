@@ -352,9 +352,16 @@ class NvmeTier:
             slot = self.tiers.begin_read(layer, e, protect)
             if slot is not None:
                 break
-            if not may_wait or not self._wait_oldest(protect):
-                raise TierError(f"RAM tier full ({self.tiers.ram.num_slots} slots, {len(self._retired)} held by "
-                                f"stalled reads) of experts in use: cannot read {layer}/{e}")
+            if may_wait and self._wait_oldest(protect):
+                continue
+            if self._retired:  # the disk, not the plan: reads given up on still hold the slots
+                err = StoreReadError(f"store {self.path}: {self._where((layer, e))} cannot be read: {len(self._retired)}"
+                                     f" of the RAM tier's {self.tiers.ram.num_slots} slots are held by reads that "
+                                     "stalled (the disk is stalled or failing)", self._fix())
+                self._fault((layer, e), err)
+                raise err
+            raise TierError(f"RAM tier full ({self.tiers.ram.num_slots} slots) of experts in use: cannot read "
+                            f"{layer}/{e}")
         fut = self.reader.read(self.store_layers[layer], e, self.arena[slot], priority=priority)
         r = _Read(layer, e, slot, fut, priority, self.clock(), demanded, timeouts)
         with self._lock:
