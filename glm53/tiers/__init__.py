@@ -2,59 +2,40 @@
 
 Independent of exllamav3: the device is a parameter, and CPU tensors stand in for VRAM in CI. glm53/engine
 hooks the arenas into exllamav3's BlockSparseMLP (slot tensors, router map) without this package knowing.
+
+The names below load on first use (PEP 562): `glm53 bench nvme` registers from glm53.tiers.nvme_bench at every CLI
+start, and importing this package must not pull in torch for that.
 """
 
-from .copier import Copier, Ticket
-from .layer import LayerResult, combine, direct_moe, group_picks, tiered_moe
-from .layout import Field, SlotLayout, exl3_expert_layout
-from .policy import (
-    LruPolicy,
-    Policy,
-    ScoredPolicy,
-    SimResult,
-    choose_admissions,
-    hot_order,
-    load_routing_stats,
-    routing_stats_path,
-    save_routing_stats,
-    simulate,
-    split_budget,
-    zipf_trace,
-)
-from .ram import RamTier
-from .stats import DIRECTIONS, LANES, TierStats
-from .tiers import ExpertTiers, TierError, Where
-from .vram import VramLayer
+from __future__ import annotations
 
-__all__ = [
-    "DIRECTIONS",
-    "LANES",
-    "Copier",
-    "ExpertTiers",
-    "Field",
-    "LayerResult",
-    "LruPolicy",
-    "Policy",
-    "RamTier",
-    "ScoredPolicy",
-    "SimResult",
-    "SlotLayout",
-    "Ticket",
-    "TierError",
-    "TierStats",
-    "VramLayer",
-    "Where",
-    "choose_admissions",
-    "combine",
-    "direct_moe",
-    "exl3_expert_layout",
-    "group_picks",
-    "hot_order",
-    "load_routing_stats",
-    "routing_stats_path",
-    "save_routing_stats",
-    "simulate",
-    "split_budget",
-    "tiered_moe",
-    "zipf_trace",
-]
+import importlib
+
+_EXPORTS = {
+    "Copier": "copier", "Ticket": "copier",
+    "LayerResult": "layer", "combine": "layer", "direct_moe": "layer", "group_picks": "layer", "tiered_moe": "layer",
+    "Field": "layout", "SlotLayout": "layout", "exl3_expert_layout": "layout",
+    "LruPolicy": "policy", "Policy": "policy", "ScoredPolicy": "policy", "SimResult": "policy",
+    "choose_admissions": "policy", "hot_order": "policy", "load_routing_stats": "policy",
+    "routing_stats_path": "policy", "save_routing_stats": "policy", "simulate": "policy", "split_budget": "policy",
+    "zipf_trace": "policy",
+    "RamTier": "ram",
+    "DIRECTIONS": "stats", "LANES": "stats", "TierStats": "stats",
+    "ExpertTiers": "tiers", "TierError": "tiers", "Where": "tiers",
+    "VramLayer": "vram",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

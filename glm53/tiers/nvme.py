@@ -278,7 +278,7 @@ class NvmeTier:
         ram_order = [] if counts is None else [k for k in self.tiers.warm_ram_order(counts) if counts[k] > 0]
         issued = []
         for layer, e in ram_order[: self.tiers.ram.free_count()]:
-            self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False)
+            self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False, kind="warm_reads")
             issued.append((layer, e))
         failed = 0
         for layer, e in issued:
@@ -345,7 +345,7 @@ class NvmeTier:
     # ---- internals --------------------------------------------------------------------------------------------
 
     def _issue(self, layer: int, e: int, protect: np.ndarray | None, priority: Priority, demanded: bool,
-               may_wait: bool = True, timeouts: int = 0) -> _Read:
+               may_wait: bool = True, timeouts: int = 0, kind: str | None = None) -> _Read:
         """Claim a RAM slot (dropping the weakest unprotected RAM expert, or waiting for reads in flight to land
         when nothing can be dropped) and queue the read into it."""
         while True:
@@ -366,7 +366,7 @@ class NvmeTier:
         r = _Read(layer, e, slot, fut, priority, self.clock(), demanded, timeouts)
         with self._lock:
             self._reads[(layer, e)] = r
-        self.stats.add_nvme("reads" if demanded else "prefetch_reads")
+        self.stats.add_nvme(kind or ("reads" if demanded else "prefetch_reads"))
         return r
 
     def _wait_oldest(self, protect: np.ndarray | None) -> bool:

@@ -5,7 +5,8 @@ Every pick of every token is counted once, in the lane that served it:
   pcie      it was in RAM and crossed PCIe (admitted into a slot, or streamed through a staging buffer);
   cpu       it was in RAM and the CPU lane computed it there;
   nvme      it was in neither and had to be read from the store first (then computed by either lane).
-In the nvme modes the store reads are counted too: reads, timeouts and failed records (`nvme`), and the
+In the nvme modes the store reads are counted too: demand, prefetch and start-up (warm) reads, timeouts and failed
+records (`nvme`), and the
 prefetcher's effect (`prefetch`): an expert read ahead and then picked is a hit (late if its read was still in
 flight), one read ahead and not picked is wasted, and a store pick no prefetch covered is a demand miss; recall
 is hits / (hits + demand misses), the share of would-be store waits that prefetch took off the critical path.
@@ -22,7 +23,7 @@ import numpy as np
 LANES = ("vram_hit", "pcie", "cpu", "nvme")
 DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging")
 PREFETCH = ("issued", "hits", "late", "wasted", "demand_misses")
-NVME = ("reads", "prefetch_reads", "timeouts", "failed_reads")
+NVME = ("reads", "prefetch_reads", "warm_reads", "timeouts", "failed_reads")
 
 
 class TierStats:
