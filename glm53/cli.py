@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "glm53.checkpoint",      # model verify / fetch
     "store.cli",             # pack-store, verify-store, bench store
     "glm53.engine.bench",    # bench decode
+    "glm53.tiers.nvme_bench",  # bench nvme
     "glm53.cpu_lane.bench",  # bench cpu-lane
 )
 

@@ -284,3 +284,22 @@ def test_reader_geometry_matches_the_tier(packed):
         tier = NvmeTier(r, EXPERTS, [0, 0], EXPERTS + 1)
         assert tier.store_layers == [1, 2] and tier.layer_index(2) == 1
         assert tier.stride == r.max_extent and tier.arena.shape == (EXPERTS + 1, r.max_extent)
+
+
+def test_bench_nvme_runs_and_prints_ratios(packed, tmp_path):
+    """`glm53 bench nvme` end to end on the small store (the real run uses 9 MiB records; see docs/results.md)."""
+    from glm53.cli import build_parser
+    from glm53.tiers.nvme_bench import NvmeBenchOptions, run_bench
+
+    ck, store = packed
+    args = build_parser().parse_args(["bench", "nvme", "--tokens", "4"])
+    assert args.func.__name__ == "cmd_bench_nvme" and args.tokens == 4
+    opts = NvmeBenchOptions(workdir=tmp_path, store=store, model=ck, ram_fraction=0.6, threads=2, tokens=6, rounds=1,
+                            layer_ms=0.1)
+    res = run_bench(opts, log=lambda m: None)
+    text = res.render()
+    for what in ("raw O_DIRECT", "x raw", "picks per tier", "prefetch off", "prefetch perfect", "prefetch realistic",
+                 "x off", "x bound", "recall"):
+        assert what in text, what
+    assert len(res.windows) == 3 and all(w.tokens == 6 for w in res.windows)
+    assert store.exists() and ck.exists(), "the bench removed files it did not make"
