@@ -150,3 +150,26 @@ def test_serve_end_to_end(hf_model_dir, tmp_path):
     assert order == sorted(order), log
     # uvicorn's own (premature) startup line is replaced by the one logged after loading.
     assert sum("Application startup complete" in x for x in lines) == 1
+
+
+def test_nvme_plan_is_refused_until_the_gpu_engine_reads_the_store(tmp_path, monkeypatch):
+    # The GPU engine keeps every non-VRAM expert in RAM; on a host the plan sent to an nvme mode that would be
+    # an OOM kill mid-load, so start-up refuses with the reason instead.
+    from types import SimpleNamespace
+
+    import glm53.engine.exl3_engine as exl3_engine
+    import glm53.planning_cli as planning_cli
+
+    d = _config_dir(tmp_path, {"architectures": ["Glm5NextForConditionalGeneration"],
+                               "quantization_config": {"quant_method": "exl3", "bits": 3}})
+    monkeypatch.setattr(engines, "exllamav3_available", lambda: True)
+    monkeypatch.setattr(exl3_engine, "gpu_engine_available", lambda: True)
+    monkeypatch.setattr(planning_cli, "current_plan",
+                        lambda s: (SimpleNamespace(mode="nvme", warnings=[]), SimpleNamespace(shape=None)))
+
+    def must_not_load(*a, **kw):
+        raise AssertionError("engine built for an nvme plan")
+
+    monkeypatch.setattr(exl3_engine, "engine_for_plan", must_not_load)
+    with pytest.raises(EngineChoiceError, match="nvme mode"):
+        choose_engine(settings(model_dir=str(d)))

@@ -85,6 +85,13 @@ def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
         plan, inp = current_plan(settings.with_overrides(model_dir=str(model_dir)))
     except PlanError as exc:
         raise EngineChoiceError(str(exc)) from None
+    if plan.mode in ("nvme", "nvme-exact"):
+        # The NVMe tier exists (glm53.tiers.nvme) but the GPU engine does not use it yet: it would read every
+        # expert into RAM, which is exactly what this host's memory cannot hold. Refuse rather than be OOM-killed.
+        raise EngineChoiceError(
+            f"the plan chose {plan.mode} mode (not every expert fits in RAM here), and this build's GPU engine "
+            f"serves only the all-RAM modes: give it enough memory for every expert off the GPU (about 110 GiB "
+            f"for GLM-5.3-Flash; `glm53 plan` shows the numbers), or wait for the release that wires the store in.")
     engine = engine_for_plan(model_dir, settings, plan, inp.shape)
     banner = [f"serving {model_dir} (EXL3) on the exllamav3 engine, {engine.mode} mode, plan mode {plan.mode}",
               *plan.warnings]
