@@ -124,8 +124,9 @@ def test_rss_stays_within_budget_and_reads_leave_no_page_cache(packed):
         assert reads["reads"] + reads["prefetch_reads"] > 4 * RAM_RECORDS  # far more than the tier can hold
         assert worst[0] <= tier.budget_bytes
     assert peak[0] - base <= allowed, f"RSS grew {(peak[0] - base) / MIB:.1f} MiB > {allowed / MIB:.1f} MiB"
-    print(f"\nVmRSS grew {(peak[0] - base) / MIB:.1f} MiB over {READS} reads (allowed: tier {(allowed - MARGIN) / MIB:.1f}"
-          f" MiB + margin {MARGIN / MIB:.0f} MiB); store records in the page cache: {cached} B before and after")
+    print(f"\nVmRSS grew {(peak[0] - base) / MIB:.1f} MiB over {READS} reads (allowed: tier "
+          f"{(allowed - MARGIN) / MIB:.1f} MiB + margin {MARGIN / MIB:.0f} MiB); store records in the page cache: "
+          f"{cached} B before and after")
     assert cached_record_bytes(store) == cached, "O_DIRECT reads left store records in the page cache"
 
 
@@ -241,7 +242,8 @@ def run_capped(cg: Path, version: str, store: Path, ck: Path, buffered: bool) ->
         else:
             peak = int((cg / "memory.max_usage_in_bytes").read_text())
             # With the memsw limit equal to the limit, a charge may meet the memsw limit first: count both.
-            hit = sum(int((cg / f).read_text()) for f in ("memory.failcnt", "memory.memsw.failcnt") if (cg / f).exists())
+            counters = [cg / f for f in ("memory.failcnt", "memory.memsw.failcnt")]
+            hit = sum(int(f.read_text()) for f in counters if f.exists())
         return {"rc": rc, "out": out, "base": base, "cap": cap, "peak": peak, "hit_cap": hit}
     finally:
         if child.poll() is None:
@@ -272,9 +274,10 @@ def test_under_a_real_memory_cap(packed):
         drop_cache(store)
         control = run_capped(cg, version, store, ck, buffered=True)
         assert control["rc"] == 0, f"the buffered control died (rc {control['rc']}): {control['out']}"
-        assert reached_cap(control), f"the buffered control never reached the cap, so the test proves nothing: {control}"
+        assert reached_cap(control), f"the buffered control never reached the cap: the test proves nothing: {control}"
         grow = "?" if direct["peak"] is None else f"{(direct['peak'] - direct['base']) / MIB:.1f}"
-        print(f"\ncgroup {version} cap = base + {(direct['cap'] - direct['base']) / MIB:.1f} MiB: O_DIRECT run peaked at "
+        cap = (direct["cap"] - direct["base"]) / MIB
+        print(f"\ncgroup {version} cap = base + {cap:.1f} MiB: O_DIRECT run peaked at "
               f"base + {grow} MiB, never at the cap; the buffered control ran into it")
     finally:
         for _ in range(50):

@@ -6,8 +6,9 @@ its read times out at once), and a stalled read, when finally let go, writes its
 given, as a late O_DIRECT read would. Copies between tiers are deferred on two streams (tests/test_tiers_props.py).
 A failed read leaves garbage in its buffer, and so does a read that completes after a wait on it timed out (the
 tier must have given that slot up). So a read marked resident before it landed, a slot reused under a read still
-writing into it, or a failed read taken for data, each leave wrong bytes where the checks look. After every step: the tier rules, exclusivity,
-every readable expert equal to its store record, the arena within budget, faults only on records made to fail.
+writing into it, or a failed read taken for data, each leave wrong bytes where the checks look. After every step:
+the tier rules, exclusivity, every readable expert equal to its store record, the arena within budget, faults
+only on records made to fail.
 """
 
 from __future__ import annotations

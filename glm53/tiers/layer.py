@@ -91,9 +91,10 @@ def tiered_moe(
     Per picked expert: VRAM hit -> compute from its slot; in RAM -> `lane_for` says "cpu" (compute from the RAM
     arena in place) or "pcie" (admit into a slot when the policy agrees, else stream through staging); only in
     the store -> read into RAM first, then as RAM (with a store source attached, every such read of the step is
-    in flight before the first wait, and a prefetch still in flight counts as a store pick). All of the step's admissions are issued before any compute
-    so their copies overlap. observe=False keeps the picks from the policy (they still count in stats);
-    admit=False streams every PCIe miss: prefill uses both, so it never evicts the decode hot set.
+    in flight before the first wait, and a prefetch still in flight counts as a store pick). All of the step's
+    admissions are issued before any compute so their copies overlap. observe=False keeps the picks from the policy
+    (they still count in stats); admit=False streams every PCIe miss: prefill uses both, so it never evicts the
+    decode hot set.
     `expert_forward` gets the slot image where it lies: a device tensor (VRAM, staging) or a host tensor (RAM,
     for the CPU lane); it must compute the same function from either.
     """

@@ -83,7 +83,6 @@ class _Read:
     expert: int
     slot: int
     future: Future
-    priority: Priority
     since: float  # the clock its timeout runs from: issue, or demand for a prefetch being waited on
     demanded: bool  # a step waits for it (retried on timeout); else a prefetch or warm-up read (a guess)
     timeouts: int = 0
@@ -355,15 +354,15 @@ class NvmeTier:
             if may_wait and self._wait_oldest(protect):
                 continue
             if self._retired:  # the disk, not the plan: reads given up on still hold the slots
-                err = StoreReadError(f"store {self.path}: {self._where((layer, e))} cannot be read: {len(self._retired)}"
-                                     f" of the RAM tier's {self.tiers.ram.num_slots} slots are held by reads that "
-                                     "stalled (the disk is stalled or failing)", self._fix())
+                err = StoreReadError(f"store {self.path}: {self._where((layer, e))} cannot be read: "
+                                     f"{len(self._retired)} of the RAM tier's {self.tiers.ram.num_slots} slots are "
+                                     "held by reads that stalled (the disk is stalled or failing)", self._fix())
                 self._fault((layer, e), err)
                 raise err
             raise TierError(f"RAM tier full ({self.tiers.ram.num_slots} slots) of experts in use: cannot read "
                             f"{layer}/{e}")
         fut = self.reader.read(self.store_layers[layer], e, self.arena[slot], priority=priority)
-        r = _Read(layer, e, slot, fut, priority, self.clock(), demanded, timeouts)
+        r = _Read(layer, e, slot, fut, self.clock(), demanded, timeouts)
         with self._lock:
             self._reads[(layer, e)] = r
         self.stats.add_nvme(kind or ("reads" if demanded else "prefetch_reads"))

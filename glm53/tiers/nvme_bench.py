@@ -93,11 +93,12 @@ class NvmeBenchResult:
 
     def render(self) -> str:
         raw = statistics.median(self.raw)
-        lines = [self.header, f"  raw O_DIRECT random records               {raw / 1e9:7.2f} GB/s (median of {len(self.raw)})"]
+        lines = [self.header,
+                 f"  raw O_DIRECT random records               {raw / 1e9:7.2f} GB/s (median of {len(self.raw)})"]
         stream = statistics.median(self.stream)
         pairs = statistics.median(s / r for s, r in zip(self.stream, self.raw, strict=True))
-        lines.append(f"  tier demand reads of the same records     {stream / 1e9:7.2f} GB/s  {pairs:5.2f} x raw (median "
-                     "of per-round ratios)")
+        lines.append(f"  tier demand reads of the same records     {stream / 1e9:7.2f} GB/s  {pairs:5.2f} x raw "
+                     "(median of per-round ratios)")
         off = self.of("off")
         picks = {k: sum(w.picks[k] for w in off) for k in ("vram_hit", "cpu", "nvme")}
         total = sum(picks.values())

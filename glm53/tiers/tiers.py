@@ -234,7 +234,8 @@ class ExpertTiers:
             raise TierError(f"expert {layer}/{expert} is {Where(self.where[layer, expert]).name}, not STORE")
         r = self.begin_read(layer, expert, protect)
         if r is None:
-            raise TierError(f"RAM tier full ({self.ram.num_slots} slots) of experts in use: cannot read {layer}/{expert}")
+            raise TierError(f"RAM tier full ({self.ram.num_slots} slots) of experts in use: cannot read "
+                            f"{layer}/{expert}")
         try:
             self.fetch(layer, expert, self.ram.flat(r))
         except BaseException:
