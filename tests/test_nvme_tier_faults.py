@@ -196,3 +196,23 @@ def test_errors_are_store_errors_the_server_can_catch(tier, direct, monkeypatch)
         step(tier, direct, 1, [BAD[1]])
     assert tier.tiers.where[BAD] == Where.STORE
     tier.check_invariants()
+
+
+def test_a_record_that_fails_at_warm_up_is_a_fault_not_a_failed_start(packed, monkeypatch):
+    ck, store = packed
+    from glm53.tiers import save_routing_stats
+    from glm53.tiers.nvme import model_key
+    from store.format import read_header
+
+    counts = np.ones((2, EXPERTS))
+    counts[BAD] = 100.0  # the bad record is the hottest of its layer: warm-up reads it first
+    stats = ck.parent / "routing-faulty.json"
+    save_routing_stats(stats, counts, model_key(read_header(store)))
+    real = R.pread_into
+    offset = read_header(store).entry(2, BAD[1]).offset
+    monkeypatch.setattr(R, "pread_into", lambda fd, view, off: eio(0, real, fd, view, off) if off == offset
+                        else real(fd, view, off))
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 4, 0), stats_path=stats) as tier:
+        assert tier.tiers.where[BAD] == Where.STORE and (tier.tiers.where == Where.RAM).sum() == EXPERTS + 4 - 1
+        assert tier.health()["faults"][0]["expert"] == BAD[1]
+        tier.check_invariants()

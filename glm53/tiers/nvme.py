@@ -5,7 +5,8 @@ The arena is one block of 4 KiB-aligned rows, one per record (pinned where CUDA 
 the very bytes that the CPU lane computes on and that the copy engines take to VRAM: no bounce, no second copy.
 
 Reads run on the StoreReader's threads; everything else (claiming a slot, landing, dropping) happens on the thread
-that owns the tiers, so the tier state needs no lock. A read's expert is FROM_STORE while it is in flight and
+that owns the tiers, so the tier state needs no lock (only what health() reads from the server's thread has one).
+A read's expert is FROM_STORE while it is in flight and
 becomes RAM only when the reader says its bytes are there and pass their xxh3 check (`ExpertTiers.land_read`).
 
   demand    the step's store misses, all queued at once at demand priority, then waited for one by one;
@@ -259,32 +260,34 @@ class NvmeTier:
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
-    def warm(self, counts: np.ndarray | None) -> dict:
+    def warm(self, counts: np.ndarray | None, depth: int = 16) -> dict:
         """Place experts from saved routing statistics: each layer's most-picked in VRAM, the next best across
         layers in RAM (only experts that were picked at all: without statistics RAM fills by demand). VRAM loads
-        read ahead through a few bounce rows; RAM reads land in their slots, all in flight together. A record
-        that cannot be read is left in the store and kept as a fault; start-up goes on."""
+        read ahead through a few bounce rows; RAM reads land in their slots, `depth` in flight (a deeper queue would
+        only make its tail look stalled). A record that cannot be read is left in the store and kept as a fault;
+        start-up goes on."""
         t0 = time.perf_counter()
         counts = None if counts is None else np.asarray(counts, np.float64)
         zeros = np.zeros((self.num_layers, self.num_experts))
         vram_order = [(layer, int(e)) for layer, vl in enumerate(self.tiers.vram)
                       for e in hot_order((zeros if counts is None else counts)[layer])[: vl.num_slots]]
-        ahead = _ReadAhead(self, vram_order, depth=8)
+        ahead = _ReadAhead(self, vram_order, depth=depth)
         try:
             self.tiers.populate(ahead, counts, fill_ram=False)
         finally:
             ahead.close()
         ram_order = [] if counts is None else [k for k in self.tiers.warm_ram_order(counts) if counts[k] > 0]
-        issued = []
-        for layer, e in ram_order[: self.tiers.ram.free_count()]:
-            self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False, kind="warm_reads")
-            issued.append((layer, e))
-        failed = 0
-        for layer, e in issued:
-            r = self._reads.get((layer, e))
-            if r is not None and self._await(r, None) is not None:
-                failed += 1
-        return {"vram": len(vram_order), "ram": len(issued) - failed, "failed": failed,
+        issued = ram_order[: self.tiers.ram.free_count()]
+        queue: deque[_Read] = deque()
+        for i, (layer, e) in enumerate(issued):
+            queue.append(self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False,
+                                     kind="warm_reads"))
+            while queue and (len(queue) >= depth or i == len(issued) - 1):
+                r = queue.popleft()
+                if self._reads.get((r.layer, r.expert)) is r:  # not landed by a poll meanwhile
+                    self._await(r, None)
+        landed = sum(self.tiers.where[k] == Where.RAM for k in issued)
+        return {"vram": len(vram_order), "ram": int(landed), "failed": len(issued) - int(landed),
                 "seconds": round(time.perf_counter() - t0, 3)}
 
     def save_routing_stats(self, path: str | Path, steps: int = 0) -> None:
