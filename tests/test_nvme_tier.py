@@ -303,3 +303,15 @@ def test_bench_nvme_runs_and_prints_ratios(packed, tmp_path):
         assert what in text, what
     assert len(res.windows) == 3 and all(w.tokens == 6 for w in res.windows)
     assert store.exists() and ck.exists(), "the bench removed files it did not make"
+
+
+def test_the_engine_can_fix_vram_slots_and_hand_in_its_slot_tensors(packed):
+    ck, store = packed
+    from glm53.tiers.nvme import slot_layout
+
+    layout = slot_layout(read_header(store), [1, 2])
+    arenas = [torch.zeros((s, layout.nbytes), dtype=torch.uint8) for s in (3, 1)]
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 4), vram_slots=[3, 1], vram_storage=arenas) as tier:
+        assert [v.num_slots for v in tier.tiers.vram] == [3, 1]
+        assert all(v.storage.data_ptr() == a.data_ptr() for v, a in zip(tier.tiers.vram, arenas, strict=True))
+        check_bytes(tier, store)

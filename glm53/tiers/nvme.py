@@ -106,11 +106,13 @@ class NvmeTier:
         timeout_retries: int = 1,
         window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        vram_storage: Sequence[torch.Tensor] | None = None,
     ):
         """reader: a StoreReader (or anything with its read/header/path/max_extent). layers: the store's layer
         number of each tier layer index (default: every layer in the store, ascending). ram_slots: the RAM arena
         in records of `reader.max_extent` bytes; the caller sizes it from the plan. window: prefetched records
-        outstanding at most (default two layers' worth of top-8 picks, as the plan's staging)."""
+        outstanding at most (default two layers' worth of top-8 picks, as the plan's staging). vram_storage:
+        per-layer (slots, nbytes) device tensors to adopt (the engine's slot arenas under exllamav3)."""
         self.reader = reader
         header = reader.header
         self.store_layers = list(layers) if layers is not None else sorted({e.layer for e in header.entries})
@@ -128,6 +130,7 @@ class NvmeTier:
         self.tiers = ExpertTiers(
             self.layout, num_experts, vram_slots, ram_slots, keep_all=False, device=device, pin=pin,
             policy_factory=policy_factory, fetch=self._read_sync, copier=copier, ram_storage=storage,
+            vram_storage=vram_storage,
         )
         self.tiers.store = self
         self.stats = self.tiers.stats
@@ -578,10 +581,14 @@ def open_nvme_tier(
     pin: bool | None = None,
     policy_factory: Callable[[int], Policy] = ScoredPolicy,
     warm: bool = True,
+    vram_slots: Sequence[int] | None = None,
+    vram_storage: Sequence[torch.Tensor] | None = None,
 ) -> NvmeTier:
     """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
     statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
-    store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small."""
+    store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
+    slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
+    vram_storage: the engine's per-layer slot tensors to adopt."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
     store_path, model_dir = Path(store_path), Path(model_dir)
@@ -602,11 +609,12 @@ def open_nvme_tier(
             counts, why = load_routing_stats(stats_path, model_key(header), len(layers), num_experts)
         log.info("nvme tier: %s", why)
         basis = np.zeros((len(layers), num_experts)) if counts is None else counts
-        vram = split_budget(basis, min(int(plan.vram_slots), len(layers) * num_experts))
+        vram = (np.asarray(vram_slots, np.int64) if vram_slots is not None
+                else split_budget(basis, min(int(plan.vram_slots), len(layers) * num_experts)))
         ram = ram_slots_for(plan, reader.max_extent, len(layers), num_experts, int(vram.sum()))
         tier = NvmeTier(reader, num_experts, vram.tolist(), ram, layers=layers,
                         device=plan.device if device is None else device, pin=pin, policy_factory=policy_factory,
-                        timeout_s=timeout_s)
+                        timeout_s=timeout_s, vram_storage=vram_storage)
     except BaseException:
         reader.close()
         raise
