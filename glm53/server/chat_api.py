@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.chat import (
@@ -22,7 +22,6 @@ from glm53.server.chat import (
     tool_param_types,
 )
 from glm53.server.common import (
-    ClientGone,
     Job,
     ServerState,
     check_model,
@@ -32,14 +31,14 @@ from glm53.server.common import (
     grammar_for,
     open_runs,
     resolve_max_tokens,
+    respond,
     sampling_params,
     stream_usage_requested,
-    unless_disconnected,
 )
 from glm53.server.errors import bad_request
 from glm53.server.generation import Tally, TokenLogprob, choice_steps
 from glm53.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, SSEResponse, frame, merge, with_keepalive
+from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_keepalive
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -285,10 +284,5 @@ async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, An
 async def chat_completions(state: ServerState, request: Request, req: ChatCompletionRequest) -> Response:
     job = Job(state, "chatcmpl")
     plan = await plan_chat(state, req, job)
-    if req.stream:
-        return SSEResponse(stream_frames(state, plan, job), on_disconnect=job.client_gone)
-    try:
-        body = await unless_disconnected(request, _collect(state, plan, job), job)
-    except ClientGone:
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return await respond(request, job, bool(req.stream), lambda: stream_frames(state, plan, job),
+                         lambda: _collect(state, plan, job))

@@ -7,18 +7,19 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
 from glm53.server.metrics import Metrics
 from glm53.server.protocol import ResponseFormat, SamplingFields
-from glm53.server.sse import wait_for_disconnect
+from glm53.server.sse import SSEResponse, wait_for_disconnect
 
 T = TypeVar("T")
 PING_INTERVAL_S = 3.0
@@ -204,6 +205,18 @@ async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) ->
     if task.cancelled():
         raise ClientGone()
     return task.result()
+
+
+async def respond(request: Request, job: Job, stream: bool, frames: Callable[[], AsyncIterator[bytes]],
+                  collect: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
+    """The reply of a completion route: an SSE stream, or the collected body unless the client left first."""
+    if stream:
+        return SSEResponse(frames(), on_disconnect=job.client_gone)
+    try:
+        body = await unless_disconnected(request, collect(), job)
+    except ClientGone:
+        return Response(status_code=499)
+    return JSONResponse(body)
 
 
 def stream_usage_requested(req: SamplingFields) -> bool:
