@@ -16,7 +16,9 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -192,15 +194,22 @@ def dd_direct(path: Path, block_mib: int = 9) -> float | None:
     return int(m.group(1)) / dt if proc.returncode == 0 and m else None
 
 
-def run_bench(opts: BenchOptions, log=print) -> BenchResult:
-    opts.workdir.mkdir(parents=True, exist_ok=True)
+@contextmanager
+def scratch(workdir: Path, keep: bool) -> Iterator[list[Path]]:
+    """A list a benchmark appends the files and folders it makes to; they are removed afterwards unless `keep`."""
+    workdir.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []
     try:
-        return _run(opts, log, made)
+        yield made
     finally:
-        if not opts.keep:
+        if not keep:
             for p in made:
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+
+
+def run_bench(opts: BenchOptions, log=print) -> BenchResult:
+    with scratch(opts.workdir, opts.keep) as made:
+        return _run(opts, log, made)
 
 
 def _run(opts: BenchOptions, log, made: list[Path]) -> BenchResult:

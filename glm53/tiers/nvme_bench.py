@@ -324,14 +324,10 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
 
 
 def run_bench(opts: NvmeBenchOptions, log=print) -> NvmeBenchResult:
-    opts.workdir.mkdir(parents=True, exist_ok=True)
-    made: list[Path] = []
-    try:
+    from store.bench import scratch
+
+    with scratch(opts.workdir, opts.keep) as made:
         return _run(opts, log, made)
-    finally:
-        if not opts.keep:
-            for p in made:
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def _run(opts: NvmeBenchOptions, log, made: list[Path]) -> NvmeBenchResult:
