@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from glm53.tiers import ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
+from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
 
 HIDDEN, INTER, LIMIT = 16, 8, 10.0
 LAYOUT = SlotLayout.packed([("gate", torch.float16, (HIDDEN, INTER)), ("up", torch.float16, (HIDDEN, INTER)),
@@ -149,6 +149,50 @@ def test_nvme_mode_reads_the_store() -> None:
     r = tiered_moe(tiers, 1, x, ids, w, swiglu, lane_for=lambda lay, e: "cpu")
     assert torch.equal(r.y, direct_moe(x, ids, w, lambda e: experts[1, e], swiglu))
     assert r.picks["nvme"] >= 2 and tiers.stats.snapshot()["ram_drops"] >= 1
+    tiers.check_invariants()
+    check_contents(tiers, experts)
+
+
+class HeldTicket:
+    """A copy that lands only when someone waits for it (a slow copy engine, seen from the host)."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
+        self.dst, self.src, self.landed = dst, src.clone(), False
+
+    def done(self) -> bool:
+        return self.landed
+
+    def wait(self) -> None:
+        if not self.landed:
+            self.dst.copy_(self.src)
+            self.landed = True
+
+
+class HeldCopier(Copier):
+    def __init__(self):
+        super().__init__("cpu")
+
+    def copy(self, dst, src, after=None):
+        if after is not None:
+            after.wait()
+        return HeldTicket(dst, src)
+
+
+def test_nvme_mode_ram_full_of_write_backs() -> None:
+    """Evictions only ever add write-backs: with RAM full of them (none landed), a further eviction and a store
+    read must still find room by letting the oldest land and dropping it (found by the property test in CI)."""
+    experts = make_experts(2, 6, 5)
+    tiers = build(experts, [5, 3], keep_all=False, ram_slots=7, copier=HeldCopier())
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
+    for layer, e in [(1, 0), (1, 1), (1, 2), (0, 4), (0, 0), (0, 1), (0, 2)]:
+        tiers.evict(layer, e)
+    assert tiers.ram.free_count() == 0 and not (tiers.where == Where.RAM).any()
+    tiers.evict(0, 3)
+    ids, w = np.array([[0, 3]]), torch.rand(1, 2)
+    x = torch.randn(1, HIDDEN)
+    r = tiered_moe(tiers, 1, x, ids, w, swiglu, lane_for=lambda lay, e: "cpu", admit=False)
+    assert torch.equal(r.y, direct_moe(x, ids, w, lambda e: experts[1, e], swiglu))
+    tiers.settle_all()
     tiers.check_invariants()
     check_contents(tiers, experts)
 

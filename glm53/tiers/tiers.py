@@ -374,10 +374,12 @@ class ExpertTiers:
         while self.ram.free_count() == 0:
             if not self.keep_all and self._drop_weakest(layer, protect):
                 continue
-            fills = [key for key, mv in self._moves.items() if mv.to_vram]
-            if not fills:
+            # A landed fill frees its RAM source; in the nvme modes a landed write-back becomes a droppable RAM
+            # expert (RAM full of write-backs in flight is reachable: evictions only ever add them).
+            waitable = [key for key, mv in self._moves.items() if mv.to_vram or not self.keep_all]
+            if not waitable:
                 return False
-            self.stats.add_wait("pcie", self.settle(*fills[0]))
+            self.stats.add_wait("pcie", self.settle(*waitable[0]))
         return True
 
     def _drop_weakest(self, layer: int, protect: np.ndarray | None) -> bool:
