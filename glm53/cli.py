@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "glm53.engine.bench",    # bench decode
     "glm53.tiers.nvme_bench",  # bench nvme
     "glm53.cpu_lane.bench",  # bench cpu-lane
+    "glm53.engine.lookahead_probe",  # bench lookahead
 )
 
 

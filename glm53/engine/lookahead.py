@@ -1,0 +1,105 @@
+"""Next-layer router lookahead: guess layer l+1's expert picks from layer l's MoE input, to prefetch them.
+
+The residual stream changes little from one layer to the next, so running layer l's router input through
+layer l+1's router gives most of layer l+1's picks one layer early: enough lead time to start their
+RAM -> VRAM (or NVMe -> RAM) copies while layer l's experts run. `RecallMeter` keeps score of how often the
+guess is right. Pure torch: it runs on the serving path and in the CPU tests alike.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()  # a selection, never differentiated; router weights are Parameters that would record a graph
+def predict_topk(
+    z: torch.Tensor,
+    router_weight: torch.Tensor,
+    bias: torch.Tensor,
+    top_k: int,
+    *,
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> torch.Tensor:
+    """The expert ids a GLM-5 / DeepSeek-V3 `noaux_tc` router picks for rows `z`: (tokens, top_k) int64.
+
+    Same selection as transformers' Glm5NextTextTopkRouter / DeepseekV3TopkRouter: fp32 logits, sigmoid,
+    `e_score_correction_bias` added (it steers selection only; the gate weights use the unbiased scores, so
+    `norm_topk_prob` and `routed_scaling_factor` never change which ids win), then, with groups, only the
+    `topk_group` groups whose two best biased scores sum highest stay eligible. Ids come best first (the
+    transformers gate returns them unsorted), so a caller prefetching less than top_k takes a prefix.
+    """
+    # fp32 as the gate does: bf16 logits would reorder near-ties that the real router resolves in fp32.
+    logits = F.linear(z.reshape(-1, z.shape[-1]).float(), router_weight.float())
+    scores = logits.sigmoid() + bias.float()
+    if n_group > 1:
+        grouped = scores.unflatten(-1, (n_group, -1))
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # two best per group, as DeepSeek-V3 ranks them
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(-1, group_scores.topk(topk_group, dim=-1).indices, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+    return scores.topk(top_k, dim=-1).indices
+
+
+def _as_ids(x: Any) -> torch.Tensor:
+    return torch.atleast_2d(torch.as_tensor(x)).long()  # a 1-D list is one row
+
+
+class RecallMeter:
+    """Per layer: how many of the experts actually picked were predicted.
+
+    Row recall = sum over token rows of |pred ∩ actual| / sum of |actual|: what a per-token prefetch would
+    have had ready. Expert recall takes each `update` as one step and compares distinct experts: what a
+    per-step prefetch (one copy per expert, however many rows want it) would have had ready. Both are pooled
+    over all updates (hit and total counts), so long steps weigh more than short ones.
+    """
+
+    def __init__(self) -> None:
+        # The engine thread updates while the server thread snapshots for /stats.
+        self._lock = threading.Lock()
+        self._layers: dict[int, list[int]] = {}
+
+    def update(self, layer: int, predicted: Any, actual: Any) -> None:
+        """One step of `layer`: predicted (rows, any k) and actual (rows, top_k) expert ids, row for row."""
+        pred, act = _as_ids(predicted), _as_ids(actual)
+        if pred.shape[0] != act.shape[0]:
+            raise ValueError(f"predicted has {pred.shape[0]} rows, actual {act.shape[0]}")
+        # A router never picks an expert twice for one row, so counting matches per actual id is |pred ∩ actual|.
+        row_hits = int((act.unsqueeze(-1) == pred.unsqueeze(-2)).any(-1).sum())
+        act_u = act.unique()
+        step_hits = int(torch.isin(act_u, pred.unique()).sum())
+        with self._lock:
+            c = self._layers.setdefault(int(layer), [0, 0, 0, 0, 0])
+            c[0] += row_hits
+            c[1] += act.numel()
+            c[2] += step_hits
+            c[3] += act_u.numel()
+            c[4] += 1
+
+    def snapshot(self) -> dict:
+        """{"layers": {layer: {recall, expert_recall, picks, steps}}, "recall", "expert_recall"} (means over layers)."""
+        with self._lock:
+            counts = {layer: list(c) for layer, c in sorted(self._layers.items())}
+        layers = {
+            layer: {
+                "recall": hits / total if total else None,
+                "expert_recall": s_hits / s_total if s_total else None,
+                "picks": total,
+                "steps": steps,
+            }
+            for layer, (hits, total, s_hits, s_total, steps) in counts.items()
+        }
+
+        def mean(key: str) -> float | None:
+            vals = [v[key] for v in layers.values() if v[key] is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        return {"layers": layers, "recall": mean("recall"), "expert_recall": mean("expert_recall")}
+
+    def reset(self) -> None:
+        with self._lock:
+            self._layers.clear()

@@ -1,0 +1,99 @@
+"""Next-layer router lookahead: predict_topk against transformers' own gates, RecallMeter's sums, the fixture's recall."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from glm53.engine.lookahead import RecallMeter, predict_topk
+
+ROUTERS = [
+    ("glm5_next", "Glm5NextTextConfig", "Glm5NextTextTopkRouter"),
+    ("deepseek_v3", "DeepseekV3Config", "DeepseekV3TopkRouter"),
+]
+
+
+@pytest.mark.parametrize("family,config_cls,router_cls", ROUTERS)
+@pytest.mark.parametrize("experts,top_k,n_group,topk_group", [(8, 2, 1, 1), (64, 6, 8, 3), (32, 4, 4, 1)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_predict_topk_matches_the_transformers_gate(family, config_cls, router_cls, experts, top_k, n_group,
+                                                    topk_group, seed) -> None:
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cfg = getattr(importlib.import_module("transformers"), config_cls)(
+        hidden_size=48, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+    )
+    gen = torch.Generator().manual_seed(seed)
+    router = getattr(module, router_cls)(cfg)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        # A bias on the sigmoid scale, so it reorders picks (and groups) as the trained correction bias does.
+        router.e_score_correction_bias.copy_(torch.rand(experts, generator=gen) * 0.5)
+        z = torch.randn(3, 17, 48, generator=gen).to(torch.bfloat16)  # the gate's input dtype in the model
+        _, _, actual = router(z)
+    pred = predict_topk(z, router.weight, router.e_score_correction_bias, top_k, n_group=n_group,
+                        topk_group=topk_group)
+    assert pred.dtype == torch.int64 and pred.shape == (51, top_k)
+    assert torch.equal(pred.sort(-1).values, actual.sort(-1).values)
+
+
+def test_predict_topk_returns_best_first_and_honours_the_bias() -> None:
+    w = torch.eye(4)
+    z = torch.tensor([[4.0, 3.0, 2.0, 1.0]])
+    assert predict_topk(z, w, torch.zeros(4), 3).tolist() == [[0, 1, 2]]
+    # The bias is added to sigmoid scores, not logits: sigmoid(1) + 0.3 beats sigmoid(4); 1 + 0.3 would not.
+    assert predict_topk(z, w, torch.tensor([0.0, 0.0, 0.0, 0.3]), 2).tolist() == [[3, 0]]
+
+
+def test_recall_meter_arithmetic() -> None:
+    m = RecallMeter()
+    # Row recall: row 0 hits 1 of 2, row 1 hits 2 of 2 -> 3/4. Step: actual {1,2,3,4}, predicted {1,3,4,5} -> 3/4.
+    m.update(5, [[1, 5], [3, 4]], [[1, 2], [4, 3]])
+    # Expert recall differs from row recall: row 0 misses 2, row 1 predicted it -> rows 1/2, distinct experts 1/1.
+    m.update(5, [[7], [2]], [[2], [2]])
+    m.update(6, torch.tensor([[0, 1, 2, 3]]), torch.tensor([[3, 9]]))  # a wider guess: 1 of 2
+    snap = m.snapshot()
+    l5, l6 = snap["layers"][5], snap["layers"][6]
+    assert l5["recall"] == pytest.approx(4 / 6) and l5["picks"] == 6 and l5["steps"] == 2
+    assert l5["expert_recall"] == pytest.approx(4 / 5)
+    assert l6["recall"] == 0.5 and l6["expert_recall"] == 0.5
+    assert snap["recall"] == pytest.approx((4 / 6 + 0.5) / 2)
+    assert snap["expert_recall"] == pytest.approx((4 / 5 + 0.5) / 2)
+    with pytest.raises(ValueError):
+        m.update(5, [[1, 2]], [[1, 2], [3, 4]])
+    m.reset()
+    assert m.snapshot() == {"layers": {}, "recall": None, "expert_recall": None}
+
+
+@pytest.fixture(scope="module")
+def fixture_model(hf_model_dir: Path):
+    from glm53.engine.lookahead_probe import load_model
+
+    return load_model(hf_model_dir)
+
+
+def test_fixture_recall_self_exact_and_lookahead_above_chance(fixture_model) -> None:
+    from glm53.engine.lookahead_probe import measure_recall
+
+    ids = torch.randint(0, fixture_model.config.get_text_config().vocab_size, (1, 96),
+                        generator=torch.Generator().manual_seed(0))
+    doc = measure_recall(fixture_model, ids)
+    ahead = doc["lookahead"]
+    print("\nlookahead recall per layer: "
+          + ", ".join(f"{v['source']}->{t} {v['recall']:.3f}" for t, v in ahead["layers"].items())
+          + f"; mean {ahead['recall']:.3f}; chance {doc['chance']:.3f}")
+    # Each layer's own input through its own router is the gate's computation: the hooks and predict_topk agree.
+    assert doc["self"]["recall"] == 1.0 and all(v["recall"] == 1.0 for v in doc["self"]["layers"].values())
+    assert doc["rows"] == 96 and doc["chance"] == doc["top_k"] / doc["experts"]
+    assert len(ahead["layers"]) >= 2
+    assert all(v["recall"] > doc["chance"] for v in ahead["layers"].values())
+
+
+def test_bench_command(hf_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from glm53.cli import main
+
+    assert main(["bench", "lookahead", "--model", str(hf_model_dir), "--tokens", "24", "--predict-k", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "1 -> 2" in out and "chance 0.375" in out
