@@ -16,7 +16,11 @@ How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
   it right after routing and before any expert kernel (the stock CPU-split seam). The hook reads the picks,
   makes every picked expert readable on the GPU (VRAM hit; admission into a slot; or a copy into a staging
   slot), and rewrites the router ids IN PLACE into slot ids (the bsz-1 routing buffers live at fixed addresses).
-  It returns no CPU partial, so the stock `cpu_split_combine` is the identity.
+  In exact modes it returns no CPU partial, so the combine is the stock identity. With a CPU lane (fast, nvme),
+  the picks it computes get a masked slot id (exact zeros on the GPU) and the seam returns a pending ticket; the
+  instance's `cpu_split_combine`, called after the GPU kernels are queued, adds the lane's partial.
+- With lookahead on, each decode step also queues the next MoE layer's router on this step's input, so the
+  next layer's likely experts start moving (nvme reads, admissions) while this layer computes.
 - `_split_saved` holds the original lists, so stock `cpu_unload()` (called by `unload()`) restores the module.
 
 Why this is bit-identical to stock exllamav3 with every expert in VRAM: the stock kernels run on the same
@@ -24,7 +28,7 @@ inputs, with every pick's weights byte-identical (raw checkpoint bytes, copied w
 k order (the fused decode kernel and the prefill gather both reduce in k order; slot ids only change which
 pointer a pick reads and how picks of one expert are grouped, which is a bijective relabelling per step).
 
-Nothing here decides placement: glm53.tiers does (ExpertTiers, policy, stats). Only the host marks an expert
+Nothing here decides placement: glm53.engine.moe_step and glm53.tiers do (MoeStepper, ExpertTiers, policy). Only the host marks an expert
 resident, after its copy's ticket says the bytes landed (ExpertTiers.settle / poll).
 """
 
@@ -33,6 +37,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import logging
 import os
 import struct
 import threading
@@ -44,6 +49,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from glm53.engine.moe_step import MoeStepper
+
+log = logging.getLogger("glm53.engine")
 
 SUPPORTED_VERSION = "1.6.5"
 PROJECTIONS = ("gate", "up", "down")
@@ -87,7 +96,11 @@ CONTRACT: tuple[Hook, ...] = (
     Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "cpu_unload",
          "restores the expert lists from _split_saved on unload", "self._split_saved"),
     Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "cpu_split_combine",
-         "the stock combine (identity for a None partial)"),
+         "the stock combine (identity for a None partial); replaced per instance to add the CPU lane's partial"),
+    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
+         "the torch expert path we mirror to recompute a CPU-lane job on the GPU", "self.activation_fn_call(g, u, a"),
+    Hook("exllamav3.modules.block_sparse_mlp_routing", "RoutingCFG",
+         "gate_tensor (hidden, experts) and e_score_correction_bias: the next layer's router, run ahead"),
     Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "_cpu_init_state",
          "initialises cpu_split_first / _split_map to None"),
     Hook("exllamav3.modules.linear:Linear", "load", "replaced per slot Linear: builds LinearEXL3 on arena views"),
@@ -99,6 +112,9 @@ CONTRACT: tuple[Hook, ...] = (
     Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mul1_mult", "mul1 codebook marker value"),
     Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mcg_mult", "mcg codebook marker value"),
 )
+
+ROUTING_FIELDS = ("gate_tensor", "e_score_correction_bias", "num_experts_per_tok")
+LANE_TAG = "glm53-cpu-lane"  # marks our cpu_pending: (LANE_TAG, LaneTicket, rows)
 
 # LinearEXL3's positional parameters, in order: the slot loader passes them by position like the stock loader.
 LINEAR_EXL3_PARAMS = ("config", "in_features", "out_features", "scale", "su", "sv", "suh", "svh", "trellis", "mcg",
@@ -154,6 +170,12 @@ def check_contract(importer: Callable[[str], Any] | None = None, version: str | 
     if params != LINEAR_EXL3_PARAMS:
         raise Exl3ContractError(f"exllamav3 {version}: LinearEXL3.__init__ takes {params}, expected "
                                 f"{LINEAR_EXL3_PARAMS}; {where}")
+    fields = getattr(_resolve("exllamav3.modules.block_sparse_mlp_routing:RoutingCFG", importer),
+                     "__dataclass_fields__", {})
+    for name in ROUTING_FIELDS:
+        if name not in fields:
+            raise Exl3ContractError(f"exllamav3 {version}: RoutingCFG has no field {name!r} (needed: the router "
+                                    f"lookahead); {where}")
     bsz = _resolve("exllamav3.modules.block_sparse_mlp", importer).MAX_BSZN
     if bsz != MAX_BSZN:
         raise Exl3ContractError(f"exllamav3 {version}: MAX_BSZN is {bsz}, expected {MAX_BSZN}; {where}")
@@ -166,23 +188,6 @@ def moe_modules(model: Any) -> list:
     from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
 
     return [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
-
-
-def translate(ids: np.ndarray, slot_of: np.ndarray, staged: Sequence[int], staging_base: int) -> np.ndarray:
-    """Router ids -> slot ids: a resident expert's cache slot, else `staging_base + i` for staged[i].
-
-    slot_of: int (num_experts,), the landed cache slot of each expert or -1. Raises Exl3TierError if a pick
-    is neither resident nor staged (that pick would silently contribute zero: never allowed)."""
-    lut = np.asarray(slot_of, np.int64).copy()
-    for i, e in enumerate(staged):
-        if lut[e] >= 0:
-            raise Exl3TierError(f"expert {e} is both resident (slot {lut[e]}) and staged")
-        lut[e] = staging_base + i
-    out = lut[np.asarray(ids, np.int64)]
-    if out.size and out.min() < 0:
-        missing = sorted(set(np.asarray(ids)[out < 0].tolist()))
-        raise Exl3TierError(f"experts {missing} are picked but neither resident nor staged")
-    return out
 
 
 def staging_needed(rows: int, top_k: int, num_experts: int) -> int:
@@ -275,14 +280,20 @@ class _Layer:
     slot_linears: tuple[list, list, list] | None = None
     ids_host: Any = None  # pinned int64: the step's router ids
     out_host: Any = None  # pinned int64: the step's slot ids
+    x_host: Any = None  # pinned fp16 (MAX_BSZN, hidden): a decode step's input, for the CPU lane
+    w_host: Any = None  # pinned fp16 (MAX_BSZN, top_k): its routing weights
+    next_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the next layer's predicted picks
 
 
 class TieredMoE:
     """Routed experts of an exllamav3 model in glm53.tiers: S VRAM slots per MoE layer, the rest in the pinned RAM
-    tier, misses over PCIe into admitted or staging slots, computed by exllamav3's own kernels (exact mode).
+    tier (or, with `nvme_open`, in the record store with RAM as its cache), misses over PCIe into admitted or
+    staging slots and computed by exllamav3's own kernels (exact, nvme-exact), or, once `enable_lane` attached a
+    CPU lane, split per decode step between the lane and PCIe by the calibrated planner (fast, nvme). Which tier
+    each pick is read from is decided in glm53.engine.moe_step; this class only connects that to exllamav3.
 
     Lifecycle: construct (after Model.from_config, before load) -> install() -> model.load() -> populate() ->
-    forwards ... -> close() (after model.unload() or before; both orders restore the modules)."""
+    [enable_lane()] -> forwards ... -> close() (after model.unload() or before; both orders restore the modules)."""
 
     def __init__(
         self,
@@ -297,10 +308,15 @@ class TieredMoE:
         policy_factory: Callable[[int], Any] | None = None,
         ram_spare: int | None = None,
         read_threads: int = 8,
+        nvme_open: Callable[[list[int], int], Any] | None = None,
+        lookahead: bool = True,
     ):
         """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
-        num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed."""
+        num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed.
+        nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme.open_nvme_tier with
+        warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
+        step's input and move its predicted experts one layer ahead."""
         import torch
 
         self.model = model
@@ -332,6 +348,11 @@ class TieredMoE:
         self.staging_slots = self.num_experts if staging_slots is None else int(staging_slots)
         if self.staging_slots < self.top_k:
             raise ValueError(f"staging_slots {self.staging_slots} < top_k {self.top_k}: a decode step could not run")
+        # exllamav3 masks ids outside [routing_first, routing_last) only when that interval is not all num_experts
+        # (block_sparse_mlp: "maxe - mine == num_experts" means no split): keep it so, so that a masked pick (the
+        # CPU lane's) can never index past the slot tables.
+        while any(s + self.staging_slots == self.num_experts for s in budgets):
+            self.staging_slots += 1
         self.layers = [
             _Layer(m, [(g.key, u.key, d.key) for g, u, d in zip(m.gates, m.ups, m.downs, strict=True)], s,
                    (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))
@@ -339,11 +360,15 @@ class TieredMoE:
         ]
         self.layout = self._layout()
         self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
+        self.nvme_open = nvme_open
+        self.lookahead = lookahead
         self.tiers: Any = None
+        self.nvme: Any = None
+        self.stepper: MoeStepper | None = None
         self.populated = False
         self._installed = False
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="glm53-expert-read")
-        self.step_time = {"sync": 0.0, "plan": 0.0, "copy_wait": 0.0}
+        self.step_time = {"sync": 0.0}
         self.steps = 0
 
     # ---- set-up -------------------------------------------------------------------------------------------
@@ -393,16 +418,31 @@ class TieredMoE:
         if self._installed:
             raise RuntimeError("install() runs once")
         total = len(self.layers) * self.num_experts
-        in_vram = sum(layer.slots for layer in self.layers)
-        self.tiers = ExpertTiers(
-            self.layout, self.num_experts, [layer.slots for layer in self.layers], total - in_vram + self.ram_spare,
-            keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
-            staging_slots=self.staging_slots, pin=True,
-        )
+        slots = [layer.slots for layer in self.layers]
+        if self.nvme_open is not None:
+            self.nvme = self.nvme_open(slots, self.staging_slots)
+            self.tiers = self.nvme.tiers
+            self._adopt_store_layout(self.nvme.layout)
+        else:
+            self.tiers = ExpertTiers(
+                self.layout, self.num_experts, slots, total - sum(slots) + self.ram_spare,
+                keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
+                staging_slots=self.staging_slots, pin=True,
+            )
         for li, layer in enumerate(self.layers):
             self._shrink(li, layer)
             self._grow(layer, MAX_BSZN * self.top_k)
         self._installed = True
+
+    def _adopt_store_layout(self, store_layout: Any) -> None:
+        """The store's record image must be the checkpoint's slot image field for field (a store packed from this
+        checkpoint is): then a record read from NVMe is copied to VRAM as is."""
+        mine = [(f.name, f.dtype, f.shape, f.offset) for f in self.layout.fields]
+        theirs = [(f.name, f.dtype, f.shape, f.offset) for f in store_layout.fields]
+        if mine != theirs:
+            raise Exl3TierError(f"the store's record layout {theirs} differs from this checkpoint's expert layout "
+                                f"{mine}: the store was packed from another checkpoint (re-run pack-store)")
+        self.layout = store_layout
 
     @staticmethod
     def _grow(layer: _Layer, n: int) -> None:
@@ -447,8 +487,11 @@ class TieredMoE:
         layer.slot_linears = new
 
     def populate(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Place every expert once (VRAM: each layer's hottest by `counts`, else lowest ids; RAM: the rest), then
-        open the seam. Call after model.load()."""
+        """Place every expert once (VRAM: each layer's hottest by `counts`, else lowest ids; RAM: the rest, or in
+        the nvme modes as much as the RAM tier holds, read from the store), then open the seam. Call after
+        model.load()."""
+        import torch
+
         if not self._installed:
             raise RuntimeError("populate() needs install() and model.load() first")
         total = len(self.layers) * self.num_experts
@@ -460,7 +503,13 @@ class TieredMoE:
             if progress is not None and (done[0] % 64 == 0 or done[0] == total):
                 progress(done[0], total)
 
-        self.tiers.populate(load, self.counts)
+        if self.nvme is not None:
+            self.nvme.warm(self.counts)
+        else:
+            self.tiers.populate(load, self.counts)
+        self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
+                                  admit=self.admit, nvme=self.nvme)
+        hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module
             if m.bc is None:
@@ -468,8 +517,46 @@ class TieredMoE:
             m._split_perm = None
             m._split_saved = layer.saved
             m.cpu_split_submit = _seam(self, li)
+            m.cpu_split_combine = _combine(m)
             m.cpu_split_first = m.num_local_experts
+            rows = MAX_BSZN
+            layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=True)
+            layer.w_host = torch.empty((rows, self.top_k), dtype=torch.half, pin_memory=True)
+            layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=True)
         self.populated = True
+
+    def enable_lane(self, lane: Any, fit: Any) -> None:
+        """Attach the CPU lane (fast / nvme modes): from the next decode step on, the planner may give it misses.
+        The lane is closed with this object."""
+        if self.stepper is None:
+            raise RuntimeError("enable_lane() needs populate() first")
+        self.stepper.lane, self.stepper.fit, self.stepper.recompute = lane, fit, self._recompute
+
+    def measure_pcie(self, repeats: int = 3) -> list:
+        """PCIe-lane samples for the planner's calibration: 1, 2, 4 and top_k experts streamed RAM -> staging,
+        each the best of `repeats` (the start-up half of the cost model; live steps refine it)."""
+        from glm53.cpu_lane.planner import PcieSample
+        from glm53.tiers import Where
+
+        tiers = self.tiers
+        ram = [(li, int(e)) for li in range(len(self.layers))
+               for e in np.flatnonzero(tiers.where[li] == Where.RAM)][: max(8, self.top_k)]
+        samples = []
+        for n in sorted({1, 2, 4, self.top_k}):
+            if n > min(len(ram), self.staging_slots):
+                break
+            best = float("inf")
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                last = None
+                for i, (li, e) in enumerate(ram[:n]):
+                    last = tiers.copier.copy(tiers.staging[i], tiers.bytes_of(li, e))
+                last.wait()
+                best = min(best, time.perf_counter() - t0)
+            samples.append(PcieSample((1,) * n, best))
+        if not samples:
+            raise Exl3TierError("no RAM-resident expert to time PCIe copies with (is every expert in VRAM?)")
+        return samples
 
     def _read_expert(self, layer: int, expert: int, out) -> None:
         """The expert's slot image into `out` (contiguous uint8 CPU tensor): raw checkpoint bytes, parallel reads."""
@@ -489,79 +576,83 @@ class TieredMoE:
 
     # ---- the seam -------------------------------------------------------------------------------------------
 
-    def step(self, li: int, y: Any, bsz: int, selected: Any, weights: Any) -> tuple[None, None]:
-        """Called by exllamav3 after layer li's routing: make the picks readable, rewrite ids to slots in place."""
+    def step(self, li: int, y: Any, bsz: int, selected: Any, weights: Any) -> tuple[None, Any]:
+        """Called by exllamav3 after layer li's routing: make the picks readable, rewrite ids to slots in place.
+        Returns exllamav3's (cpu_partial, cpu_pending): (None, (LANE_TAG, ticket, rows)) when the CPU lane computes
+        some picks (our combine adds its partial), else (None, None)."""
         import torch
 
         layer = self.layers[li]
+        stepper = self.stepper
         n = selected.numel()
         if n > layer.ids_host.numel():
             self._grow(layer, n)  # a prefill chunk larger than any before: safe, the stream is synced below
+        decode = bsz <= MAX_BSZN
+        lane = decode and stepper.lane is not None and stepper.lane.alive
+        predict = decode and self.lookahead and li + 1 < len(self.layers)
         t0 = time.perf_counter()
+        stream = torch.cuda.current_stream(selected.device)
         host = layer.ids_host[:n]
         host.copy_(selected.reshape(-1), non_blocking=True)
-        torch.cuda.current_stream(selected.device).synchronize()
+        if lane:  # the lane's input rows and weights cross in the same synchronisation
+            layer.x_host[:bsz].copy_(y.view(bsz, -1), non_blocking=True)
+            layer.w_host[:bsz].copy_(weights.view(bsz, -1), non_blocking=True)
+        if predict:
+            predict = self._predict_next(li + 1, y.view(bsz, -1), layer.next_host[:bsz])
+        stream.synchronize()
         t1 = time.perf_counter()
         ids = host.numpy().reshape(selected.shape).copy()
-        slots = self.resolve(li, ids, decode=bsz <= MAX_BSZN)
+        x = layer.x_host[:bsz].numpy().astype(np.float32) if lane else None
+        w = layer.w_host[:bsz].numpy().astype(np.float32) if lane else None
+        step = stepper.resolve(li, ids, decode, x, w)
+        if predict:
+            stepper.ahead(li + 1, layer.next_host[:bsz].numpy(), busy=step.cpu)
         out = layer.out_host[:n]
-        out.numpy()[:] = slots.reshape(-1)
+        out.numpy()[:] = step.slots.reshape(-1)
         selected.copy_(out.view(selected.shape), non_blocking=True)
         self.step_time["sync"] += t1 - t0
-        self.step_time["plan"] += time.perf_counter() - t1
         self.steps += 1
-        return None, None
+        return None, ((LANE_TAG, step.ticket, bsz) if step.ticket is not None else None)
 
-    def resolve(self, li: int, ids: np.ndarray, decode: bool) -> np.ndarray:
-        """Host side of one layer step: settle, count, then make every pick readable and translate.
+    def _predict_next(self, li: int, y: Any, out: Any) -> bool:
+        """Enqueue layer li's router on this step's input y (bsz, hidden) and a copy of its top-k ids into `out`
+        (pinned). The selection follows GLM's router (sigmoid scores plus the selection bias); the group limit is
+        left out: this is a guess for prefetching, checked against the real picks (stepper.lookahead's recall).
+        Returns False (and turns lookahead off with a log line) when the next layer's router is not reachable."""
+        import torch
 
-        Decode steps (<= MAX_BSZN rows) teach the policy, admit the misses it wants and stream the rest through
-        staging. Prefill steps neither teach nor admit (they must not evict the decode hot set) and stage EVERY
-        picked expert, residents included (a device-to-device copy), in ascending id order: the mapping id ->
-        slot is then monotonic, so exllamav3's prefill paths, which sort and group picks by expert id (fused
-        runs, batched-reconstruct groups), see exactly the stock order and stay bit-identical."""
-        from glm53.tiers import Where
+        m = self.layers[li].module
+        cfg = getattr(m, "routing_cfg", None)
+        gate = getattr(cfg, "gate_tensor", None)
+        if gate is None:
+            log.warning("router lookahead off: %s has no loaded router (routing_cfg.gate_tensor)", m.key)
+            self.lookahead = False
+            return False
+        z = m.router_pre_norm.forward(y, {}, out_dtype=torch.half) if m.router_pre_norm else y
+        scores = torch.matmul(z.half(), gate.half() if gate.dtype != torch.half else gate).float().sigmoid_()
+        if cfg.e_score_correction_bias is not None:
+            scores += cfg.e_score_correction_bias.float()
+        out.copy_(scores.topk(self.top_k, dim=-1, sorted=False)[1], non_blocking=True)
+        return True
 
-        tiers = self.tiers
-        layer = self.layers[li]
-        tiers.poll()
-        uniq = np.unique(ids)
-        for e in uniq.tolist():
-            w = tiers.settle(li, e)
-            if w:
-                tiers.stats.add_wait("pcie", w)
-        hit = tiers.where[li] == Where.VRAM
-        n_hit = int(hit[ids].sum())
-        tiers.stats.add_picks(li, {"vram_hit": n_hit, "pcie": int(ids.size) - n_hit})
-        misses = uniq[~hit[uniq]]
-        admitted: dict[int, int] = {}
-        if decode:
-            tiers.observe(li, ids)
-            if self.admit and misses.size:
-                admitted = tiers.try_admit(li, misses, uniq)
-            staged = [int(e) for e in misses.tolist() if e not in admitted]
-        else:
-            staged = [int(e) for e in uniq.tolist()]
-        if len(staged) > self.staging_slots:
-            raise Exl3TierError(f"layer {li}: {len(staged)} experts to stage in one step exceed the "
-                                f"{self.staging_slots} staging slots; raise staging_slots (or lower the prefill chunk)")
-        last = None
-        nbytes = self.layout.nbytes
-        for i, e in enumerate(staged):
-            last = tiers.copier.copy(tiers.staging[i], tiers.bytes_of(li, e))
-            if not hit[e]:
-                tiers.stats.add_bytes("ram_to_staging", nbytes)
-        t0 = time.perf_counter()
-        for e in admitted:
-            tiers.settle(li, e)
-        if last is not None:
-            last.wait()
-        waited = time.perf_counter() - t0
-        if admitted or staged:
-            tiers.stats.add_wait("pcie", waited)
-            self.step_time["copy_wait"] += waited
-        slot_of = tiers.vram[li].slot_of if decode else np.full(self.num_experts, -1, np.int32)
-        return translate(ids, slot_of, staged, layer.slots)
+    def _recompute(self, li: int, expert: int, x_rows: np.ndarray) -> Any:
+        """The exact path for a CPU-lane job the lane could not finish: stream the expert into the last staging slot
+        (the copy stream waits for the kernels already queued on it) and run that slot's linears like
+        exllamav3's torch expert path."""
+        import torch
+
+        layer, tiers = self.layers[li], self.tiers
+        s = self.staging_slots - 1
+        tiers.copier.copy(tiers.staging[s], tiers.bytes_of(li, expert)).wait()
+        tiers.stats.add_bytes("ram_to_staging", self.layout.nbytes)
+        m, idx = layer.module, layer.slots + s
+        gates, ups, downs = layer.slot_linears
+        xc = torch.from_numpy(np.ascontiguousarray(x_rows)).to(self.device, torch.half)
+        u = ups[idx].forward(xc, {})
+        g = gates[idx].forward(xc, {})
+        a = u if m.interm_dtype == torch.half else torch.empty_like(u, dtype=torch.half)
+        m.activation_fn_call(g, u, a, m.act_limit)
+        return downs[idx].forward(a, {}).float()
 
     # ---- reporting / teardown -------------------------------------------------------------------------------
 
@@ -569,15 +660,21 @@ class TieredMoE:
         if self.tiers is None:
             return {}
         doc = self.tiers.stats.snapshot()
+        lane = self.stepper is not None and self.stepper.lane is not None
+        mode = ("nvme" if lane else "nvme-exact") if self.nvme is not None else ("fast" if lane else "exact")
         doc.update(
-            mode="exact",
+            mode=mode,
             expert_bytes=self.layout.nbytes,
             staging_slots=self.staging_slots,
             moe_layers=len(self.layers),
             experts_per_layer=self.num_experts,
-            host_seconds={k: round(v, 4) for k, v in self.step_time.items()},
             layer_steps=self.steps,
         )
+        if self.stepper is not None:
+            doc.update(self.stepper.snapshot())
+            doc["host_seconds"].update({k: round(v, 4) for k, v in self.step_time.items()})
+        if self.nvme is not None:
+            doc["nvme_fault"] = self.nvme.health()
         return doc
 
     def routing_counts(self) -> np.ndarray:
@@ -597,13 +694,18 @@ class TieredMoE:
         for layer in self.layers:
             m = layer.module
             m.__dict__.pop("cpu_split_submit", None)
+            m.__dict__.pop("cpu_split_combine", None)
             if m.cpu_split_first is not None:
                 (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last) = layer.saved
                 m.cpu_split_first = None
             layer.slot_linears = None
+        if self.stepper is not None and self.stepper.lane is not None:
+            self.stepper.lane.close()
         if self.tiers is not None:
             self.tiers.settle_all()
-        self.tiers = None
+        if self.nvme is not None:
+            self.nvme.close()
+        self.tiers = self.nvme = self.stepper = None
         self._pool.shutdown(wait=True)
         self.index.close()
 
@@ -623,11 +725,28 @@ def _slot_loader(lin: Any, trellis: Any, suh: Any, svh: Any, mcg: Any, mul1: Any
     return load
 
 
-def _seam(tiered: TieredMoE, li: int) -> Callable[..., tuple[None, None]]:
-    def cpu_split_submit(y: Any, bsz: int, selected_experts: Any, routing_weights: Any) -> tuple[None, None]:
+def _seam(tiered: TieredMoE, li: int) -> Callable[..., tuple[None, Any]]:
+    def cpu_split_submit(y: Any, bsz: int, selected_experts: Any, routing_weights: Any) -> tuple[None, Any]:
         return tiered.step(li, y, bsz, selected_experts, routing_weights)
 
     return cpu_split_submit
+
+
+def _combine(module: Any) -> Callable[..., Any]:
+    """The module's combine with the CPU lane's partial added: exllamav3 calls it after it queued the GPU expert
+    kernels, so the host waits for the lane while the GPU works; the partial lands before the post norms."""
+    stock = module.cpu_split_combine
+
+    def cpu_split_combine(final_hidden_states: Any, cpu_partial: Any, cpu_pending: Any, shape: Any) -> Any:
+        import torch
+
+        if isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG:
+            _, ticket, rows = cpu_pending
+            partial = torch.from_numpy(ticket.partial(rows)).to(final_hidden_states.device)
+            return final_hidden_states + partial.view(shape).to(final_hidden_states.dtype)
+        return stock(final_hidden_states, cpu_partial, cpu_pending, shape)
+
+    return cpu_split_combine
 
 
 def wrap_load_progress(model: Any, report: Callable[[int, int], None]) -> Callable[[], None]:

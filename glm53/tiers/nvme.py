@@ -107,6 +107,7 @@ class NvmeTier:
         window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         vram_storage: Sequence[torch.Tensor] | None = None,
+        staging_slots: int = 2,
     ):
         """reader: a StoreReader (or anything with its read/header/path/max_extent). layers: the store's layer
         number of each tier layer index (default: every layer in the store, ascending). ram_slots: the RAM arena
@@ -130,7 +131,7 @@ class NvmeTier:
         self.tiers = ExpertTiers(
             self.layout, num_experts, vram_slots, ram_slots, keep_all=False, device=device, pin=pin,
             policy_factory=policy_factory, fetch=self._read_sync, copier=copier, ram_storage=storage,
-            vram_storage=vram_storage,
+            vram_storage=vram_storage, staging_slots=staging_slots,
         )
         self.tiers.store = self
         self.stats = self.tiers.stats
@@ -583,12 +584,14 @@ def open_nvme_tier(
     warm: bool = True,
     vram_slots: Sequence[int] | None = None,
     vram_storage: Sequence[torch.Tensor] | None = None,
+    staging_slots: int = 2,
 ) -> NvmeTier:
     """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
     statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
     store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
     slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
-    vram_storage: the engine's per-layer slot tensors to adopt."""
+    vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
+    without admission (the engine's P)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
     store_path, model_dir = Path(store_path), Path(model_dir)
@@ -614,7 +617,7 @@ def open_nvme_tier(
         ram = ram_slots_for(plan, reader.max_extent, len(layers), num_experts, int(vram.sum()))
         tier = NvmeTier(reader, num_experts, vram.tolist(), ram, layers=layers,
                         device=plan.device if device is None else device, pin=pin, policy_factory=policy_factory,
-                        timeout_s=timeout_s, vram_storage=vram_storage)
+                        timeout_s=timeout_s, vram_storage=vram_storage, staging_slots=staging_slots)
     except BaseException:
         reader.close()
         raise

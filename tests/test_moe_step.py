@@ -1,0 +1,280 @@
+"""The host side of a layer step (glm53.engine.moe_step) on CPU tiers, with exllamav3's expert kernels emulated:
+every pick's slot id must point at its own expert's bytes, the CPU lane's picks are masked and its partial makes
+up the difference, store misses are read before use, and the next-layer lookahead moves and scores predictions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_cpu_lane import HIDDEN, LAYOUT, NUM_EXPERTS, NUM_LAYERS, TOP_K, make_experts, reference_forward, rel_err
+from test_nvme_tier_support import make_store, nvme_plan, record
+
+from glm53.cpu_lane.lane import CpuLane
+from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
+from glm53.engine.moe_step import MoeStepper, StepError, translate
+from glm53.tiers import ExpertTiers, SlotLayout, Where
+
+MAX_BSZN = 8  # exllamav3's decode row limit (checked by the adapter's contract)
+
+# ---- translation ------------------------------------------------------------------------------------------------
+
+
+def test_translate_maps_residents_staged_and_masked():
+    slot_of = np.full(16, -1, np.int32)
+    slot_of[[3, 7]] = [0, 1]
+    ids = np.array([[3, 5, 7, 9], [9, 3, 11, 5]])
+    out = translate(ids, slot_of, staged=[5, 9], staging_base=2, masked=[11], masked_id=99)
+    assert out.tolist() == [[0, 2, 1, 3], [3, 0, 99, 2]]
+    assert out.dtype == np.int64
+    assert ids.tolist() == [[3, 5, 7, 9], [9, 3, 11, 5]]  # the input is not modified
+
+
+def test_translate_refuses_a_pick_that_would_silently_vanish():
+    slot_of = np.full(8, -1, np.int32)
+    slot_of[1] = 0
+    with pytest.raises(StepError, match=r"experts \[4\] are picked but neither resident nor staged"):
+        translate(np.array([[1, 4]]), slot_of, staged=[], staging_base=1)
+    with pytest.raises(StepError, match="both resident"):
+        translate(np.array([[1]]), slot_of, staged=[1], staging_base=1)
+    with pytest.raises(StepError, match="CPU lane but also resident"):
+        translate(np.array([[1]]), slot_of, staged=[], staging_base=1, masked=[1], masked_id=9)
+
+
+def test_translate_of_a_fully_staged_prefill_is_monotonic():
+    # Prefill stages every picked expert in ascending id order: the id -> slot map preserves order, so exllamav3's
+    # sort-by-expert paths group picks exactly as stock does.
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 288, (64, 8))
+    uniq = np.unique(ids)
+    out = translate(ids, np.full(288, -1, np.int32), staged=uniq.tolist(), staging_base=32)
+    order_in, order_out = np.argsort(ids.ravel(), kind="stable"), np.argsort(out.ravel(), kind="stable")
+    assert np.array_equal(order_in, order_out)
+
+
+# ---- all-RAM tiers, exact ---------------------------------------------------------------------------------------
+
+
+def _byte_tiers(num_layers=2, experts=16, slots=(3, 0), staging=16):
+    layout = SlotLayout.packed([("gate.trellis", torch.int16, (2, 2, 48)), ("gate.suh", torch.float16, (32,))])
+    tiers = ExpertTiers(layout, experts, list(slots), num_layers * experts - sum(slots) + 4, device="cpu",
+                        staging_slots=staging, pin=False)
+
+    def fill(layer, e, out):  # every expert's image is distinct: byte b of (layer, e) = (layer*31 + e*7 + b) % 251
+        out.copy_(torch.arange(out.numel(), dtype=torch.int64).add_(layer * 31 + e * 7).remainder_(251).to(torch.uint8))
+
+    tiers.populate(fill)
+    return tiers, fill
+
+
+def slot_bytes(tiers, stepper: MoeStepper, li: int, s: int) -> torch.Tensor | None:
+    """What exllamav3's kernel reads for slot id s of layer li: a cache slot, a staging slot, or nothing (masked)."""
+    S = stepper.cache_slots[li]
+    if s == stepper.masked_id(li):
+        return None
+    return tiers.vram[li].flat(s) if s < S else tiers.staging[s - S]
+
+
+def test_every_pick_points_at_its_own_bytes():
+    tiers, fill = _byte_tiers()
+    stepper = MoeStepper(tiers, [3, 0], 16)
+    rng = np.random.default_rng(3)
+    want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
+    for step in range(200):
+        li = step % 2
+        rows = 1 if step % 5 else 12  # mostly decode (<= 8 rows), sometimes a prefill chunk
+        ids = np.stack([rng.choice(16, 4, replace=False, p=np.r_[np.full(4, 0.15), np.full(12, 0.4 / 12)])
+                        for _ in range(rows)])
+        decode = rows <= MAX_BSZN
+        slots = stepper.resolve(li, ids, decode).slots
+        S = stepper.cache_slots[li]
+        for e, s in zip(ids.ravel().tolist(), slots.ravel().tolist(), strict=True):
+            fill(li, e, want)
+            assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {step}: expert {e} -> slot {s}"
+        if not decode:  # prefill: every pick staged in ascending id order
+            assert (slots >= S).all()
+            assert np.array_equal(np.argsort(ids.ravel(), kind="stable"), np.argsort(slots.ravel(), kind="stable"))
+        tiers.check_invariants()
+    snap = tiers.stats.snapshot()
+    assert snap["admissions"] > 0 and snap["evictions"] > 0
+    assert snap["picks"]["total"] == snap["picks"]["vram_hit"] + snap["picks"]["pcie"]
+    assert snap["layers"][1]["hit_rate"] == 0  # no slots in layer 1: every pick crossed PCIe
+
+
+def test_more_misses_than_staging_slots_is_refused():
+    tiers, _ = _byte_tiers(slots=(0, 0), staging=4)
+    stepper = MoeStepper(tiers, [0, 0], 4, admit=False)
+    with pytest.raises(StepError, match="exceed the 4 staging slots"):
+        stepper.resolve(0, np.array([[0, 1, 2, 3], [4, 5, 6, 7]]), decode=True)
+
+
+def test_lookahead_admits_predictions_and_scores_them():
+    tiers, _ = _byte_tiers(slots=(4, 4))
+    stepper = MoeStepper(tiers, [4, 4], 16)
+    for e in np.flatnonzero(tiers.vram[1].resident())[:2]:
+        tiers.evict(1, int(e))  # two free slots in layer 1
+    tiers.settle_all()
+    cold = [e for e in range(16) if tiers.where[1, e] == Where.RAM and e not in (0, 1)][:3]
+    assert stepper.ahead(1, np.array([cold]), busy=[]) == 2  # the free slots take two of the predictions
+    tiers.settle_all()
+    assert sum(tiers.where[1, e] == Where.VRAM for e in cold) == 2
+    stepper.resolve(1, np.array([[cold[0], cold[1], 15, 14]]), decode=True)
+    la = stepper.lookahead.snapshot()
+    assert la["steps"] == 1 and la["actual"] == 4 and la["hits"] == 2 and la["recall"] == 0.5
+    stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # no prediction for this step: not scored
+    assert stepper.lookahead.steps == 1
+    assert stepper.ahead(2, np.array([[0]])) == 0  # past the last layer: nothing to do
+
+
+# ---- fast mode: the CPU lane at the seam -----------------------------------------------------------------------
+
+
+def lane_fit() -> LiveFit:
+    """Costs under which the CPU lane takes a share of most steps (a CPU expert as dear as 1.25 PCIe experts)."""
+    cpu = [CpuSample((1,) * n, 2, n * 0.5e-3) for n in (1, 2, 4)] + [CpuSample((1,), 1, 1e-3)]
+    pcie = [PcieSample((1,) * n, n * 0.4e-3) for n in (1, 2, 4)]
+    return LiveFit(cpu, pcie, threads=2)
+
+
+def exl3_tiers(experts: torch.Tensor, vram: int) -> ExpertTiers:
+    total = NUM_LAYERS * NUM_EXPERTS
+    tiers = ExpertTiers(LAYOUT, NUM_EXPERTS, [vram] * NUM_LAYERS, total - vram * NUM_LAYERS + 2, keep_all=True,
+                        staging_slots=NUM_EXPERTS + 1, pin=False)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
+    return tiers
+
+
+def emulate_layer(tiers, stepper: MoeStepper, li: int, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor,
+                  with_lane: bool = True) -> tuple[torch.Tensor, object]:
+    """One decode step as exllamav3 runs it with our seam: route -> resolve -> GPU kernels over the slot ids
+    (masked picks add exact zeros) -> combine adds the lane's partial."""
+    step = stepper.resolve(li, ids, True, x.numpy(), w.numpy()) if with_lane else stepper.resolve(li, ids, True)
+    y = torch.zeros((len(ids), HIDDEN), dtype=torch.float64)
+    for t in range(len(ids)):
+        for k in range(ids.shape[1]):
+            src = slot_bytes(tiers, stepper, li, int(step.slots[t, k]))
+            if src is None:
+                assert int(ids[t, k]) in step.cpu
+                continue
+            y[t] += float(w[t, k]) * reference_forward(src, x[t : t + 1]).double()[0]
+    if step.ticket is not None:
+        y += torch.from_numpy(step.ticket.partial(len(ids))).double()
+    return y, step
+
+
+def direct(experts, li, x, ids, w) -> torch.Tensor:
+    y = torch.zeros((len(ids), HIDDEN), dtype=torch.float64)
+    for t in range(len(ids)):
+        for k in range(ids.shape[1]):
+            y[t] += float(w[t, k]) * reference_forward(experts[li, int(ids[t, k])], x[t : t + 1]).double()[0]
+    return y
+
+
+def recompute_with(experts):
+    calls = []
+
+    def recompute(li, e, x_rows):  # the exact path's stand-in: the reference from the expert's bytes
+        calls.append((li, e))
+        return reference_forward(experts[li, e], torch.from_numpy(x_rows)).float()
+
+    return recompute, calls
+
+
+def test_fast_mode_masks_the_lane_picks_and_adds_its_partial():
+    experts = make_experts(4)
+    tiers = exl3_tiers(experts, vram=3)
+    recompute, calls = recompute_with(experts)
+    rng = np.random.default_rng(5)
+    with CpuLane(LAYOUT, threads=2, stats=tiers.stats) as lane:
+        stepper = MoeStepper(tiers, [3] * NUM_LAYERS, NUM_EXPERTS + 1, lane=lane, fit=lane_fit(), recompute=recompute)
+        lane_steps = 0
+        for step in range(16):
+            li = step % NUM_LAYERS
+            rows = int(rng.integers(1, 4))
+            ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(rows)])
+            x = torch.from_numpy(rng.standard_normal((rows, HIDDEN))).float()
+            w = torch.from_numpy(rng.random((rows, TOP_K))).float()
+            y, st = emulate_layer(tiers, stepper, li, x, ids, w)
+            assert rel_err(y, direct(experts, li, x, ids, w)) < 1e-5, f"step {step}"
+            masked = st.slots == stepper.masked_id(li)
+            assert np.array_equal(masked, np.isin(ids, st.cpu)), "exactly the lane's picks are masked"
+            for e in st.cpu:  # the lane only gets RAM experts, never one also staged or admitted
+                assert tiers.where[li, e] == Where.RAM and e not in st.staged and e not in st.admitted
+            lane_steps += bool(st.cpu)
+            tiers.check_invariants()
+        snap = stepper.snapshot()
+    assert lane_steps > 0
+    picks = tiers.stats.snapshot()["picks"]
+    assert picks["cpu"] > 0 and picks["pcie"] > 0 and picks["total"] == sum(picks[k] for k in ("vram_hit", "pcie",
+                                                                                                  "cpu", "nvme"))
+    assert snap["cpu_lane"]["jobs"] + snap["cpu_lane"]["recomputed_jobs"] > 0 and "last_assignment" in snap
+    assert len(calls) == snap["cpu_lane"]["recomputed_jobs"]
+
+
+def test_a_failing_lane_is_recomputed_then_bypassed():
+    experts = make_experts(6)
+    tiers = exl3_tiers(experts, vram=2)
+    recompute, calls = recompute_with(experts)
+
+    def broken(jobs, outs, done, cancel):
+        raise RuntimeError("simulated kernel fault")
+
+    rng = np.random.default_rng(7)
+    with CpuLane(LAYOUT, threads=1, compute=broken) as lane:
+        stepper = MoeStepper(tiers, [2] * NUM_LAYERS, NUM_EXPERTS + 1, lane=lane, fit=lane_fit(), recompute=recompute)
+        outcomes = []
+        for _ in range(6):
+            ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _row in range(2)])
+            x = torch.from_numpy(rng.standard_normal((2, HIDDEN))).float()
+            w = torch.from_numpy(rng.random((2, TOP_K))).float()
+            y, st = emulate_layer(tiers, stepper, 0, x, ids, w)
+            assert rel_err(y, direct(experts, 0, x, ids, w)) < 1e-5, "a failed lane step still adds every expert"
+            outcomes.append(bool(st.cpu))
+        assert not lane.alive and "simulated kernel fault" in lane.disabled_reason
+    first = outcomes.index(True)
+    assert not any(outcomes[first + 1 :]), "after the failure every miss goes over PCIe"
+    assert calls, "the failed step's jobs were recomputed on the exact path"
+
+
+def test_a_lane_needs_costs_and_the_exact_path():
+    tiers, _ = _byte_tiers()
+    with pytest.raises(ValueError, match="cost model"):
+        MoeStepper(tiers, [3, 0], 16, lane=object())
+
+
+# ---- nvme modes: misses through the record store -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("moe-step"), layers=3, experts=16)
+
+
+def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = packed
+    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+        tier.warm(None)
+        tiers = tier.tiers
+        stepper = MoeStepper(tiers, [2, 2], 16, nvme=tier)
+        rng = np.random.default_rng(11)
+        for step in range(40):
+            li = step % 2
+            rows = 1 if step % 4 else 10
+            ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(rows)])
+            decode = rows <= MAX_BSZN
+            slots = stepper.resolve(li, ids, decode).slots
+            for e, s in zip(ids.ravel().tolist(), slots.ravel().tolist(), strict=True):
+                want = record(store, tier.store_layers[li], e)
+                got = slot_bytes(tiers, stepper, li, s).numpy().tobytes()
+                assert got[: len(want)] == want, f"step {step}: expert {e} -> slot {s} holds other bytes"
+            if decode and li == 0:  # guess layer 1's picks from nothing better than a coin: recall is scored
+                stepper.ahead(1, rng.choice(16, 4, replace=False)[None, :])
+            tier.check_invariants()
+        snap = tiers.stats.snapshot()
+        assert snap["picks"]["nvme"] > 0 and snap["picks"]["cpu"] == 0
+        assert snap["prefetch"]["issued"] > 0 and stepper.lookahead.steps > 0
+        assert 0.0 <= stepper.lookahead.recall() <= 1.0
+        assert stepper.lookahead.prefetched == snap["prefetch"]["issued"]
