@@ -274,3 +274,18 @@ def test_tier_state_is_unchanged_by_the_lane(experts):
     assert sorted(plan.cpu) == sorted(ids[0].tolist()) and res.admitted == 0
     assert (tiers.where == before).all()
     assert tiers.stats.snapshot()["bytes"]["ram_to_vram"] == 0
+
+
+def test_start_lane_calibrates_here_and_starts_from_the_engine_pcie_samples():
+    from glm53.cpu_lane.lane import start_lane
+
+    pcie = [PcieSample((1,) * n, n * 3e-4) for n in (1, 2, 4)]
+    stats = TierStats(NUM_LAYERS, [0] * NUM_LAYERS)
+    lane, fit = start_lane(LAYOUT, pcie, 2, stats=stats)
+    with lane:
+        model = fit.model()
+        assert model.threads == 2 and model.samples > len(pcie)
+        assert abs(model.pcie.expert_cost(1) - 3e-4) < 1e-5  # the PCIe half is the engine's measurement
+        assert model.cpu_expert(1) > 0 and lane.kernel.isa in K.supported_isas()
+    with pytest.raises(ValueError, match="mul1 experts only"):
+        start_lane(LAYOUT, pcie, 1, codebook="mcg")

@@ -367,3 +367,19 @@ def assignment_json(a: Assignment) -> dict:
             "pcie_us": round(a.pcie_seconds * 1e6, 1), "makespan_us": round(a.makespan * 1e6, 1), "exact": a.exact}
 
 
+def start_lane(layout: Any, pcie_samples: Sequence[Any], threads: int, *, cpus: Sequence[int] | None = None,
+               stats: Any = None, codebook: str = "mul1") -> tuple[CpuLane, LiveFit]:
+    """Calibrate the CPU kernel on this host for `layout`'s experts and start the lane with a LiveFit that begins
+    from that calibration and the engine's measured PCIe samples (fast and nvme modes, at start-up)."""
+    from .calibrate import calibrate_cpu
+
+    if codebook != "mul1":  # refused before a second of calibration is spent (CpuLane says the same)
+        raise ValueError(f"the CPU lane decodes EXL3 mul1 experts only; these use {codebook!r}: serve them in "
+                         "exact mode (GLM53_MODE=exact or nvme-exact)")
+    cal = calibrate_cpu(threads, cpus, geo=ExpertGeometry.from_layout(layout))
+    fit = LiveFit(cal.samples, list(pcie_samples), threads)
+    lane = CpuLane(layout, threads, cpus=cpus, isa=cal.isa, stats=stats, fit=fit, codebook=codebook)
+    log.info("CPU lane: %d threads, %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert", threads, cal.isa,
+             fit.model().cpu_expert(1) * 1e6, fit.model().pcie.expert_cost(1) * 1e6)
+    return lane, fit
+

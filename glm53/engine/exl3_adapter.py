@@ -525,6 +525,20 @@ class TieredMoE:
             layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=True)
         self.populated = True
 
+    @property
+    def codebook(self) -> str:
+        """The routed experts' EXL3 codebook ("mul1", "mcg" or "3inst"): the CPU lane decodes mul1 only."""
+        first = self.layers[0].keys[0][0]
+        return "mcg" if f"{first}.mcg" in self.index else "mul1" if f"{first}.mul1" in self.index else "3inst"
+
+    def start_lane(self, threads: int, cpus: Sequence[int] | None = None) -> None:
+        """fast / nvme modes: calibrate the CPU kernel and this machine's PCIe copies, start the lane, attach it."""
+        from glm53.cpu_lane.lane import start_lane
+
+        lane, fit = start_lane(self.layout, self.measure_pcie(), threads, cpus=cpus, stats=self.tiers.stats,
+                               codebook=self.codebook)
+        self.enable_lane(lane, fit)
+
     def enable_lane(self, lane: Any, fit: Any) -> None:
         """Attach the CPU lane (fast / nvme modes): from the next decode step on, the planner may give it misses.
         The lane is closed with this object."""
