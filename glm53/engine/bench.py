@@ -1,9 +1,11 @@
-"""`glm53 bench decode`: exact-mode decode speed next to stock exllamav3 and the PCIe bound, measured in one run.
+"""`glm53 bench decode`: decode speed of the tiered modes next to stock exllamav3 and the PCIe bound, in one run.
 
-One process loads the same full-width synthetic checkpoint twice: stock exllamav3 with every routed expert in
-VRAM (the upper bound), and exact mode with a 24 GB card's share of expert slots (the rest in the pinned RAM
-tier). Decode windows alternate between the two (A/B interleaved, never compared across sessions). Both sample
-with the same seed, so they generate the same tokens and route the same experts. The PCIe bound is
+One process loads the same full-width synthetic checkpoint once per mode: stock exllamav3 with every routed
+expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact, exact without the router lookahead,
+fast) with a 24 GB card's share of expert slots (the rest in the pinned RAM tier). Decode windows rotate through
+the modes (interleaved, never compared across sessions). All sample with the same seed, so the exact modes
+generate the same tokens as stock and route the same experts (fast mode is near-exact and may drift). The PCIe
+bound is
     t_bound = (bytes that crossed host -> device per decoded token) / (measured pinned H2D rate) + t_stock,
 i.e. what exact mode would take if every miss cost only its transfer at full PCIe speed on top of the all-in-VRAM
 step. Stock `moe_cpu_split` is not run here: on the GPU machine every call into exllamav3's CPU MoE code
@@ -33,14 +35,20 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--moe-layers", type=int, default=8, help="MoE layers of the synthetic checkpoint (default 8)")
     p.add_argument("--skew", default=f"{SKEW[0]},{SKEW[1]}",
                    help="router skew: fraction of experts drawing a fraction of picks (default 0.11,0.40)")
-    p.add_argument("--slots", type=int, help=f"VRAM slots per MoE layer (default {CARD_FRACTION:.0%} of experts)")
+    p.add_argument("--slots", type=int, help=f"VRAM slots per MoE layer (default {CARD_FRACTION * 100:.0f}%% of experts)")
     p.add_argument("--tokens", type=int, default=128, help="decoded tokens per window (default 128)")
     p.add_argument("--windows", type=int, default=2, help="A/B window pairs (default 2)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, also timed as prefill (default 512)")
     p.add_argument("--work", metavar="DIR", help="where to write the synthetic checkpoint (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    p.add_argument("--modes", default="exact,exact-nolookahead,fast",
+                   help="tiered modes to run next to stock (default exact,exact-nolookahead,fast)")
+    p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench_decode)
+
+
+MODES = ("exact", "exact-nolookahead", "fast")
 
 
 def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -65,9 +73,10 @@ def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 
 class _Runner:
-    """One loaded model (stock or exact) with its generator."""
+    """One loaded model (stock, or a tiered mode) with its generator."""
 
-    def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int):
+    def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int, mode: str = "exact",
+                 cpu_threads: int | None = None):
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
@@ -79,11 +88,15 @@ class _Runner:
         self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = None
         if slots is not None:
-            self.tiered = TieredMoE(self.model, model_dir, slots)
+            self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=mode != "exact-nolookahead")
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:
             self.tiered.populate()
+            if mode == "fast":
+                from glm53.cpu_lane.calibrate import default_threads
+
+                self.tiered.start_lane(cpu_threads or default_threads())
         self.gen = Generator(model=self.model, cache=self.cache, tokenizer=Tokenizer.from_config(config),
                              max_batch_size=1)
         self.load_s = time.perf_counter() - t0
@@ -115,9 +128,14 @@ class _Runner:
             n = len(ids) - 1
             h2d = sum(snap1["bytes"][k] - snap0["bytes"][k] for k in ("ram_to_vram", "ram_to_staging"))
             d2h = snap1["bytes"]["vram_to_ram"] - snap0["bytes"]["vram_to_ram"]
-            picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "total")}
+            picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "cpu", "total")}
+            la0, la1 = snap0["lookahead"], snap1["lookahead"]
+            hits, actual = la1["hits"] - la0["hits"], la1["actual"] - la0["actual"]
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n,
-                       hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks)
+                       hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
+                       lookahead_recall=hits / actual if actual else None,
+                       host_us_per_layer_step=1e6 * (snap1["host_seconds"]["plan"] - snap0["host_seconds"]["plan"])
+                       / max(1, snap1["layer_steps"] - snap0["layer_steps"]))
         return out
 
     def close(self) -> None:
@@ -131,82 +149,107 @@ class _Runner:
         torch.cuda.empty_cache()
 
 
-def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int, log=print) -> dict:
+def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
+                 modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print) -> dict:
     import torch
 
     rate = h2d_rate()
     log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
-    stock = _Runner(model_dir, None, cache_tokens=prompt_tokens + tokens + 512)
-    log(f"stock exllamav3 (all experts in VRAM) loaded in {stock.load_s:.1f} s, "
-        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
-    mem0 = torch.cuda.memory_allocated()
-    exact = _Runner(model_dir, slots, cache_tokens=prompt_tokens + tokens + 512)
-    log(f"exact mode ({slots} slots/layer) loaded in {exact.load_s:.1f} s, "
-        f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
+    cache_tokens = prompt_tokens + tokens + 512
+    runners: dict[str, _Runner] = {}
     try:
+        runners["stock"] = _Runner(model_dir, None, cache_tokens)
+        log(f"stock exllamav3 (all experts in VRAM) loaded in {runners['stock'].load_s:.1f} s, "
+            f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+        for mode in modes:
+            mem0 = torch.cuda.memory_allocated()
+            runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads)
+            log(f"{mode} ({slots} slots/layer) loaded in {runners[mode].load_s:.1f} s, "
+                f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
         vocab = 150000
         prompt = [(13 * i + 7) % vocab for i in range(prompt_tokens)]
-        for r in (stock, exact):  # warm-up at the measured prompt length: a fresh process spends over a minute
+        for r in runners.values():  # warm-up at the measured prompt length: a fresh process spends over a minute
             r.run(prompt, 16, seed=0)  # setting up the first prefill of a new shape (seen on the H200)
         rows: list[dict] = []
         for w in range(windows):
-            for name, r in (("stock", stock), ("exact", exact)):
+            for name, r in runners.items():
                 res = r.run(prompt, tokens, seed=1000 + w)
                 res["name"], res["window"] = name, w
                 rows.append(res)
                 log(f"window {w} {name}: prefill {prompt_tokens} tok in {res['prefill_s']:.3f} s, decode "
                     f"{res['decode_tok_s']:.1f} tok/s"
-                    + (f", hit rate {res['hit_rate']:.3f}, {res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
-                       f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H" if name == "exact" else ""))
-        same = all(a["tokens"] == b["tokens"] for a, b in zip(rows[0::2], rows[1::2], strict=True))
-        s_tok = [x["decode_tok_s"] for x in rows if x["name"] == "stock"]
-        e_rows = [x for x in rows if x["name"] == "exact"]
-        e_tok = [x["decode_tok_s"] for x in e_rows]
-        stock_tok = sum(s_tok) / len(s_tok)
-        exact_tok = sum(e_tok) / len(e_tok)
-        h2d = sum(x["h2d_bytes_per_token"] for x in e_rows) / len(e_rows)
+                    + (f", hit rate {res['hit_rate']:.3f}, cpu picks {res['picks']['cpu']}, "
+                       f"{res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
+                       f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H, host "
+                       f"{res['host_us_per_layer_step']:.0f} us/layer step" if name != "stock" else ""))
+
+        def mean(name: str, key: str) -> float:
+            vals = [x[key] for x in rows if x["name"] == name and x.get(key) is not None]
+            return sum(vals) / len(vals) if vals else float("nan")
+
+        stock_tok = mean("stock", "decode_tok_s")
+        h2d = mean("exact", "h2d_bytes_per_token") if "exact" in runners else mean(modes[0], "h2d_bytes_per_token")
         bound_s = h2d / rate + 1 / stock_tok
+        stock_rows = [x for x in rows if x["name"] == "stock"]
         result = {
             "h2d_GBps": rate / 1e9,
             "stock_decode_tok_s": stock_tok,
-            "exact_decode_tok_s": exact_tok,
+            "stock_prefill_tok_s": prompt_tokens / mean("stock", "prefill_s"),
             "bound_decode_tok_s": 1 / bound_s,
-            "exact_over_stock": exact_tok / stock_tok,
-            "exact_over_bound": exact_tok * bound_s,
             "h2d_MiB_per_token": h2d / 2**20,
-            "d2h_MiB_per_token": sum(x["d2h_bytes_per_token"] for x in e_rows) / len(e_rows) / 2**20,
-            "hit_rate": sum(x["hit_rate"] for x in e_rows) / len(e_rows),
-            "stock_prefill_tok_s": prompt_tokens / (sum(x["prefill_s"] for x in rows if x["name"] == "stock")
-                                                    / len(s_tok)),
-            "exact_prefill_tok_s": prompt_tokens / (sum(x["prefill_s"] for x in e_rows) / len(e_rows)),
-            "same_tokens": same,
             "slots_per_layer": slots,
-            "stock_load_s": stock.load_s,
-            "exact_load_s": exact.load_s,
+            "stock_load_s": runners["stock"].load_s,
+            "modes": {},
             "windows": [{k: v for k, v in x.items() if k != "tokens"} for x in rows],
-            "tiers": exact.tiered.snapshot(),
             "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (DESIGN section 3)",
         }
+        for mode in modes:
+            m_rows = [x for x in rows if x["name"] == mode]
+            tok = mean(mode, "decode_tok_s")
+            result["modes"][mode] = {
+                "decode_tok_s": tok,
+                "prefill_tok_s": prompt_tokens / mean(mode, "prefill_s"),
+                "over_stock": tok / stock_tok,
+                "over_bound": tok * bound_s,
+                "hit_rate": mean(mode, "hit_rate"),
+                "cpu_pick_share": sum(x["picks"]["cpu"] for x in m_rows) / max(1, sum(x["picks"]["total"]
+                                                                                       for x in m_rows)),
+                "h2d_MiB_per_token": mean(mode, "h2d_bytes_per_token") / 2**20,
+                "d2h_MiB_per_token": mean(mode, "d2h_bytes_per_token") / 2**20,
+                "lookahead_recall": mean(mode, "lookahead_recall"),
+                "host_us_per_layer_step": mean(mode, "host_us_per_layer_step"),
+                "same_tokens_as_stock": all(a["tokens"] == b["tokens"] for a, b in zip(stock_rows, m_rows, strict=True)),
+                "load_s": runners[mode].load_s,
+                "tiers": runners[mode].tiered.snapshot(),
+            }
+        exact_like = [m for m in modes if m.startswith("exact")]
+        result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
+        if "fast" in modes and "exact" in modes:
+            result["fast_over_exact"] = result["modes"]["fast"]["decode_tok_s"] / result["modes"]["exact"]["decode_tok_s"]
         return result
     finally:
-        exact.close()
-        stock.close()
+        for r in runners.values():
+            r.close()
 
 
 def report(res: dict, moe_layers: int | None) -> str:
     lines = [
-        f"glm53 bench decode: {moe_layers or '?'} full-width MoE layers, {res['slots_per_layer']} VRAM slots/layer "
-        f"(hit rate {res['hit_rate']:.3f}), same tokens in both modes: {res['same_tokens']}",
+        f"glm53 bench decode: {moe_layers or '?'} full-width MoE layers, {res['slots_per_layer']} VRAM slots/layer, "
+        f"exact modes generate stock's tokens: {res['same_tokens']}",
         f"  stock exllamav3, all experts in VRAM : {res['stock_decode_tok_s']:8.1f} tok/s decode, "
         f"{res['stock_prefill_tok_s']:8.1f} tok/s prefill",
-        f"  exact mode                           : {res['exact_decode_tok_s']:8.1f} tok/s decode, "
-        f"{res['exact_prefill_tok_s']:8.1f} tok/s prefill",
-        f"  PCIe bound ({res['h2d_MiB_per_token']:.0f} MiB/token at {res['h2d_GBps']:.1f} GB/s + stock step): "
-        f"{res['bound_decode_tok_s']:8.1f} tok/s",
-        f"  ratios: exact/stock {res['exact_over_stock']:.3f}, exact/bound {res['exact_over_bound']:.3f} "
-        f"(target >= 0.85); write-backs {res['d2h_MiB_per_token']:.0f} MiB/token D2H",
-        f"  stock moe_cpu_split: {res['moe_cpu_split']}",
     ]
+    for mode, m in res["modes"].items():
+        recall = "-" if m["lookahead_recall"] != m["lookahead_recall"] else f"{m['lookahead_recall']:.2f}"
+        lines.append(f"  {mode:<37}: {m['decode_tok_s']:8.1f} tok/s decode, {m['prefill_tok_s']:8.1f} tok/s prefill; "
+                     f"x stock {m['over_stock']:.3f}, x bound {m['over_bound']:.3f}; hit rate {m['hit_rate']:.3f}, "
+                     f"CPU-lane share {m['cpu_pick_share']:.3f}, lookahead recall {recall}, host "
+                     f"{m['host_us_per_layer_step']:.0f} us/layer step")
+    lines.append(f"  PCIe bound ({res['h2d_MiB_per_token']:.0f} MiB/token at {res['h2d_GBps']:.1f} GB/s + stock step): "
+                 f"{res['bound_decode_tok_s']:8.1f} tok/s (exact target >= 0.85 of it)")
+    if "fast_over_exact" in res:
+        lines.append(f"  fast / exact: {res['fast_over_exact']:.3f} (target >= 1.5)")
+    lines.append(f"  stock moe_cpu_split: {res['moe_cpu_split']}")
     return "\n".join(lines)
 
 
@@ -247,8 +290,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         print(f"wrote a {args.moe_layers}-MoE-layer full-width checkpoint in {time.perf_counter() - t0:.0f} s")
         experts = 288
     slots = args.slots if args.slots is not None else round(CARD_FRACTION * experts)
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
     try:
-        res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens)
+        res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
