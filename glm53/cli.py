@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "glm53.tiers.nvme_bench",  # bench nvme
     "glm53.cpu_lane.bench",  # bench cpu-lane
     "glm53.engine.lookahead_probe",  # bench lookahead
+    "glm53.engine.host_bench",  # bench host-step
 )
 
 

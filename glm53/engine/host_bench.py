@@ -1,0 +1,276 @@
+"""`glm53 bench host-step`: the host's share of one decoded MoE layer step, in microseconds.
+
+On the GPU every MoE layer of every decoded token stops in `MoeStepper.resolve()` between exllamav3's router and its
+expert kernels, and the GPU waits for it: at 75 MoE layers, each microsecond here costs 75 per token. This replays
+decode steps through `resolve()` on CPU tiers with the real model's counts (288 experts, top-k 8, 32 VRAM slots per
+layer, 289 staging slots, the RAM tier holding the rest) and a slot image of a few hundred bytes: the real copies run
+asynchronously on the copy engines, so what is left, and measured, is the Python and numpy bookkeeping. Routing is
+Zipf-like with some token-to-token locality, so the VRAM hit rate (~70%) and the admission rate are realistic.
+
+Reports the median and p90 per layer step, then where the time goes (a second, profiled replay of the same trace:
+the profiler inflates everything, so its shares matter, not its microseconds). `--baseline REV` runs the same
+benchmark from a git worktree of REV in the same run, so the ratio compares like with like on this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# The commit before the host path's optimisation: what `--baseline` compares with unless told otherwise.
+BASELINE_REV = "HEAD"
+JSON_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class HostBenchOptions:
+    layers: int = 8
+    experts: int = 288
+    top_k: int = 8
+    slots: int = 32
+    staging: int = 289
+    bsz: tuple[int, ...] = (1, 4)
+    steps: int = 300
+    warmup: int = 100
+    zipf: float = 1.1
+    locality: float = 1.0
+    seed: int = 0
+    top: int = 8
+
+
+def _build(opts: HostBenchOptions, bsz: int) -> tuple[Any, Any, list[np.ndarray]]:
+    """Tiers warmed from the routing of a first stretch of the trace (as saved statistics warm a real start), the
+    stepper, and per layer the (steps, bsz, top_k) picks to replay."""
+    import torch
+
+    from glm53.engine.moe_step import MoeStepper
+    from glm53.tiers import ExpertTiers, SlotLayout
+    from glm53.tiers.policy import zipf_trace
+
+    layout = SlotLayout.packed([("w", torch.uint8, (256,))])
+    total = opts.layers * opts.experts
+    vram = [opts.slots] * opts.layers
+    tiers = ExpertTiers(layout, opts.experts, vram, total - sum(vram) + 1 + opts.top_k, device="cpu",
+                        staging_slots=opts.staging, pin=False)
+    n = (opts.warmup + opts.steps) * bsz
+    traces = [zipf_trace(n, opts.experts, opts.top_k, exponent=opts.zipf, locality=opts.locality,
+                         seed=opts.seed * 1000 + li).reshape(-1, bsz, opts.top_k) for li in range(opts.layers)]
+    counts = np.stack([np.bincount(t[: max(1, opts.warmup)].ravel(), minlength=opts.experts) for t in traces])
+    tiers.populate(lambda layer, e, out: None, counts)
+    return tiers, MoeStepper(tiers, vram, opts.staging), traces
+
+
+def _replay(stepper: Any, traces: list[np.ndarray], steps: range, times: list[float] | None = None) -> None:
+    """Decode steps in model order: every layer of token t, then token t + 1."""
+    clock = time.perf_counter
+    for t in steps:
+        for li, trace in enumerate(traces):
+            ids = trace[t]
+            t0 = clock()
+            stepper.resolve(li, ids, decode=True)
+            if times is not None:
+                times.append(clock() - t0)
+
+
+def _label(func: tuple[str, int, str]) -> str:
+    filename, _, name = func
+    if filename == "~":  # a builtin: pstats spells it "<method 'x' of 'y' objects>" or "<built-in method x>"
+        return name.replace("<built-in method ", "<").replace(" objects>", ">")
+    return f"{Path(filename).name}:{name}"
+
+
+def _breakdown(stepper: Any, traces: list[np.ndarray], steps: range, top: int) -> dict:
+    """Time inside resolve() by what resolve() called directly (cumulative), and the top functions by own time;
+    each as a share of resolve()'s total and as profiled microseconds per layer step."""
+    prof = cProfile.Profile()
+    prof.enable()
+    _replay(stepper, traces, steps)
+    prof.disable()
+    st = pstats.Stats(prof).stats  # func -> (primitive calls, calls, own time, cumulative time, callers)
+    resolve = next(f for f in st if f[2] == "resolve" and f[0].endswith("moe_step.py"))
+    total = st[resolve][3]
+    n = st[resolve][1]
+    callees = [(ct, _label(f)) for f, (*_, callers) in st.items() if resolve in callers
+               for ct in [callers[resolve][3]]]
+    callees.append((st[resolve][2], "resolve (own time)"))
+    own = [(tt, _label(f)) for f, (_, _, tt, _, _) in st.items() if f != resolve]
+
+    def rows(items: list[tuple[float, str]]) -> list[dict]:
+        return [{"name": name, "share": sec / total, "us": sec / n * 1e6}
+                for sec, name in sorted(items, reverse=True)[:top]]
+
+    return {"profiled_us": total / n * 1e6, "by_call": rows(callees), "by_own_time": rows(own)}
+
+
+def measure(opts: HostBenchOptions, bsz: int) -> dict:
+    tiers, stepper, traces = _build(opts, bsz)
+    _replay(stepper, traces, range(opts.warmup))
+    before = tiers.stats.snapshot()["picks"]
+    times: list[float] = []
+    _replay(stepper, traces, range(opts.warmup, opts.warmup + opts.steps), times)
+    picks = tiers.stats.snapshot()["picks"]
+    hits, total = picks["vram_hit"] - before["vram_hit"], picks["total"] - before["total"]
+    us = np.asarray(times) * 1e6
+    # The breakdown replays the same steps on fresh tiers, so the profiler's overhead never touches the timings.
+    _, prof_stepper, _ = _build(opts, bsz)
+    _replay(prof_stepper, traces, range(opts.warmup))
+    breakdown = _breakdown(prof_stepper, traces, range(opts.warmup, opts.warmup + opts.steps), opts.top)
+    return {"bsz": bsz, "layer_steps": len(times), "median_us": float(np.median(us)),
+            "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean()),
+            "hit_rate": hits / total if total else None, "breakdown": breakdown}
+
+
+def run_bench(opts: HostBenchOptions) -> dict:
+    return {"format": JSON_FORMAT, "options": asdict(opts), "runs": [measure(opts, b) for b in opts.bsz]}
+
+
+# ---- the baseline, from a worktree of another revision ---------------------------------------------------------------
+
+
+def _repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def _cli_args(opts: HostBenchOptions) -> list[str]:
+    return ["--layers", str(opts.layers), "--experts", str(opts.experts), "--top-k", str(opts.top_k),
+            "--slots", str(opts.slots), "--staging", str(opts.staging), "--bsz", ",".join(map(str, opts.bsz)),
+            "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--zipf", str(opts.zipf),
+            "--locality", str(opts.locality), "--seed", str(opts.seed), "--top", str(opts.top)]
+
+
+def run_baseline(rev: str, opts: HostBenchOptions) -> tuple[dict | None, str]:
+    """This benchmark as `rev` runs it, from a temporary git worktree; (its JSON or None, what happened)."""
+    root = _repo_root()
+    sha = _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=root)
+    if sha.returncode:
+        return None, f"baseline {rev}: not a commit of {root}"
+    commit = sha.stdout.strip()
+    if _git("cat-file", "-e", f"{commit}:glm53/engine/host_bench.py", cwd=root).returncode:
+        return None, f"baseline {rev} ({commit[:10]}) lacks `glm53 bench host-step`: only this version's numbers"
+    tmp = Path(tempfile.mkdtemp(prefix="glm53-host-bench-"))
+    tree = tmp / "tree"
+    try:
+        added = _git("worktree", "add", "--detach", str(tree), commit, cwd=root)
+        if added.returncode:
+            return None, f"baseline {rev}: git worktree add failed: {added.stderr.strip()}"
+        # `-m` puts the worktree first on sys.path, ahead of the installed (editable) glm53.
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        proc = subprocess.run([sys.executable, "-m", "glm53", "bench", "host-step", "--json", "--baseline", "none",
+                               *_cli_args(opts)], cwd=tree, env=env, capture_output=True, text=True)
+        if proc.returncode:
+            return None, f"baseline {rev} ({commit[:10]}) failed: {proc.stderr.strip()[-2000:]}"
+        return json.loads(proc.stdout), f"baseline {rev} ({commit[:10]})"
+    finally:
+        _git("worktree", "remove", "--force", str(tree), cwd=root)
+        shutil.rmtree(tmp, ignore_errors=True)
+        _git("worktree", "prune", cwd=root)
+
+
+# ---- the command ----------------------------------------------------------------------------------------------------
+
+
+def _print_run(run: dict, who: str, log) -> None:
+    hr = "n/a" if run["hit_rate"] is None else f"{run['hit_rate']:.3f}"
+    log(f"{who} bsz {run['bsz']}: median {run['median_us']:.1f} us, p90 {run['p90_us']:.1f} us per layer step "
+        f"({run['layer_steps']} layer steps, VRAM hit rate {hr})")
+    b = run["breakdown"]
+    log(f"  by call from resolve (profiled {b['profiled_us']:.1f} us per layer step):")
+    for row in b["by_call"]:
+        log(f"    {100 * row['share']:5.1f}%  {row['us']:8.1f} us  {row['name']}")
+    log("  by own time:")
+    for row in b["by_own_time"]:
+        log(f"    {100 * row['share']:5.1f}%  {row['us']:8.1f} us  {row['name']}")
+
+
+def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
+    o = doc["options"]
+    log(f"glm53 bench host-step: {o['layers']} MoE layers x {o['experts']} experts, top-k {o['top_k']}, "
+        f"{o['slots']} VRAM slots per layer, {o['staging']} staging; {o['steps']} decode steps after {o['warmup']} "
+        f"warm-up; Zipf {o['zipf']}, locality {o['locality']}")
+    for run in doc["runs"]:
+        _print_run(run, "this", log)
+    if base is not None:
+        for run in base["runs"]:
+            _print_run(run, "baseline", log)
+    if note:
+        log(note)
+    if base is None:
+        return
+    base_by_bsz = {r["bsz"]: r for r in base["runs"]}
+    for run in doc["runs"]:
+        b = base_by_bsz.get(run["bsz"])
+        if b is not None:
+            r = run["median_us"] / b["median_us"]
+            log(f"ratio bsz {run['bsz']}: this / baseline = {run['median_us']:.1f} / {b['median_us']:.1f} us "
+                f"= {r:.3f} ({1 / r:.2f}x fewer us per layer step)")
+
+
+def _ints(spec: str) -> tuple[int, ...]:
+    out = tuple(int(b) for b in spec.split(",") if b.strip())
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError("takes positive integers, comma-separated")
+    return out
+
+
+def register_bench(bench_sub: Any) -> None:
+    d = HostBenchOptions()
+    p = bench_sub.add_parser("host-step", help="host microseconds per decoded MoE layer step (MoeStepper.resolve on "
+                                               "CPU tiers) vs a baseline revision")
+    p.add_argument("--layers", type=int, default=d.layers, help=f"MoE layers replayed (default {d.layers})")
+    p.add_argument("--experts", type=int, default=d.experts, help=f"experts per layer (default {d.experts})")
+    p.add_argument("--top-k", type=int, default=d.top_k, help=f"picks per token (default {d.top_k})")
+    p.add_argument("--slots", type=int, default=d.slots, help=f"VRAM slots per layer (default {d.slots})")
+    p.add_argument("--staging", type=int, default=d.staging, help=f"staging slots (default {d.staging})")
+    p.add_argument("--bsz", type=_ints, default=d.bsz, help="decode batch sizes, comma-separated (default 1,4)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"timed decode steps (default {d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first (default {d.warmup})")
+    p.add_argument("--zipf", type=float, default=d.zipf, help=f"popularity exponent (default {d.zipf})")
+    p.add_argument("--locality", type=float, default=d.locality,
+                   help=f"bonus for the previous token's picks (default {d.locality})")
+    p.add_argument("--seed", type=int, default=d.seed, help="routing trace seed")
+    p.add_argument("--top", type=int, default=d.top, help=f"breakdown rows (default {d.top})")
+    p.add_argument("--baseline", default=BASELINE_REV, metavar="REV",
+                   help=f"git revision to compare with, from a temporary worktree; 'none' skips (default "
+                        f"{BASELINE_REV})")
+    p.add_argument("--json", nargs="?", const="-", metavar="FILE",
+                   help="write the results as JSON to FILE (bare --json: to stdout, instead of the report)")
+    p.set_defaults(func=cmd_bench_host_step)
+
+
+def cmd_bench_host_step(args: argparse.Namespace) -> int:
+    opts = HostBenchOptions(args.layers, args.experts, args.top_k, args.slots, args.staging, tuple(args.bsz),
+                            args.steps, args.warmup, args.zipf, args.locality, args.seed, args.top)
+    if opts.slots > opts.experts or opts.top_k > opts.experts or opts.steps < 1:
+        print("glm53 bench host-step: need slots <= experts, top-k <= experts and steps >= 1", file=sys.stderr)
+        return 2
+    doc = run_bench(opts)
+    base, note = (None, None) if args.baseline.lower() == "none" else run_baseline(args.baseline, opts)
+    if base is not None:
+        doc["baseline"] = {"rev": args.baseline, "runs": base["runs"]}
+    if args.json == "-":
+        json.dump(doc, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    report(doc, base, note)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+            f.write("\n")
+    return 0
