@@ -28,7 +28,7 @@ def exl3():
     return pytest.importorskip("exllamav3")
 
 
-def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048) -> dict:
+def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None) -> dict:
     """Generate `steps` greedy tokens for every prompt in one generator; returns tokens, logits (CPU), stats."""
     import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
@@ -40,7 +40,7 @@ def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True,
     cache = Cache(model, max_num_tokens=4096)
     tiered = None
     if slots is not None:
-        tiered = TieredMoE(model, model_dir, slots, staging_slots=staging, admit=admit)
+        tiered = TieredMoE(model, model_dir, slots, staging_slots=staging, admit=admit, nvme_open=nvme)
         tiered.install()
     t0 = time.perf_counter()
     model.load(device=torch.device("cuda:0"))
