@@ -101,6 +101,9 @@ class HostFacts:
     memory: Memory
     store: Store | None
     notes: tuple[str, ...] = field(default=())
+    # Why glm53's CPU-lane kernel cannot run here (not built, failed to load), or None. A fact of this install on
+    # this host, filled in at the edge (planning_cli) on the real host; fake trees leave it None.
+    lane_kernel_error: str | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)

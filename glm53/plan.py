@@ -418,7 +418,8 @@ def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, w
     suggested = _suggested_cap(facts)
     fix = (f"run with --memory {suggested}g --memory-swap {suggested}g" if ram.capped
            else "free memory or use a host with more RAM")
-    missing = tuple(f.upper() for f in CPU_LANE_FLAGS if f not in facts.cpu.flags)
+    flags = tuple(f.upper() for f in CPU_LANE_FLAGS if f not in facts.cpu.flags)
+    missing = flags or (("the CPU-lane kernel",) if facts.lane_kernel_error else ())
     return _Fit(
         all_in_vram=rest == 0,
         fits_ram=rest + ram.margin <= ram.usable,
@@ -428,7 +429,9 @@ def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, w
         exact_wanted=bool(settings.exact),
         fast_msg=fast_msg,
         nvme_ram_msg=f"{ram.what} < {NVME_MIN_RAM_GIB} GiB needed for nvme mode: {fix}",
-        lane_msg=f"CPU ({facts.cpu.model}) lacks {'/'.join(missing)}, which the CPU lane needs" if missing else "",
+        lane_msg=(f"CPU ({facts.cpu.model}) lacks {'/'.join(flags)}, which the CPU lane needs" if flags
+                  else f"the CPU-lane kernel cannot run here ({facts.lane_kernel_error})" if facts.lane_kernel_error
+                  else ""),
     )
 
 

@@ -13,7 +13,7 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from glm53 import host as H
@@ -80,6 +80,10 @@ def inputs(settings: S.Settings, root: str = "/") -> Inputs:
             warnings.append(f"no config.json in {settings.model_dir} (model not mounted yet?): planned with the "
                             "GLM-5.3-Flash 3.05 bpw defaults")
     facts = H.read_host(root, store=settings.store or None)
+    if root == "/":
+        from glm53.cpu_lane import kernel
+
+        facts = replace(facts, lane_kernel_error=kernel.unavailable_reason())
     return Inputs(settings, facts, shape, warnings, error, mounted)
 
 

@@ -113,6 +113,16 @@ def test_cpu_without_avx2_gets_exact_and_nvme_exact(tmp_path):
     assert p.mode == "nvme-exact" and p.cpu_threads == 0 and p.nvme_threads > 0
 
 
+def test_a_cpu_lane_kernel_that_cannot_run_gives_the_exact_modes(tmp_path):
+    from dataclasses import replace
+
+    s = settings()
+    facts = replace(H.read_host(write_host(tmp_path, HostSpec())), lane_kernel_error="_expert_kernel.so not built")
+    p = P.plan(facts, M.DEFAULT_SHAPE, s)
+    assert p.mode == "exact" and p.cpu_threads == 0
+    assert "CPU-lane kernel cannot run here (_expert_kernel.so not built)" in p.reasons["mode"]
+
+
 def test_glm53_exact_prefers_bit_exact(tmp_path):
     assert run(tmp_path, GLM53_EXACT="1").mode == "exact"
 
