@@ -5,11 +5,11 @@ every miss crosses PCIe and is computed by exllamav3's own kernels (glm53.engine
 bit-identical to stock exllamav3 with all experts in VRAM. "stock" is plain exllamav3 (all experts in VRAM):
 what the plan picks when everything fits, and the baseline the tests and `glm53 bench decode` compare against.
 
-Threads: one worker thread owns the model, the cache and the generator; the asyncio side only enqueues and reads
-events (loop.call_soon_threadsafe into a per-request queue), exactly like the CPU reference engine. The worker
-runs `Generator.iterate()` while any job is live: exllamav3 batches the running jobs' decode steps and chunks
-prompts itself. Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit
-the same TokenEvents; exllamav3's own text stream is ignored.
+Threads: one worker thread owns the model, the cache and the generator; the request queue, the hand-off to asyncio
+and the token events are glm53.engine.worker's, shared with the CPU reference engine. The worker runs
+`Generator.iterate()` while any job is live: exllamav3 batches the running jobs' decode steps and chunks prompts
+itself. Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit the same
+TokenEvents; exllamav3's own text stream is ignored.
 
 Reasoning budget: when a request has spent its budget inside <think>, its job is cancelled, the close tokens
 are emitted as forced events, and a continuation job (prompt + generated + forced) is enqueued; exllamav3's
@@ -18,7 +18,6 @@ page cache recognises the shared prefix, so only the tail is prefilled again.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import logging
@@ -26,31 +25,16 @@ import math
 import os
 import shutil
 import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm53.engine import sampling
-from glm53.engine.detok import IncrementalDetokenizer
-from glm53.engine.interface import (
-    ContextLengthExceeded,
-    EngineError,
-    EngineEvent,
-    EngineNotReady,
-    GrammarUnsupported,
-    PromptProgress,
-    SamplingParams,
-    TokenEvent,
-)
+from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
+from glm53.engine.worker import END, Request, WorkerEngine
 
 log = logging.getLogger("glm53.engine")
 
-_END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
-RATE_WINDOW_S = 10.0
 PAGE = 256  # exllamav3's KV page: cache sizes are whole pages
 
 EXL3_DEMO_DIR = "demo-model-exl3"
@@ -59,22 +43,9 @@ EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
 EXL3_DEMO_RECIPE = {"recipe": 1, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
 
 
-@dataclass(eq=False)
-class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    max_new: int
-    stop_ids: frozenset[int]
-    emit: Callable[[Any], None]
-    detok: IncrementalDetokenizer
-    in_reasoning: bool
-    reasoning_end: int | None
-    cancelled: bool = False
+@dataclass(eq=False, kw_only=True)
+class _Request(Request):
     job: Any = None
-    generated: list[int] = field(default_factory=list)  # every token emitted so far (sampled and forced)
-    reasoning_tokens: int = 0
-    done: bool = False
 
 
 def ensure_exl3_demo_model(cache_dir: Path) -> Path:
@@ -144,11 +115,12 @@ def slots_from_plan(plan: Any, shape: Any, staging_slots: int | None = None) -> 
     return "exact", per_layer, staging
 
 
-class Exl3Engine:
+class Exl3Engine(WorkerEngine):
     """Engine (glm53.engine.interface) on exllamav3. Construct, then load() (blocking, from a worker thread)."""
 
     kind = "exllamav3"
     supports_grammar = False  # constrained decoding runs only on the reference engine so far
+    no_grammar_reason = "constrained decoding is not supported by the exllamav3 engine yet"
 
     def __init__(
         self,
@@ -170,14 +142,11 @@ class Exl3Engine:
             raise ValueError(f"mode must be 'exact' or 'stock', got {mode!r}")
         if mode == "exact" and slots_per_layer is None:
             raise ValueError("exact mode needs slots_per_layer (VRAM expert slots per MoE layer)")
-        self.model_dir = Path(model_dir)
-        self.model_id = model_id
+        super().__init__(model_dir, model_id=model_id, context_length=context_length, max_running=max_running)
         self.mode = mode
         self.slots_per_layer = slots_per_layer
         self.staging_slots = staging_slots
         self.kv_tokens = max(PAGE, kv_tokens // PAGE * PAGE)
-        self.context_length = context_length or 0
-        self.max_running = max(1, max_running)
         self.prefill_chunk = max(PAGE, prefill_chunk // PAGE * PAGE)
         self.device = device
         self.routing_stats_dir = Path(routing_stats_dir) if routing_stats_dir else None
@@ -187,33 +156,12 @@ class Exl3Engine:
         self.generator: Any = None
         self.tiered: Any = None
         self._exl: Any = None
-        self._hf_tok: Any = None
-        self._tok: Any = None
-        self._n_vocab = 0
-        self._eos: list[int] = []
-        self._pieces: dict[int, str] = {}
-        self._think_open: int | None = None
-        self._think_close: int | None = None
-        self._cv = threading.Condition()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
-        self._by_id: dict[str, _Request] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._counters = dict.fromkeys(("requests_total", "requests_finished", "requests_cancelled", "requests_failed",
-                                        "prompt_tokens", "generated_tokens"), 0)
-        self._rate: deque[tuple[float, int]] = deque()
-        self._started = time.monotonic()
         self.load_seconds = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.generator is not None and self._thread is not None and self._thread.is_alive()
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        return list(self._eos)
+        return self.generator is not None and self._worker_alive()
 
     def load(self) -> None:
         """Load the model (progress lines in the phrases launchers parse), fill the tiers, warm up, start serving."""
@@ -272,32 +220,10 @@ class Exl3Engine:
         self.context_length = min(self.context_length, limit) if self.context_length else limit
         log.info("Loading weights took %.1f s", time.perf_counter() - t0)
         self._warmup()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._worker, name="glm53-exl3-engine", daemon=True)
-        self._thread.start()
+        self._start_worker("glm53-exl3-engine")
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
                  self.context_length)
-
-    def _load_text(self) -> None:
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-        from glm53.fixture.hf import quiet_transformers
-        from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN
-
-        with quiet_transformers():
-            self._hf_tok = AutoTokenizer.from_pretrained(self.model_dir)
-            text = AutoConfig.from_pretrained(self.model_dir).get_text_config()
-            try:
-                eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
-            except OSError:
-                eos = text.eos_token_id
-        self._tok = self._hf_tok.backend_tokenizer
-        self._n_vocab = min(len(self._hf_tok), text.vocab_size)
-        eos = eos if eos is not None else self._hf_tok.eos_token_id
-        self._eos = sorted({eos} if isinstance(eos, int) else set(eos or []))
-        self._think_open = self._tok.token_to_id(THINK_OPEN)
-        self._think_close = self._tok.token_to_id(THINK_CLOSE)
 
     def _saved_counts(self, model: Any) -> Any:
         if self.routing_stats_dir is None:
@@ -327,25 +253,13 @@ class Exl3Engine:
                 self.generator.iterate()
 
     def close(self) -> None:
-        with self._cv:
-            self._stopping = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=60)
-        with self._cv:
-            pending = list(self._waiting) + list(self._running)
-            self._waiting.clear()
-            self._running.clear()
-            self._by_id.clear()
-        for req in pending:
-            req.emit(EngineNotReady("the engine was shut down"))
+        self._stop_worker(timeout=60)
         self._save_counts()
         if self.model is not None:
             self.model.unload()
         if self.tiered is not None:
             self.tiered.close()
         self.generator = self.cache = self.model = self.tiered = None
-        self._thread = None
         try:
             import torch
 
@@ -365,127 +279,12 @@ class Exl3Engine:
         except OSError as exc:
             log.warning("routing statistics not saved: %s", exc)
 
-    # --- text ---------------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
-        self._need_tokenizer()
-        return self._tok.encode(text, add_special_tokens=add_special).ids
-
-    def detokenize(self, ids: list[int]) -> str:
-        self._need_tokenizer()
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-    def token_id(self, token: str) -> int | None:
-        self._need_tokenizer()
-        return self._tok.token_to_id(token)
-
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
-                            add_generation_prompt: bool = True) -> str:
-        from glm53.engine.template import render_chat
-
-        self._need_tokenizer()
-        return render_chat(self._hf_tok, messages, tools, enable_thinking, add_generation_prompt)
-
-    def _need_tokenizer(self) -> None:
-        if self._tok is None:
-            raise EngineNotReady("the model is not loaded yet")
-
-    def _piece(self, token_id: int) -> str:
-        piece = self._pieces.get(token_id)
-        if piece is None:
-            piece = self._pieces[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
-        return piece
-
     # --- requests -----------------------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:
-        if not self.ready:
-            raise EngineNotReady("the model is not loaded yet")
-        if params.grammar is not None:
-            raise GrammarUnsupported("constrained decoding is not supported by the exllamav3 engine yet")
-        sampling.validate(params)
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.context_length:
-            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
-        if any(not 0 <= t < self._n_vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
-
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def emit(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the consumer's loop is gone
-                req.cancelled = True
-
-        room = self.context_length - len(prompt_ids)
-        req = _Request(
-            request_id=request_id,
-            prompt=list(prompt_ids),
-            params=params,
-            max_new=min(params.max_tokens or room, room),
-            stop_ids=frozenset(params.stop_token_ids),
-            emit=emit,
-            detok=IncrementalDetokenizer(lambda ids: self._tok.decode(ids, skip_special_tokens=False)),
-            in_reasoning=params.reasoning_budget is not None or prompt_ids[-1] == self._think_open,
-            reasoning_end=params.reasoning_end_ids[0] if params.reasoning_end_ids else self._think_close,
-        )
-        with self._cv:
-            if request_id in self._by_id:
-                raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._by_id[request_id] = req
-            self._waiting.append(req)
-            self._counters["requests_total"] += 1
-            self._cv.notify()
-        try:
-            while True:
-                item = await queue.get()
-                if item is _END:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if isinstance(item, TokenEvent) and item.finish_reason is not None:
-                    return
-        finally:
-            self.cancel_request(req)
-
-    def cancel(self, request_id: str) -> None:
-        with self._cv:
-            req = self._by_id.get(request_id)
-        if req is not None:
-            self.cancel_request(req)
-
-    def cancel_request(self, req: _Request) -> None:
-        with self._cv:
-            if self._by_id.get(req.request_id) is not req:
-                return
-            req.cancelled = True
-            if req in self._waiting:
-                self._waiting.remove(req)
-                self._forget(req, "requests_cancelled")
-                req.emit(_END)
-            self._cv.notify()
+    def _new_request(self, **fields: Any) -> _Request:
+        return _Request(**fields)
 
     def stats(self) -> dict:
-        now = time.monotonic()
-        with self._cv:
-            while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
-                self._rate.popleft()
-            window = min(RATE_WINDOW_S, max(now - self._started, 1e-9))
-            rate = sum(n for _, n in self._rate) / window
-            doc = {
-                "kind": self.kind,
-                "mode": self.mode,
-                "model_id": self.model_id,
-                "context_length": self.context_length,
-                "waiting": len(self._waiting),
-                "running": len(self._running),
-                "max_running": self.max_running,
-                **self._counters,
-                "tokens_per_s": round(rate, 2),
-                "uptime_s": round(now - self._started, 1),
-            }
+        doc = {"kind": self.kind, "mode": self.mode, **super().stats()}  # "mode" second, as it always was
         tiered = self.tiered
         doc["tiers"] = tiered.snapshot() if tiered is not None else {}
         return doc
@@ -495,32 +294,21 @@ class Exl3Engine:
         import torch
 
         with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not self._stopping and not self._waiting and not self._running:
-                        self._cv.wait()
-                    if self._stopping:
-                        self._drop_jobs()
-                        return
-                    new = []
-                    while self._waiting and len(self._running) < self.max_running:
-                        req = self._waiting.popleft()
-                        self._running.append(req)
-                        new.append(req)
-                    running = list(self._running)
+            while (batch := self._admit()) is not None:
                 try:
-                    for req in new:
+                    for req in batch.new:
                         self._start(req)
-                    for req in running:
+                    for req in batch.running:
                         if req.cancelled and not req.done:
                             self._stop_job(req)
-                            self._retire(req, "requests_cancelled", _END)
+                            self._retire(req, "requests_cancelled", END)
                     if self.generator.num_remaining_jobs():
                         for r in self.generator.iterate():
                             self._on_result(r)
                 except Exception as exc:  # a failed step fails its requests loudly; the server stays up
                     log.exception("exllamav3 engine: generation step failed")
                     self._fail_all(EngineError(f"generation failed: {exc}"))
+            self._drop_jobs()
 
     def _sampler(self, p: SamplingParams) -> Any:
         exl = self._exl
@@ -532,7 +320,7 @@ class Exl3Engine:
         """Enqueue the request's (next) job: the prompt plus everything emitted so far."""
         import torch
 
-        if self._budget_spent(req):
+        if req.budget_spent:
             self._force_close(req)
             if req.done:
                 return
@@ -552,17 +340,12 @@ class Exl3Engine:
         )
         self.generator.enqueue(req.job)
         if not req.generated:
-            with self._cv:
-                self._counters["prompt_tokens"] += len(req.prompt)
+            self._count_prompt(len(req.prompt))
 
     def _stop_job(self, req: _Request) -> None:
         if req.job is not None:
             self.generator.cancel(req.job)
             req.job = None
-
-    def _budget_spent(self, req: _Request) -> bool:
-        b = req.params.reasoning_budget
-        return req.in_reasoning and b is not None and req.reasoning_tokens >= b
 
     def _force_close(self, req: _Request) -> None:
         """Emit the think-close tokens as forced events (the job producing reasoning must be stopped first)."""
@@ -593,7 +376,7 @@ class Exl3Engine:
                 return
             row = logits[0, i, : self._n_vocab] if logits is not None and i < logits.shape[1] else None
             self._emit_token(req, t, row)
-            if self._budget_spent(req) and not req.done:
+            if req.budget_spent and not req.done:
                 # Budget reached mid-stream: stop this job, close the block, continue in a new job.
                 self._stop_job(req)
                 self._force_close(req)
@@ -605,28 +388,8 @@ class Exl3Engine:
             self._finish(req, "length")
 
     def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False) -> None:
-        req.generated.append(token)
-        event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced)
-        if req.params.logprobs is not None and row is not None:
-            lp, top = sampling.logprobs_of(row, token, req.params.logprobs)
-            event.logprob = lp
-            event.top_logprobs = [(self._piece(t), v) for t, v in top]
-        if not forced and req.in_reasoning:
-            if token == req.reasoning_end:
-                req.in_reasoning = False
-            else:
-                req.reasoning_tokens += 1
-        with self._cv:
-            self._counters["generated_tokens"] += 1
-            self._rate.append((time.monotonic(), 1))
-        if token in req.stop_ids and not forced:
-            event.finish_reason = "stop"
-            event.text = req.detok.flush()
-        else:
-            event.text = req.detok.push(token)
-            if len(req.generated) >= req.max_new:
-                event.finish_reason = "length"
-                event.text += req.detok.flush()
+        # Forced tokens come with row=None: no logits for them, so no logprobs either.
+        event = self._token_event(req, token, row, forced)
         if event.finish_reason is not None:
             self._stop_job(req)
             self._retire(req, "requests_finished", event)
@@ -639,19 +402,8 @@ class Exl3Engine:
         self._stop_job(req)
         self._retire(req, "requests_finished", event)
 
-    def _retire(self, req: _Request, counter: str, last: Any) -> None:
-        req.done = True
-        req.job = None
-        with self._cv:
-            if req in self._running:
-                self._running.remove(req)
-            self._forget(req, counter)
-        req.emit(last)
-
-    def _forget(self, req: _Request, counter: str) -> None:
-        if self._by_id.get(req.request_id) is req:
-            del self._by_id[req.request_id]
-        self._counters[counter] += 1
+    def _release(self, req: _Request) -> None:
+        req.job = None  # its generator job is cancelled by the caller where needed (_stop_job), not on failure
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cv:

@@ -1,0 +1,364 @@
+"""What both engines share: the request queue, the worker thread's hand-off to asyncio, and token events.
+
+The reference engine (transformers, CPU) and the exllamav3 engine differ in how they run the model, not in how a
+request travels: validated and queued by generate(), admitted by the worker up to `max_running`, answered with
+TokenEvents that count, detokenize and finish the same way, cancelled by a flag. Keeping that path in one place
+means the two engines cannot drift apart on it, and the CPU suite, which runs against the reference engine,
+checks the code the GPU engine serves with.
+
+Threads: the worker thread owns the model; the asyncio side only enqueues and reads events. Events cross with
+loop.call_soon_threadsafe into a per-request asyncio.Queue. Cancellation is a flag the worker checks between units
+of work, after which the engine drops what the request holds (`_release`).
+
+A subclass supplies `ready`, `load`, `close` (around `_start_worker` / `_stop_worker`), `_new_request` (its
+Request subclass, with its own per-request state) and `_worker`, a loop over `_admit()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from glm53.engine import sampling
+from glm53.engine.detok import IncrementalDetokenizer
+from glm53.engine.interface import (
+    ContextLengthExceeded,
+    EngineEvent,
+    EngineNotReady,
+    GrammarUnsupported,
+    SamplingParams,
+    TokenEvent,
+)
+from glm53.engine.template import render_chat
+
+END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
+RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window
+
+
+@dataclass(eq=False)  # identity, not field equality: requests are looked up in the queues with `in` / remove()
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int
+    stop_ids: frozenset[int]
+    emit: Callable[[Any], None]  # thread-safe: hands one item to the consumer's event loop
+    detok: IncrementalDetokenizer
+    in_reasoning: bool
+    reasoning_end: int | None  # the token that closes the think block when the model samples it
+    cancelled: bool = False
+    done: bool = False  # retired: anything the model still produces for it is stale
+    generated: list[int] = field(default_factory=list)  # every token emitted so far (sampled and forced)
+    reasoning_tokens: int = 0
+
+    @property
+    def budget_spent(self) -> bool:
+        """Still inside <think> with the reasoning budget used up: the close tokens must be forced now."""
+        b = self.params.reasoning_budget
+        return self.in_reasoning and b is not None and self.reasoning_tokens >= b
+
+
+class Batch(NamedTuple):
+    new: list  # admitted by this call
+    running: list  # every admitted request, the new ones included
+
+
+class WorkerEngine:
+    """The shared half of an Engine (glm53.engine.interface): text, queue, worker thread, events, stats."""
+
+    kind: str
+    supports_grammar: bool
+    no_grammar_reason: str  # GrammarUnsupported's message when supports_grammar is False
+
+    def __init__(self, model_dir: Path, *, model_id: str, context_length: int | None, max_running: int) -> None:
+        self.model_dir = Path(model_dir)
+        self.model_id = model_id
+        self.context_length = context_length or 0  # set from the checkpoint by load() when not given
+        self.max_running = max(1, max_running)
+        self._hf_tok: Any = None
+        self._tok: Any = None  # tokenizers.Tokenizer (fast paths: encode/decode without the HF wrapper)
+        self._n_vocab = 0  # real tokenizer entries; the model's padded logits beyond are never sampled
+        self._eos: list[int] = []
+        self._pieces: dict[int, str] = {}
+        self._think_open: int | None = None
+        self._think_close: int | None = None
+        self._cv = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counters = dict.fromkeys(("requests_total", "requests_finished", "requests_cancelled", "requests_failed",
+                                        "prompt_tokens", "generated_tokens"), 0)
+        self._rate: deque[tuple[float, int]] = deque()
+        self._started = time.monotonic()
+
+    # --- lifecycle ----------------------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos)
+
+    def _start_worker(self, name: str) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._worker, name=name, daemon=True)
+        self._thread.start()
+
+    def _worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _stop_worker(self, timeout: float) -> None:
+        """Stop the worker, then fail what was still queued or running with EngineNotReady."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+        with self._cv:
+            pending = list(self._waiting) + list(self._running)
+            self._waiting.clear()
+            self._running.clear()
+            self._by_id.clear()
+        for req in pending:
+            req.emit(EngineNotReady("the engine was shut down"))
+        self._thread = None
+
+    # --- text ---------------------------------------------------------------------------------------------
+    def _load_text(self) -> Any:
+        """Tokenizer, eos ids and think tokens from the checkpoint's HF files; returns its text config."""
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        from glm53.fixture.hf import quiet_transformers
+        from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN
+
+        with quiet_transformers():
+            self._hf_tok = AutoTokenizer.from_pretrained(self.model_dir)
+            text = AutoConfig.from_pretrained(self.model_dir).get_text_config()
+            try:
+                eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+            except OSError:
+                eos = text.eos_token_id
+        self._tok = self._hf_tok.backend_tokenizer
+        self._n_vocab = min(len(self._hf_tok), text.vocab_size)
+        eos = eos if eos is not None else self._hf_tok.eos_token_id
+        self._eos = sorted({eos} if isinstance(eos, int) else set(eos or []))
+        self._think_open = self._tok.token_to_id(THINK_OPEN)
+        self._think_close = self._tok.token_to_id(THINK_CLOSE)
+        return text
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        self._need_tokenizer()
+        return self._tok.encode(text, add_special_tokens=add_special).ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        self._need_tokenizer()
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        self._need_tokenizer()
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
+                            add_generation_prompt: bool = True) -> str:
+        self._need_tokenizer()
+        return render_chat(self._hf_tok, messages, tools, enable_thinking, add_generation_prompt)
+
+    def _need_tokenizer(self) -> None:
+        if self._tok is None:
+            raise EngineNotReady("the model is not loaded yet")
+
+    def _piece(self, token_id: int) -> str:
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = self._tok.decode([token_id], skip_special_tokens=False)
+        return piece
+
+    # --- requests (asyncio side) --------------------------------------------------------------------------
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[EngineEvent]:
+        if not self.ready:
+            raise EngineNotReady("the model is not loaded yet")
+        if params.grammar is not None and not self.supports_grammar:
+            raise GrammarUnsupported(self.no_grammar_reason)
+        sampling.validate(params)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.context_length:
+            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        if any(not 0 <= t < self._n_vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
+
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the consumer's loop is gone: nobody is listening any more
+                req.cancelled = True
+
+        room = self.context_length - len(prompt_ids)
+        req = self._new_request(
+            request_id=request_id,
+            prompt=list(prompt_ids),
+            params=params,
+            max_new=min(params.max_tokens or room, room),
+            stop_ids=frozenset(params.stop_token_ids),
+            emit=emit,
+            detok=IncrementalDetokenizer(lambda ids: self._tok.decode(ids, skip_special_tokens=False)),
+            # A prompt that ends in an open <think> starts in reasoning: the budget counts from there.
+            in_reasoning=params.reasoning_budget is not None or prompt_ids[-1] == self._think_open,
+            reasoning_end=params.reasoning_end_ids[0] if params.reasoning_end_ids else self._think_close,
+        )
+        with self._cv:
+            if request_id in self._by_id:
+                raise ValueError(f"request_id {request_id!r} is already in flight")
+            self._by_id[request_id] = req
+            self._waiting.append(req)
+            self._counters["requests_total"] += 1
+            self._cv.notify()
+        try:
+            while True:
+                item = await queue.get()
+                if item is END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, TokenEvent) and item.finish_reason is not None:
+                    return
+        finally:
+            self._cancel(req)  # consumer stopped early (closed, cancelled, raised): free the slot
+
+    def cancel(self, request_id: str) -> None:
+        with self._cv:
+            req = self._by_id.get(request_id)
+        if req is not None:
+            self._cancel(req)
+
+    def _cancel(self, req: Request) -> None:
+        with self._cv:
+            if self._by_id.get(req.request_id) is not req:  # finished already (its id may be reused since)
+                return
+            req.cancelled = True
+            if req in self._waiting:  # never started: drop it now rather than when a slot frees up
+                self._waiting.remove(req)
+                self._forget(req, "requests_cancelled")
+                req.emit(END)
+            self._cv.notify()
+
+    def stats(self) -> dict:
+        now = time.monotonic()
+        with self._cv:
+            self._trim_rate(now)
+            window = min(RATE_WINDOW_S, max(now - self._started, 1e-9))
+            rate = sum(n for _, n in self._rate) / window
+            return {
+                "kind": self.kind,
+                "model_id": self.model_id,
+                "context_length": self.context_length,
+                "waiting": len(self._waiting),
+                "running": len(self._running),
+                **self._stats_extra(),
+                "max_running": self.max_running,
+                **self._counters,
+                "tokens_per_s": round(rate, 2),
+                "uptime_s": round(now - self._started, 1),
+                "tiers": {},
+            }
+
+    def _stats_extra(self) -> dict:
+        """Engine-specific queue fields for stats(); called with self._cv held."""
+        return {}
+
+    # --- worker side --------------------------------------------------------------------------------------
+    def _admit(self) -> Batch | None:
+        """Wait for work, then move waiting requests into free running slots; None once the worker must stop."""
+        with self._cv:
+            while not self._stopping and not self._waiting and not self._running:
+                self._cv.wait()
+            if self._stopping:
+                return None
+            new = []
+            while self._waiting and len(self._running) < self.max_running:
+                req = self._waiting.popleft()
+                self._running.append(req)
+                new.append(req)
+            return Batch(new, list(self._running))
+
+    def _count_prompt(self, n: int) -> None:
+        with self._cv:
+            self._counters["prompt_tokens"] += n
+
+    def _token_event(self, req: Request, token: int, logits: Any, forced: bool = False,
+                     grammar_done: bool = False) -> TokenEvent:
+        """Account for one emitted token and build its event; finish_reason is set when it ends the request.
+
+        `logits`: the distribution the token came from (for logprobs), or None where the engine has none."""
+        req.generated.append(token)
+        if not forced and req.in_reasoning:
+            if token == req.reasoning_end:
+                req.in_reasoning = False
+            else:
+                req.reasoning_tokens += 1
+        with self._cv:  # counted before the event leaves, so stats() never lags what a client has seen
+            self._counters["generated_tokens"] += 1
+            now = time.monotonic()
+            self._rate.append((now, 1))
+            self._trim_rate(now)
+        event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced)
+        if req.params.logprobs is not None and logits is not None:
+            lp, top = sampling.logprobs_of(logits, token, req.params.logprobs)
+            event.logprob = lp
+            event.top_logprobs = [(self._piece(t), v) for t, v in top]
+        if token in req.stop_ids and not forced:
+            event.finish_reason = "stop"
+            event.text = req.detok.flush()  # text held back before the stop token; the stop token adds none
+        else:
+            event.text = req.detok.push(token)
+            if grammar_done or len(req.generated) >= req.max_new:
+                event.finish_reason = "stop" if grammar_done else "length"
+                event.text += req.detok.flush()
+        return event
+
+    def _retire(self, req: Request, counter: str, last: Any) -> None:
+        """Remove a running request, free what it holds, send its last item (final event, error or END)."""
+        req.done = True
+        with self._cv:
+            if req in self._running:
+                self._running.remove(req)
+            self._forget(req, counter)
+        self._release(req)
+        req.emit(last)
+
+    def _forget(self, req: Request, counter: str) -> None:
+        # Caller holds self._cv.
+        if self._by_id.get(req.request_id) is req:
+            del self._by_id[req.request_id]
+        self._counters[counter] += 1
+
+    def _trim_rate(self, now: float) -> None:
+        while self._rate and self._rate[0][0] < now - RATE_WINDOW_S:
+            self._rate.popleft()
+
+    # --- what an engine supplies --------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def _new_request(self, **fields: Any) -> Request:
+        """The engine's Request (subclass) from the shared fields; may raise to refuse the request."""
+        raise NotImplementedError
+
+    def _worker(self) -> None:
+        """The worker thread: `while (batch := self._admit()) is not None:` run the batch's requests."""
+        raise NotImplementedError
+
+    def _release(self, req: Request) -> None:
+        """Drop what a retired request holds in the engine (its cache, its job)."""
