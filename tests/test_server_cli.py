@@ -152,24 +152,23 @@ def test_serve_end_to_end(hf_model_dir, tmp_path):
     assert sum("Application startup complete" in x for x in lines) == 1
 
 
-def test_nvme_plan_is_refused_until_the_gpu_engine_reads_the_store(tmp_path, monkeypatch):
-    # The GPU engine keeps every non-VRAM expert in RAM; on a host the plan sent to an nvme mode that would be
-    # an OOM kill mid-load, so start-up refuses with the reason instead.
-    from types import SimpleNamespace
+@pytest.mark.parametrize("mode", ["fast", "exact", "nvme", "nvme-exact"])
+def test_the_gpu_engine_runs_in_the_plan_mode(tmp_path, mode):
+    # Constructing the engine touches no GPU: what it would load is decided here, from the plan.
+    from glm53 import shape as M
+    from glm53.engine.exl3_engine import Exl3Engine, engine_for_plan
+    from glm53.plan import Plan
 
-    import glm53.engine.exl3_engine as exl3_engine
-    import glm53.planning_cli as planning_cli
-
-    d = _config_dir(tmp_path, {"architectures": ["Glm5NextForConditionalGeneration"],
-                               "quantization_config": {"quant_method": "exl3", "bits": 3}})
-    monkeypatch.setattr(engines, "exllamav3_available", lambda: True)
-    monkeypatch.setattr(exl3_engine, "gpu_engine_available", lambda: True)
-    monkeypatch.setattr(planning_cli, "current_plan",
-                        lambda s: (SimpleNamespace(mode="nvme", warnings=[]), SimpleNamespace(shape=None)))
-
-    def must_not_load(*a, **kw):
-        raise AssertionError("engine built for an nvme plan")
-
-    monkeypatch.setattr(exl3_engine, "engine_for_plan", must_not_load)
-    with pytest.raises(EngineChoiceError, match="nvme mode"):
-        choose_engine(settings(model_dir=str(d)))
+    store = str(tmp_path / "experts.glm53") if mode.startswith("nvme") else ""
+    plan = Plan(mode=mode, device="cuda:0", gpu_index=0, gpu_name="test", vram_budget_bytes=0, vram_slots=1300,
+                vram_slots_per_layer=40, ram_slots=2000, ram_tier_bytes=2000 * 9 * 2**20, cpu_threads=7,
+                nvme_threads=4 if store else 0, kv_tokens=8192, budget="normal", store=store)
+    engine = engine_for_plan(tmp_path, settings(), plan, M.DEFAULT_SHAPE)
+    assert isinstance(engine, Exl3Engine) and engine.mode == mode and engine.cpu_threads == 7
+    assert engine.slots_per_layer < 40 and engine.staging_slots == M.DEFAULT_SHAPE.experts_per_layer
+    assert engine.plan is plan
+    if mode.startswith("nvme"):
+        with pytest.raises(ValueError, match="needs the plan with its expert store"):
+            Exl3Engine(tmp_path, mode=mode, slots_per_layer=4, plan=None)
+    everything = Plan(**{**plan.__dict__, "vram_slots_per_layer": M.DEFAULT_SHAPE.experts_per_layer})
+    assert engine_for_plan(tmp_path, settings(), everything, M.DEFAULT_SHAPE).mode == "stock"

@@ -1,9 +1,11 @@
-"""The GPU engine: exllamav3's Generator and jobs, with the routed experts tiered by glm53 (exact mode).
+"""The GPU engine: exllamav3's Generator and jobs, with the routed experts tiered by glm53 (every mode).
 
 Modes: "exact" keeps `slots_per_layer` routed experts per MoE layer in VRAM and the rest in the pinned RAM tier;
 every miss crosses PCIe and is computed by exllamav3's own kernels (glm53.engine.exl3_adapter), so logits are
-bit-identical to stock exllamav3 with all experts in VRAM. "stock" is plain exllamav3 (all experts in VRAM):
-what the plan picks when everything fits, and the baseline the tests and `glm53 bench decode` compare against.
+bit-identical to stock exllamav3 with all experts in VRAM. "fast" adds the CPU lane (calibrated at load) for
+RAM-resident misses; "nvme-exact" and "nvme" do the same with the RAM tier as a cache of the record store
+(GLM53_STORE, verified against the checkpoint at load). "stock" is plain exllamav3 (all experts in VRAM): what
+the plan picks when everything fits, and the baseline the tests and `glm53 bench decode` compare against.
 
 Threads: one worker thread owns the model, the cache and the generator; the request queue, the hand-off to asyncio
 and the token events are glm53.engine.worker's, shared with the CPU reference engine. The worker runs
@@ -101,6 +103,9 @@ def model_key(model_dir: Path) -> str:
     return f"{Path(model_dir).name}-{digest}"
 
 
+TIERED_MODES = ("exact", "fast", "nvme", "nvme-exact")
+
+
 def slots_from_plan(plan: Any, shape: Any, staging_slots: int | None = None) -> tuple[str, int, int]:
     """(mode, slots per layer, staging slots) for a Plan: stock when every expert fits, else exact.
 
@@ -137,11 +142,17 @@ class Exl3Engine(WorkerEngine):
         device: str = "cuda:0",
         routing_stats_dir: Path | None = None,
         admit: bool = True,
+        cpu_threads: int = 0,
+        plan: Any = None,
     ) -> None:
-        if mode not in ("exact", "stock"):
-            raise ValueError(f"mode must be 'exact' or 'stock', got {mode!r}")
-        if mode == "exact" and slots_per_layer is None:
-            raise ValueError("exact mode needs slots_per_layer (VRAM expert slots per MoE layer)")
+        """mode: "stock" (every expert in VRAM) or a tiered mode (TIERED_MODES). cpu_threads: the CPU lane's threads
+        in fast and nvme modes (0: physical cores - 1). plan: the nvme modes' Plan (its store and RAM budget)."""
+        if mode not in ("stock", *TIERED_MODES):
+            raise ValueError(f"mode must be 'stock' or one of {TIERED_MODES}, got {mode!r}")
+        if mode != "stock" and slots_per_layer is None:
+            raise ValueError(f"{mode} mode needs slots_per_layer (VRAM expert slots per MoE layer)")
+        if mode.startswith("nvme") and (plan is None or not getattr(plan, "store", None)):
+            raise ValueError(f"{mode} mode needs the plan with its expert store (GLM53_STORE)")
         super().__init__(model_dir, model_id=model_id, context_length=context_length, max_running=max_running)
         self.mode = mode
         self.slots_per_layer = slots_per_layer
@@ -151,6 +162,8 @@ class Exl3Engine(WorkerEngine):
         self.device = device
         self.routing_stats_dir = Path(routing_stats_dir) if routing_stats_dir else None
         self.admit = admit
+        self.cpu_threads = cpu_threads
+        self.plan = plan
         self.model: Any = None
         self.cache: Any = None
         self.generator: Any = None
@@ -184,14 +197,16 @@ class Exl3Engine(WorkerEngine):
         model = exl.Model.from_config(config)
         cache = exl.Cache(model, max_num_tokens=self.kv_tokens, max_batch_size=max(16, self.max_running))
         tiered = None
-        if self.mode == "exact":
+        if self.mode != "stock":
             counts = self._saved_counts(model)
             tiered = A.TieredMoE(model, self.model_dir, self.slots_per_layer, staging_slots=self.staging_slots,
-                                 device=self.device, counts=counts, admit=self.admit)
+                                 device=self.device, counts=counts, admit=self.admit, nvme_open=self._nvme_open())
             tiered.install()
-            log.info("exact mode: %s VRAM slots per MoE layer x %d layers, %d shared staging slots, %d experts in "
-                     "the pinned RAM tier (%.1f GiB)", self.slots_per_layer, len(tiered.layers), tiered.staging_slots,
-                     tiered.tiers.ram.num_slots, tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30)
+            log.info("%s mode: %s VRAM slots per MoE layer x %d layers, %d shared staging slots, %d experts in "
+                     "the pinned RAM tier (%.1f GiB)%s", self.mode, self.slots_per_layer, len(tiered.layers),
+                     tiered.staging_slots, tiered.tiers.ram.num_slots,
+                     tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30,
+                     f", the rest read from {self.plan.store}" if tiered.nvme is not None else "")
 
         def shards(done: int, total: int) -> None:
             log.info("Loading safetensors checkpoint shards: %d%% Completed | %d/%d", 100 * done // total, done, total)
@@ -211,6 +226,10 @@ class Exl3Engine(WorkerEngine):
 
             tiered.populate(experts)
             log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
+            if self.mode in ("fast", "nvme"):
+                from glm53.cpu_lane.calibrate import default_threads
+
+                tiered.start_lane(self.cpu_threads or default_threads())
         self.model, self.cache, self.tiered = model, cache, tiered
         tokenizer = exl.Tokenizer.from_config(config)
         self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=self.max_running,
@@ -224,6 +243,20 @@ class Exl3Engine(WorkerEngine):
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
                  self.context_length)
+
+    def _nvme_open(self) -> Any:
+        """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
+        if not self.mode.startswith("nvme"):
+            return None
+        from glm53.tiers.nvme import open_nvme_tier
+
+        plan, model_dir, device = self.plan, self.model_dir, self.device
+
+        def open_(slots: list[int], staging: int) -> Any:
+            return open_nvme_tier(plan.store, model_dir, plan, device=device, vram_slots=slots,
+                                  staging_slots=staging, warm=False)
+
+        return open_
 
     def _saved_counts(self, model: Any) -> Any:
         if self.routing_stats_dir is None:
@@ -424,17 +457,18 @@ class Exl3Engine(WorkerEngine):
 
 
 def engine_for_plan(model_dir: Path, settings: Any, plan: Any, shape: Any) -> Exl3Engine:
-    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan (exact mode unless all fits)."""
-    mode, per_layer, staging = slots_from_plan(plan, shape)
-    if plan.mode not in ("exact", "nvme-exact") and mode == "exact":
-        log.warning("plan mode %s: this build serves the bit-exact PCIe lanes only (no CPU or NVMe lane yet); "
-                    "running exact mode", plan.mode)
+    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: the plan's mode, or stock when
+    every expert fits in VRAM."""
+    fits, per_layer, staging = slots_from_plan(plan, shape)
+    mode = "stock" if fits == "stock" else plan.mode
     return Exl3Engine(
         model_dir,
         model_id=settings.model_id,
         mode=mode,
-        slots_per_layer=per_layer if mode == "exact" else None,
-        staging_slots=staging if mode == "exact" else None,
+        slots_per_layer=per_layer if mode != "stock" else None,
+        staging_slots=staging if mode != "stock" else None,
+        cpu_threads=plan.cpu_threads,
+        plan=plan,
         kv_tokens=plan.kv_tokens,
         context_length=settings.context,
         max_running=settings.max_concurrency,

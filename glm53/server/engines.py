@@ -3,8 +3,9 @@
 - No model configured: the random-weight demo model, generated once into the cache directory, on the CPU
   reference backend.
 - An HF bf16 Glm5Next checkpoint: the CPU reference backend (meant for small checkpoints: tests, demos).
-- An EXL3 checkpoint: the exllamav3 engine (glm53.engine.exl3_engine) on the plan's GPU, in exact mode unless
-  every expert fits in VRAM; without exllamav3 or a CUDA GPU start-up stops with a message saying so.
+- An EXL3 checkpoint: the exllamav3 engine (glm53.engine.exl3_engine) on the plan's GPU, in the plan's mode
+  (fast, exact, nvme, nvme-exact; stock exllamav3 when every expert fits in VRAM); without exllamav3 or a CUDA
+  GPU start-up stops with a message saying so.
 - No model on a host with exllamav3 and a GPU: the synthetic EXL3 demo model through the exllamav3 engine.
 """
 
@@ -85,13 +86,6 @@ def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
         plan, inp = current_plan(settings.with_overrides(model_dir=str(model_dir)))
     except PlanError as exc:
         raise EngineChoiceError(str(exc)) from None
-    if plan.mode in ("nvme", "nvme-exact"):
-        # The NVMe tier exists (glm53.tiers.nvme) but the GPU engine does not use it yet: it would read every
-        # expert into RAM, which is exactly what this host's memory cannot hold. Refuse rather than be OOM-killed.
-        raise EngineChoiceError(
-            f"the plan chose {plan.mode} mode (not every expert fits in RAM here), and this build's GPU engine "
-            f"serves only the all-RAM modes: give it enough memory for every expert off the GPU (about 110 GiB "
-            f"for GLM-5.3-Flash; `glm53 plan` shows the numbers), or wait for the release that wires the store in.")
     engine = engine_for_plan(model_dir, settings, plan, inp.shape)
     banner = [f"serving {model_dir} (EXL3) on the exllamav3 engine, {engine.mode} mode, plan mode {plan.mode}",
               *plan.warnings]
