@@ -59,6 +59,9 @@ class FakeEngine:
     def close(self) -> None:
         self._ready = False
 
+    def fault(self) -> dict | None:
+        return getattr(self, "fault_state", None)
+
     @property
     def eos_token_ids(self) -> list[int]:
         return [self.token_id(t) for t in gtok.EOS_TOKENS]

@@ -365,6 +365,18 @@ def test_not_ready_until_loaded():
     assert not eng.ready  # the app loaded it, so the app closed it
 
 
+def test_ready_reports_a_store_fault_and_serving_goes_on(server, client, engine):
+    engine.fault_state = {"state": "fault", "store": "/store/experts.glm53", "faults": [{"layer": 3, "expert": 17}]}
+    try:
+        r = httpx.get(server.url + "/ready")
+        err(r, 503, "store_fault")
+        assert "/store/experts.glm53" in r.text and "verify-store" in r.text
+        assert client.chat.completions.create(model="glm-5.3-flash", messages=user("hi")).choices[0].message.content
+    finally:
+        engine.fault_state = None
+    assert httpx.get(server.url + "/ready").status_code == 200
+
+
 def test_mid_stream_error_is_an_error_frame(engine):
     class Failing(FakeEngine):
         async def generate(self, prompt_ids, params, request_id):

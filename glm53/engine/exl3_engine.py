@@ -316,6 +316,11 @@ class Exl3Engine(WorkerEngine):
     def _new_request(self, **fields: Any) -> _Request:
         return _Request(**fields)
 
+    def fault(self) -> dict | None:
+        tiered = self.tiered
+        nvme = getattr(tiered, "nvme", None) if tiered is not None else None
+        return nvme.health() if nvme is not None else None
+
     def stats(self) -> dict:
         doc = {"kind": self.kind, "mode": self.mode, **super().stats()}  # "mode" second, as it always was
         tiered = self.tiered

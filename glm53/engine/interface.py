@@ -112,6 +112,10 @@ class Engine(Protocol):
         """Blocking: load the model (call from a worker thread); logs progress; sets ready."""
         ...
 
+    def fault(self) -> dict | None:
+        """A degraded tier for /ready (the nvme modes' store: failed or stalled reads), or None when healthy."""
+        ...
+
     def close(self) -> None:
         """Stop the worker, fail in-flight generations with EngineNotReady, free the model."""
         ...

@@ -253,6 +253,9 @@ class WorkerEngine:
                 req.emit(END)
             self._cv.notify()
 
+    def fault(self) -> dict | None:
+        return None
+
     def stats(self) -> dict:
         now = time.monotonic()
         with self._cv:

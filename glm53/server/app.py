@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -159,8 +160,13 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
 
     @app.get("/ready", tags=["ops"])
     async def ready() -> dict[str, str]:
-        """Readiness: 200 once the model is loaded, 503 before."""
+        """Readiness: 200 once the model is loaded, 503 before, and 503 while a tier reports a fault (a store
+        record that cannot be read: requests that need it fail with the record named, the rest are served)."""
         check_ready(state)
+        fault = engine.fault()
+        if fault is not None:
+            raise APIError(503, f"The expert store reports a fault: {json.dumps(fault)}. Check the disk, then run "
+                                "`glm53 verify-store` on it (pack-store rebuilds a damaged store).", code="store_fault")
         return {"status": "ready", "model": state.model_id}
 
     def model_card() -> dict[str, Any]:
