@@ -21,6 +21,7 @@ Nothing here imports exllamav3, so the decisions run on the CPU in tests with CP
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,28 @@ def translate(ids: np.ndarray, slot_of: np.ndarray, staged: Sequence[int], stagi
         missing = sorted(set(np.asarray(ids)[out < 0].tolist()))
         raise StepError(f"experts {missing} are picked but neither resident nor staged")
     return out
+
+
+def decode_slots(ids: np.ndarray, picks: list[int], uniq: np.ndarray, slot_of: np.ndarray, staged: Sequence[int],
+                 staging_base: int, masked: Sequence[int] = (), masked_id: int = -1) -> np.ndarray:
+    """translate() for a decode step's few picks (picks: ids as a list, uniq: its distinct ids): a dict over the
+    step's experts instead of a num_experts lookup table. Whatever is not the plain case (a staged or masked
+    expert resident or not picked, a pick with nowhere to be read) goes to translate(), which raises."""
+    slot = dict(zip(uniq.tolist(), slot_of.take(uniq).tolist(), strict=True))  # -1: not resident
+    plain = True
+    for i, e in enumerate(staged):
+        plain = plain and slot.get(e, 0) == -1
+        slot[e] = staging_base + i
+    for e in masked:
+        plain = plain and slot.get(e, 0) == -1
+        slot[e] = masked_id
+    if not plain or -1 in slot.values():
+        return translate(ids, slot_of, staged, staging_base, masked, masked_id)
+    return np.array([slot[e] for e in picks], np.int64).reshape(ids.shape)
+
+
+_NO_SLOTS = np.empty(0, np.int64)
+_NO_SLOTS.flags.writeable = False
 
 
 @dataclass
@@ -111,6 +134,10 @@ class MoeStepper:
         self.lookahead = LookaheadCounts()
         self._predicted: dict[int, np.ndarray] = {}
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0}
+        # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
+        from glm53.tiers.tiers import RAM, STORE, VRAM
+
+        self._vram_code, self._ram_code, self._store_code = VRAM, RAM, STORE
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -128,69 +155,90 @@ class MoeStepper:
         (they must not evict the decode hot set) and stage EVERY picked expert, residents included (a
         device-to-device copy), in ascending id order: the mapping id -> slot is then monotonic, so exllamav3's
         prefill paths, which sort and group picks by expert id, see exactly the stock order and stay
-        bit-identical."""
-        from glm53.tiers import Where
+        bit-identical.
 
+        This runs between exllamav3's router and its expert kernels for every MoE layer of every token, with the
+        GPU waiting: a decode step has at most a few dozen picks, so it works on Python lists and sets of them
+        (numpy's per-call overhead exceeds the work at that size) and leaves each tier path alone unless it has
+        something to do (no moves in flight, no store, no lane)."""
         t_start = time.perf_counter()
+        VRAM, STORE = self._vram_code, self._store_code
         tiers = self.tiers
         tiers.poll()
-        uniq = np.unique(ids)
-        self._count_lookahead(li, uniq, decode)
-        tiers.demand_reads(li, uniq)  # nvme: every store miss of the step in flight before the first wait
-        from_store = np.zeros(self.num_experts, bool)
+        ids = np.asarray(ids)
+        picks = ids.ravel().tolist()
+        uniq_l = sorted(set(picks))
+        uniq = np.array(uniq_l, np.int64)
+        self._count_lookahead(li, uniq_l, decode)
+        where = tiers.where[li]
+        from_store: set[int] = set()
         store_wait = 0.0
-        for e in uniq.tolist():
-            w = tiers.settle(li, e)
+        if tiers.store is None and tiers.keep_all:  # the all-RAM modes never enter STORE
+            w = tiers.settle_each(li, uniq_l)
             if w:
                 tiers.stats.add_wait("pcie", w)
-            if tiers.where[li, e] in (Where.STORE, Where.FROM_STORE):
-                from_store[e] = True
-                t0 = time.perf_counter()
-                tiers.fetch_to_ram(li, e, protect=uniq)
-                store_wait += time.perf_counter() - t0
+        else:
+            tiers.demand_reads(li, uniq)  # nvme: every store miss of the step in flight before the first wait
+            for e in uniq_l:
+                w = tiers.settle(li, e)
+                if w:
+                    tiers.stats.add_wait("pcie", w)
+                if where[e] >= STORE:  # STORE or FROM_STORE
+                    from_store.add(e)
+                    t0 = time.perf_counter()
+                    tiers.fetch_to_ram(li, e, protect=uniq)
+                    store_wait += time.perf_counter() - t0
         if store_wait:
             tiers.stats.add_wait("nvme", store_wait)
             self.host_seconds["store_wait"] += store_wait
-        hit = tiers.where[li] == Where.VRAM
-        misses = uniq[~hit[uniq]]
-        step = Step(slots=np.empty(0))
+        codes = where.take(uniq).tolist()
+        hits = {e for e, c in zip(uniq_l, codes, strict=True) if c == VRAM}
+        misses = [e for e, c in zip(uniq_l, codes, strict=True) if c != VRAM]
+        step = Step(slots=_NO_SLOTS)
         if decode:
             tiers.observe(li, ids)
             step.cpu = self._plan_lane(li, ids, misses)
-            pcie = np.array([e for e in misses.tolist() if e not in set(step.cpu)], np.int64)
-            if self.admit and pcie.size:
-                step.admitted = list(tiers.try_admit(li, pcie, uniq))
-            step.staged = [int(e) for e in pcie.tolist() if e not in step.admitted]
+            on_cpu = set(step.cpu)
+            pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
+            if self.admit and pcie:
+                step.admitted = list(tiers.try_admit(li, np.array(pcie, np.int64), uniq))
+            admitted = set(step.admitted)
+            step.staged = [e for e in pcie if e not in admitted] if admitted else list(pcie)
         else:
-            step.staged = [int(e) for e in uniq.tolist()]
+            step.staged = list(uniq_l)
         if len(step.staged) > self.staging_slots:
             raise StepError(f"layer {li}: {len(step.staged)} experts to stage in one step exceed the "
                             f"{self.staging_slots} staging slots; raise staging_slots (or lower the prefill chunk)")
-        self._count_picks(li, ids, hit, from_store, step.cpu)
+        self._count_picks(li, picks, hits, from_store, step.cpu)
         if step.cpu:
             step.ticket = self._submit_lane(li, ids, x, weights, step.cpu)
         t_copy = time.perf_counter()
         last = None
-        nbytes = tiers.layout.nbytes
-        for i, e in enumerate(step.staged):
-            last = tiers.copier.copy(tiers.staging[i], tiers.bytes_of(li, e))
-            if not hit[e]:
-                tiers.stats.add_bytes("ram_to_staging", nbytes)
+        crossed = sum(1 for e in step.staged if e not in hits) if hits else len(step.staged)  # else device-local
+        if step.staged:
+            last = tiers.copier.copy_many([(tiers.staging_slot(i), tiers.bytes_of(li, e))
+                                           for i, e in enumerate(step.staged)])
+            if crossed:
+                tiers.stats.add_bytes("ram_to_staging", crossed * tiers.layout.nbytes)
         t0 = time.perf_counter()
         for e in step.admitted:
             tiers.settle(li, e)
         if last is not None:
             last.wait()
         waited = time.perf_counter() - t0
-        pcie_n = len(step.admitted) + sum(1 for e in step.staged if not hit[e])
         if step.admitted or step.staged:
             tiers.stats.add_wait("pcie", waited)
             self.host_seconds["copy_wait"] += waited
-            if self.fit is not None and decode and pcie_n:
-                self.fit.add_pcie([int((ids == e).sum()) for e in misses.tolist() if e not in set(step.cpu)],
-                                  time.perf_counter() - t_copy)
-        slot_of = tiers.vram[li].slot_of if decode else np.full(self.num_experts, -1, np.int32)
-        step.slots = translate(ids, slot_of, step.staged, self.cache_slots[li], step.cpu, self.masked_id(li))
+            if self.fit is not None and decode and len(step.admitted) + crossed:
+                counts = Counter(picks)
+                on_cpu = set(step.cpu)
+                self.fit.add_pcie([counts[e] for e in misses if e not in on_cpu], time.perf_counter() - t_copy)
+        if decode:
+            step.slots = decode_slots(ids, picks, uniq, tiers.vram[li].slot_of, step.staged, self.cache_slots[li],
+                                      step.cpu, self.masked_id(li))
+        else:
+            step.slots = translate(ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
+                                   step.cpu, self.masked_id(li))
         self.host_seconds["plan"] += time.perf_counter() - t_start - waited - store_wait
         return step
 
@@ -199,33 +247,34 @@ class MoeStepper:
         RAM (nvme modes), or admit its RAM experts the policy wants (all-RAM modes, when admitting), so their
         bytes move while the GPU is still busy with the layer before. busy: experts of layer li - 1 the CPU lane is
         reading right now (never dropped for a prefetch). Returns the reads or admissions started."""
-        from glm53.tiers import Where
-
         if not 0 <= li < len(self.cache_slots):
             return 0
-        uniq = np.unique(np.asarray(predicted, np.int64))
+        uniq_l = sorted(set(np.asarray(predicted, np.int64).ravel().tolist()))
+        uniq = np.array(uniq_l, np.int64)
         self._predicted[li] = uniq
         tiers = self.tiers
         started = 0
         if self.nvme is not None:
             protect = {li - 1: list(busy)} if li > 0 and len(busy) else None
-            started = self.nvme.prefetch([(li, int(e)) for e in uniq.tolist()], protect=protect)
+            started = self.nvme.prefetch([(li, e) for e in uniq_l], protect=protect)
         elif self.admit:
             tiers.poll()
-            ram = np.array([e for e in uniq.tolist() if tiers.where[li, e] == Where.RAM], np.int64)
-            if ram.size:
-                started = len(tiers.try_admit(li, ram, uniq))
+            codes = tiers.where[li].take(uniq).tolist()
+            ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
+            if ram:
+                started = len(tiers.try_admit(li, np.array(ram, np.int64), uniq))
         self.lookahead.prefetched += started
         return started
 
     # ---- parts ------------------------------------------------------------------------------------------------
 
-    def _plan_lane(self, li: int, ids: np.ndarray, misses: np.ndarray) -> list[int]:
-        if self.lane is None or not misses.size:
+    def _plan_lane(self, li: int, ids: np.ndarray, misses: list[int]) -> list[int]:
+        if self.lane is None or not misses:
             return []
         from glm53.cpu_lane.planner import assign
 
-        rows = [(int(e), int((ids == e).sum())) for e in misses.tolist()]
+        counts = Counter(ids.ravel().tolist())
+        rows = [(e, counts[e]) for e in misses]
         self.last_assignment = assign(rows, self.fit.model(), cpu_ok=self.lane.alive)
         return sorted(int(e) for e in self.last_assignment.cpu)
 
@@ -248,18 +297,20 @@ class MoeStepper:
         deadline = self.lane.deadline_for(self.last_assignment.cpu_seconds)
         return self.lane.submit(li, jobs, redo, deadline, count_picks=False)
 
-    def _count_picks(self, li: int, ids: np.ndarray, hit: np.ndarray, from_store: np.ndarray,
-                     cpu: list[int]) -> None:
+    def _count_picks(self, li: int, picks: list[int], hits: set[int], from_store: set[int], cpu: list[int]) -> None:
         """Picks by lane: a VRAM hit; else nvme if the step had to read it from the store; else cpu or pcie."""
-        on_cpu = np.zeros(self.num_experts, bool)
-        on_cpu[cpu] = True
-        n_hit = int(hit[ids].sum())
-        n_store = int((from_store[ids] & ~hit[ids]).sum())
-        n_cpu = int((on_cpu[ids] & ~from_store[ids]).sum())
-        self.tiers.stats.add_picks(li, {"vram_hit": n_hit, "nvme": n_store, "cpu": n_cpu,
-                                        "pcie": int(ids.size) - n_hit - n_store - n_cpu})
+        n_hit = n_store = n_cpu = 0
+        on_cpu = set(cpu)
+        for e in picks:
+            if e in hits:
+                n_hit += 1
+            elif e in from_store:
+                n_store += 1
+            elif e in on_cpu:
+                n_cpu += 1
+        self.tiers.stats.add_lane_picks(li, n_hit, len(picks) - n_hit - n_store - n_cpu, n_cpu, n_store)
 
-    def _count_lookahead(self, li: int, uniq: np.ndarray, decode: bool) -> None:
+    def _count_lookahead(self, li: int, uniq: list[int], decode: bool) -> None:
         pred = self._predicted.pop(li, None)
         if pred is None or not decode:
             return
@@ -267,7 +318,7 @@ class MoeStepper:
         c.steps += 1
         c.predicted += len(pred)
         c.actual += len(uniq)
-        c.hits += int(np.isin(uniq, pred).sum())
+        c.hits += len(set(pred.tolist()).intersection(uniq))
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},

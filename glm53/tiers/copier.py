@@ -62,3 +62,27 @@ class Copier:
             if t.is_cuda:
                 t.record_stream(stream)
         return Ticket(event)
+
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
+        """Several copies into device buffers (a step's staging), in order; the returned ticket lands with the
+        last, hence with all of them. One stream hand-off and one event for the batch: per copy those cost more
+        host time than issuing the copy itself, and a layer step stages a few."""
+        if not pairs:
+            return DONE
+        if not self.cuda or type(self).copy is not Copier.copy or not all(d.is_cuda for d, _ in pairs):
+            last = DONE  # on CPU, or a copier that overrides copy (tests defer copies): one by one, its way
+            for dst, src in pairs:
+                last = self.copy(dst, src)
+            return last
+        stream = self._fill
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        for dst, src in pairs:
+            dst.record_stream(stream)
+            if src.is_cuda:
+                src.record_stream(stream)
+        return Ticket(event)

@@ -70,9 +70,11 @@ class ScoredPolicy:
         self._decay = 0.5 ** (1.0 / self.half_life)
         self._rdecay = 0.5 ** (1.0 / self.recency_half_life)
         self._freq = np.zeros(self.num_experts, np.float64)
-        # -inf age means "never picked": no recency bonus, without a special case in scores().
-        self._last = np.full(self.num_experts, -np.inf)
+        # 0.5 ** ((now - last) / recency_half_life), kept by the same per-step decay as the frequency (a pow over
+        # every expert per step costs more than the rest of scoring); 0 means never picked.
+        self._recent = np.zeros(self.num_experts, np.float64)
         self._now = 0
+        self._scores: np.ndarray | None = None  # valid until the next observe/seed
 
     def observe(self, ids: np.ndarray, weight: float = 1.0) -> None:
         ids = np.asarray(ids).reshape(-1)
@@ -80,11 +82,17 @@ class ScoredPolicy:
         # 288 multiplies per step is cheaper than lazy per-expert decay bookkeeping and exact at any age.
         self._freq *= self._decay
         np.add.at(self._freq, ids, weight)
-        self._last[ids] = self._now
+        self._recent *= self._rdecay
+        self._recent[ids] = 1.0
+        self._scores = None
 
     def scores(self) -> np.ndarray:
-        age = self._now - self._last
-        return self._freq + self.recency_weight * self._rdecay**age
+        """Read-only: computed once per step (choose_admissions and every admits() of a step share it)."""
+        if self._scores is None:
+            s = self._freq + self.recency_weight * self._recent
+            s.flags.writeable = False
+            self._scores = s
+        return self._scores
 
     def admits(self, expert: int, victim: int) -> bool:
         s = self.scores()
@@ -98,6 +106,7 @@ class ScoredPolicy:
         if counts.shape != (self.num_experts,):
             raise ValueError(f"seed counts have shape {counts.shape}, expected ({self.num_experts},)")
         self._freq = counts.copy()
+        self._scores = None
 
 
 @dataclass
@@ -145,21 +154,32 @@ def choose_admissions(
     if misses.size == 0:
         return []
     s = policy.scores()
-    order = misses[np.argsort(-s[misses], kind="stable")]
-    out: list[tuple[int, int | None]] = []
-    take_free = min(free_slots, order.size)
-    out.extend((int(e), None) for e in order[:take_free])
+    # A step misses a handful of experts: sorting them in Python beats numpy's per-call overhead. Best first;
+    # equal scores keep their given order (sorted() stays stable with reverse=True).
+    ids = misses.tolist()
+    score = dict(zip(ids, s[misses].tolist(), strict=True))
+    order = sorted(ids, key=score.__getitem__, reverse=True)
+    take_free = min(free_slots, len(order))
+    out: list[tuple[int, int | None]] = [(e, None) for e in order[:take_free]]
     rest = order[take_free:]
-    if rest.size == 0:
+    if not rest:
+        return out
+    protect = np.asarray(protect, np.int64)
+    # Most steps admit nothing: the best miss loses to the weakest victim. That one pair is an argmin, so decide
+    # it before sorting every candidate (ties: the lower id first, as the stable sort below orders them).
+    weak = np.where(resident, s, np.inf)
+    weak[protect] = np.inf
+    first = int(weak.argmin())
+    if weak[first] < np.inf and not policy.admits(rest[0], first):
         return out
     eligible = resident.copy()
-    eligible[np.asarray(protect, np.int64)] = False
+    eligible[protect] = False
     cand = np.flatnonzero(eligible)
-    victims = cand[np.argsort(s[cand], kind="stable")]
+    victims = cand[np.argsort(s[cand], kind="stable")].tolist()
     for e, v in zip(rest, victims, strict=False):
-        if not policy.admits(int(e), int(v)):
+        if not policy.admits(e, v):
             break
-        out.append((int(e), int(v)))
+        out.append((e, v))
     return out
 
 

@@ -10,7 +10,9 @@ records (`nvme`), and the
 prefetcher's effect (`prefetch`): an expert read ahead and then picked is a hit (late if its read was still in
 flight), one read ahead and not picked is wasted, and a store pick no prefetch covered is a demand miss; recall
 is hits / (hits + demand misses), the share of would-be store waits that prefetch took off the critical path.
-The decode thread updates; the server thread snapshots: one lock keeps a snapshot self-consistent.
+The decode thread updates; the server thread snapshots: one lock keeps a snapshot self-consistent. The decode thread
+updates on every layer step, so the counters it touches are plain Python ints (a numpy element update costs several
+times more) and become arrays only in the snapshot.
 """
 
 from __future__ import annotations
@@ -32,21 +34,31 @@ class TierStats:
         self._lock = threading.Lock()
         self._vram_slots = np.asarray(vram_slots, np.int64)
         self._ram_slots = int(ram_slots)
-        self._picks = np.zeros((num_layers, len(LANES)), np.int64)
-        self._admissions = np.zeros(num_layers, np.int64)
-        self._evictions = np.zeros(num_layers, np.int64)
+        self._picks = [[0] * len(LANES) for _ in range(num_layers)]
+        self._admissions = [0] * num_layers
+        self._evictions = [0] * num_layers
         self._ram_drops = 0  # nvme modes: RAM victims dropped (the store still has them)
         self._bytes = dict.fromkeys(DIRECTIONS, 0)
         self._wait = dict.fromkeys(LANES, 0.0)
-        self._slots_in_use = np.zeros(num_layers, np.int64)
+        self._slots_in_use = [0] * num_layers
         self._ram_in_use = 0
         self._prefetch = dict.fromkeys(PREFETCH, 0)
         self._nvme = dict.fromkeys(NVME, 0)
 
     def add_picks(self, layer: int, counts: Mapping[str, int]) -> None:
         with self._lock:
+            row = self._picks[layer]
             for lane, n in counts.items():
-                self._picks[layer, LANES.index(lane)] += n
+                row[LANES.index(lane)] += int(n)
+
+    def add_lane_picks(self, layer: int, vram_hit: int, pcie: int, cpu: int, nvme: int) -> None:
+        """add_picks for one layer step, every lane at once (the decode hot path: no mapping to build)."""
+        with self._lock:
+            row = self._picks[layer]
+            row[0] += vram_hit
+            row[1] += pcie
+            row[2] += cpu
+            row[3] += nvme
 
     def add_admission(self, layer: int) -> None:
         with self._lock:
@@ -93,12 +105,17 @@ class TierStats:
         with self._lock:
             self._ram_in_use = n
 
+    def set_gauges(self, layer: int, slots_in_use: int, ram_in_use: int) -> None:
+        with self._lock:
+            self._slots_in_use[layer] = slots_in_use
+            self._ram_in_use = ram_in_use
+
     def snapshot(self) -> dict:
         """Everything as plain JSON-able types. Rates are None where nothing was counted yet."""
         with self._lock:
-            picks = self._picks.copy()
-            adm, evi = self._admissions.copy(), self._evictions.copy()
-            used = self._slots_in_use.copy()
+            picks = np.array(self._picks, np.int64).reshape(self.num_layers, len(LANES))
+            adm, evi = np.array(self._admissions, np.int64), np.array(self._evictions, np.int64)
+            used = np.array(self._slots_in_use, np.int64)
             doc = {
                 "ram_drops": self._ram_drops,
                 "bytes": dict(self._bytes),

@@ -48,6 +48,11 @@ class Where(IntEnum):
     FROM_STORE = 5
 
 
+# The states as plain ints for the per-step paths: an IntEnum member lookup goes through the enum machinery
+# (about a microsecond each in Python 3.11), and these run several times per expert of every layer step.
+VRAM, RAM, TO_VRAM, TO_RAM, STORE, FROM_STORE = (int(w) for w in Where)
+
+
 class StoreSource(Protocol):
     """Asynchronous store reads behind the RAM tier (nvme modes). Called only from the thread owning the tiers."""
 
@@ -129,6 +134,7 @@ class ExpertTiers:
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
         self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
         self.staging = torch.empty((staging_slots, layout.nbytes), dtype=torch.uint8, device=self.device)
+        self._staging_rows = list(self.staging)  # a row view per slot, made once: indexing a tensor is not free
         self._next_staging = 0
         self._populated = False
 
@@ -178,12 +184,16 @@ class ExpertTiers:
 
     def bytes_of(self, layer: int, expert: int) -> torch.Tensor:
         """The slot image of a readable expert (VRAM or RAM); settle or fetch it first if it is moving or absent."""
-        w = self.where[layer, expert]
-        if w == Where.VRAM:
+        w = int(self.where[layer, expert])
+        if w == VRAM:
             return self.vram[layer].flat(int(self.vram[layer].slot_of[expert]))
-        if w in (Where.RAM, Where.TO_VRAM):  # a fill in flight still reads from (so leaves intact) the RAM slot
+        if w == RAM or w == TO_VRAM:  # a fill in flight still reads from (so leaves intact) the RAM slot
             return self.ram.flat(int(self.ram.slot_of[layer, expert]))
         raise TierError(f"expert {layer}/{expert} is {Where(w).name}: not readable")
+
+    def staging_slot(self, i: int) -> torch.Tensor:
+        """Staging buffer i (the same tensor as staging[i], without the indexing)."""
+        return self._staging_rows[i]
 
     def stage(self, layer: int, expert: int) -> torch.Tensor:
         """Stream a RAM expert to a device staging buffer without admitting it (PCIe, no eviction). The buffer
@@ -199,7 +209,7 @@ class ExpertTiers:
 
     def poll(self) -> int:
         """Land every move whose bytes have arrived (never blocks); returns how many landed."""
-        done = [key for key, mv in self._moves.items() if mv.ticket.done()]
+        done = [key for key, mv in self._moves.items() if mv.ticket.done()] if self._moves else ()
         for key in done:
             self._land(key)
         return len(done) + (self.store.poll() if self.store is not None else 0)
@@ -213,6 +223,17 @@ class ExpertTiers:
         mv.ticket.wait()
         self._land((layer, expert))
         return time.perf_counter() - t0
+
+    def settle_each(self, layer: int, experts: Sequence[int]) -> float:
+        """settle() each of a layer's experts; returns the seconds waited in all."""
+        moves = self._moves
+        if not moves:
+            return 0.0
+        waited = 0.0
+        for e in experts:
+            if (layer, e) in moves:
+                waited += self.settle(layer, e)
+        return waited
 
     def settle_all(self) -> None:
         for layer, expert in list(self._moves):
@@ -255,7 +276,7 @@ class ExpertTiers:
             return None
         r = self.ram.alloc(layer, expert, pending=True)
         self.where[layer, expert] = Where.FROM_STORE
-        self._refresh_gauges()
+        self.stats.set_ram_in_use(self.ram.in_use())
         return r
 
     def land_read(self, layer: int, expert: int) -> None:
@@ -265,7 +286,7 @@ class ExpertTiers:
         self.ram.land(int(self.ram.slot_of[layer, expert]))
         self.where[layer, expert] = Where.RAM
         self.stats.add_bytes("store_to_ram", self.layout.nbytes)
-        self._refresh_gauges()
+        self.stats.set_ram_in_use(self.ram.in_use())
 
     def abort_read(self, layer: int, expert: int, retire: bool = False) -> int:
         """A read failed or was given up: the expert is STORE again; returns the RAM slot it had. retire=True when
@@ -275,13 +296,13 @@ class ExpertTiers:
         r = self.ram.retire(layer, expert) if retire else self.ram.free(layer, expert)
         self.where[layer, expert] = Where.STORE
         self.ram_guard[layer, expert] = False
-        self._refresh_gauges()
+        self.stats.set_ram_in_use(self.ram.in_use())
         return r
 
     def reclaim(self, slot: int) -> None:
         """A retired RAM slot's late read has finished: the slot is free again."""
         self.ram.reclaim(slot)
-        self._refresh_gauges()
+        self.stats.set_ram_in_use(self.ram.in_use())
 
     def drop_ram(self, layer: int, expert: int) -> None:
         """Drop a RAM expert (nvme modes: the store still has it)."""
@@ -301,23 +322,21 @@ class ExpertTiers:
     def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None) -> int:
         """Start copying a RAM expert into a VRAM slot of its layer: a free one, else `victim`'s (written back
         first). Returns the slot; the expert becomes resident when the copy lands (poll/settle)."""
-        if self.where[layer, expert] != Where.RAM:
+        if self.where[layer, expert] != RAM:
             raise TierError(f"admit {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not RAM")
         vl = self.vram[layer]
-        free = vl.free_slots()
-        if free.size:
-            slot = int(free[0])
+        if vl.free_count():
+            slot = vl.first_free()
         elif victim is None:
             raise TierError(f"admit {layer}/{expert}: no free slot and no victim")
         else:
-            keep = np.append(np.asarray([] if protect is None else protect, np.int64), expert)
-            slot = self._write_back(layer, victim, keep)
+            slot = self._write_back(layer, victim, protect, also=expert)
         vl.reserve(slot, expert)
         self.ram_guard[layer, expert] = False  # in use now: the guard's job is done
         src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
         ticket = self.copier.copy(vl.flat(slot), src, after=self._slot_reader.pop((layer, slot), None))
         self._moves[(layer, expert)] = _Move(ticket, True, slot)
-        self.where[layer, expert] = Where.TO_VRAM
+        self.where[layer, expert] = TO_VRAM
         self.stats.add_admission(layer)
         self.stats.add_bytes("ram_to_vram", self.layout.nbytes)
         self._refresh_gauges(layer)
@@ -334,10 +353,10 @@ class ExpertTiers:
         resident by its margin); returns {expert: slot} of the copies started. Call after observe(). Where RAM has
         no room for a victim's write-back the rest are not admitted (they stream instead): never an error."""
         vl = self.vram[layer]
-        plan = choose_admissions(self.policies[layer], vl.resident(), len(vl.free_slots()), misses, protect)
+        plan = choose_admissions(self.policies[layer], vl.resident(), vl.free_count(), misses, protect)
         started = {}
         for e, v in plan:
-            if v is not None and not self._ram_room(layer, np.append(protect, e)):
+            if v is not None and not self._ram_room(layer, protect, also=e):
                 break
             started[e] = self.admit(layer, e, v, protect)
         return started
@@ -351,27 +370,30 @@ class ExpertTiers:
 
     # ---- internals --------------------------------------------------------------------------------------------
 
-    def _write_back(self, layer: int, expert: int, protect: np.ndarray | None) -> int:
-        if self.where[layer, expert] != Where.VRAM:
+    def _write_back(self, layer: int, expert: int, protect: np.ndarray | None, also: int | None = None) -> int:
+        if self.where[layer, expert] != VRAM:
             raise TierError(f"evict {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not VRAM")
-        if not self._ram_room(layer, protect):  # refused before any state changed
+        if not self._ram_room(layer, protect, also):  # refused before any state changed
             raise TierError(f"RAM tier full ({self.ram.num_slots} slots): no room to write {layer}/{expert} back")
         r = self.ram.alloc(layer, expert, pending=True)
         slot = self.vram[layer].release(expert)
         ticket = self.copier.copy(self.ram.flat(r), self.vram[layer].flat(slot))
         self._slot_reader[(layer, slot)] = ticket  # the slot's next fill must wait for this read
         self._moves[(layer, expert)] = _Move(ticket, False, r)
-        self.where[layer, expert] = Where.TO_RAM
+        self.where[layer, expert] = TO_RAM
         self.stats.add_eviction(layer)
         self.stats.add_bytes("vram_to_ram", self.layout.nbytes)
         return slot
 
-    def _ram_room(self, layer: int, protect: np.ndarray | None) -> bool:
+    def _ram_room(self, layer: int, protect: np.ndarray | None, also: int | None = None) -> bool:
         """Make one RAM slot free if possible. Fills in flight free their RAM source when they land, so wait for the
         oldest; in the nvme modes dropping the weakest RAM expert (the store has it) is cheaper than waiting.
         False when neither can help: the all-RAM modes keep just enough spare for swaps, and a bare eviction
-        beyond it would need a second copy's worth of RAM."""
+        beyond it would need a second copy's worth of RAM. `also`: one more expert to protect."""
         while self.ram.free_count() == 0:
+            if also is not None:  # built only here: RAM is rarely full, and the common case must not allocate
+                protect = np.append(np.asarray([] if protect is None else protect, np.int64), also)
+                also = None
             if not self.keep_all and self._drop_weakest(layer, protect):
                 continue
             # A landed fill frees its RAM source; in the nvme modes a landed write-back becomes a droppable RAM
@@ -401,14 +423,17 @@ class ExpertTiers:
         if mv.to_vram:
             self.vram[layer].land(mv.slot)
             self.ram.free(layer, expert)  # exclusivity: the RAM copy goes the moment the VRAM one is real
-            self.where[layer, expert] = Where.VRAM
+            self.where[layer, expert] = VRAM
         else:
             self.ram.land(mv.slot)
-            self.where[layer, expert] = Where.RAM
+            self.where[layer, expert] = RAM
         self._refresh_gauges(layer)
 
     def _refresh_gauges(self, layer: int | None = None) -> None:
-        for lay in range(self.num_layers) if layer is None else (layer,):
+        if layer is not None:
+            self.stats.set_gauges(layer, self.vram[layer].in_use(), self.ram.in_use())
+            return
+        for lay in range(self.num_layers):
             self.stats.set_slots_in_use(lay, self.vram[lay].in_use())
         self.stats.set_ram_in_use(self.ram.in_use())
 
