@@ -46,3 +46,12 @@ def reference_engine(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     engine.load()
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def exl3():
+    """exllamav3 on a CUDA GPU (the GPU machine's tests), else the test is skipped."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return pytest.importorskip("exllamav3")

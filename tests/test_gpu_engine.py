@@ -20,14 +20,6 @@ from glm53.fixture.exl3 import write_exl3_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def exl3():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return pytest.importorskip("exllamav3")
-
-
 def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None) -> dict:
     """Generate `steps` greedy tokens for every prompt in one generator; returns tokens, logits (CPU), stats."""
     import torch

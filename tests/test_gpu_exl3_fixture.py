@@ -15,14 +15,6 @@ from glm53.fixture.exl3 import write_exl3_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def exl3():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return pytest.importorskip("exllamav3")
-
-
 def _load_and_generate(path, exl3) -> dict:
     import torch
 

@@ -22,14 +22,6 @@ pytestmark = pytest.mark.gpu
 WINDOW = 8  # rows per forward: exllamav3's fused decode kernel limit, where the CPU lane takes picks
 
 
-@pytest.fixture(scope="module")
-def exl3():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    return pytest.importorskip("exllamav3")
-
-
 def pack(model_dir, out):
     from store.pack import PackOptions, pack_store
 
