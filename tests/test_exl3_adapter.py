@@ -57,6 +57,8 @@ class FakeRoutingCFG:
     gate_tensor: object
     e_score_correction_bias: object
     num_experts_per_tok: int
+    n_group: int
+    topk_group: int
 
 
 def fake_modules(**overrides):

@@ -63,8 +63,10 @@ def test_recall_meter_arithmetic() -> None:
     assert snap["expert_recall"] == pytest.approx((4 / 5 + 0.5) / 2)
     with pytest.raises(ValueError):
         m.update(5, [[1, 2]], [[1, 2], [3, 4]])
+    assert (snap["hits"], snap["picks"], snap["expert_hits"], snap["experts"], snap["steps"]) == (5, 8, 5, 7, 3)
     m.reset()
-    assert m.snapshot() == {"layers": {}, "recall": None, "expert_recall": None}
+    assert m.snapshot() == {"layers": {}, "recall": None, "expert_recall": None, "hits": 0, "picks": 0,
+                            "expert_hits": 0, "experts": 0, "steps": 0}
 
 
 @pytest.fixture(scope="module")

@@ -119,10 +119,13 @@ def test_lookahead_admits_predictions_and_scores_them():
     tiers.settle_all()
     assert sum(tiers.where[1, e] == Where.VRAM for e in cold) == 2
     stepper.resolve(1, np.array([[cold[0], cold[1], 15, 14]]), decode=True)
-    la = stepper.lookahead.snapshot()
-    assert la["steps"] == 1 and la["actual"] == 4 and la["hits"] == 2 and la["recall"] == 0.5
+    la = stepper.snapshot()["lookahead"]
+    assert la["steps"] == 1 and la["picks"] == 4 and la["hits"] == 2 and la["recall"] == 0.5
+    assert la["expert_recall"] == 0.5 and la["prefetched"] == 2
     stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # no prediction for this step: not scored
-    assert stepper.lookahead.steps == 1
+    stepper.ahead(1, np.array([[0, 1], [2, 3]]))
+    stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # a guess for 2 rows, a step of 1: not scored
+    assert stepper.lookahead.snapshot()["steps"] == 1
     assert stepper.ahead(2, np.array([[0]])) == 0  # past the last layer: nothing to do
 
 
@@ -275,6 +278,7 @@ def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
             tier.check_invariants()
         snap = tiers.stats.snapshot()
         assert snap["picks"]["nvme"] > 0 and snap["picks"]["cpu"] == 0
-        assert snap["prefetch"]["issued"] > 0 and stepper.lookahead.steps > 0
-        assert 0.0 <= stepper.lookahead.recall() <= 1.0
-        assert stepper.lookahead.prefetched == snap["prefetch"]["issued"]
+        la = stepper.snapshot()["lookahead"]
+        assert snap["prefetch"]["issued"] > 0 and la["steps"] > 0
+        assert 0.0 <= la["recall"] <= 1.0
+        assert la["prefetched"] == snap["prefetch"]["issued"]

@@ -130,7 +130,7 @@ class _Runner:
             d2h = snap1["bytes"]["vram_to_ram"] - snap0["bytes"]["vram_to_ram"]
             picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "cpu", "total")}
             la0, la1 = snap0["lookahead"], snap1["lookahead"]
-            hits, actual = la1["hits"] - la0["hits"], la1["actual"] - la0["actual"]
+            hits, actual = la1["hits"] - la0["hits"], la1["picks"] - la0["picks"]
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,

@@ -113,7 +113,7 @@ CONTRACT: tuple[Hook, ...] = (
     Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mcg_mult", "mcg codebook marker value"),
 )
 
-ROUTING_FIELDS = ("gate_tensor", "e_score_correction_bias", "num_experts_per_tok")
+ROUTING_FIELDS = ("gate_tensor", "e_score_correction_bias", "num_experts_per_tok", "n_group", "topk_group")
 LANE_TAG = "glm53-cpu-lane"  # marks our cpu_pending: (LANE_TAG, LaneTicket, rows)
 
 # LinearEXL3's positional parameters, in order: the slot loader passes them by position like the stock loader.
@@ -630,10 +630,13 @@ class TieredMoE:
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (bsz, hidden) and a copy of its top-k ids into `out`
-        (pinned). The selection follows GLM's router (sigmoid scores plus the selection bias); the group limit is
-        left out: this is a guess for prefetching, checked against the real picks (stepper.lookahead's recall).
-        Returns False (and turns lookahead off with a log line) when the next layer's router is not reachable."""
+        (pinned): glm53.engine.lookahead.predict_topk, GLM's selection rule (sigmoid scores plus the selection
+        bias, group-limited where the config says so) on exllamav3's loaded router. A guess for prefetching,
+        scored against the real picks. Returns False (and turns lookahead off with a log line) when the next
+        layer's router is not reachable."""
         import torch
+
+        from glm53.engine.lookahead import predict_topk
 
         m = self.layers[li].module
         cfg = getattr(m, "routing_cfg", None)
@@ -642,11 +645,12 @@ class TieredMoE:
             log.warning("router lookahead off: %s has no loaded router (routing_cfg.gate_tensor)", m.key)
             self.lookahead = False
             return False
+        bias = cfg.e_score_correction_bias
+        if bias is None:
+            bias = torch.zeros(gate.shape[1], device=gate.device)
         z = m.router_pre_norm.forward(y, {}, out_dtype=torch.half) if m.router_pre_norm else y
-        scores = torch.matmul(z.half(), gate.half() if gate.dtype != torch.half else gate).float().sigmoid_()
-        if cfg.e_score_correction_bias is not None:
-            scores += cfg.e_score_correction_bias.float()
-        out.copy_(scores.topk(self.top_k, dim=-1, sorted=False)[1], non_blocking=True)
+        ids = predict_topk(z, gate.t(), bias, self.top_k, n_group=cfg.n_group or 1, topk_group=cfg.topk_group or 1)
+        out.copy_(ids, non_blocking=True)
         return True
 
     def _recompute(self, li: int, expert: int, x_rows: np.ndarray) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -45,8 +46,9 @@ def predict_topk(
     return scores.topk(top_k, dim=-1).indices
 
 
-def _as_ids(x: Any) -> torch.Tensor:
-    return torch.atleast_2d(torch.as_tensor(x)).long()  # a 1-D list is one row
+def _rows(x: Any) -> list[list[int]]:
+    rows = np.asarray(x, np.int64)
+    return np.atleast_2d(rows).tolist()  # a 1-D list is one row
 
 
 class RecallMeter:
@@ -55,7 +57,8 @@ class RecallMeter:
     Row recall = sum over token rows of |pred ∩ actual| / sum of |actual|: what a per-token prefetch would
     have had ready. Expert recall takes each `update` as one step and compares distinct experts: what a
     per-step prefetch (one copy per expert, however many rows want it) would have had ready. Both are pooled
-    over all updates (hit and total counts), so long steps weigh more than short ones.
+    over all updates (hit and total counts), so long steps weigh more than short ones. Updates run on the
+    serving path once per layer step (a few rows of top-8): plain sets, no tensor ops.
     """
 
     def __init__(self) -> None:
@@ -65,23 +68,31 @@ class RecallMeter:
 
     def update(self, layer: int, predicted: Any, actual: Any) -> None:
         """One step of `layer`: predicted (rows, any k) and actual (rows, top_k) expert ids, row for row."""
-        pred, act = _as_ids(predicted), _as_ids(actual)
-        if pred.shape[0] != act.shape[0]:
-            raise ValueError(f"predicted has {pred.shape[0]} rows, actual {act.shape[0]}")
+        pred, act = _rows(predicted), _rows(actual)
+        if len(pred) != len(act):
+            raise ValueError(f"predicted has {len(pred)} rows, actual {len(act)}")
         # A router never picks an expert twice for one row, so counting matches per actual id is |pred ∩ actual|.
-        row_hits = int((act.unsqueeze(-1) == pred.unsqueeze(-2)).any(-1).sum())
-        act_u = act.unique()
-        step_hits = int(torch.isin(act_u, pred.unique()).sum())
+        row_hits = picks = 0
+        pred_all: set[int] = set()
+        act_all: set[int] = set()
+        for p, a in zip(pred, act, strict=True):
+            ps = set(p)
+            row_hits += sum(1 for e in a if e in ps)
+            picks += len(a)
+            pred_all |= ps
+            act_all.update(a)
+        step_hits = len(act_all & pred_all)
         with self._lock:
             c = self._layers.setdefault(int(layer), [0, 0, 0, 0, 0])
             c[0] += row_hits
-            c[1] += act.numel()
+            c[1] += picks
             c[2] += step_hits
-            c[3] += act_u.numel()
+            c[3] += len(act_all)
             c[4] += 1
 
     def snapshot(self) -> dict:
-        """{"layers": {layer: {recall, expert_recall, picks, steps}}, "recall", "expert_recall"} (means over layers)."""
+        """{"layers": {layer: {recall, expert_recall, picks, steps}}, "recall", "expert_recall"} (means over layers),
+        plus the pooled counts (hits, picks, expert_hits, experts, steps) a caller can difference over a window."""
         with self._lock:
             counts = {layer: list(c) for layer, c in sorted(self._layers.items())}
         layers = {
@@ -98,7 +109,10 @@ class RecallMeter:
             vals = [v[key] for v in layers.values() if v[key] is not None]
             return sum(vals) / len(vals) if vals else None
 
-        return {"layers": layers, "recall": mean("recall"), "expert_recall": mean("expert_recall")}
+        totals = [sum(c[i] for c in counts.values()) for i in range(5)]
+        return {"layers": layers, "recall": mean("recall"), "expert_recall": mean("expert_recall"),
+                "hits": totals[0], "picks": totals[1], "expert_hits": totals[2], "experts": totals[3],
+                "steps": totals[4]}
 
     def reset(self) -> None:
         with self._lock:

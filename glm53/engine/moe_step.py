@@ -28,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from glm53.engine.lookahead import RecallMeter
+
 
 class StepError(RuntimeError):
     """A step could not make its picks readable (configuration too small): fail loudly, never guess."""
@@ -87,25 +89,6 @@ class Step:
     ticket: Any = None                      # the lane's LaneTicket, or None: ticket.partial(tokens) at combine
 
 
-@dataclass
-class LookaheadCounts:
-    """Next-layer prediction quality: of the experts a step really picked, how many were predicted one layer ahead."""
-
-    steps: int = 0
-    predicted: int = 0   # distinct experts predicted
-    actual: int = 0      # distinct experts picked
-    hits: int = 0        # picked and predicted
-    prefetched: int = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
-
-    def recall(self) -> float | None:
-        return self.hits / self.actual if self.actual else None
-
-    def snapshot(self) -> dict:
-        r = self.recall()
-        return {"steps": self.steps, "predicted": self.predicted, "actual": self.actual, "hits": self.hits,
-                "prefetched": self.prefetched, "recall": None if r is None else round(r, 4)}
-
-
 # recompute(layer, expert, x_rows float32 (rows, hidden)) -> (rows, hidden): the exact path for a lane job it
 # could not finish (deadline, dead worker).
 Recompute = Callable[[int, int, np.ndarray], Any]
@@ -131,8 +114,9 @@ class MoeStepper:
         self.nvme = nvme
         self.num_experts = tiers.num_experts
         self.last_assignment: Any = None
-        self.lookahead = LookaheadCounts()
-        self._predicted: dict[int, np.ndarray] = {}
+        self.lookahead = RecallMeter()
+        self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
+        self._predicted: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids predicted for its next step
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0}
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
@@ -169,7 +153,7 @@ class MoeStepper:
         picks = ids.ravel().tolist()
         uniq_l = sorted(set(picks))
         uniq = np.array(uniq_l, np.int64)
-        self._count_lookahead(li, uniq_l, decode)
+        self._count_lookahead(li, ids, decode)
         where = tiers.where[li]
         from_store: set[int] = set()
         store_wait = 0.0
@@ -249,9 +233,10 @@ class MoeStepper:
         reading right now (never dropped for a prefetch). Returns the reads or admissions started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
-        uniq_l = sorted(set(np.asarray(predicted, np.int64).ravel().tolist()))
+        predicted = np.atleast_2d(np.asarray(predicted, np.int64))
+        uniq_l = sorted(set(predicted.ravel().tolist()))
         uniq = np.array(uniq_l, np.int64)
-        self._predicted[li] = uniq
+        self._predicted[li] = predicted.copy()
         tiers = self.tiers
         started = 0
         if self.nvme is not None:
@@ -263,7 +248,7 @@ class MoeStepper:
             ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
             if ram:
                 started = len(tiers.try_admit(li, np.array(ram, np.int64), uniq))
-        self.lookahead.prefetched += started
+        self.prefetched += started
         return started
 
     # ---- parts ------------------------------------------------------------------------------------------------
@@ -310,19 +295,15 @@ class MoeStepper:
                 n_cpu += 1
         self.tiers.stats.add_lane_picks(li, n_hit, len(picks) - n_hit - n_store - n_cpu, n_cpu, n_store)
 
-    def _count_lookahead(self, li: int, uniq: list[int], decode: bool) -> None:
+    def _count_lookahead(self, li: int, ids: np.ndarray, decode: bool) -> None:
         pred = self._predicted.pop(li, None)
-        if pred is None or not decode:
-            return
-        c = self.lookahead
-        c.steps += 1
-        c.predicted += len(pred)
-        c.actual += len(uniq)
-        c.hits += len(set(pred.tolist()).intersection(uniq))
+        if pred is None or not decode or pred.shape[0] != ids.shape[0]:
+            return  # no guess, or not for this step's rows (another batch shape came between)
+        self.lookahead.update(li, pred, ids)
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
-                     "lookahead": self.lookahead.snapshot()}
+                     "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched}}
         if self.lane is not None:
             doc["cpu_lane"] = self.lane.snapshot()
             if self.last_assignment is not None:
