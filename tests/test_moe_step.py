@@ -282,3 +282,20 @@ def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
         assert snap["prefetch"]["issued"] > 0 and la["steps"] > 0
         assert 0.0 <= la["recall"] <= 1.0
         assert la["prefetched"] == snap["prefetch"]["issued"]
+
+
+def test_nvme_prefill_reads_the_next_layer_ahead(packed):
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = packed
+    rng = np.random.default_rng(0)
+    prompt = [np.stack([rng.permutation(16)[:4] for _ in range(10)]) for _ in range(2)]  # 10-row prefill chunks
+    plan = nvme_plan(store, ram_records=24, vram_slots=2, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1], staging_slots=16, warm=False) as tier:
+        stepper = MoeStepper(tier.tiers, [1, 1], 16, nvme=tier)
+        stepper.resolve(0, prompt[0], decode=False)
+        assert stepper.prefetched > 0 and tier.tiers.stats.snapshot()["prefetch"]["issued"] == stepper.prefetched
+        stepper.resolve(1, prompt[1], decode=False)  # its store reads were already under way
+        pf = tier.tiers.stats.snapshot()["prefetch"]
+        assert pf["hits"] + pf["late"] > 0
+        tier.check_invariants()

@@ -223,6 +223,10 @@ class MoeStepper:
         else:
             step.slots = translate(ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
                                    step.cpu, self.masked_id(li))
+        if not decode and self.nvme is not None and li + 1 < len(self.cache_slots):
+            # A prompt chunk picks most of every layer: start reading the next layer's experts now, so the store
+            # works while this layer's experts run.
+            self.prefetched += self.nvme.prefetch_prefill([li + 1], protect={li: uniq_l})
         self.host_seconds["plan"] += time.perf_counter() - t_start - waited - store_wait
         return step
 
