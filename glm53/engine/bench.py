@@ -44,11 +44,15 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--modes", default="exact,exact-nolookahead,fast",
                    help="tiered modes to run next to stock (default exact,exact-nolookahead,fast)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
+    p.add_argument("--ram-fraction", type=float, default=RAM_55G,
+                   help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
+                        f"real model; 16 GiB gives {RAM_16G}). The store is packed from the checkpoint into --work")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench_decode)
 
 
-MODES = ("exact", "exact-nolookahead", "fast")
+MODES = ("exact", "exact-nolookahead", "fast", "nvme-exact", "nvme")
+RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
 def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -76,7 +80,7 @@ class _Runner:
     """One loaded model (stock, or a tiered mode) with its generator."""
 
     def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int, mode: str = "exact",
-                 cpu_threads: int | None = None):
+                 cpu_threads: int | None = None, nvme_open: Any = None):
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
@@ -88,12 +92,13 @@ class _Runner:
         self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = None
         if slots is not None:
-            self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=mode != "exact-nolookahead")
+            self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=mode != "exact-nolookahead",
+                                    nvme_open=nvme_open if mode.startswith("nvme") else None)
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:
             self.tiered.populate()
-            if mode == "fast":
+            if mode in ("fast", "nvme"):
                 from glm53.cpu_lane.calibrate import default_threads
 
                 self.tiered.start_lane(cpu_threads or default_threads())
@@ -128,10 +133,11 @@ class _Runner:
             n = len(ids) - 1
             h2d = sum(snap1["bytes"][k] - snap0["bytes"][k] for k in ("ram_to_vram", "ram_to_staging"))
             d2h = snap1["bytes"]["vram_to_ram"] - snap0["bytes"]["vram_to_ram"]
-            picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "cpu", "total")}
+            picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "cpu", "nvme", "total")}
             la0, la1 = snap0["lookahead"], snap1["lookahead"]
             hits, actual = la1["hits"] - la0["hits"], la1["picks"] - la0["picks"]
-            out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n,
+            store = snap1["bytes"]["store_to_ram"] - snap0["bytes"]["store_to_ram"]
+            out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
                        host_us_per_layer_step=1e6 * (snap1["host_seconds"]["plan"] - snap0["host_seconds"]["plan"])
@@ -149,12 +155,43 @@ class _Runner:
         torch.cuda.empty_cache()
 
 
+def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int = 8) -> tuple[Any, float]:
+    """TieredMoE's nvme_open for a RAM tier of `ram_fraction` of all experts, and the store's raw O_DIRECT
+    random-read rate (bytes/s) measured now over a layer's worth of its records."""
+    import random
+
+    from glm53.plan import Plan
+    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_bench import raw_pass
+    from store.format import read_header
+
+    head = read_header(store)
+    keys = sorted(head.index)
+    ram = round(ram_fraction * len(keys))
+    plan = Plan(mode="nvme", device="cuda:0", gpu_index=0, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
+                vram_slots_per_layer=0, ram_slots=ram, ram_tier_bytes=ram * head.max_extent, cpu_threads=0,
+                nvme_threads=threads, kv_tokens=0, budget="normal", store=str(store))
+    rate = raw_pass(store, random.Random(0).sample(keys, min(len(keys), 288)), threads)
+
+    def open_(slots: list[int], staging: int) -> Any:
+        return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
+                              warm=False)
+
+    return open_, rate
+
+
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
-                 modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print) -> dict:
+                 modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print,
+                 store: Path | None = None, ram_fraction: float = RAM_55G) -> dict:
     import torch
 
     rate = h2d_rate()
     log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
+    nvme_open, disk_rate = None, None
+    if any(m.startswith("nvme") for m in modes):
+        nvme_open, disk_rate = nvme_opener(model_dir, store, ram_fraction)
+        log(f"store {store}: raw O_DIRECT random reads {disk_rate / 1e9:.2f} GB/s; RAM tier {ram_fraction:.3f} of "
+            f"the experts")
     cache_tokens = prompt_tokens + tokens + 512
     runners: dict[str, _Runner] = {}
     try:
@@ -163,7 +200,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
         for mode in modes:
             mem0 = torch.cuda.memory_allocated()
-            runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads)
+            runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads, nvme_open)
             log(f"{mode} ({slots} slots/layer) loaded in {runners[mode].load_s:.1f} s, "
                 f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
         vocab = 150000
@@ -202,6 +239,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             "modes": {},
             "windows": [{k: v for k, v in x.items() if k != "tokens"} for x in rows],
             "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (DESIGN section 3)",
+            "disk_GBps": None if disk_rate is None else disk_rate / 1e9,
+            "ram_fraction": ram_fraction if nvme_open is not None else None,
         }
         for mode in modes:
             m_rows = [x for x in rows if x["name"] == mode]
@@ -214,6 +253,9 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 "hit_rate": mean(mode, "hit_rate"),
                 "cpu_pick_share": sum(x["picks"]["cpu"] for x in m_rows) / max(1, sum(x["picks"]["total"]
                                                                                        for x in m_rows)),
+                "store_MiB_per_token": mean(mode, "store_bytes_per_token") / 2**20,
+                "pick_shares": {k: sum(x["picks"][k] for x in m_rows) / max(1, sum(x["picks"]["total"] for x in m_rows))
+                                for k in ("vram_hit", "pcie", "cpu", "nvme")},
                 "h2d_MiB_per_token": mean(mode, "h2d_bytes_per_token") / 2**20,
                 "d2h_MiB_per_token": mean(mode, "d2h_bytes_per_token") / 2**20,
                 "lookahead_recall": mean(mode, "lookahead_recall"),
@@ -222,7 +264,16 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 "load_s": runners[mode].load_s,
                 "tiers": runners[mode].tiered.snapshot(),
             }
-        exact_like = [m for m in modes if m.startswith("exact")]
+        for mode in modes:
+            if mode.startswith("nvme") and disk_rate:
+                m = result["modes"][mode]
+                # The lanes overlapping perfectly: the GPU side (stock step + this mode's PCIe bytes) or the disk,
+                # whichever is slower, per token.
+                gpu_s = 1 / stock_tok + m["h2d_MiB_per_token"] * 2**20 / rate
+                disk_s = m["store_MiB_per_token"] * 2**20 / disk_rate
+                m["bound_decode_tok_s"] = 1 / max(gpu_s, disk_s)
+                m["over_own_bound"] = m["decode_tok_s"] * max(gpu_s, disk_s)
+        exact_like = [m for m in modes if m.startswith("exact") or m == "nvme-exact"]
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["decode_tok_s"] / result["modes"]["exact"]["decode_tok_s"]
@@ -249,6 +300,20 @@ def report(res: dict, moe_layers: int | None) -> str:
                  f"{res['bound_decode_tok_s']:8.1f} tok/s (exact target >= 0.85 of it)")
     if "fast_over_exact" in res:
         lines.append(f"  fast / exact: {res['fast_over_exact']:.3f} (target >= 1.5)")
+    if res.get("disk_GBps") is not None:
+        lines.append(f"  store: raw O_DIRECT {res['disk_GBps']:.2f} GB/s; RAM tier {res['ram_fraction']:.3f} of the "
+                     f"experts")
+        for mode in ("nvme-exact", "nvme"):
+            if mode in res["modes"]:
+                sh = res["modes"][mode]["pick_shares"]
+                m = res["modes"][mode]
+                lines.append(f"  {mode} picks per tier: " + ", ".join(f"{k} {v:.3f}" for k, v in sh.items())
+                             + f"; {m['store_MiB_per_token']:.0f} MiB/token from the store; bound (GPU side or "
+                             f"disk, overlapped) {m['bound_decode_tok_s']:.1f} tok/s, x bound "
+                             f"{m['over_own_bound']:.3f} (target >= 0.8)")
+        if "nvme" in res["modes"] and "fast" in res["modes"]:
+            lines.append(f"  nvme / fast: {res['modes']['nvme']['decode_tok_s'] / res['modes']['fast']['decode_tok_s']:.3f}"
+                         f" (target >= 0.7 at the 55 GiB fraction)")
     lines.append(f"  stock moe_cpu_split: {res['moe_cpu_split']}")
     return "\n".join(lines)
 
@@ -295,8 +360,19 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if unknown:
         print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    store = None
+    if any(m.startswith("nvme") for m in modes):
+        from store.pack import PackOptions, pack_store
+
+        if work is None:
+            work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
+        store = work / "experts.glm53"
+        t0 = time.perf_counter()
+        pack_store(PackOptions(model_dir, store, threads=8, progress=False), log=lambda m: None)
+        print(f"packed the expert store in {time.perf_counter() - t0:.0f} s")
     try:
-        res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads)
+        res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
+                           store=store, ram_fraction=args.ram_fraction)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

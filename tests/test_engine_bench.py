@@ -1,0 +1,38 @@
+"""`glm53 bench decode`'s GPU-free parts: the report renders every mode's line, the nvme opener measures the store."""
+
+from __future__ import annotations
+
+from test_nvme_tier_support import make_store
+
+from glm53.engine import bench as B
+
+
+def mode_doc(tok: float, nvme: bool = False) -> dict:
+    doc = {"decode_tok_s": tok, "prefill_tok_s": 900.0, "over_stock": tok / 100, "over_bound": tok / 80,
+           "hit_rate": 0.6, "cpu_pick_share": 0.2, "h2d_MiB_per_token": 300.0, "d2h_MiB_per_token": 40.0,
+           "lookahead_recall": float("nan") if tok < 20 else 0.7, "host_us_per_layer_step": 40.0,
+           "same_tokens_as_stock": True, "load_s": 3.0, "tiers": {}, "store_MiB_per_token": 120.0 if nvme else 0.0,
+           "pick_shares": {"vram_hit": 0.6, "pcie": 0.2, "cpu": 0.15, "nvme": 0.05}}
+    if nvme:
+        doc.update(bound_decode_tok_s=30.0, over_own_bound=tok / 30)
+    return doc
+
+
+def test_report_has_a_line_per_mode_and_the_targets():
+    res = {"h2d_GBps": 50.0, "stock_decode_tok_s": 100.0, "stock_prefill_tok_s": 2000.0, "bound_decode_tok_s": 80.0,
+           "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "disk_GBps": 6.5,
+           "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
+           "modes": {"exact": mode_doc(50.0), "exact-nolookahead": mode_doc(15.0), "fast": mode_doc(30.0),
+                     "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True)}}
+    text = B.report(res, 8)
+    for mode in res["modes"]:
+        assert f"  {mode} " in text, mode
+    for what in ("PCIe bound", "fast / exact: 1.600 (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
+                 "nvme picks per tier: vram_hit 0.600", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
+        assert what in text, what
+
+
+def test_nvme_opener_measures_the_disk(tmp_path):
+    ck, store = make_store(tmp_path, layers=3, experts=16)
+    opener, rate = B.nvme_opener(ck, store, 0.5, threads=2)
+    assert callable(opener) and rate > 0
