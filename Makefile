@@ -22,7 +22,7 @@ test-gpu: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check glm53 store tests
-	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh .ci/run
+	$(VENV)/bin/shellcheck entrypoint.sh docker/*.sh tests/gpu/*.sh .ci/run
 	$(VENV)/bin/hadolint Dockerfile
 	$(PY) -m glm53 settings --check
 

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU-machine session's checks, in order of what is owed, each step under its own time limit, logs to $OUT.
+# Run from the repository root on the device, after `source .device-cache/setup.sh`:
+#   STEPS=tiny,server bash tests/gpu/session.sh          # a subset (default: all, in this order)
+# Steps:
+#   tiny      fast/nvme KL + top-1 and nvme-exact bit-identity (tests/test_gpu_modes.py -k tiny), then exact mode
+#             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
+#   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
+#             tests/gpu/stage_extras.sh)
+#   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
+#   bench     glm53 bench decode: stock, exact, exact without lookahead, fast (8 MoE layers)
+#   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~20 GB of disk)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+STEPS=${STEPS:-tiny,server,width,bench,nvme}
+t0=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.log"; }
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+gpu_pytest() {  # name, limit (s), pytest args...
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m pytest -m gpu -q -s -p no:cacheprovider --basetemp="/tmp/pt-$name" "$@" \
+    > "$OUT/$name.log" 2>&1
+  local rc=$?
+  rm -rf "/tmp/pt-$name"
+  stamp "$name rc=$rc"
+  return $rc
+}
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/summary.log" 2>&1
+if [ -d .device-cache/extra ] && ! python3 -c "import fastapi" 2>/dev/null; then
+  pip install -q --no-index --no-deps --target /tmp/site-extra .device-cache/extra/*.whl >> "$OUT/summary.log" 2>&1
+  export PYTHONPATH="${PYTHONPATH:-}:/tmp/site-extra"
+fi
+if has tiny; then
+  gpu_pytest modes-tiny 300 tests/test_gpu_modes.py -k tiny
+  gpu_pytest exact-tiny 240 tests/test_gpu_engine.py -k "tiny or engine"
+fi
+if has server; then
+  GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_server_conformance.py \
+    > "$OUT/server.log" 2>&1
+  stamp "server rc=$?"
+fi
+if has width; then
+  gpu_pytest modes-width 400 tests/test_gpu_modes.py -k glm53_width
+  gpu_pytest exact-width 500 tests/test_gpu_engine.py -k glm53_width
+fi
+if has bench; then
+  timeout 560 python3 -m glm53 bench decode --moe-layers 8 --work /tmp --json "$OUT/bench-decode.json" \
+    > "$OUT/bench-decode.log" 2>&1
+  stamp "bench rc=$?"
+fi
+if has nvme; then
+  timeout 560 python3 -m glm53 bench decode --moe-layers 8 --work /tmp --modes exact,fast,nvme-exact,nvme \
+    --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
+  stamp "nvme rc=$?"
+fi
