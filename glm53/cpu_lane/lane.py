@@ -376,10 +376,15 @@ def start_lane(layout: Any, pcie_samples: Sequence[Any], threads: int, *, cpus: 
     if codebook != "mul1":  # refused before a second of calibration is spent (CpuLane says the same)
         raise ValueError(f"the CPU lane decodes EXL3 mul1 experts only; these use {codebook!r}: serve them in "
                          "exact mode (GLM53_MODE=exact or nvme-exact)")
+    if cpus is None:  # one worker per physical core, away from CPU 0 (the thread feeding the GPU)
+        from .kernel import pick_cpus
+
+        cpus = pick_cpus(threads)
     cal = calibrate_cpu(threads, cpus, geo=ExpertGeometry.from_layout(layout))
     fit = LiveFit(cal.samples, list(pcie_samples), threads)
     lane = CpuLane(layout, threads, cpus=cpus, isa=cal.isa, stats=stats, fit=fit, codebook=codebook)
-    log.info("CPU lane: %d threads, %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert", threads, cal.isa,
+    log.info("CPU lane: %d threads (CPUs %s), %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert",
+             threads, ",".join(map(str, cpus)) if cpus else "unpinned", cal.isa,
              fit.model().cpu_expert(1) * 1e6, fit.model().pcie.expert_cost(1) * 1e6)
     return lane, fit
 
