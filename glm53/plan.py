@@ -98,7 +98,8 @@ CONDITIONS = {
     "all_in_vram": "every routed expert fits in the VRAM budget",
     "fits_ram": "the experts not in VRAM fit in usable RAM (after the margin)",
     "nvme_ok": f"a valid store (exists, O_DIRECT, full size) and usable RAM >= {NVME_MIN_RAM_GIB} GiB",
-    "lane_ok": "CPU has " + "/".join(f.upper() for f in CPU_LANE_FLAGS) + " and GLM53_EXACT=0",
+    "lane_ok": "CPU has " + "/".join(f.upper() for f in CPU_LANE_FLAGS) + ", glm53's CPU-lane kernel loads, and "
+               "GLM53_EXACT=0",
 }
 # What an explicitly requested mode (GLM53_MODE=...) needs from the host.
 MODE_NEEDS = {
