@@ -13,7 +13,7 @@ from test_nvme_tier_support import make_store, nvme_plan, record
 from glm53.cpu_lane.lane import CpuLane
 from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
 from glm53.engine.moe_step import MoeStepper, StepError, translate
-from glm53.tiers import ExpertTiers, SlotLayout, Where
+from glm53.tiers import Copier, ExpertTiers, SlotLayout, Where
 
 MAX_BSZN = 8  # exllamav3's decode row limit (checked by the adapter's contract)
 
@@ -55,10 +55,10 @@ def test_translate_of_a_fully_staged_prefill_is_monotonic():
 # ---- all-RAM tiers, exact ---------------------------------------------------------------------------------------
 
 
-def _byte_tiers(num_layers=2, experts=16, slots=(3, 0), staging=16):
+def _byte_tiers(num_layers=2, experts=16, slots=(3, 0), staging=16, copier=None):
     layout = SlotLayout.packed([("gate.trellis", torch.int16, (2, 2, 48)), ("gate.suh", torch.float16, (32,))])
     tiers = ExpertTiers(layout, experts, list(slots), num_layers * experts - sum(slots) + 4, device="cpu",
-                        staging_slots=staging, pin=False)
+                        staging_slots=staging, pin=False, copier=copier)
 
     def fill(layer, e, out):  # every expert's image is distinct: byte b of (layer, e) = (layer*31 + e*7 + b) % 251
         out.copy_(torch.arange(out.numel(), dtype=torch.int64).add_(layer * 31 + e * 7).remainder_(251).to(torch.uint8))
@@ -75,9 +75,42 @@ def slot_bytes(tiers, stepper: MoeStepper, li: int, s: int) -> torch.Tensor | No
     return tiers.vram[li].flat(s) if s < S else tiers.staging[s - S]
 
 
-def test_every_pick_points_at_its_own_bytes():
-    tiers, fill = _byte_tiers()
-    stepper = MoeStepper(tiers, [3, 0], 16)
+class HeldTicket:
+    """A copy on an in-order stream that runs only when someone waits for it (or for a later copy): what the
+    kernels would read too early shows."""
+
+    def __init__(self, copier, index):
+        self.copier, self.index = copier, index
+
+    def done(self):
+        return self.copier.ran > self.index
+
+    def wait(self):
+        self.copier.run_to(self.index)
+
+
+class HeldCopier(Copier):
+    def __init__(self):
+        super().__init__("cpu")
+        self.queue, self.ran = [], 0
+
+    def copy(self, dst, src, after=None):
+        if after is not None:
+            after.wait()
+        self.queue.append((dst, src.clone()))
+        return HeldTicket(self, len(self.queue) - 1)
+
+    def run_to(self, index):
+        while self.ran <= index:
+            dst, src = self.queue[self.ran]
+            dst.copy_(src)
+            self.ran += 1
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_every_pick_points_at_its_own_bytes(overlap):
+    tiers, fill = _byte_tiers(copier=HeldCopier())
+    stepper = MoeStepper(tiers, [3, 0], 16, overlap=overlap)
     rng = np.random.default_rng(3)
     want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
     for step in range(200):
@@ -86,8 +119,11 @@ def test_every_pick_points_at_its_own_bytes():
         ids = np.stack([rng.choice(16, 4, replace=False, p=np.r_[np.full(4, 0.15), np.full(12, 0.4 / 12)])
                         for _ in range(rows)])
         decode = rows <= MAX_BSZN
-        slots = stepper.resolve(li, ids, decode).slots
+        step = stepper.resolve(li, ids, decode)
+        slots = step.slots
         S = stepper.cache_slots[li]
+        if overlap and decode:  # admitted this step: read from its slot now, resident only once the host sees it
+            assert all(tiers.where[li, e] == Where.TO_VRAM for e in step.admitted)
         for e, s in zip(ids.ravel().tolist(), slots.ravel().tolist(), strict=True):
             fill(li, e, want)
             assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {step}: expert {e} -> slot {s}"

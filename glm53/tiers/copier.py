@@ -63,6 +63,18 @@ class Copier:
                 t.record_stream(stream)
         return Ticket(event)
 
+    def order_compute_after(self, tickets: list) -> None:
+        """Make the work queued next on the compute stream wait for these copies, without blocking the host (a
+        stream-side wait on their events). Where a ticket has no event the host waits for it instead (CPU, or a
+        test copier whose tickets land when waited for)."""
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        for t in tickets:
+            event = getattr(t, "event", None)
+            if cur is not None and isinstance(t, Ticket) and event is not None:
+                cur.wait_event(event)
+            else:
+                t.wait()
+
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         """Several copies into device buffers (a step's staging), in order; the returned ticket lands with the
         last, hence with all of them. One stream hand-off and one event for the batch: per copy those cost more

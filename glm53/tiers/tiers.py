@@ -348,6 +348,11 @@ class ExpertTiers:
         self._refresh_gauges(layer)
         return slot
 
+    def move_ticket(self, layer: int, expert: int) -> Ticket | None:
+        """The ticket of the expert's copy in flight (an admission or a write-back), or None."""
+        mv = self._moves.get((layer, expert))
+        return None if mv is None else mv.ticket
+
     def try_admit(self, layer: int, misses: np.ndarray, protect: np.ndarray) -> dict[int, int]:
         """Admit the misses the layer's policy wants (free slots first, then beating the weakest unprotected
         resident by its margin); returns {expert: slot} of the copies started. Call after observe(). Where RAM has
