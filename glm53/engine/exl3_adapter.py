@@ -1,7 +1,9 @@
 """The one place that touches exllamav3 internals: routed experts of every MoE layer through glm53.tiers.
 
 Supported: exllamav3 1.6.5 (layer-split loading, one CUDA device). `check_contract()` verifies every hook below
-at start-up and fails with the missing piece named, before any weight is read.
+at start-up and fails with the missing piece named, before any weight is read. The CPU tests run this glue end to
+end against a fake exllamav3 that imitates these hooks (tests/fake_exllamav3.py, tests/test_exl3_adapter_glue.py)
+on a CPU device, where host buffers are not pinned and there is no stream to synchronise.
 
 How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
 - Its gate/up/down expert lists are replaced by S + P *slot* Linears: S cache slots of this layer (a
@@ -316,12 +318,15 @@ class TieredMoE:
         num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed.
         nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme.open_nvme_tier with
         warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
-        step's input and move its predicted experts one layer ahead."""
+        step's input and move its predicted experts one layer ahead. device: the CUDA device exllamav3 runs on
+        (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets unpinned host buffers and no
+        stream synchronisation, and is otherwise the same code."""
         import torch
 
         self.model = model
         self.model_dir = Path(model_dir)
         self.device = torch.device(device if device is not None else "cuda:0")
+        self.pin = self.device.type == "cuda"  # page-locked host buffers (async copies) only where there is CUDA
         self.admit = admit
         self.counts = counts
         self.policy_factory = policy_factory
@@ -427,7 +432,7 @@ class TieredMoE:
             self.tiers = ExpertTiers(
                 self.layout, self.num_experts, slots, total - sum(slots) + self.ram_spare,
                 keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
-                staging_slots=self.staging_slots, pin=True,
+                staging_slots=self.staging_slots, pin=self.pin,
             )
         for li, layer in enumerate(self.layers):
             self._shrink(li, layer)
@@ -444,14 +449,13 @@ class TieredMoE:
                                 f"{mine}: the store was packed from another checkpoint (re-run pack-store)")
         self.layout = store_layout
 
-    @staticmethod
-    def _grow(layer: _Layer, n: int) -> None:
-        """Pinned host buffers for a step's ids and slot ids (one pair per layer: a layer's H2D write of the
-        previous step has completed before its next step rewrites the buffer, since every step syncs first)."""
+    def _grow(self, layer: _Layer, n: int) -> None:
+        """Host buffers (pinned on CUDA) for a step's ids and slot ids (one pair per layer: a layer's H2D write of
+        the previous step has completed before its next step rewrites the buffer, since every step syncs first)."""
         import torch
 
-        layer.ids_host = torch.empty(n, dtype=torch.long, pin_memory=True)
-        layer.out_host = torch.empty(n, dtype=torch.long, pin_memory=True)
+        layer.ids_host = torch.empty(n, dtype=torch.long, pin_memory=self.pin)
+        layer.out_host = torch.empty(n, dtype=torch.long, pin_memory=self.pin)
 
     def _marker(self, key: str, name: str):
         from exllamav3.modules.quant.exl3_lib.quantize import codebook_mcg_mult, codebook_mul1_mult
@@ -520,9 +524,9 @@ class TieredMoE:
             m.cpu_split_combine = _combine(m)
             m.cpu_split_first = m.num_local_experts
             rows = MAX_BSZN
-            layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=True)
-            layer.w_host = torch.empty((rows, self.top_k), dtype=torch.half, pin_memory=True)
-            layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=True)
+            layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=self.pin)
+            layer.w_host = torch.empty((rows, self.top_k), dtype=torch.half, pin_memory=self.pin)
+            layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
         self.populated = True
 
     @property
@@ -547,29 +551,33 @@ class TieredMoE:
         self.stepper.lane, self.stepper.fit, self.stepper.recompute = lane, fit, self._recompute
 
     def measure_pcie(self, repeats: int = 3) -> list:
-        """PCIe-lane samples for the planner's calibration: 1, 2, 4 and top_k experts streamed RAM -> staging,
-        each the best of `repeats` (the start-up half of the cost model; live steps refine it)."""
-        from glm53.cpu_lane.planner import PcieSample
-        from glm53.tiers import Where
+        """PCIe-lane samples for the planner's calibration: 1, 2, 4 and top_k slot images streamed from the RAM tier's
+        arena into staging, each the best of `repeats` (the start-up half of the cost model; live steps refine it).
 
-        tiers = self.tiers
-        ram = [(li, int(e)) for li in range(len(self.layers))
-               for e in np.flatnonzero(tiers.where[li] == Where.RAM)][: max(8, self.top_k)]
+        The sources are arena rows whatever they hold (a copy costs its size, not its bytes): in the nvme modes a
+        cold start (no routing statistics) has no expert in RAM yet, which must not stop the lane from starting.
+        Rows that a store read may still be writing (pending, retired) are skipped."""
+        from glm53.cpu_lane.planner import PcieSample
+        from glm53.tiers.ram import RETIRED
+
+        tiers, ram = self.tiers, self.tiers.ram
+        rows = [r for r in range(ram.num_slots) if not ram.pending[r] and ram.owner[r] != RETIRED]
+        rows = rows[: max(8, self.top_k)]
         samples = []
         for n in sorted({1, 2, 4, self.top_k}):
-            if n > min(len(ram), self.staging_slots):
+            if n > min(len(rows), self.staging_slots):
                 break
             best = float("inf")
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 last = None
-                for i, (li, e) in enumerate(ram[:n]):
-                    last = tiers.copier.copy(tiers.staging[i], tiers.bytes_of(li, e))
+                for i, r in enumerate(rows[:n]):
+                    last = tiers.copier.copy(tiers.staging[i], ram.flat(r))
                 last.wait()
                 best = min(best, time.perf_counter() - t0)
             samples.append(PcieSample((1,) * n, best))
         if not samples:
-            raise Exl3TierError("no RAM-resident expert to time PCIe copies with (is every expert in VRAM?)")
+            raise Exl3TierError(f"no RAM tier row to time PCIe copies from ({ram.num_slots} RAM slots)")
         return samples
 
     def _read_expert(self, layer: int, expert: int, out) -> None:
@@ -605,7 +613,7 @@ class TieredMoE:
         lane = decode and stepper.lane is not None and stepper.lane.alive
         predict = decode and self.lookahead and li + 1 < len(self.layers)
         t0 = time.perf_counter()
-        stream = torch.cuda.current_stream(selected.device)
+        stream = torch.cuda.current_stream(selected.device) if selected.is_cuda else None  # CPU: copies are done
         host = layer.ids_host[:n]
         host.copy_(selected.reshape(-1), non_blocking=True)
         if lane:  # the lane's input rows and weights cross in the same synchronisation
@@ -613,7 +621,8 @@ class TieredMoE:
             layer.w_host[:bsz].copy_(weights.view(bsz, -1), non_blocking=True)
         if predict:
             predict = self._predict_next(li + 1, y.view(bsz, -1), layer.next_host[:bsz])
-        stream.synchronize()
+        if stream is not None:
+            stream.synchronize()
         t1 = time.perf_counter()
         ids = host.numpy().reshape(selected.shape).copy()
         x = layer.x_host[:bsz].numpy().astype(np.float32) if lane else None
@@ -708,12 +717,13 @@ class TieredMoE:
                     assert lin.inner.trellis.data_ptr() == views[f"{p}.trellis"].data_ptr(), "slot tensor replaced"
 
     def close(self) -> None:
-        """Restore the modules (if unload() has not already) and drop the arenas."""
+        """Restore the modules (if unload() has not already) and drop the arenas. Also after install() alone (a
+        model.load() or populate() that failed): the seam is not open then, so unload() would not restore them."""
         for layer in self.layers:
             m = layer.module
             m.__dict__.pop("cpu_split_submit", None)
             m.__dict__.pop("cpu_split_combine", None)
-            if m.cpu_split_first is not None:
+            if layer.slot_linears is not None and m.gates is layer.slot_linears[0]:  # still shrunk to our slots
                 (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last) = layer.saved
                 m.cpu_split_first = None
             layer.slot_linears = None
