@@ -187,9 +187,10 @@ def test_the_fake_satisfies_the_contract_and_computes_the_reference(ck):
 # ---- exact: bit-identical to all experts in "VRAM" ----------------------------------------------------------
 
 
-def test_exact_mode_is_bit_identical_to_stock(ck):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_exact_mode_is_bit_identical_to_stock(ck, overlap):
     stock = stock_model(ck)
-    model, tiered = tiered_model(ck, lookahead=False)
+    model, tiered = tiered_model(ck, lookahead=False, overlap_copies=overlap)
     try:
         assert not any(".experts." in k for k in model.config.stc.reads), "exllamav3 read an expert from disk"
         for li, m in enumerate(model.moe()):

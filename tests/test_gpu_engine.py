@@ -20,7 +20,8 @@ from glm53.fixture.exl3 import write_exl3_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None) -> dict:
+def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None,
+                overlap=False) -> dict:
     """Generate `steps` greedy tokens for every prompt in one generator; returns tokens, logits (CPU), stats."""
     import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
@@ -32,7 +33,8 @@ def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True,
     cache = Cache(model, max_num_tokens=4096)
     tiered = None
     if slots is not None:
-        tiered = TieredMoE(model, model_dir, slots, staging_slots=staging, admit=admit, nvme_open=nvme)
+        tiered = TieredMoE(model, model_dir, slots, staging_slots=staging, admit=admit, nvme_open=nvme,
+                           overlap_copies=overlap)
         tiered.install()
     t0 = time.perf_counter()
     model.load(device=torch.device("cuda:0"))
@@ -116,6 +118,11 @@ def test_tiny_exact_bit_identical(tmp_path, exl3):
     assert_bit_identical(stock, stream, steps)
     assert stream["stats"]["picks"]["vram_hit"] == 0
     _report("tiny, 0 slots (all staged)", stock, stream, steps)
+    # The GPU, not the host, waits for each step's copies; admitted experts are read from their filling slot.
+    overlap = greedy_runs(path, prompts, steps, slots=2, overlap=True)
+    assert_bit_identical(stock, overlap, steps)
+    assert overlap["stats"]["admissions"] > 0
+    _report("tiny, 2 slots/layer, copies overlapped", stock, overlap, steps)
 
 
 @pytest.mark.parametrize("moe_layers", [2, 3])

@@ -2,7 +2,8 @@
 
 One process loads the same full-width synthetic checkpoint once per mode: stock exllamav3 with every routed
 expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact, exact without the router lookahead,
-fast) with a 24 GB card's share of expert slots (the rest in the pinned RAM tier). Decode windows rotate through
+exact with the GPU waiting for the step's copies instead of the host (overlap), fast; and with --modes the nvme
+modes) with a 24 GB card's share of expert slots (the rest in the pinned RAM tier). Decode windows rotate through
 the modes (interleaved, never compared across sessions). All sample with the same seed, so the exact modes
 generate the same tokens as stock and route the same experts (fast mode is near-exact and may drift). The PCIe
 bound is
@@ -41,8 +42,9 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, also timed as prefill (default 512)")
     p.add_argument("--work", metavar="DIR", help="where to write the synthetic checkpoint (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
-    p.add_argument("--modes", default="exact,exact-nolookahead,fast",
-                   help="tiered modes to run next to stock (default exact,exact-nolookahead,fast)")
+    p.add_argument("--modes", default="exact,exact-nolookahead,exact-overlap,fast",
+                   help="tiered modes to run next to stock (default exact,exact-nolookahead,exact-overlap,fast; "
+                        "also nvme-exact, nvme)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -51,7 +53,7 @@ def register_bench(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_decode)
 
 
-MODES = ("exact", "exact-nolookahead", "fast", "nvme-exact", "nvme")
+MODES = ("exact", "exact-nolookahead", "exact-overlap", "fast", "nvme-exact", "nvme")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -93,7 +95,8 @@ class _Runner:
         self.tiered = None
         if slots is not None:
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=mode != "exact-nolookahead",
-                                    nvme_open=nvme_open if mode.startswith("nvme") else None)
+                                    nvme_open=nvme_open if mode.startswith("nvme") else None,
+                                    overlap_copies=mode == "exact-overlap")
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:

@@ -312,6 +312,7 @@ class TieredMoE:
         read_threads: int = 8,
         nvme_open: Callable[[list[int], int], Any] | None = None,
         lookahead: bool = True,
+        overlap_copies: bool = False,
     ):
         """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
@@ -320,7 +321,8 @@ class TieredMoE:
         warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
         step's input and move its predicted experts one layer ahead. device: the CUDA device exllamav3 runs on
         (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets unpinned host buffers and no
-        stream synchronisation, and is otherwise the same code."""
+        stream synchronisation, and is otherwise the same code. overlap_copies: the GPU, not the host, waits for
+        a decode step's copies (glm53.engine.moe_step, `overlap`)."""
         import torch
 
         self.model = model
@@ -367,6 +369,7 @@ class TieredMoE:
         self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
         self.nvme_open = nvme_open
         self.lookahead = lookahead
+        self.overlap_copies = overlap_copies
         self.tiers: Any = None
         self.nvme: Any = None
         self.stepper: MoeStepper | None = None
@@ -512,7 +515,7 @@ class TieredMoE:
         else:
             self.tiers.populate(load, self.counts)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
-                                  admit=self.admit, nvme=self.nvme)
+                                  admit=self.admit, nvme=self.nvme, overlap=self.overlap_copies)
         hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module
