@@ -108,7 +108,8 @@ def _near_exact(name, stock, got, stats, kl_max=1e-3, top1_min=0.99):
           f"{lane.get('cost_model', {}).get('cpu_expert_us')} us CPU vs "
           f"{lane.get('cost_model', {}).get('pcie_expert_us')} us PCIe per expert")
     assert n >= 1000
-    assert stats["picks"]["cpu"] > 0, "the lane took no picks: nothing was measured"
+    # The lane's own count: in nvme mode a pick read from the store counts as "nvme" in picks, whoever computes it.
+    assert lane["picks"] > 0, "the lane took no picks: nothing was measured"
     assert kl <= kl_max and top1 >= top1_min, f"{name}: KL {kl:.2e}, top-1 {top1:.4f}"
 
 
