@@ -215,21 +215,16 @@ class Exl3Engine(WorkerEngine):
         try:
             with torch.inference_mode():
                 model.load(device=torch.device(self.device))
+            if tiered is not None:
+                self._fill_tiers(tiered)
+        except BaseException:
+            # A failed load must not leave the lane's threads, the store reader or the pinned arena behind.
+            model.unload()
+            if tiered is not None:
+                tiered.close()
+            raise
         finally:
             undo()
-        if tiered is not None:
-            t1 = time.perf_counter()
-
-            def experts(done: int, total: int) -> None:
-                log.info("Loading routed experts into the tiers: %d%% Completed | %d/%d", 100 * done // total, done,
-                         total)
-
-            tiered.populate(experts)
-            log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
-            if self.mode in ("fast", "nvme"):
-                from glm53.cpu_lane.calibrate import default_threads
-
-                tiered.start_lane(self.cpu_threads or default_threads())
         self.model, self.cache, self.tiered = model, cache, tiered
         tokenizer = exl.Tokenizer.from_config(config)
         self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=self.max_running,
@@ -243,6 +238,19 @@ class Exl3Engine(WorkerEngine):
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
                  self.context_length)
+
+    def _fill_tiers(self, tiered: Any) -> None:
+        t1 = time.perf_counter()
+
+        def experts(done: int, total: int) -> None:
+            log.info("Loading routed experts into the tiers: %d%% Completed | %d/%d", 100 * done // total, done, total)
+
+        tiered.populate(experts)
+        log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
+        if self.mode in ("fast", "nvme"):
+            from glm53.cpu_lane.calibrate import default_threads
+
+            tiered.start_lane(self.cpu_threads or default_threads())
 
     def _nvme_open(self) -> Any:
         """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
