@@ -210,19 +210,22 @@ def test_exact_mode_is_bit_identical_to_stock(ck, overlap):
         tiered.close()
 
 
-def test_lookahead_runs_and_reports_its_recall(ck):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lookahead_runs_and_reports_its_recall(ck, overlap):
     stock = stock_model(ck)
-    model, tiered = tiered_model(ck, lookahead=True)
+    # Staging rows above a decode step's own (min(16 experts, 8 rows x top-4) = 16): 2 x 8 for prestaging.
+    model, tiered = tiered_model(ck, lookahead=True, staging_slots=32, overlap_copies=overlap)
     try:
         drive(stock, model, schedule(2, 40, prefill_every=10), 2, bit_identical, tiered)
         snap = tiered.snapshot()
         la = snap["lookahead"]
+        assert la["prestaged"]["used"] > 0, "no prediction was read from its prestaged row"
         assert tiered.lookahead, "lookahead switched itself off"
         assert la["steps"] > 0 and la["picks"] > 0 and 0.0 <= la["recall"] <= 1.0
         assert 0.0 <= la["expert_recall"] <= 1.0 and la["prefetched"] >= 0
         assert set(la["layers"]) == {1, 2}  # layer 0 is never predicted
         print(f"\nlookahead recall {la['recall']:.3f} (expert recall {la['expert_recall']:.3f}) over {la['steps']} "
-              f"steps, {la['prefetched']} admissions started from predictions")
+              f"steps, {la['prefetched']} admissions or prestages started from predictions, prestaged {la['prestaged']}")
     finally:
         model.unload()
         tiered.close()

@@ -165,6 +165,38 @@ def test_lookahead_admits_predictions_and_scores_them():
     assert stepper.ahead(2, np.array([[0]])) == 0  # past the last layer: nothing to do
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_lookahead_prestages_predicted_misses_and_their_step_reads_them(overlap):
+    # 16 experts, decode steps of <= 2 rows of top-4 (8 staging rows), and 2 x 4 rows above them for prestaging.
+    tiers, fill = _byte_tiers(slots=(3, 2), staging=16, copier=HeldCopier())
+    stepper = MoeStepper(tiers, [3, 2], 16, overlap=overlap, decode_staging=8)
+    assert stepper.prestage_rows == 4
+    rng = np.random.default_rng(9)
+    want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
+    nxt = None
+    for step in range(120):
+        li = step % 2
+        ids = nxt if nxt is not None and li == 1 else np.stack([rng.choice(16, 4, replace=False) for _ in range(2)])
+        if step % 13 == 12:
+            ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(12)])  # a prompt chunk now and then
+        decode = len(ids) <= 2
+        st = stepper.resolve(li, ids, decode)
+        for e, s in zip(ids.ravel().tolist(), st.slots.ravel().tolist(), strict=True):
+            fill(li, e, want)
+            assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {step}: expert {e} -> slot {s}"
+        assert not set(st.prestaged) & set(st.staged)
+        nxt = None
+        if decode and li == 0:  # predict layer 1: its real picks, one of them replaced by a wrong guess
+            nxt = np.stack([rng.choice(16, 4, replace=False) for _ in range(2)])
+            guess = nxt.copy()
+            guess[0, 0] = (guess[0, 0] + 1) % 16
+            stepper.ahead(1, guess)
+        tiers.check_invariants()
+    pre = stepper.snapshot()["lookahead"]["prestaged"]
+    assert pre["used"] > 0 and pre["issued"] >= pre["used"]
+    assert stepper.ahead(0, np.array([[0, 1, 2, 3]])) >= 0 and 0 in stepper._prestaged  # layer 0: the other parity
+
+
 # ---- fast mode: the CPU lane at the seam -----------------------------------------------------------------------
 
 

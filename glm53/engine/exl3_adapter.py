@@ -515,7 +515,9 @@ class TieredMoE:
         else:
             self.tiers.populate(load, self.counts)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
-                                  admit=self.admit, nvme=self.nvme, overlap=self.overlap_copies)
+                                  admit=self.admit, nvme=self.nvme, overlap=self.overlap_copies,
+                                  decode_staging=min(self.num_experts, MAX_BSZN * self.top_k) if self.lookahead
+                                  else None)
         hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module

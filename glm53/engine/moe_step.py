@@ -86,6 +86,7 @@ class Step:
     staged: list[int] = field(default_factory=list)
     admitted: list[int] = field(default_factory=list)
     cpu: list[int] = field(default_factory=list)   # experts the CPU lane computes (their picks are masked)
+    prestaged: list[int] = field(default_factory=list)  # misses already copied ahead by the lookahead
     ticket: Any = None                      # the lane's LaneTicket, or None: ticket.partial(tokens) at combine
 
 
@@ -99,14 +100,17 @@ class MoeStepper:
 
     def __init__(self, tiers: Any, cache_slots: Sequence[int], staging_slots: int, *, admit: bool = True,
                  lane: Any = None, fit: Any = None, recompute: Recompute | None = None, nvme: Any = None,
-                 overlap: bool = False):
+                 overlap: bool = False, decode_staging: int | None = None):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
         NvmeTier, for prefetch. overlap: a decode step's copies (staging, admissions) are ordered before the
         expert kernels on the GPU (a stream-side wait) instead of the host waiting for them, and admitted experts
         are read from their slot in that same step (still marked resident only when the host sees them land).
         Saves the host's wake-up per layer; under evaluation (`glm53 bench decode` runs both), so off by
-        default, and the PCIe timings the planner refits from are then only the start-up ones."""
+        default, and the PCIe timings the planner refits from are then only the start-up ones.
+        decode_staging: the staging rows a decode step can need (MAX_BSZN x top_k, at most num_experts). The rows
+        above it, split in two by layer parity, take the next layer's predicted RAM experts ahead of its step
+        (all-RAM modes; see `ahead`); None or no rows left: no prestaging."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
@@ -119,6 +123,14 @@ class MoeStepper:
         self.nvme = nvme
         self.overlap = overlap
         self.num_experts = tiers.num_experts
+        # Prestaging: two regions above the decode step's own rows, one per layer parity, so the copies for layer
+        # l+1 never land in rows layer l's kernels are about to read (layer l-1's, in the other region, finished
+        # before layer l's step began: every step synchronises first).
+        spare = 0 if decode_staging is None else (self.staging_slots - int(decode_staging)) // 2
+        self.decode_staging = int(decode_staging or 0)
+        self.prestage_rows = spare if spare > 0 and tiers.keep_all else 0
+        self._prestaged: dict[int, tuple[dict[int, int], Any]] = {}  # layer -> ({expert: staging row}, ticket)
+        self.prestage = {"issued": 0, "used": 0}
         self.last_assignment: Any = None
         self.lookahead = RecallMeter()
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
@@ -160,6 +172,9 @@ class MoeStepper:
         uniq_l = sorted(set(picks))
         uniq = np.array(uniq_l, np.int64)
         self._count_lookahead(li, ids, decode)
+        pre = self._prestaged.pop(li, None) if decode else None
+        if not decode:
+            self._prestaged.clear()  # a prompt chunk stages into every row, the prestaged ones included
         where = tiers.where[li]
         from_store: set[int] = set()
         store_wait = 0.0
@@ -187,7 +202,9 @@ class MoeStepper:
         step = Step(slots=_NO_SLOTS)
         if decode:
             tiers.observe(li, ids)
-            step.cpu = self._plan_lane(li, ids, misses)
+            pre_rows = pre[0] if pre is not None else {}
+            # A prestaged miss is already crossing PCIe: it stays on that lane, at no further cost.
+            step.cpu = self._plan_lane(li, ids, [e for e in misses if e not in pre_rows] if pre_rows else misses)
             on_cpu = set(step.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
             admitted_slots: dict[int, int] = {}
@@ -196,6 +213,11 @@ class MoeStepper:
                 step.admitted = list(admitted_slots)
             admitted = set(step.admitted)
             step.staged = [e for e in pcie if e not in admitted] if admitted else list(pcie)
+            if pre_rows:
+                step.prestaged = [e for e in step.staged if e in pre_rows]
+                if step.prestaged:
+                    step.staged = [e for e in step.staged if e not in pre_rows]
+                    self.prestage["used"] += len(step.prestaged)
         else:
             step.staged = list(uniq_l)
         if len(step.staged) > self.staging_slots:
@@ -214,14 +236,17 @@ class MoeStepper:
                 tiers.stats.add_bytes("ram_to_staging", crossed * tiers.layout.nbytes)
         t0 = time.perf_counter()
         overlap = self.overlap and decode
+        pre_ticket = pre[1] if step.prestaged else None
         if overlap:  # the GPU waits for the copies, the host goes on
-            pending = [tiers.move_ticket(li, e) for e in step.admitted] + ([last] if last is not None else [])
+            pending = [tiers.move_ticket(li, e) for e in step.admitted] + [last, pre_ticket]
             tiers.copier.order_compute_after([t for t in pending if t is not None])
         else:
             for e in step.admitted:
                 tiers.settle(li, e)
             if last is not None:
                 last.wait()
+            if pre_ticket is not None:
+                pre_ticket.wait()
         waited = time.perf_counter() - t0
         if step.admitted or step.staged:
             tiers.stats.add_wait("pcie", waited)
@@ -232,9 +257,12 @@ class MoeStepper:
                 self.fit.add_pcie([counts[e] for e in misses if e not in on_cpu], time.perf_counter() - t_copy)
         if decode:
             slot_of = tiers.vram[li].slot_of
-            if overlap and step.admitted:  # read from the slot being filled: the kernels wait for its copy
+            if (overlap and step.admitted) or step.prestaged:
                 slot_of = slot_of.copy()
+            if overlap and step.admitted:  # read from the slot being filled: the kernels wait for its copy
                 slot_of[step.admitted] = [admitted_slots[e] for e in step.admitted]
+            if step.prestaged:  # read from the staging row the lookahead filled
+                slot_of[step.prestaged] = [self.cache_slots[li] + pre_rows[e] for e in step.prestaged]
             step.slots = decode_slots(ids, picks, uniq, slot_of, step.staged, self.cache_slots[li], step.cpu,
                                       self.masked_id(li))
         else:
@@ -263,14 +291,32 @@ class MoeStepper:
         if self.nvme is not None:
             protect = {li - 1: list(busy)} if li > 0 and len(busy) else None
             started = self.nvme.prefetch([(li, e) for e in uniq_l], protect=protect)
-        elif self.admit:
+        else:
             tiers.poll()
             codes = tiers.where[li].take(uniq).tolist()
             ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
-            if ram:
-                started = len(tiers.try_admit(li, np.array(ram, np.int64), uniq))
+            if ram and self.admit:
+                admitted = tiers.try_admit(li, np.array(ram, np.int64), uniq)
+                started = len(admitted)
+                ram = [e for e in ram if e not in admitted]
+            if ram and self.prestage_rows:
+                started += self._prestage(li, ram)
         self.prefetched += started
         return started
+
+    def _prestage(self, li: int, experts: list[int]) -> int:
+        """Copy predicted RAM experts of layer li into its parity's staging rows now; its step reads them there.
+        All-RAM modes only: there a RAM slot is freed only when its own expert's admission lands, which the copy
+        stream orders after this copy, so the bytes cannot change under it."""
+        tiers = self.tiers
+        base = self.decode_staging + (li % 2) * self.prestage_rows
+        chosen = experts[: self.prestage_rows]
+        ticket = tiers.copier.copy_many([(tiers.staging_slot(base + i), tiers.bytes_of(li, e))
+                                         for i, e in enumerate(chosen)])
+        self._prestaged[li] = ({e: base + i for i, e in enumerate(chosen)}, ticket)
+        tiers.stats.add_bytes("ram_to_staging", len(chosen) * tiers.layout.nbytes)
+        self.prestage["issued"] += len(chosen)
+        return len(chosen)
 
     # ---- parts ------------------------------------------------------------------------------------------------
 
@@ -324,7 +370,8 @@ class MoeStepper:
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
-                     "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched}}
+                     "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
+                                   "prestaged": dict(self.prestage)}}
         if self.lane is not None:
             doc["cpu_lane"] = self.lane.snapshot()
             if self.last_assignment is not None:
