@@ -367,3 +367,55 @@ def test_nvme_prefill_reads_the_next_layer_ahead(packed):
         pf = tier.tiers.stats.snapshot()["prefetch"]
         assert pf["hits"] + pf["late"] > 0
         tier.check_invariants()
+
+
+class GpuLikeCopier(HeldCopier):
+    """Held copies that the compute side waits for without the host landing them (a stream-side wait): they stay
+    in flight until `gpu_runs_to` is called, as they would on a GPU still busy with earlier work."""
+
+    def __init__(self):
+        super().__init__()
+        self.ordered = []
+
+    def order_compute_after(self, tickets):
+        self.ordered.extend(tickets)
+
+    def gpu_runs(self):
+        for t in self.ordered:
+            t.wait()
+        self.ordered.clear()
+
+
+def test_nvme_overlap_never_drops_a_ram_expert_a_copy_still_reads(packed, tmp_path):
+    from glm53.tiers.nvme import NvmeTier
+    from store.reader import StoreReader
+
+    ck, store = packed
+    copier = GpuLikeCopier()
+    with NvmeTier(StoreReader(store, threads=2, verify=True, allow_buffered=True), 16, [1, 1], 17, layers=[1, 2],
+                  copier=copier, staging_slots=16) as tier:
+        tier.warm(None)
+        stepper = MoeStepper(tier.tiers, [1, 1], 16, nvme=tier, overlap=True, decode_staging=8)
+        rng = np.random.default_rng(4)
+        held_seen = 0
+        for step in range(60):
+            li = step % 2
+            ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(int(rng.integers(1, 3)))])
+            st = stepper.resolve(li, ids, True)
+            held = dict(tier.tiers._held)
+            if st.staged:  # this step's staging copies are in flight: their sources are held
+                assert all((li, e) in held for e in st.staged)
+            # Before the "GPU" runs the step's copies, the host moves on: the next layer's prefetch and prestage
+            # make room in RAM, and must not take the slots those copies read from.
+            stepper.ahead(1 - li, rng.choice(16, 6, replace=False)[None, :])
+            for key, ticket in held.items():
+                if not ticket.done():
+                    assert tier.tiers.where[key] == Where.RAM, f"{key} dropped while a copy still reads it"
+            held_seen += len(held)
+            copier.gpu_runs()
+            for e, s in zip(ids.ravel().tolist(), st.slots.ravel().tolist(), strict=True):
+                got = slot_bytes(tier.tiers, stepper, li, s).numpy().tobytes()
+                want = record(store, tier.store_layers[li], e)
+                assert got[: len(want)] == want, f"step {step}: expert {e} -> slot {s}"
+            tier.check_invariants()
+        assert held_seen > 0

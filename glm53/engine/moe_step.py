@@ -128,7 +128,7 @@ class MoeStepper:
         # before layer l's step began: every step synchronises first).
         spare = 0 if decode_staging is None else (self.staging_slots - int(decode_staging)) // 2
         self.decode_staging = int(decode_staging or 0)
-        self.prestage_rows = spare if spare > 0 and tiers.keep_all else 0
+        self.prestage_rows = max(0, spare)
         self._prestaged: dict[int, tuple[dict[int, int], Any]] = {}  # layer -> ({expert: staging row}, ticket)
         self.prestage = {"issued": 0, "used": 0}
         self.last_assignment: Any = None
@@ -240,6 +240,9 @@ class MoeStepper:
         if overlap:  # the GPU waits for the copies, the host goes on
             pending = [tiers.move_ticket(li, e) for e in step.admitted] + [last, pre_ticket]
             tiers.copier.order_compute_after([t for t in pending if t is not None])
+            if not tiers.keep_all and last is not None:  # nvme: no store read may reuse a slot being copied from
+                for e in step.staged:
+                    tiers.hold(li, e, last)
         else:
             for e in step.admitted:
                 tiers.settle(li, e)
@@ -291,6 +294,10 @@ class MoeStepper:
         if self.nvme is not None:
             protect = {li - 1: list(busy)} if li > 0 and len(busy) else None
             started = self.nvme.prefetch([(li, e) for e in uniq_l], protect=protect)
+            codes = tiers.where[li].take(uniq).tolist()
+            ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
+            if ram and self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
+                started += self._prestage(li, ram)
         else:
             tiers.poll()
             codes = tiers.where[li].take(uniq).tolist()
@@ -306,14 +313,18 @@ class MoeStepper:
 
     def _prestage(self, li: int, experts: list[int]) -> int:
         """Copy predicted RAM experts of layer li into its parity's staging rows now; its step reads them there.
-        All-RAM modes only: there a RAM slot is freed only when its own expert's admission lands, which the copy
-        stream orders after this copy, so the bytes cannot change under it."""
+        The bytes cannot change under the copy: in the all-RAM modes a RAM slot is freed only when its own
+        expert's admission lands, which the copy stream orders after this copy; in the nvme modes the experts are
+        held (never dropped for a store read) until the copy lands."""
         tiers = self.tiers
         base = self.decode_staging + (li % 2) * self.prestage_rows
         chosen = experts[: self.prestage_rows]
         ticket = tiers.copier.copy_many([(tiers.staging_slot(base + i), tiers.bytes_of(li, e))
                                          for i, e in enumerate(chosen)])
         self._prestaged[li] = ({e: base + i for i, e in enumerate(chosen)}, ticket)
+        if not tiers.keep_all:
+            for e in chosen:
+                tiers.hold(li, e, ticket)
         tiers.stats.add_bytes("ram_to_staging", len(chosen) * tiers.layout.nbytes)
         self.prestage["issued"] += len(chosen)
         return len(chosen)

@@ -439,7 +439,7 @@ class NvmeTier:
         t = self.tiers
         if t.ram.free_count():
             return True
-        ok = (t.where == Where.RAM) & ~t.ram_guard & ~keep
+        ok = t.droppable() & ~t.ram_guard & ~keep
         if not ok.any():
             return False
         layer, e = np.unravel_index(np.argmin(np.where(ok, t.scores(), np.inf)), ok.shape)

@@ -129,6 +129,9 @@ class ExpertTiers:
         self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
         # RAM experts to drop last (prefetched, not used yet): a soft guard, so a demand read is never refused.
         self.ram_guard = np.zeros((self.num_layers, num_experts), bool)
+        # RAM experts a copy in flight still reads (a staging or prestaging copy the host did not wait for): their
+        # slots must not be handed to a store read before it lands. A hard rule, unlike the guard.
+        self._held: dict[tuple[int, int], Ticket] = {}
         self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
         self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
@@ -304,11 +307,29 @@ class ExpertTiers:
         self.ram.reclaim(slot)
         self.stats.set_ram_in_use(self.ram.in_use())
 
+    def hold(self, layer: int, expert: int, ticket: Ticket | None) -> None:
+        """A copy (`ticket`) still reads this RAM expert's bytes: it is not dropped before the copy lands."""
+        if ticket is not None and not ticket.done():
+            self._held[(layer, expert)] = ticket
+
+    def droppable(self) -> np.ndarray:
+        """(num_layers, num_experts): RAM experts no copy in flight reads (the candidates for dropping)."""
+        ok = self.where == Where.RAM
+        for key, ticket in list(self._held.items()):
+            if ticket.done():
+                del self._held[key]
+            else:
+                ok[key] = False
+        return ok
+
     def drop_ram(self, layer: int, expert: int) -> None:
         """Drop a RAM expert (nvme modes: the store still has it)."""
         if self.keep_all or self.where[layer, expert] != Where.RAM:
             raise TierError(f"drop {layer}/{expert}: it is {Where(self.where[layer, expert]).name}"
                             + (" (all-RAM mode)" if self.keep_all else ", not RAM"))
+        held = self._held.get((layer, expert))
+        if held is not None and not held.done():
+            raise TierError(f"drop {layer}/{expert}: a copy in flight still reads it")
         self.ram.free(layer, expert)
         self.where[layer, expert] = Where.STORE
         self.ram_guard[layer, expert] = False
@@ -404,13 +425,21 @@ class ExpertTiers:
             # A landed fill frees its RAM source; in the nvme modes a landed write-back becomes a droppable RAM
             # expert (RAM full of write-backs in flight is reachable: evictions only ever add them).
             waitable = [key for key, mv in self._moves.items() if mv.to_vram or not self.keep_all]
-            if not waitable:
-                return False
-            self.stats.add_wait("pcie", self.settle(*waitable[0]))
+            if waitable:
+                self.stats.add_wait("pcie", self.settle(*waitable[0]))
+                continue
+            if self._held:  # every droppable expert is read by a copy in flight: wait for the oldest copy
+                key, ticket = next(iter(self._held.items()))
+                t0 = time.perf_counter()
+                ticket.wait()
+                self.stats.add_wait("pcie", time.perf_counter() - t0)
+                del self._held[key]
+                continue
+            return False
         return True
 
     def _drop_weakest(self, layer: int, protect: np.ndarray | None) -> bool:
-        ok = self.where == Where.RAM
+        ok = self.droppable()
         if protect is not None:
             ok[layer, np.asarray(protect, np.int64)] = False
         if not ok.any():
