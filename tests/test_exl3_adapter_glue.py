@@ -318,10 +318,12 @@ def test_recompute_gives_the_exact_path_numbers(ck):
 # ---- nvme modes: misses through a record store packed from the checkpoint ----------------------------------------
 
 
-def test_nvme_exact_is_bit_identical_to_stock(ck, store):
+@pytest.mark.parametrize("staging", [None, 32])
+def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging):
     stock = stock_model(ck)
-    # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops.
-    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True,
+    # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops. With 32 staging rows
+    # the lookahead also prestages predicted RAM experts (held against drops until copied).
+    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, staging_slots=staging,
                                  nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
     try:
         drive(stock, model, schedule(8, 30), 8, bit_identical, tiered)
@@ -329,6 +331,8 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store):
         assert snap["mode"] == "nvme-exact"
         assert snap["picks"]["nvme"] > 0 and snap["picks"]["cpu"] == 0 and snap["ram_drops"] > 0
         assert snap["nvme_fault"] is None or not snap["nvme_fault"].get("faults")
+        if staging:
+            assert snap["lookahead"]["prestaged"]["used"] > 0
         tiered.nvme.check_invariants()
     finally:
         model.unload()
