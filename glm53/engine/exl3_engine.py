@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
 from glm53.engine.worker import END, Request, WorkerEngine
 
@@ -104,6 +106,20 @@ def model_key(model_dir: Path) -> str:
 
 
 TIERED_MODES = ("exact", "fast", "nvme", "nvme-exact")
+
+
+def layer_slots(slots: int | list[int], counts: Any, top_k: int) -> int | list[int]:
+    """VRAM slots per MoE layer: the plan's uniform count, or, with routing statistics saved by an earlier run,
+    the same total split where each slot buys the most hit rate (skewed layers get more, flat ones fewer; every
+    layer keeps at least top_k, or its uniform share if that is smaller). An explicit per-layer list is kept."""
+    if counts is None or not isinstance(slots, int | np.integer):
+        return slots
+    from glm53.tiers.policy import split_budget
+
+    counts = np.asarray(counts, np.float64)
+    num_layers, num_experts = counts.shape
+    per_layer = split_budget(counts, int(slots) * num_layers, min_per_layer=min(top_k, int(slots)))
+    return [int(s) for s in np.minimum(per_layer, num_experts)]
 
 
 def slots_from_plan(plan: Any, shape: Any, staging_slots: int | None = None) -> tuple[str, int, int]:
@@ -199,7 +215,10 @@ class Exl3Engine(WorkerEngine):
         tiered = None
         if self.mode != "stock":
             counts = self._saved_counts(model)
-            tiered = A.TieredMoE(model, self.model_dir, self.slots_per_layer, staging_slots=self.staging_slots,
+            mods = A.moe_modules(model)
+            slots = layer_slots(self.slots_per_layer, counts, mods[0].num_experts_per_tok) if mods else \
+                self.slots_per_layer
+            tiered = A.TieredMoE(model, self.model_dir, slots, staging_slots=self.staging_slots,
                                  device=self.device, counts=counts, admit=self.admit, nvme_open=self._nvme_open())
             tiered.install()
             log.info("%s mode: %s VRAM slots per MoE layer x %d layers, %d shared staging slots, %d experts in "
