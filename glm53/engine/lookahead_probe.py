@@ -159,7 +159,5 @@ def cmd_bench_lookahead(args: argparse.Namespace) -> int:
         print(f"glm53 bench lookahead: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-            f.write("\n")
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
