@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from copiers import GpuLikeCopier, HeldCopier
 from test_cpu_lane import HIDDEN, LAYOUT, NUM_EXPERTS, NUM_LAYERS, TOP_K, make_experts, reference_forward, rel_err
 from test_nvme_tier_support import make_store, nvme_plan, record
 
 from glm53.cpu_lane.lane import CpuLane
 from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
 from glm53.engine.moe_step import MoeStepper, StepError, translate
-from glm53.tiers import Copier, ExpertTiers, SlotLayout, Where
+from glm53.tiers import ExpertTiers, SlotLayout, Where
 
 MAX_BSZN = 8  # exllamav3's decode row limit (checked by the adapter's contract)
 
@@ -73,38 +74,6 @@ def slot_bytes(tiers, stepper: MoeStepper, li: int, s: int) -> torch.Tensor | No
     if s == stepper.masked_id(li):
         return None
     return tiers.vram[li].flat(s) if s < S else tiers.staging[s - S]
-
-
-class HeldTicket:
-    """A copy on an in-order stream that runs only when someone waits for it (or for a later copy): what the
-    kernels would read too early shows."""
-
-    def __init__(self, copier, index):
-        self.copier, self.index = copier, index
-
-    def done(self):
-        return self.copier.ran > self.index
-
-    def wait(self):
-        self.copier.run_to(self.index)
-
-
-class HeldCopier(Copier):
-    def __init__(self):
-        super().__init__("cpu")
-        self.queue, self.ran = [], 0
-
-    def copy(self, dst, src, after=None):
-        if after is not None:
-            after.wait()
-        self.queue.append((dst, src.clone()))
-        return HeldTicket(self, len(self.queue) - 1)
-
-    def run_to(self, index):
-        while self.ran <= index:
-            dst, src = self.queue[self.ran]
-            dst.copy_(src)
-            self.ran += 1
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -367,23 +336,6 @@ def test_nvme_prefill_reads_the_next_layer_ahead(packed):
         pf = tier.tiers.stats.snapshot()["prefetch"]
         assert pf["hits"] + pf["late"] > 0
         tier.check_invariants()
-
-
-class GpuLikeCopier(HeldCopier):
-    """Held copies that the compute side waits for without the host landing them (a stream-side wait): they stay
-    in flight until `gpu_runs_to` is called, as they would on a GPU still busy with earlier work."""
-
-    def __init__(self):
-        super().__init__()
-        self.ordered = []
-
-    def order_compute_after(self, tickets):
-        self.ordered.extend(tickets)
-
-    def gpu_runs(self):
-        for t in self.ordered:
-            t.wait()
-        self.ordered.clear()
 
 
 def test_nvme_overlap_never_drops_a_ram_expert_a_copy_still_reads(packed, tmp_path):

@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from copiers import HeldCopier
 
-from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
+from glm53.tiers import ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
 
 HIDDEN, INTER, LIMIT = 16, 8, 10.0
 LAYOUT = SlotLayout.packed([("gate", torch.float16, (HIDDEN, INTER)), ("up", torch.float16, (HIDDEN, INTER)),
@@ -151,31 +152,6 @@ def test_nvme_mode_reads_the_store() -> None:
     assert r.picks["nvme"] >= 2 and tiers.stats.snapshot()["ram_drops"] >= 1
     tiers.check_invariants()
     check_contents(tiers, experts)
-
-
-class HeldTicket:
-    """A copy that lands only when someone waits for it (a slow copy engine, seen from the host)."""
-
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor):
-        self.dst, self.src, self.landed = dst, src.clone(), False
-
-    def done(self) -> bool:
-        return self.landed
-
-    def wait(self) -> None:
-        if not self.landed:
-            self.dst.copy_(self.src)
-            self.landed = True
-
-
-class HeldCopier(Copier):
-    def __init__(self):
-        super().__init__("cpu")
-
-    def copy(self, dst, src, after=None):
-        if after is not None:
-            after.wait()
-        return HeldTicket(dst, src)
 
 
 def test_nvme_mode_ram_full_of_write_backs() -> None:

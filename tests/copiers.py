@@ -1,0 +1,56 @@
+"""Copiers for tests (no tests here): copies that do not land by themselves, so a reader that does not wait for
+its copy reads the old bytes and the test sees it."""
+
+from __future__ import annotations
+
+from glm53.tiers import Copier
+
+
+class HeldTicket:
+    def __init__(self, copier: HeldCopier, index: int):
+        self.copier, self.index = copier, index
+
+    def done(self) -> bool:
+        return self.copier.ran > self.index
+
+    def wait(self) -> None:
+        self.copier.run_to(self.index)
+
+
+class HeldCopier(Copier):
+    """One in-order copy stream that runs only when someone waits for a copy (then every copy before it runs
+    too, as on a CUDA stream). Sources are read at issue time: their owners keep them intact until landing."""
+
+    def __init__(self):
+        super().__init__("cpu")
+        self.queue: list = []
+        self.ran = 0
+
+    def copy(self, dst, src, after=None):
+        if after is not None:
+            after.wait()
+        self.queue.append((dst, src.clone()))
+        return HeldTicket(self, len(self.queue) - 1)
+
+    def run_to(self, index: int) -> None:
+        while self.ran <= index:
+            dst, src = self.queue[self.ran]
+            dst.copy_(src)
+            self.ran += 1
+
+
+class GpuLikeCopier(HeldCopier):
+    """Held copies that the compute side waits for without the host landing them (a stream-side wait): they stay
+    in flight until `gpu_runs`, as they would on a GPU still busy with earlier work."""
+
+    def __init__(self):
+        super().__init__()
+        self.ordered: list = []
+
+    def order_compute_after(self, tickets):
+        self.ordered.extend(tickets)
+
+    def gpu_runs(self) -> None:
+        for t in self.ordered:
+            t.wait()
+        self.ordered.clear()
