@@ -166,6 +166,23 @@ def test_lookahead_prestages_predicted_misses_and_their_step_reads_them(overlap)
     assert stepper.ahead(0, np.array([[0, 1, 2, 3]])) >= 0 and 0 in stepper._prestaged  # layer 0: the other parity
 
 
+def test_prestaging_learns_which_guess_ranks_are_worth_their_pcie_time():
+    tiers, _ = _byte_tiers(slots=(0, 0), staging=16)
+    stepper = MoeStepper(tiers, [0, 0], 16, admit=False, decode_staging=8)
+    rng = np.random.default_rng(2)
+    wrong_prestaged = []
+    for _ in range(40):
+        real = rng.choice(14, 3, replace=False)
+        guess = np.array([[*real, 15]])  # ranks 0-2 right, rank 3 (expert 15, never picked) always wrong
+        stepper.ahead(1, guess)
+        wrong_prestaged.append(15 in stepper._prestaged[1][0])
+        stepper.resolve(1, np.array([[*real, 14]]), decode=True)  # the 4th real pick is one nobody guessed
+    precision = stepper.rank_precision()
+    assert precision[3] < 0.5 < min(precision[:3])
+    assert wrong_prestaged[0] and not any(wrong_prestaged[5:]), "the wrong rank kept being prestaged"
+    assert stepper.snapshot()["lookahead"]["rank_precision"][3] < 0.5
+
+
 # ---- fast mode: the CPU lane at the seam -----------------------------------------------------------------------
 
 

@@ -131,6 +131,11 @@ class MoeStepper:
         self.prestage_rows = max(0, spare)
         self._prestaged: dict[int, tuple[dict[int, int], Any]] = {}  # layer -> ({expert: staging row}, ticket)
         self.prestage = {"issued": 0, "used": 0}
+        # How often the guess at each rank (best first) is among the real picks, pooled over layers. A prestaged
+        # expert costs its PCIe time whether or not it is picked and saves it only when it is, so only ranks right
+        # more often than not are prestaged: calibrated live, starting from "yes".
+        self._rank_hits: np.ndarray | None = None
+        self._rank_total: np.ndarray | None = None
         self.last_assignment: Any = None
         self.lookahead = RecallMeter()
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
@@ -297,7 +302,7 @@ class MoeStepper:
             codes = tiers.where[li].take(uniq).tolist()
             ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
             if ram and self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
-                started += self._prestage(li, ram)
+                started += self._prestage(li, self._worth_prestaging(predicted, ram))
         else:
             tiers.poll()
             codes = tiers.where[li].take(uniq).tolist()
@@ -307,9 +312,27 @@ class MoeStepper:
                 started = len(admitted)
                 ram = [e for e in ram if e not in admitted]
             if ram and self.prestage_rows:
-                started += self._prestage(li, ram)
+                started += self._prestage(li, self._worth_prestaging(predicted, ram))
         self.prefetched += started
         return started
+
+    def rank_precision(self) -> list[float]:
+        """Per guess rank (best first): (hits + 1) / (guesses + 2), the share of guesses the real picks contained."""
+        if self._rank_total is None:
+            return []
+        return ((self._rank_hits + 1) / (self._rank_total + 2)).tolist()
+
+    def _worth_prestaging(self, predicted: np.ndarray, ram: list[int]) -> list[int]:
+        """The RAM experts guessed at a rank right more often than not, in rank order."""
+        precision = self.rank_precision()
+        ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > 0.5]
+        in_ram, out, seen = set(ram), [], set()
+        for r in ranks:
+            for e in predicted[:, r].tolist():
+                if e in in_ram and e not in seen:
+                    seen.add(e)
+                    out.append(e)
+        return out
 
     def _prestage(self, li: int, experts: list[int]) -> int:
         """Copy predicted RAM experts of layer li into its parity's staging rows now; its step reads them there.
@@ -319,6 +342,8 @@ class MoeStepper:
         tiers = self.tiers
         base = self.decode_staging + (li % 2) * self.prestage_rows
         chosen = experts[: self.prestage_rows]
+        if not chosen:
+            return 0
         ticket = tiers.copier.copy_many([(tiers.staging_slot(base + i), tiers.bytes_of(li, e))
                                          for i, e in enumerate(chosen)])
         self._prestaged[li] = ({e: base + i for i, e in enumerate(chosen)}, ticket)
@@ -378,11 +403,23 @@ class MoeStepper:
         if pred is None or not decode or pred.shape[0] != ids.shape[0]:
             return  # no guess, or not for this step's rows (another batch shape came between)
         self.lookahead.update(li, pred, ids)
+        k = pred.shape[1]
+        if self._rank_total is None or len(self._rank_total) < k:
+            hits, total = np.zeros(k, np.int64), np.zeros(k, np.int64)
+            if self._rank_total is not None:
+                hits[: len(self._rank_hits)], total[: len(self._rank_total)] = self._rank_hits, self._rank_total
+            self._rank_hits, self._rank_total = hits, total
+        for guess, real in zip(pred.tolist(), ids.tolist(), strict=True):
+            real_set = set(real)
+            for r, e in enumerate(guess):
+                self._rank_total[r] += 1
+                self._rank_hits[r] += e in real_set
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
-                                   "prestaged": dict(self.prestage)}}
+                                   "prestaged": dict(self.prestage),
+                                   "rank_precision": [round(p, 3) for p in self.rank_precision()]}}
         if self.lane is not None:
             doc["cpu_lane"] = self.lane.snapshot()
             if self.last_assignment is not None:
