@@ -58,6 +58,15 @@ def test_decode_covers_almost_every_state(isa):
     assert np.array_equal(K.decode_linear(t, isa), R.decode_trellis(t).astype(np.float32))
 
 
+def test_the_coverage_trellis_reaches_every_weight_value():
+    # A weight is a function of the byte sum of s * 0x83DCD12D; the SIMD paths round it to fp16 in fp32 arithmetic
+    # (no conversion instructions), so the test above is exhaustive only if it meets every byte sum there is.
+    s = np.arange(1 << 16, dtype=np.uint64)
+    x = (s * 0x83DCD12D) & 0xFFFFFFFF
+    sums = (x & 0xFF) + (x >> 8 & 0xFF) + (x >> 16 & 0xFF) + (x >> 24)
+    assert len(np.unique(R.decode_trellis(R.state_coverage_trellis()))) == len(np.unique(sums))
+
+
 # ---- experts from generated checkpoints ------------------------------------------------------------------------
 
 
@@ -160,6 +169,46 @@ def test_isa_paths_agree_and_threads_do_not_change_a_bit():
         # Each output column is summed by one thread in a fixed order: the split of work cannot change it.
         assert np.array_equal(K.expert_forward(slot, layout, x, threads=2, isa=isa), outs[isa]), isa
         assert _rel_err(outs[isa], outs["scalar"].astype(np.float64)) < 1e-5, isa
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("k", [3, 8])  # K=8: the AVX-512 paths' two-window decode (a pair does not fit one load)
+def test_each_row_comes_out_as_if_it_were_alone(isa, k):
+    # A tile is decoded once per group of up to 8 rows and applied to each; more rows make more groups. Whatever
+    # the row count and the thread count, every row must come out bit for bit as it does alone.
+    slot, layout, _ = _fixture_slot(256, 256, k, seed=20 + k)
+    x = (2 * np.random.default_rng(6).standard_normal((19, 256))).astype(np.float32)
+    alone = np.concatenate([K.expert_forward(slot, layout, x[r:r + 1], threads=1, isa=isa) for r in range(len(x))])
+    for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 19):
+        for threads in (1, 2):
+            got = K.expert_forward(slot, layout, x[:rows], threads=threads, isa=isa)
+            assert np.array_equal(got, alone[:rows]), f"{rows} rows, {threads} threads"
+
+
+def test_another_build_of_the_library_runs_side_by_side(tmp_path):
+    # `glm53 bench cpu-lane --baseline-lib` times an older build against this one, each through its own pool.
+    lib = K.load_library(K._LIB._name)
+    slot, layout, _ = _fixture_slot(256, 128, 3, seed=4)
+    x = np.random.default_rng(7).standard_normal((3, 256)).astype(np.float32)
+    with K.CpuKernel(2, lib=lib) as kern:
+        assert np.array_equal(kern.forward(slot, layout, x), K.expert_forward(slot, layout, x, threads=2))
+    with pytest.raises(K.KernelUnavailable, match="cannot load"):
+        K.load_library(tmp_path / "missing.so")
+
+
+def test_the_bench_times_a_baseline_build_in_the_same_run(monkeypatch):
+    from glm53.cli import build_parser
+    from glm53.cpu_lane import bench, calibrate
+
+    monkeypatch.setattr(calibrate, "ram_read_bandwidth", lambda nbytes=None, threads=None, repeats=5: 1e10)
+    args = build_parser().parse_args(["bench", "cpu-lane", "--thread-list", "1", "--rows", "1,3", "--repeats", "1",
+                                      "--experts", "1", "--hidden", "256", "--intermediate", "128", "--isa", ISAS[-1],
+                                      "--baseline-lib", K._LIB._name])
+    lines: list[str] = []
+    doc = bench.run_bench(args, log=lines.append)
+    assert [r["rows"] for r in doc["results"]] == [1, 3]
+    assert all(r["baseline_seconds_per_expert"] > 0 and r["baseline_ratio"] > 0 for r in doc["results"])
+    assert any("speed-up" in line for line in lines)
 
 
 def test_one_call_runs_many_experts_and_marks_each_done():

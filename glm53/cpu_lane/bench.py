@@ -6,11 +6,17 @@ to the RAM read bandwidth measured in the same run with the same thread count (a
 ratio says how close the lane comes to reading experts as fast as memory can deliver them (the issue's target is
 0.5 of the host's RAM read bandwidth). First, the start-up calibration the lane runs: which SIMD path is fastest
 here, and the CPU cost model fitted from its timings, as the planner would use it.
+
+--baseline-lib times another build of the library (an older commit's, say) in the same run, its steps alternating
+with this build's, so that both see the same host; build one with e.g.
+    git worktree add /tmp/base <commit> && (cd /tmp/base && python setup.py build_ext --inplace)
+and pass /tmp/base/glm53/cpu_lane/_expert_kernel*.so.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -31,6 +37,8 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--hidden", type=int, default=4096, help="expert geometry (default GLM-5.3-Flash: 4096)")
     p.add_argument("--intermediate", type=int, default=2048, help="(default 2048)")
     p.add_argument("--bits", type=int, default=3, help="EXL3 K of the trellis (default 3)")
+    p.add_argument("--baseline-lib", metavar="SO", help="another build of the kernel library (e.g. an older commit's "
+                                                        "_expert_kernel*.so), timed in the same run, interleaved")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.set_defaults(func=cmd_bench_cpu_lane)
 
@@ -80,20 +88,39 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
 
     pool = _Pool(geo, seed=0)
     rng = np.random.default_rng(1)
+    base_lib = K.load_library(args.baseline_lib) if args.baseline_lib else None
     results, ram = [], {}
-    log(f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}")
+    head = f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}"
+    if base_lib is not None:
+        log(f"baseline: {args.baseline_lib} (its steps alternate with this build's; each side's best counts)")
+        head += f" {'base ms':>8} {'base ratio':>10} {'speed-up':>8}"
+    log(head)
     for t in threads:
         ram[t] = ram_read_bandwidth(threads=t)
-        with K.CpuKernel(t, cpus(t), isa=isa) as kern:
-            time_step(kern, geo, pool.take(1), (1,), rng)
+        with contextlib.ExitStack() as stack:
+            kern = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa))
+            base = None if base_lib is None else stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, lib=base_lib))
+            for k in (kern, base):
+                if k is not None:
+                    time_step(k, geo, pool.take(1), (1,), rng)
             for r in rows_list:
                 rows = (r,) * args.experts
-                sec = min(time_step(kern, geo, pool.take(args.experts), rows, rng) for _ in range(args.repeats))
+                sec = base_sec = float("inf")
+                for _ in range(args.repeats):
+                    sec = min(sec, time_step(kern, geo, pool.take(args.experts), rows, rng))
+                    if base is not None:
+                        base_sec = min(base_sec, time_step(base, geo, pool.take(args.experts), rows, rng))
                 per = sec / args.experts
                 bps = geo.nbytes / per
-                results.append({"threads": t, "rows": r, "seconds_per_expert": per, "expert_bytes_per_s": bps,
-                                "ram_bytes_per_s": ram[t], "ratio": bps / ram[t], "pinned": kern.pinned})
-                log(f"{t:>7} {r:>4} {per * 1e3:>9.3f} {bps / 1e9:>11.2f} {ram[t] / 1e9:>8.1f} {bps / ram[t]:>6.3f}")
+                res = {"threads": t, "rows": r, "seconds_per_expert": per, "expert_bytes_per_s": bps,
+                       "ram_bytes_per_s": ram[t], "ratio": bps / ram[t], "pinned": kern.pinned}
+                line = f"{t:>7} {r:>4} {per * 1e3:>9.3f} {bps / 1e9:>11.2f} {ram[t] / 1e9:>8.1f} {bps / ram[t]:>6.3f}"
+                if base is not None:
+                    base_per = base_sec / args.experts
+                    res.update(baseline_seconds_per_expert=base_per, baseline_ratio=geo.nbytes / base_per / ram[t])
+                    line += f" {base_per * 1e3:>8.3f} {geo.nbytes / base_per / ram[t]:>10.3f} {base_per / per:>7.2f}x"
+                results.append(res)
+                log(line)
     host_ram = max(ram.values())
     best = max(results, key=lambda x: x["expert_bytes_per_s"])
     log(f"best: {best['expert_bytes_per_s'] / 1e9:.2f} GB/s of experts ({best['threads']} threads, {best['rows']} "
@@ -102,7 +129,8 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     return {"cpu": _cpu_model(), "isa": isa, "isa_seconds": cal.isa_seconds, "expert_bytes": geo.nbytes,
             "experts_per_step": args.experts, "results": results,
             "ram_bytes_per_s": {str(k): v for k, v in ram.items()}, "host_ram_bytes_per_s": host_ram,
-            "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()}}
+            "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()},
+            "baseline_lib": args.baseline_lib}
 
 
 def _cpu_model() -> str:

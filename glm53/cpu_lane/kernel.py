@@ -58,15 +58,12 @@ class _Job(ctypes.Structure):
                 ("out", ctypes.c_void_p), ("rows", ctypes.c_int32), ("swiglu_limit", ctypes.c_float)]
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    found = [HERE / f"_expert_kernel{sfx}" for sfx in importlib.machinery.EXTENSION_SUFFIXES]
-    found = [p for p in found if p.exists()]
-    if not found:
-        return None, f"not built (no {HERE.name}/_expert_kernel*.so for this Python); build it with {REBUILD}"
+def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """Open one build of the library and declare its functions; (None, why) if it cannot be used."""
     try:
-        lib = ctypes.CDLL(str(found[0]))
+        lib = ctypes.CDLL(str(path))
     except OSError as exc:
-        return None, f"cannot load {found[0]}: {exc}; rebuild it with {REBUILD}"
+        return None, f"cannot load {path}: {exc}; rebuild it with {REBUILD}"
     vp, i32, f32p = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)
     for name, res, args in (
         ("glm53_abi_version", i32, []),
@@ -82,16 +79,36 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     ):
         fn = getattr(lib, name, None)
         if fn is None:
-            return None, f"{found[0]} lacks {name}: a build of other sources; rebuild it with {REBUILD}"
+            return None, f"{path} lacks {name}: a build of other sources; rebuild it with {REBUILD}"
         fn.restype, fn.argtypes = res, args
     if lib.glm53_abi_version() != ABI_VERSION:
-        return None, f"{found[0]} has ABI {lib.glm53_abi_version()}, this code wants {ABI_VERSION}; rebuild with {REBUILD}"
+        return None, f"{path} has ABI {lib.glm53_abi_version()}, this code wants {ABI_VERSION}; rebuild with {REBUILD}"
+    return lib, None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    found = [HERE / f"_expert_kernel{sfx}" for sfx in importlib.machinery.EXTENSION_SUFFIXES]
+    found = [p for p in found if p.exists()]
+    if not found:
+        return None, f"not built (no {HERE.name}/_expert_kernel*.so for this Python); build it with {REBUILD}"
+    lib, why = _bind(found[0])
+    if lib is None:
+        return None, why
     if all((HERE / n).exists() for n in buildinfo.SOURCES + buildinfo.HEADERS):  # a checkout, not a bare wheel
         built, now = lib.glm53_source_hash().decode(), buildinfo.source_hash()
         if built != now:
             return None, f"stale build: {found[0].name} was built from other sources ({built}, now {now}); " \
                          f"rebuild with {REBUILD}"
     return lib, None
+
+
+def load_library(path: str | Path) -> ctypes.CDLL:
+    """Another build of the kernel library, for CpuKernel(lib=...): e.g. an older commit's, that `glm53 bench
+    cpu-lane --baseline-lib` times against this one. Its ABI must match; its sources are not checked."""
+    lib, why = _bind(Path(path))
+    if lib is None:
+        raise KernelUnavailable(why)
+    return lib
 
 
 _LIB, _WHY = _load()
@@ -233,18 +250,22 @@ class CpuKernel:
 
     Calls are serialised (one expert list at a time); run them from one thread, e.g. the CPU lane's worker.
     spin_us: how long idle workers spin for the next call before sleeping (a layer step's call follows the
-    previous one within tens of microseconds; longer gaps sleep, so an idle lane costs no CPU)."""
+    previous one within tens of microseconds; longer gaps sleep, so an idle lane costs no CPU). lib: another build
+    of the library (load_library), for benchmarks; default this package's."""
 
-    def __init__(self, threads: int, cpus: Sequence[int] | None = None, isa: str | None = None, spin_us: int = 50):
-        lib = _lib()
+    def __init__(self, threads: int, cpus: Sequence[int] | None = None, isa: str | None = None, spin_us: int = 50,
+                 lib: ctypes.CDLL | None = None):
         if threads < 1:
             raise ValueError("threads must be >= 1")
         self.isa = isa or best_isa()
         self._isa = _isa_code(self.isa)
+        if lib is not None and not lib.glm53_isa_supported(self._isa):
+            raise KernelError(f"that build of the kernel cannot run the {self.isa} path here")
+        self._lib = lib = lib or _lib()
         cpu_arr = (ctypes.c_int32 * len(cpus))(*cpus) if cpus else None
         self._pool = lib.glm53_pool_new(int(threads), cpu_arr, len(cpus or ()), int(spin_us))
         if not self._pool:
-            raise KernelError(_last_error())
+            raise KernelError(lib.glm53_last_error().decode(errors="replace"))
         self.threads = lib.glm53_pool_threads(self._pool)
         self.pinned = lib.glm53_pool_pinned(self._pool)
         self.cpus = list(cpus or ())
@@ -253,7 +274,7 @@ class CpuKernel:
     def close(self) -> None:
         with self._lock:
             if self._pool:
-                _lib().glm53_pool_free(self._pool)
+                self._lib.glm53_pool_free(self._pool)
                 self._pool = None
 
     def __enter__(self) -> CpuKernel:
@@ -299,11 +320,11 @@ class CpuKernel:
         with self._lock:
             if not self._pool:
                 raise KernelError("the kernel's pool is closed")
-            rc = _lib().glm53_run(self._pool, jobs, len(calls), self._isa,
-                                  None if cancel is None else cancel.ctypes.data,
-                                  None if done is None else done.ctypes.data)
+            rc = self._lib.glm53_run(self._pool, jobs, len(calls), self._isa,
+                                     None if cancel is None else cancel.ctypes.data,
+                                     None if done is None else done.ctypes.data)
         if rc < 0:
-            raise KernelError(_last_error())
+            raise KernelError(self._lib.glm53_last_error().decode(errors="replace"))
         return rc == 0
 
     def forward(self, slot: Any, layout: Any, x: Any, *, swiglu_limit: float = SWIGLU_LIMIT) -> np.ndarray:

@@ -9,8 +9,9 @@
 // the trellis' element order t, used at once for every activation row, and dropped. Element t = 8g + j of a tile
 // sits at row 2(g%4) + (j&1) + 8((j>>1)&1), column g/4 + 8(j>>2). So the 8 weights of group g multiply the
 // activation pattern p = g%4 (x[r0], x[r0+1], x[r0+8], x[r0+9], repeated; r0 = 2p) and add into the accumulator
-// of column pair c = g/4: lanes 0-3 belong to column c, lanes 4-7 to column c+8. A tile costs 32 vector FMAs per
-// activation row with 8 accumulators in registers; the lanes are summed once per column, at the end.
+// of column pair c = g/4: lanes 0-3 belong to column c, lanes 4-7 to column c+8. A tile costs 32 (AVX2) or 16
+// (AVX-512) vector FMAs per activation row into 8 column-pair accumulators; the lanes are summed once per column,
+// at the end.
 #include <math.h>
 #include <string.h>
 #if GLM53_LEVEL >= 1
@@ -23,9 +24,6 @@ namespace GLM53_NS {
 namespace {
 
 constexpr float kHadScale = 0.08838834764831845f;  // 1 / sqrt(128)
-// Software prefetch, this many tile blocks down the same column: a unit reads a few tiles per tile row at a large
-// stride (the row of tiles of the whole linear), which the hardware prefetchers do not follow.
-constexpr int kPrefetchBlocks = 2;
 
 // ---------------------------------------------------------------------------------------------------------------
 // fp16 vectors (suh, svh) -> fp32
@@ -126,10 +124,19 @@ void out_block(const float* yraw, const uint16_t* svh, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Trellis decode (256 weights of one tile, in element order) and the accumulation of decoded tiles into one
-// (row, tile column) accumulator block. Two ways to combine them: decode a few tiles into a buffer and reuse it
-// for every row (rows > 1), or FMA each group as it is decoded, with the accumulators in registers (one row: the
-// decode step, where the buffer round trip would be pure overhead).
+// Trellis decode and the decode-and-accumulate GEMV.
+//
+// The scalar path decodes a few tiles into a buffer and runs every row over it. The SIMD paths never store a
+// decoded weight: a tile's weights are decoded into registers (a "vector" below: one group of 8 weights for AVX2,
+// a pair of groups for AVX-512) and each is applied at once to every row of the row group, whose accumulators stay
+// in registers for a block of kBlockK tiles down the column. So the decode is paid once per tile whatever the
+// rows, and an extra row costs its FMAs (one per vector) and the load of its activation pattern. With more rows
+// a visit covers fewer column pairs (the accumulators are rows x pairs registers), and the tile is visited once
+// per column-pair group: the decode is split between visits, never repeated.
+//
+// Every (row, column pair) accumulator sees the same FMAs in the same order (tile by tile down the column; within
+// a tile, the pattern vectors in order) whatever the row count, the grouping or the thread, so a row's result
+// does not depend on which other rows share its call.
 
 #if GLM53_LEVEL == 0
 
@@ -151,263 +158,17 @@ inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
                 for (int j = 0; j < 8; ++j) acc[8 * c + j] += w[32 * c + 8 * p + j] * xv[8 * p + j];
 }
 
-inline void decode_accumulate1(const DecodeTables& T, const uint8_t* tile, const float* xv, float* acc, float* wbuf) {
-    decode_tile_impl(T, tile, wbuf);
-    accumulate(acc, xv, wbuf, 1);
-}
-
-// All rows of one tile column over a block of decoded tiles. acc: row r's block at acc + r * acc_stride; xv: row
-// r's patterns at xv + r * xv_stride.
-inline void accumulate_rows(float* acc, size_t acc_stride, const float* xv, size_t xv_stride, const float* w, int nb,
-                            int rows) {
-    for (int r = 0; r < rows; ++r) accumulate(acc + r * acc_stride, xv + r * xv_stride, w, nb);
-}
-
 inline void reduce(const float* acc, float* y) {
     for (int c = 0; c < 8; ++c) {
         y[c] = (acc[8 * c] + acc[8 * c + 1]) + (acc[8 * c + 2] + acc[8 * c + 3]);
         y[c + 8] = (acc[8 * c + 4] + acc[8 * c + 5]) + (acc[8 * c + 6] + acc[8 * c + 7]);
     }
 }
-
-#elif GLM53_LEVEL == 1
-
-inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
-    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
-}
-
-// The decode's constants, made once per tile and hidden from the optimiser (an empty asm that "changes" them), so
-// they stay in registers: otherwise GCC rematerialises each one (mov + vpbroadcastd) for every group.
-struct Consts {
-    __m256i m16, mul, ones8, b0;  // b0: the byte sum's start (2^23's bits with VNNI, else the madd's ones16)
-    __m256 kinv, kbias;
-};
-
-inline Consts consts() {
-#if GLM53_VNNI
-    Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1),
-             _mm256_set1_epi32(kTwo23Bits), _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias23)};
-#else
-    Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1), _mm256_set1_epi16(1),
-             _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias)};
-#endif
-    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.b0), "+v"(c.kinv), "+v"(c.kbias));
-    return c;
-}
-
-// Group g's 8 weights. mul1: x = s * 0x83DCD12D, b = the byte sum of x (two widening multiply-adds),
-// w = fp16(b * k_inv + (1024 k_inv + k_bias)). The fp32 FMA is exact (|value| < 2^20 units of 2^-18), so the
-// single fp16 rounding is exactly the GPU kernel's __hfma rounding: the weights are bit-identical to exllamav3's.
-// Only groups 0 and 1 can wrap (kernel.cpp checks); the others broadcast their window straight from memory (one
-// load, no shuffle).
-inline __m256 group_values(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int g) {
-    const __m128i* at = reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]);
-    const __m256i win = g >= 2 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(at))
-                               : _mm256_broadcastsi128_si256(g < T.nwrap ? wrap : _mm_loadu_si128(at));
-    const __m256i d = _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
-    const __m256i s =
-        _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))), k.m16);
-    const __m256i x = _mm256_mullo_epi32(s, k.mul);
-#if GLM53_VNNI
-    // AVX-VNNI (Alder Lake and later, Zen 5): the byte sum in one vpdpbusd onto the bits of 2^23, read as a float.
-    const __m256 v = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_dpbusd_avx_epi32(k.b0, x, k.ones8)), k.kinv, k.kbias);
-#else
-    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(x, k.ones8), k.b0);
-    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), k.kinv, k.kbias);
-#endif
-    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, 0));  // 0: round to nearest even
-}
-
-inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* w) {
-    const Consts k = consts();
-    const __m128i wrap = wrap_window(T, tile);
-#pragma GCC unroll 4
-    for (int g = 0; g < kGroups; ++g) _mm256_storeu_ps(w + 8 * g, group_values(T, k, tile, wrap, g));
-}
-
-inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
-    __m256 s[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) s[c] = _mm256_loadu_ps(acc + 8 * c);
-    for (int b = 0; b < nb; ++b, xv += 32, w += kTileElems) {
-        const __m256 x0 = _mm256_loadu_ps(xv), x1 = _mm256_loadu_ps(xv + 8);
-        const __m256 x2 = _mm256_loadu_ps(xv + 16), x3 = _mm256_loadu_ps(xv + 24);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-            const float* wc = w + 32 * c;
-            s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(wc), x0, s[c]);
-            s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(wc + 8), x1, s[c]);
-            s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(wc + 16), x2, s[c]);
-            s[c] = _mm256_fmadd_ps(_mm256_loadu_ps(wc + 24), x3, s[c]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 8 * c, s[c]);
-}
-
-// One row: the same as decode + accumulate. (Fusing them, as the AVX-512 path does, needs 18 live vectors: with
-// 16 registers the spills made it slower.)
-inline void decode_accumulate1(const DecodeTables& T, const uint8_t* tile, const float* xv, float* acc, float* wbuf) {
-    decode_tile_impl(T, tile, wbuf);
-    accumulate(acc, xv, wbuf, 1);
-}
-
-// All rows of one tile column over a block of decoded tiles. acc: row r's block at acc + r * acc_stride; xv: row
-// r's patterns at xv + r * xv_stride.
-inline void accumulate_rows(float* acc, size_t acc_stride, const float* xv, size_t xv_stride, const float* w, int nb,
-                            int rows) {
-    for (int r = 0; r < rows; ++r) accumulate(acc + r * acc_stride, xv + r * xv_stride, w, nb);
-}
-
-inline void reduce(const float* acc, float* y) {
-    for (int c = 0; c < 8; ++c) {
-        y[c] = (acc[8 * c] + acc[8 * c + 1]) + (acc[8 * c + 2] + acc[8 * c + 3]);
-        y[c + 8] = (acc[8 * c + 4] + acc[8 * c + 5]) + (acc[8 * c + 6] + acc[8 * c + 7]);
-    }
-}
-
-#else  // GLM53_LEVEL == 2: two groups per 512-bit vector
-
-inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
-    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
-}
-
-inline __m128i window(const uint8_t* tile, int base) {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 4 * base));
-}
-
-// As in the AVX2 path: constants kept in registers.
-struct Consts {
-    __m512i m16, mul, ones8, b0;  // b0: the byte sum's start (2^23's bits with VNNI, else the madd's ones16)
-    __m512 kinv, kbias;
-};
-
-inline Consts consts() {
-#if GLM53_VNNI
-    Consts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1),
-             _mm512_set1_epi32(kTwo23Bits), _mm512_set1_ps(kMul1Inv), _mm512_set1_ps(kMul1Bias23)};
-#else
-    Consts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1),
-             _mm512_set1_epi16(1), _mm512_set1_ps(kMul1Inv), _mm512_set1_ps(kMul1Bias)};
-#endif
-    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.b0), "+v"(c.kinv), "+v"(c.kbias));
-    return c;
-}
-
-// Groups 2p and 2p+1 (16 weights), as group_values in the AVX2 path.
-inline __m512 pair_values(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int p) {
-    __m512i d;
-    if (T.pair_ok) {  // only pair 0 can wrap (kernel.cpp checks)
-        const __m128i src = p > 0 ? window(tile, T.pair_base[p]) : T.pair_nwrap ? wrap : window(tile, T.pair_base[0]);
-        d = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(src), _mm512_load_si512(T.pair_ctrl[p]));
-    } else {
-        const int g = 2 * p;
-        const __m128i s0 = g >= 2 || g >= T.nwrap ? window(tile, T.base[g]) : wrap;
-        const __m128i s1 = g + 1 >= 2 || g + 1 >= T.nwrap ? window(tile, T.base[g + 1]) : wrap;
-        const __m512i win = _mm512_inserti64x4(_mm512_broadcast_i32x4(s0), _mm256_broadcastsi128_si256(s1), 1);
-        d = _mm512_shuffle_epi8(win, _mm512_load_si512(T.ctrl[g]));
-    }
-    const __m512i s = _mm512_and_si512(_mm512_srlv_epi32(d, _mm512_load_si512(T.shift[2 * p])), k.m16);
-    const __m512i x = _mm512_mullo_epi32(s, k.mul);
-#if GLM53_VNNI
-    // The byte sum in one instruction, accumulated onto the bits of 2^23, so it reads as the float 2^23 + b
-    // with no conversion (kernel_api.h: kMul1Bias23).
-    const __m512 v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_dpbusd_epi32(k.b0, x, k.ones8)), k.kinv, k.kbias);
-#else
-    const __m512i b = _mm512_madd_epi16(_mm512_maddubs_epi16(x, k.ones8), k.b0);
-    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), k.kinv, k.kbias);
-#endif
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, 0));
-}
-
-inline void decode_tile_impl(const DecodeTables& T, const uint8_t* tile, float* w) {
-    const Consts k = consts();
-    const __m128i wrap = wrap_window(T, tile);
-#pragma GCC unroll 4
-    for (int p = 0; p < kGroups / 2; ++p) _mm512_storeu_ps(w + 16 * p, pair_values(T, k, tile, wrap, p));
-}
-
-// acc: 8 column pairs x 16 lanes: groups 4c and 4c+1 (patterns 0, 1) in one vector, 4c+2 and 4c+3 (patterns 2,
-// 3) in the next FMA; lanes 0-3 and 8-11 belong to column c, 4-7 and 12-15 to column c+8.
-inline void accumulate(float* acc, const float* xv, const float* w, int nb) {
-    __m512 s[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) s[c] = _mm512_loadu_ps(acc + 16 * c);
-    for (int b = 0; b < nb; ++b, xv += 32, w += kTileElems) {
-        const __m512 x01 = _mm512_loadu_ps(xv), x23 = _mm512_loadu_ps(xv + 16);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-            s[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w + 32 * c), x01, s[c]);
-            s[c] = _mm512_fmadd_ps(_mm512_loadu_ps(w + 32 * c + 16), x23, s[c]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(acc + 16 * c, s[c]);
-}
-
-// Two rows at once: each weight vector is loaded once for both (loads, not FMAs, bound the one-row loop at 8 rows).
-inline void accumulate2(float* acc0, float* acc1, const float* xv0, const float* xv1, const float* w, int nb) {
-    __m512 s0[8], s1[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-        s0[c] = _mm512_loadu_ps(acc0 + 16 * c);
-        s1[c] = _mm512_loadu_ps(acc1 + 16 * c);
-    }
-    for (int b = 0; b < nb; ++b, xv0 += 32, xv1 += 32, w += kTileElems) {
-        const __m512 a01 = _mm512_loadu_ps(xv0), a23 = _mm512_loadu_ps(xv0 + 16);
-        const __m512 b01 = _mm512_loadu_ps(xv1), b23 = _mm512_loadu_ps(xv1 + 16);
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-            const __m512 w01 = _mm512_loadu_ps(w + 32 * c), w23 = _mm512_loadu_ps(w + 32 * c + 16);
-            s0[c] = _mm512_fmadd_ps(w23, a23, _mm512_fmadd_ps(w01, a01, s0[c]));
-            s1[c] = _mm512_fmadd_ps(w23, b23, _mm512_fmadd_ps(w01, b01, s1[c]));
-        }
-    }
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-        _mm512_storeu_ps(acc0 + 16 * c, s0[c]);
-        _mm512_storeu_ps(acc1 + 16 * c, s1[c]);
-    }
-}
-
-inline void accumulate_rows(float* acc, size_t acc_stride, const float* xv, size_t xv_stride, const float* w, int nb,
-                            int rows) {
-    int r = 0;
-    for (; r + 1 < rows; r += 2)
-        accumulate2(acc + r * acc_stride, acc + (r + 1) * acc_stride, xv + r * xv_stride, xv + (r + 1) * xv_stride, w, nb);
-    if (r < rows) accumulate(acc + r * acc_stride, xv + r * xv_stride, w, nb);
-}
-
-inline void decode_accumulate1(const DecodeTables& T, const uint8_t* tile, const float* xv, float* acc, float*) {
-    const Consts k = consts();
-    const __m128i wrap = wrap_window(T, tile);
-    const __m512 x01 = _mm512_loadu_ps(xv), x23 = _mm512_loadu_ps(xv + 16);
-    __m512 s[8];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) s[c] = _mm512_loadu_ps(acc + 16 * c);
-#pragma GCC unroll 16
-    for (int p = 0; p < kGroups / 2; ++p) s[p >> 1] = _mm512_fmadd_ps(pair_values(T, k, tile, wrap, p), p & 1 ? x23 : x01, s[p >> 1]);
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) _mm512_storeu_ps(acc + 16 * c, s[c]);
-}
-
-inline void reduce(const float* acc, float* y) {
-    for (int c = 0; c < 8; ++c) {
-        const float* a = acc + 16 * c;
-        y[c] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[8] + a[9]) + (a[10] + a[11]));
-        y[c + 8] = ((a[4] + a[5]) + (a[6] + a[7])) + ((a[12] + a[13]) + (a[14] + a[15]));
-    }
-}
-
-#endif
 
 void decode_tile(const DecodeTables& T, const uint8_t* tile, float* w) { decode_tile_impl(T, tile, w); }
 
-// Decode-and-accumulate for tile columns [tn0, tn1) of one linear. Tiles are taken kTileBlock rows at a time
-// down each column, walking the columns left to right, so a thread reads kTileBlock sequential streams (one per
-// tile row) and the accumulators of a (row, column) are loaded and stored once per block.
+// Tiles are taken kTileBlock rows at a time down each column, walking the columns left to right; each block is
+// decoded once into wbuf and every row runs over it.
 void gemv_cols(const GemvArgs& a) {
     const DecodeTables& T = *a.tab;
     const int ncol = a.tn1 - a.tn0;
@@ -418,28 +179,376 @@ void gemv_cols(const GemvArgs& a) {
         const int nb = a.tiles_k - tk0 < kTileBlock ? a.tiles_k - tk0 : kTileBlock;
         for (int c = 0; c < ncol; ++c) {
             const uint8_t* tile = a.trellis + (size_t)tk0 * rstride + (size_t)(a.tn0 + c) * (size_t)a.tile_bytes;
-            if (tk0 + kPrefetchBlocks * kTileBlock < a.tiles_k)
-                for (int b = 0; b < nb; ++b) {
-                    const uint8_t* ahead = tile + (size_t)(b + kPrefetchBlocks * kTileBlock) * rstride;
-                    __builtin_prefetch(ahead);
-                    __builtin_prefetch(ahead + a.tile_bytes - 1);
-                    for (int off = 64; off < a.tile_bytes - 1; off += 64) __builtin_prefetch(ahead + off);
-                }
-            if (a.rows == 1) {
-                for (int b = 0; b < nb; ++b)
-                    decode_accumulate1(T, tile + (size_t)b * rstride, a.xv + (size_t)(tk0 + b) * 32,
-                                       a.acc + (size_t)c * kAccFloats, a.wbuf);
-                continue;
-            }
-            for (int b = 0; b < nb; ++b) decode_tile_impl(T, tile + (size_t)b * rstride, a.wbuf + (size_t)b * kTileElems);
-            accumulate_rows(a.acc + (size_t)c * kAccFloats, (size_t)ncol * kAccFloats, a.xv + (size_t)tk0 * 32,
-                            (size_t)a.tiles_k * 32, a.wbuf, nb, a.rows);
+            for (int b = 0; b < nb; ++b)
+                decode_tile_impl(T, tile + (size_t)b * rstride, a.wbuf + (size_t)b * kTileElems);
+            for (int r = 0; r < a.rows; ++r)
+                accumulate(a.acc + ((size_t)r * ncol + c) * kAccFloats, a.xv + ((size_t)r * a.tiles_k + tk0) * 32,
+                           a.wbuf, nb);
         }
     }
     for (int r = 0; r < a.rows; ++r)
         for (int c = 0; c < ncol; ++c)
             reduce(a.acc + ((size_t)r * ncol + c) * kAccFloats, a.yraw + (size_t)r * a.ystride + 16 * (a.tn0 + c));
 }
+
+#else  // SIMD
+
+inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile + 4 * (T.words - 2))),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(tile)));
+}
+
+inline __m128i window(const uint8_t* tile, int base) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + 4 * base));
+}
+
+// The weights' fp16 rounding, done in fp32 (Veltkamp's split: c = v * (2^13 + 1), v rounded to 24 - 13 = 11
+// significant bits is c - (c - v)). The mul1 values are exact in fp32 (kernel_api.h), and for every one of the
+// 1021 byte sums this gives exactly fp16(v), ties to even included (the tests decode a trellis that reaches every
+// byte sum against the reference). A multiply and two subtractions: cheaper than a cvtps2ph/cvtph2ps round trip
+// where the conversions run at one per cycle (Zen 5: the decode ~13% faster). Needs IEEE fp32 arithmetic: no
+// -ffast-math, which would fold c - (c - v) into v, and c rounded on its own (not contracted into an FMA).
+constexpr float kSplit = 8193.0f;
+
+#if GLM53_LEVEL == 1
+
+using V = __m256;
+using VI = __m256i;
+constexpr int kLanes = 8;
+constexpr int kXv = 4;  // pattern vectors per row and tile: decoded vector i multiplies pattern i % 4
+constexpr int kBatch = 4;  // vectors decoded together (in stages, so their long dependency chains overlap)
+
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+
+// The decode's constants, made once per call and hidden from the optimiser (an empty asm that "changes" them), so
+// they stay in registers: otherwise GCC rematerialises each one (mov + vpbroadcastd) for every group.
+struct Consts {
+    __m256i m16, mul, ones8, b0;  // b0: the byte sum's start (2^23's bits with VNNI, else the madd's ones16)
+    __m256 kinv, kbias, split;
+};
+
+inline Consts consts() {
+#if GLM53_VNNI
+    Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1),
+             _mm256_set1_epi32(kTwo23Bits), _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias23),
+             _mm256_set1_ps(kSplit)};
+#else
+    Consts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1), _mm256_set1_epi16(1),
+             _mm256_set1_ps(kMul1Inv), _mm256_set1_ps(kMul1Bias), _mm256_set1_ps(kSplit)};
+#endif
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.b0), "+v"(c.kinv), "+v"(c.kbias), "+v"(c.split));
+    return c;
+}
+
+// Vector g = group g: its 8 16-bit states, one per 32-bit lane. Only groups 0 and 1 can wrap (kernel.cpp checks);
+// the others broadcast their window straight from memory (one load, no shuffle). (kPair: for the AVX-512 path's
+// sake; a group always has its own window here.)
+template <bool kPair>
+inline VI vec_states(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int g) {
+    const __m128i* at = reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]);
+    const __m256i win = g >= 2 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(at))
+                               : _mm256_broadcastsi128_si256(g < T.nwrap ? wrap : _mm_loadu_si128(at));
+    const __m256i d = _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
+    return _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))),
+                            k.m16);
+}
+
+// States -> weights. mul1: x = s * 0x83DCD12D, b = the byte sum of x, w = fp16(b * k_inv + (1024 k_inv + k_bias)).
+// The fp32 FMA is exact (|value| < 2^20 units of 2^-18), so the single fp16 rounding is exactly the GPU kernel's
+// __hfma rounding: the weights are bit-identical to exllamav3's.
+inline V state_values(const Consts& k, VI s) {
+    const __m256i x = _mm256_mullo_epi32(s, k.mul);
+#if GLM53_VNNI
+    // AVX-VNNI (Alder Lake and later, Zen 5): the byte sum in one vpdpbusd onto the bits of 2^23, read as a float.
+    const __m256 v = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_dpbusd_avx_epi32(k.b0, x, k.ones8)), k.kinv, k.kbias);
+#else
+    const __m256i b = _mm256_madd_epi16(_mm256_maddubs_epi16(x, k.ones8), k.b0);
+    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), k.kinv, k.kbias);
+#endif
+    __m256 c = _mm256_mul_ps(v, k.split);
+    __asm__("" : "+v"(c));  // c must be rounded: GCC would contract c - v into fma(v, split, -v)
+    return _mm256_sub_ps(c, _mm256_sub_ps(c, v));
+}
+
+// acc: 8 column pairs, vector cp at acc + cp * stride (lanes 0-3: column cp, 4-7: column cp + 8).
+inline void reduce(const float* acc, size_t stride, float* y) {
+    for (int c = 0; c < 8; ++c) {
+        const float* a = acc + c * stride;
+        y[c] = (a[0] + a[1]) + (a[2] + a[3]);
+        y[c + 8] = (a[4] + a[5]) + (a[6] + a[7]);
+    }
+}
+
+#else  // GLM53_LEVEL == 2: a vector is a pair of groups
+
+using V = __m512;
+using VI = __m512i;
+constexpr int kLanes = 16;
+constexpr int kXv = 2;  // vector p (groups 2p, 2p+1) multiplies pattern vector p % 2 (patterns 0,1 or 2,3)
+constexpr int kBatch = 8;  // (8 measured ~6% faster than 4 at one row on Zen 5; AVX2 has half the registers)
+
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+
+// As in the AVX2 path: constants kept in registers.
+struct Consts {
+    __m512i m16, mul, ones8, b0;  // b0: the byte sum's start (2^23's bits with VNNI, else the madd's ones16)
+    __m512 kinv, kbias, split;
+};
+
+inline Consts consts() {
+#if GLM53_VNNI
+    Consts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1),
+             _mm512_set1_epi32(kTwo23Bits), _mm512_set1_ps(kMul1Inv), _mm512_set1_ps(kMul1Bias23),
+             _mm512_set1_ps(kSplit)};
+#else
+    Consts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1),
+             _mm512_set1_epi16(1), _mm512_set1_ps(kMul1Inv), _mm512_set1_ps(kMul1Bias), _mm512_set1_ps(kSplit)};
+#endif
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.b0), "+v"(c.kinv), "+v"(c.kbias), "+v"(c.split));
+    return c;
+}
+
+// Vector p = groups 2p and 2p+1 (16 states). kPair (T.pair_ok): one 16-byte window holds both groups, and only
+// pair 0 can wrap (kernel.cpp checks).
+template <bool kPair>
+inline VI vec_states(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int p) {
+    __m512i d;
+    if (kPair) {
+        const __m128i src = p > 0 ? window(tile, T.pair_base[p]) : T.pair_nwrap ? wrap : window(tile, T.pair_base[0]);
+        d = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(src), _mm512_load_si512(T.pair_ctrl[p]));
+    } else {
+        const int g = 2 * p;
+        const __m128i s0 = g >= 2 || g >= T.nwrap ? window(tile, T.base[g]) : wrap;
+        const __m128i s1 = g + 1 >= 2 || g + 1 >= T.nwrap ? window(tile, T.base[g + 1]) : wrap;
+        const __m512i win = _mm512_inserti64x4(_mm512_broadcast_i32x4(s0), _mm256_broadcastsi128_si256(s1), 1);
+        d = _mm512_shuffle_epi8(win, _mm512_load_si512(T.ctrl[g]));
+    }
+    return _mm512_and_si512(_mm512_srlv_epi32(d, _mm512_load_si512(T.shift[2 * p])), k.m16);
+}
+
+// As state_values in the AVX2 path.
+inline V state_values(const Consts& k, VI s) {
+    const __m512i x = _mm512_mullo_epi32(s, k.mul);
+#if GLM53_VNNI
+    // The byte sum in one instruction, accumulated onto the bits of 2^23, so it reads as the float 2^23 + b
+    // with no conversion (kernel_api.h: kMul1Bias23).
+    const __m512 v = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_dpbusd_epi32(k.b0, x, k.ones8)), k.kinv, k.kbias);
+#else
+    const __m512i b = _mm512_madd_epi16(_mm512_maddubs_epi16(x, k.ones8), k.b0);
+    const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), k.kinv, k.kbias);
+#endif
+    __m512 c = _mm512_mul_ps(v, k.split);
+    __asm__("" : "+v"(c));  // c must be rounded: GCC would contract c - v into fma(v, split, -v)
+    return _mm512_sub_ps(c, _mm512_sub_ps(c, v));
+}
+
+// acc: 8 column pairs, vector cp at acc + cp * stride: groups 4cp and 4cp+1 (patterns 0, 1) and 4cp+2, 4cp+3
+// (patterns 2, 3) were added into it; lanes 0-3 and 8-11 belong to column cp, 4-7 and 12-15 to column cp + 8.
+inline void reduce(const float* acc, size_t stride, float* y) {
+    for (int c = 0; c < 8; ++c) {
+        const float* a = acc + c * stride;
+        y[c] = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[8] + a[9]) + (a[10] + a[11]));
+        y[c + 8] = ((a[4] + a[5]) + (a[6] + a[7])) + ((a[12] + a[13]) + (a[14] + a[15]));
+    }
+}
+
+#endif
+
+constexpr int kVecs = kTileElems / kLanes;  // decoded vectors per tile; vector i adds into column pair i / kXv
+constexpr int kBlockK = 16;                 // tiles down a column per accumulator load/store
+constexpr int kMaxRows = 8;                 // rows per group (more rows: several groups, each decoding again)
+// Software prefetch, this many tiles down the same column: a unit reads a few tiles per tile row at a large
+// stride (the row of tiles of the whole linear), which the hardware prefetchers do not follow.
+constexpr int kPrefetchTiles = 2 * kBlockK;
+
+// Vectors i0 .. i0 + N - 1 of one tile, decoded in stages (every state first, then every hash), so the long
+// per-vector dependency chains (load, shuffle, shift, multiply, byte sum, FMA, rounding) run side by side.
+template <int N, bool kPair>
+inline void decode_vecs(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int i0, V* w) {
+    VI st[N];
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) st[j] = vec_states<kPair>(T, k, tile, wrap, i0 + j);
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) w[j] = state_values(k, st[j]);
+}
+
+template <bool kPair>
+void decode_tile_as(const DecodeTables& T, const uint8_t* tile, float* w) {
+    const Consts k = consts();
+    const __m128i wrap = wrap_window(T, tile);
+#pragma GCC unroll 8
+    for (int i = 0; i < kVecs; i += kBatch) {
+        V v[kBatch];
+        decode_vecs<kBatch, kPair>(T, k, tile, wrap, i, v);
+#pragma GCC unroll 16
+        for (int j = 0; j < kBatch; ++j) vstore(w + (i + j) * kLanes, v[j]);
+    }
+}
+
+void decode_tile(const DecodeTables& T, const uint8_t* tile, float* w) {
+#if GLM53_LEVEL == 2
+    if (!T.pair_ok) return decode_tile_as<false>(T, tile, w);
+#endif
+    decode_tile_as<true>(T, tile, w);
+}
+
+// Column pairs per visit of a tile for R rows: R x pairs accumulators in registers (AVX-512: 32 registers, AVX2:
+// 16, with 7 for the decode's constants).
+template <int R>
+constexpr int pairs_per_visit() {
+#if GLM53_LEVEL == 2
+    return R == 1 ? 8 : R == 2 ? 4 : 2;
+#else
+    return R == 1 ? 4 : R == 2 ? 2 : 1;
+#endif
+}
+
+// Decode one tile ahead: the next tile's weights are decoded before this tile's FMAs are issued. With many rows,
+// FMAs waiting on a long decode chain otherwise fill the scheduler, and the next decode cannot start early (5-7%
+// at 3-8 rows on Zen 5; slower at 1-2 rows, and AVX2 has no registers for the second set).
+template <int R>
+constexpr bool decode_ahead() {
+    return GLM53_LEVEL == 2 && R >= 3;
+}
+
+inline void prefetch_tiles(const uint8_t* tile, ptrdiff_t rstride, int tile_bytes, int n) {
+    for (int b = 0; b < n; ++b, tile += rstride) {
+        __builtin_prefetch(tile);
+        __builtin_prefetch(tile + tile_bytes - 1);
+        for (int off = 64; off < tile_bytes - 1; off += 64) __builtin_prefetch(tile + off);
+    }
+}
+
+// Rows r0 .. r0 + R - 1 over the unit's tile columns. The group's accumulators start at acc + r0 * ncol *
+// kAccFloats, laid out [column][column pair][row], kLanes floats each. The rows' patterns for a block are first
+// copied next to each other (xb: [tile][row][32]), so every FMA addresses them at a constant offset from one
+// pointer (in the caller's buffer the rows lie a whole input apart: an address register per row, which at 8 rows
+// spilled).
+template <int R, bool kPair>
+void gemv_rows(const GemvArgs& a, int r0) {
+    constexpr int CP = pairs_per_visit<R>();
+    constexpr int NV = CP * kXv;  // vectors decoded per visit
+    constexpr int NB = NV < kBatch ? NV : kBatch;
+    constexpr bool kAhead = decode_ahead<R>();
+    alignas(64) float xb[kBlockK * R * 32];
+    const DecodeTables& T = *a.tab;
+    const Consts k = consts();
+    const ptrdiff_t ncol = a.tn1 - a.tn0;
+    const ptrdiff_t rstride = (ptrdiff_t)a.tiles_n * a.tile_bytes;
+    const ptrdiff_t xrow = (ptrdiff_t)a.tiles_k * 32;
+    const float* xv = a.xv + r0 * xrow;
+    float* acc = a.acc + r0 * ncol * kAccFloats;
+    for (ptrdiff_t tk0 = 0; tk0 < a.tiles_k; tk0 += kBlockK) {
+        if (*a.cancel) return;
+        const ptrdiff_t nb = a.tiles_k - tk0 < kBlockK ? a.tiles_k - tk0 : kBlockK;
+        const ptrdiff_t npf = a.tiles_k - (tk0 + kPrefetchTiles) < nb ? a.tiles_k - (tk0 + kPrefetchTiles) : nb;
+        for (ptrdiff_t b = 0; b < nb; ++b)
+            for (int r = 0; r < R; ++r)
+                memcpy(xb + (b * R + r) * 32, xv + r * xrow + (tk0 + b) * 32, 32 * sizeof(float));
+        const uint8_t* col = a.trellis + tk0 * rstride + a.tn0 * (ptrdiff_t)a.tile_bytes;
+        float* ac = acc;
+        for (ptrdiff_t c = 0; c < ncol; ++c, col += a.tile_bytes, ac += 8 * R * kLanes) {
+            if (npf > 0) prefetch_tiles(col + kPrefetchTiles * rstride, rstride, a.tile_bytes, (int)npf);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8 / CP; ++g) {
+                float* ag = ac + g * CP * R * kLanes;
+                V s[CP][R];
+#pragma GCC unroll 8
+                for (int q = 0; q < CP; ++q)
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; ++r) s[q][r] = tk0 ? vload(ag + (q * R + r) * kLanes) : vzero();
+                const uint8_t* tile = col;
+                const float* x = xb;
+                if constexpr (kAhead) {
+                    V w[NV], next[NV];
+                    const __m128i wrap = g == 0 ? wrap_window(T, tile) : _mm_setzero_si128();
+#pragma GCC unroll 16
+                    for (int j0 = 0; j0 < NV; j0 += NB)
+                        decode_vecs<NB, kPair>(T, k, tile, wrap, g * NV + j0, next + j0);
+                    for (ptrdiff_t b = 0; b < nb; ++b, tile += rstride, x += R * 32) {
+#pragma GCC unroll 16
+                        for (int j = 0; j < NV; ++j) w[j] = next[j];
+                        if (b + 1 < nb) {
+                            const uint8_t* after = tile + rstride;
+                            const __m128i wrap2 = g == 0 ? wrap_window(T, after) : _mm_setzero_si128();
+#pragma GCC unroll 16
+                            for (int j0 = 0; j0 < NV; j0 += NB)
+                                decode_vecs<NB, kPair>(T, k, after, wrap2, g * NV + j0, next + j0);
+                        }
+#pragma GCC unroll 16
+                        for (int j = 0; j < NV; ++j)
+#pragma GCC unroll 8
+                            for (int r = 0; r < R; ++r)
+                                s[j / kXv][r] = vfma(w[j], vload(x + r * 32 + j % kXv * kLanes), s[j / kXv][r]);
+                    }
+                } else {
+                    for (ptrdiff_t b = 0; b < nb; ++b, tile += rstride, x += R * 32) {
+                        const __m128i wrap = g == 0 ? wrap_window(T, tile) : _mm_setzero_si128();
+#pragma GCC unroll 16
+                        for (int j0 = 0; j0 < NV; j0 += NB) {
+                            V w[NB];
+                            decode_vecs<NB, kPair>(T, k, tile, wrap, g * NV + j0, w);
+#pragma GCC unroll 16
+                            for (int j = 0; j < NB; ++j) {
+                                const int q = (j0 + j) / kXv, h = (j0 + j) % kXv;
+#pragma GCC unroll 8
+                                for (int r = 0; r < R; ++r)
+                                    s[q][r] = vfma(w[j], vload(x + r * 32 + h * kLanes), s[q][r]);
+                            }
+                        }
+                    }
+                }
+#pragma GCC unroll 8
+                for (int q = 0; q < CP; ++q)
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; ++r) vstore(ag + (q * R + r) * kLanes, s[q][r]);
+            }
+        }
+    }
+}
+
+template <bool kPair>
+void gemv_group(const GemvArgs& a, int r0, int rows) {
+    switch (rows) {
+        case 1: return gemv_rows<1, kPair>(a, r0);
+        case 2: return gemv_rows<2, kPair>(a, r0);
+        case 3: return gemv_rows<3, kPair>(a, r0);
+        case 4: return gemv_rows<4, kPair>(a, r0);
+        case 5: return gemv_rows<5, kPair>(a, r0);
+        case 6: return gemv_rows<6, kPair>(a, r0);
+        case 7: return gemv_rows<7, kPair>(a, r0);
+        default: return gemv_rows<8, kPair>(a, r0);
+    }
+}
+
+// Decode-and-accumulate for tile columns [tn0, tn1) of one linear, rows in groups of up to kMaxRows. Each group
+// walks the unit's columns block by block (kBlockK tiles down each column, the columns left to right), so a thread
+// reads kBlockK sequential streams, one per tile row.
+void gemv_cols(const GemvArgs& a) {
+    const int ncol = a.tn1 - a.tn0;
+    for (int r0 = 0; r0 < a.rows; r0 += kMaxRows) {
+        const int rows = a.rows - r0 < kMaxRows ? a.rows - r0 : kMaxRows;
+#if GLM53_LEVEL == 2
+        if (!a.tab->pair_ok)
+            gemv_group<false>(a, r0, rows);
+        else
+#endif
+            gemv_group<true>(a, r0, rows);
+        if (*a.cancel) return;
+        for (int r = 0; r < rows; ++r)
+            for (int c = 0; c < ncol; ++c)
+                reduce(a.acc + (size_t)r0 * ncol * kAccFloats + ((size_t)c * 8 * rows + r) * kLanes,
+                       (size_t)rows * kLanes, a.yraw + (size_t)(r0 + r) * a.ystride + 16 * (a.tn0 + c));
+    }
+}
+
+#endif
 
 }  // namespace
 }  // namespace GLM53_NS
