@@ -108,6 +108,16 @@ def model_key(model_dir: Path) -> str:
 TIERED_MODES = ("exact", "fast", "nvme", "nvme-exact")
 
 
+def _llguidance_filter() -> Any:
+    """exllamav3's LLGuidanceFilter class, or None without llguidance (the engine then refuses grammars)."""
+    try:
+        from exllamav3.generator.filter import LLGuidanceFilter
+        from exllamav3.generator.filter.llguidance import llguidance_available
+    except ImportError:
+        return None
+    return LLGuidanceFilter if llguidance_available else None
+
+
 def layer_slots(slots: int | list[int], counts: Any, top_k: int) -> int | list[int]:
     """VRAM slots per MoE layer: the plan's uniform count, or, with routing statistics saved by an earlier run,
     the same total split where each slot buys the most hit rate (skewed layers get more, flat ones fewer; every
@@ -140,8 +150,9 @@ class Exl3Engine(WorkerEngine):
     """Engine (glm53.engine.interface) on exllamav3. Construct, then load() (blocking, from a worker thread)."""
 
     kind = "exllamav3"
-    supports_grammar = False  # constrained decoding runs only on the reference engine so far
-    no_grammar_reason = "constrained decoding is not supported by the exllamav3 engine yet"
+    # Constrained decoding through exllamav3's own llguidance filter; decided at load (llguidance importable).
+    supports_grammar = False
+    no_grammar_reason = "constrained decoding needs llguidance, which this exllamav3 install lacks"
 
     def __init__(
         self,
@@ -206,6 +217,7 @@ class Exl3Engine(WorkerEngine):
 
         self._exl = exl
         self._load_text()
+        self.supports_grammar = _llguidance_filter() is not None
         config = exl.Config.from_directory(str(self.model_dir))
         if config.infer_params.moe_cpu_split or config.infer_params.moe_cpu_offload:
             raise EngineError("EXL3_MOE_CPU_SPLIT / EXL3_MOE_CPU_OFFLOAD are set: glm53 tiers the experts itself; "
@@ -341,7 +353,22 @@ class Exl3Engine(WorkerEngine):
 
     # --- requests -----------------------------------------------------------------------------------------
     def _new_request(self, **fields: Any) -> _Request:
-        return _Request(**fields)
+        req = _Request(**fields)
+        if req.params.grammar is not None:
+            self._grammar_filter(req)  # compile once here: a bad grammar is the caller's 400, not a failed step
+        return req
+
+    def _grammar_filter(self, req: _Request) -> Any:
+        """A fresh llguidance filter for the request's next job. Inside an open think block it waits for the
+        block's close token: the grammar constrains the answer, never the reasoning (as in the reference engine).
+        Completing the grammar ends the job (finish_reason "stop")."""
+        make = _llguidance_filter()
+        trigger = req.reasoning_end if req.in_reasoning else None
+        try:
+            return make(self.generator.tokenizer, trigger_token=trigger, lark_grammar=req.params.grammar,
+                        eos_after_completed=True)
+        except ValueError as exc:
+            raise ValueError(f"invalid grammar: {exc}") from None
 
     def fault(self) -> dict | None:
         tiered = self.tiered
@@ -402,6 +429,7 @@ class Exl3Engine(WorkerEngine):
             identifier=req,
             return_logits=p.logprobs is not None,
             decode_special_tokens=True,
+            filters=[self._grammar_filter(req)] if p.grammar is not None else None,
         )
         self.generator.enqueue(req.job)
         if not req.generated:
@@ -449,8 +477,9 @@ class Exl3Engine(WorkerEngine):
                     self._start(req)
                 return
         if r.get("eos") and not req.done:
-            # The job ended without a token we treat as final (e.g. its max_new_tokens cut a continuation).
-            self._finish(req, "length")
+            # The job ended without a token we treat as final: its grammar completed ("stop", like the reference
+            # engine), or its max_new_tokens cut a continuation.
+            self._finish(req, "stop" if r.get("eos_reason") == "end_filter" else "length")
 
     def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False) -> None:
         # Forced tokens come with row=None: no logits for them, so no logprobs either.
