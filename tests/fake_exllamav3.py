@@ -1,13 +1,34 @@
-"""A fake exllamav3 1.6.5 for CPU tests of glm53.engine.exl3_adapter's glue (helpers only, no tests here).
+"""A fake exllamav3 1.6.5 for CPU tests of glm53.engine.exl3_adapter's glue and of Exl3Engine (helpers only, no
+tests here).
 
 `installed()` puts fake modules into sys.modules for the duration of a `with` block (exllamav3, .version,
 .modules.block_sparse_mlp, .modules.block_sparse_mlp_routing, .modules.linear, .modules.quant.exl3,
-.modules.quant.exl3_lib.quantize) that satisfy the adapter's check_contract(), and puts back what was there
-before. `Model.from_config(Config.from_directory(dir))` builds a model of a generated EXL3 checkpoint
-(glm53.fixture.exl3) whose MoE layers are FakeBlockSparseMLP; nothing else of the model is faked beyond what the
-adapter walks (`model.modules`, each iterable over its submodules).
+.modules.quant.exl3_lib.quantize, .generator, .generator.filter, .generator.filter.llguidance, .generator.sampler)
+that satisfy the adapter's check_contract(), and puts back what was there before.
+`Model.from_config(Config.from_directory(dir))` builds a model of a generated EXL3 checkpoint (glm53.fixture.exl3):
+the embedding, one block per layer (FakeBlockSparseMLP under the sparse ones, a stand-in under the dense ones),
+the fp16 head. Its forward is a deterministic function of the token history (each position reads its own and the
+two previous tokens' embeddings, in place of attention and a KV cache) that runs every MoE layer, so generation
+crosses TieredMoE's seam at every step.
 
-What is imitated, from exllamav3 1.6.5's sources (modules/block_sparse_mlp.py, block_sparse_mlp_cpu.py,
+Generation (generator/generator.py, job.py, sampler, filter/filter.py, filter/llguidance.py), at the level
+Exl3Engine depends on: Cache(model, max_num_tokens, max_batch_size) is allocated by the model's next load();
+Generator(model, cache, tokenizer, max_batch_size, max_chunk_size) with enqueue / iterate / cancel / clear_queue /
+num_remaining_jobs; iterate() starts pending jobs, runs one page-aligned prefill chunk of each job still ingesting
+its prompt (a failure there is contained as reap_failed_job does: an "error" result, no identifier), then one
+batched decode forward and each job's sample. Job(...) takes exllamav3's arguments; max_new_tokens is capped to the
+cache and a job that cannot fit its pages is refused at enqueue, as there. Results are emit()'s dicts: "stage"
+"prefill" (curr_progress / max_progress) and "streaming" ("eos", "eos_reason" stop_token / max_new_tokens /
+end_filter, "eos_triggering_token_id", "token_ids" / "logits" / "text" of what is released, "held" for what an
+ending job still holds, "identifier"); tokens are held while their text ends in an incomplete character, and a
+stop token is reported in "held" only. ArgmaxSampler and ComboSampler (temperature, min_p, top_k, top_p; one draw
+from the job's seeded rng) mask the model's padded vocabulary in place and apply filter masks to a copy.
+LLGuidanceFilter is exllamav3's (the same llguidance calls, packed bitmasks); a filter with a trigger_token is
+inactive until that token is sampled, and completing the grammar with eos_after_completed ends the job
+("end_filter") on the completing token. Not faked: the prompt cache, stop strings, banned strings, token healing,
+requeueing, speculative decoding.
+
+The MoE layers, from exllamav3 1.6.5's sources (modules/block_sparse_mlp.py, block_sparse_mlp_cpu.py,
 linear.py, multilinear.py, quant/exl3.py, block_sparse_mlp_routing.py, loader/safetensors.py), at the level the
 adapter depends on:
 
@@ -41,8 +62,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
+import os
+import random
 import sys
 import threading
 import types
@@ -214,7 +238,8 @@ class Config:
 
     def __init__(self, model_dir: str | Path):
         self.directory = str(model_dir)
-        text = json.loads((Path(model_dir) / "config.json").read_text())["text_config"]
+        top = json.loads((Path(model_dir) / "config.json").read_text())
+        text = top["text_config"]
         self.hidden_size = text["hidden_size"]
         self.moe_intermediate_size = text["moe_intermediate_size"]
         self.num_experts = text["n_routed_experts"]
@@ -224,8 +249,17 @@ class Config:
         self.n_group = text.get("n_group")
         self.topk_group = text.get("topk_group")
         self.mlp_layer_types = list(text["mlp_layer_types"])
+        self.vocab_size = text["vocab_size"]
+        self.max_position_embeddings = text.get("max_position_embeddings") or 8192
+        eos = top.get("eos_token_id", text.get("eos_token_id"))
+        self.eos_token_id_list = [e for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
+        self.eos_token_id = self.eos_token_id_list[0] if self.eos_token_id_list else None
+        self.bos_token_id = top.get("bos_token_id", text.get("bos_token_id"))
         self.stc = FakeSTC(model_dir)
-        self.infer_params = types.SimpleNamespace(no_reconstruct=False)
+        # exllamav3's InferParams: its own CPU MoE split / offload come from the environment, as there
+        self.infer_params = types.SimpleNamespace(
+            no_reconstruct=False, moe_cpu_split=int(os.environ.get("EXL3_MOE_CPU_SPLIT", 0)),
+            moe_cpu_offload=int(os.environ.get("EXL3_MOE_CPU_OFFLOAD", 0)))
 
     @classmethod
     def from_directory(cls, model_dir: str) -> Config:
@@ -617,17 +651,48 @@ class BlockSparseMLP(Module):
         return final_hidden_states
 
 
-# ---- the model and the rest of the public names --------------------------------------------------------------
+# ---- the model: a tiny forward through the MoE layers --------------------------------------------------------
+
+PAGE_SIZE = 256  # exllamav3's KV page (constants.PAGE_SIZE)
+CONTEXT = 3  # tokens each position reads: itself and the two before it (the fake's stand-in for attention)
+
+
+def rms_half(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return (x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()).half()
+
+
+class Embedding(Module):
+    def __init__(self, config: Config, key: str):
+        super().__init__(config, key)
+        self.weight: torch.Tensor | None = None
+
+    def load(self, device: Any, **kwargs: Any) -> None:
+        super().load(device, **kwargs)
+        self.weight = self.config.stc.get_tensor(f"{self.key}.weight", device)  # bf16 in the checkpoint: fp16 here
+
+    def unload(self) -> None:
+        self.weight = None
+        super().unload()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the embedding (float) for ids; -1 (no token) embeds as zeros."""
+        return self.weight.float()[ids.clamp(min=0)] * (ids >= 0).unsqueeze(-1)
+
 
 class Model:
-    """What TieredMoE walks: `modules`, top-level modules iterable over their submodules."""
+    """`modules`: the embedding, one block per layer (a BlockSparseMLP under the sparse ones), the head (lm_head,
+    an fp16 Linear). forward() is a deterministic function of the token history that runs every MoE layer."""
 
     def __init__(self, config: Config, modules: list[Module]):
         self.config, self.modules = config, modules
+        self.caches: list[Cache] = []  # exllamav3 keeps weak references; allocated by load(), as there
+        self.loaded = False
+        self.output_device: Any = None
 
     @classmethod
     def from_config(cls, config: Config, interm_dtype: torch.dtype = torch.half) -> Model:
-        modules: list[Module] = [Module(config, f"{PREFIX}.embed_tokens")]
+        modules: list[Module] = [Embedding(config, f"{PREFIX}.embed_tokens")]
         for i, kind in enumerate(config.mlp_layer_types):
             block = Module(config, f"{PREFIX}.layers.{i}")
             if kind == "sparse":
@@ -639,34 +704,554 @@ class Model:
             else:
                 block.register_submodule(Module(config, f"{PREFIX}.layers.{i}.mlp"))  # a dense MLP stand-in
             modules.append(block)
+        modules.append(Linear(config, "lm_head", config.hidden_size, config.vocab_size, out_dtype=torch.float,
+                              pad_to=1))
         return cls(config, modules)
 
     def load(self, device: Any = "cpu", **kwargs: Any) -> None:
         for m in self.modules:
             m.load(device, **kwargs)
+        self.loaded, self.output_device = True, device
+        for cache in self.caches:
+            cache.initialized = True
 
     def unload(self) -> None:
         for m in self.modules:
             m.unload()
+        self.loaded, self.output_device = False, None
+        for cache in self.caches:
+            cache.initialized = False
 
     def moe(self) -> list[BlockSparseMLP]:
         return [m for top in self.modules for m in top if isinstance(m, BlockSparseMLP)]
 
+    def forward(self, input_ids: torch.Tensor, params: dict) -> torch.Tensor:
+        """Logits (bsz, n, vocab) float of input_ids (bsz, n). A position's state is its token's embedding plus 0.5 x
+        the previous token's plus 0.25 x the one before (params["past_ids"], (bsz, 2): the two tokens before each
+        row's first, -1 for none: the fake's KV cache), RMS-normalised to fp16; every MoE layer adds its output to
+        it (renormalised), dense layers are identities; the head reads the last state."""
+        assert self.loaded, "forward() before load()"
+        bsz = input_ids.shape[0]
+        past = params.get("past_ids")
+        if past is None:
+            past = torch.full((bsz, CONTEXT - 1), -1, dtype=torch.long)
+        emb = self.modules[0].forward(torch.cat([past.long(), input_ids.long()], dim=1))
+        x = rms_half(emb[:, 2:] + 0.5 * emb[:, 1:-1] + 0.25 * emb[:, :-2])
+        for m in self.moe():
+            x = rms_half(x.float() + m.forward(x.contiguous(), params).float())
+        return self.modules[-1].forward(x, params).float()
+
 
 class Cache:
-    pass
+    """The paged KV cache's size (the fake keeps no K/V: the model reads the token history). Tied to the model and
+    allocated by its next load(): a cache made after load() is not initialized, and iterate() refuses it."""
+
+    def __init__(self, model: Model, max_num_tokens: int, layer_type: Any = None, max_batch_size: int = 16,
+                 **kwargs: Any):
+        self.model, self.max_num_tokens, self.max_batch_size = model, max_num_tokens, max_batch_size
+        self.max_pages = max_num_tokens // PAGE_SIZE
+        self.initialized = False
+        model.caches.append(self)
 
 
 class Tokenizer:
-    pass
+    """exllamav3.Tokenizer over the checkpoint's tokenizer.json (`tokenizer`: the tokenizers.Tokenizer)."""
+
+    def __init__(self, config: Config):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.config = config
+        self.tokenizer = HFTokenizer.from_file(str(Path(config.directory) / "tokenizer.json"))
+        self.eos_token_id = config.eos_token_id
+        self.bos_token_id = config.bos_token_id
+        self.raw_vocab_size = self.tokenizer.get_vocab_size()
+        self.actual_vocab_size = self.raw_vocab_size  # the sampler masks the model's padded logits past this
+        self._pieces: dict[bool, list[str]] = {}
+
+    @staticmethod
+    def from_config(config: Config) -> Tokenizer:
+        return Tokenizer(config)
+
+    def get_id_to_piece_list(self, include_special_tokens: bool = False) -> list[str]:
+        pieces = self._pieces.get(include_special_tokens)
+        if pieces is None:
+            ids = [[i] for i in range(self.actual_vocab_size)]
+            pieces = self._pieces[include_special_tokens] = self.tokenizer.decode_batch(
+                ids, skip_special_tokens=not include_special_tokens)
+        return pieces
+
+    def decode(self, ids: torch.Tensor, decode_special_tokens: bool = False) -> str | list[str]:
+        rows = ids.tolist()
+        if ids.dim() == 1:
+            return self.tokenizer.decode(rows, skip_special_tokens=not decode_special_tokens)
+        return [self.tokenizer.decode(r, skip_special_tokens=not decode_special_tokens) for r in rows]
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------
+
+def _dense_mask(mask: torch.Tensor, dim: int) -> torch.Tensor:
+    """A filter mask as an additive float (1, dim): a packed int32 bitmask (bit i & 31 of word i >> 5 set = allowed)
+    or a dense additive one; tokens past its width are masked out (exllamav3's rule for both formats)."""
+    out = torch.full((1, dim), float("-inf"))
+    if mask.dtype == torch.int32:
+        bits = np.unpackbits(mask.reshape(-1).numpy().view(np.uint8), bitorder="little")[:dim]
+        out[0, : bits.size][torch.from_numpy(bits.astype(bool))] = 0.0
+    else:
+        n = min(dim, mask.shape[-1])
+        out[0, :n] = mask.reshape(-1)[:n].float()
+    return out
+
+
+class Sampler:
+    """exllamav3's sampler interface: forward(logits, sequence_ids, rand_u32, tokenizer, logit_mask) -> token ids of
+    shape logits.shape[:-1]. Logits past the tokenizer's vocabulary are set to -inf in place (as exllamav3 does);
+    the filter mask is applied to a copy."""
+
+    reqs_past_ids = False
+
+    def forward(self, logits: torch.Tensor, sequence_ids: Any = None, rand_u32: int | None = None,
+                tokenizer: Tokenizer | None = None, logit_mask: torch.Tensor | None = None) -> torch.Tensor:
+        out_shape = logits.shape[:-1]
+        if tokenizer is not None and tokenizer.actual_vocab_size < logits.shape[-1]:
+            logits[..., tokenizer.actual_vocab_size :] = -float("inf")
+        dim = logits.shape[-1]
+        x = logits.reshape(-1, dim).double()
+        if logit_mask is not None:
+            x = x + _dense_mask(logit_mask, dim).double()
+        if rand_u32 is None:
+            rand_u32 = random.randint(0, (1 << 32) - 1)
+        return self.pick(x, rand_u32).view(out_shape)
+
+    def pick(self, x: torch.Tensor, rand_u32: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ArgmaxSampler(Sampler):
+    def pick(self, x: torch.Tensor, rand_u32: int) -> torch.Tensor:
+        return torch.argmax(x, dim=-1)  # ties: the lowest id
+
+
+class ComboSampler(Sampler):
+    """Temperature, min_p, top_k, top_p (exllamav3's order), then one draw from rand_u32; the penalties, DRY and
+    logit bias of the real ComboSampler are not faked (a non-default value raises)."""
+
+    def __init__(self, rep_p: float = 1.0, freq_p: float = 0.0, pres_p: float = 0.0, dry_multiplier: float = 0.0,
+                 temperature: float = 1.0, min_p: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 temp_last: bool = False, logit_bias: dict | None = None, **kwargs: Any):
+        if rep_p != 1.0 or freq_p or pres_p or dry_multiplier or temp_last or logit_bias:
+            raise NotImplementedError("the fake ComboSampler has no penalties, DRY, temp_last or logit bias")
+        self.temperature, self.min_p, self.top_k, self.top_p = temperature, min_p, top_k, top_p
+
+    def pick(self, x: torch.Tensor, rand_u32: int) -> torch.Tensor:
+        if self.temperature == 0 or self.top_k == 1:
+            return torch.argmax(x, dim=-1)
+        out = []
+        for row in x:
+            p = torch.softmax(row / self.temperature, dim=-1)
+            if self.min_p > 0:
+                p = torch.where(p < self.min_p * p.max(), 0.0, p)
+            if self.top_k > 0:
+                p = torch.where(p < torch.topk(p, min(self.top_k, p.numel())).values[-1], 0.0, p)
+            if self.top_p < 1.0:
+                sp, si = torch.sort(p, descending=True)
+                keep = torch.cumsum(sp, 0) - sp < self.top_p * sp.sum()
+                p = torch.zeros_like(p).scatter(0, si, torch.where(keep, sp, 0.0))
+            cdf = torch.cumsum(p, 0)
+            u = (rand_u32 + 0.5) / 2**32 * float(cdf[-1])
+            out.append(min(int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype))), p.numel() - 1))
+        return torch.tensor(out, dtype=torch.long)
+
+
+# ---- filters (generator/filter/filter.py, llguidance.py) ---------------------------------------------------------
+
+class Filter:
+    """Inactive until trigger_token is sampled (then reset and active); active from the start without one. Each
+    sampled token is fed; completing the grammar deactivates it and, with eos_after_completed, ends the job."""
+
+    def __init__(self, tokenizer: Tokenizer, trigger_token: int | None, prefix_str: str | None,
+                 eos_after_completed: bool):
+        self.tokenizer, self.trigger_token = tokenizer, trigger_token
+        self.prefix_str, self.eos_after_completed = prefix_str, eos_after_completed
+        self.job: Any = None
+        self.generator: Any = None
+        self.vocab_size: int | None = None
+        self.is_active = trigger_token is None
+
+    def feed(self, token: int) -> bool:
+        if not self.is_active:
+            if token == self.trigger_token:
+                self.is_active = True
+                self.reset()
+            return False
+        self.accept_token(token)
+        if self.is_completed():
+            self.is_active = False
+            return self.eos_after_completed
+        return False
+
+    def attach(self, job: Job) -> None:
+        self.job, self.generator = job, job.generator
+        self.vocab_size = job.generator.padded_vocab_size
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def accept_token(self, token: int) -> None:
+        raise NotImplementedError
+
+    def get_next_logit_mask(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+
+try:
+    from llguidance import LLMatcher, LLTokenizer, grammar_from
+
+    llguidance_available = True
+except ImportError:
+    llguidance_available = False
+    LLTokenizer = LLMatcher = grammar_from = None
+
+
+@functools.lru_cache(10)
+def create_ll_tokenizer(tokenizer: Tokenizer) -> Any:
+    cfg = tokenizer.config
+    eos = list(cfg.eos_token_id_list) if getattr(cfg, "eos_token_id_list", None) else tokenizer.eos_token_id
+    return LLTokenizer(tokenizer.tokenizer.to_str(), eos_token=eos)
+
+
+class LLGuidanceFilter(Filter):
+    """exllamav3's LLGuidanceFilter (the same llguidance calls): one grammar source; a grammar llguidance rejects
+    raises ValueError("Invalid grammar: ..."); masks are packed int32 bitmasks over llguidance's vocabulary."""
+
+    def __init__(self, tokenizer: Tokenizer, trigger_token: int | None = None, prefix_str: str | None = None,
+                 eos_after_completed: bool = False, json_schema: dict | str | None = None, regex: str | None = None,
+                 lark_grammar: str | None = None, gbnf_grammar: str | None = None, llg_grammar: str | None = None,
+                 consume_prefix: bool = False):
+        if not llguidance_available:
+            raise ValueError("llguidance package is not available.")
+        super().__init__(tokenizer, trigger_token, prefix_str, eos_after_completed)
+        sources = [("json_schema", json_schema), ("regex", regex), ("lark", lark_grammar), ("gbnf", gbnf_grammar),
+                   ("llguidance", llg_grammar)]
+        given = [(f, g) for f, g in sources if g is not None]
+        assert len(given) == 1, "Specify exactly one of json_schema, regex, lark_grammar, gbnf_grammar, llg_grammar"
+        g_format, g_text = given[0]
+        if isinstance(g_text, dict):
+            g_text = json.dumps(g_text)
+        assert not (consume_prefix and prefix_str), "the fake does not consume prefixes"
+        self._ll_tokenizer = create_ll_tokenizer(tokenizer)
+        self._grammar = grammar_from(g_format, g_text)
+        err = LLMatcher.validate_grammar(self._grammar, self._ll_tokenizer)
+        if err:
+            raise ValueError(f"Invalid grammar: {err}")
+        self._matcher = LLMatcher(self._ll_tokenizer, self._grammar)
+        self._bitmask = np.empty(((self._ll_tokenizer.vocab_size + 31) // 32,), dtype=np.int32)
+        self._bitmask_torch = torch.from_numpy(self._bitmask).unsqueeze(0)
+        self._check_error()
+
+    def _check_error(self) -> None:
+        if self._matcher.is_error():
+            raise RuntimeError(f"llguidance matcher error: {self._matcher.get_error()}")
+
+    def reset(self) -> None:
+        if self._matcher.is_error():
+            self._matcher = LLMatcher(self._ll_tokenizer, self._grammar)
+        else:
+            self._matcher.reset()
+        self._check_error()
+
+    def accept_token(self, token: int) -> None:
+        if self._matcher.is_stopped():
+            return
+        self._matcher.consume_token(token)
+        self._check_error()
+
+    def get_next_logit_mask(self) -> torch.Tensor:
+        bm = self._bitmask
+        self._matcher.unsafe_compute_mask_ptr(bm.ctypes.data, bm.size * bm.itemsize)
+        self._check_error()
+        return self._bitmask_torch
+
+    def is_completed(self) -> bool:
+        return self._matcher.is_stopped()
+
+
+# ---- jobs and the generator (generator/job.py, generator.py) -------------------------------------------------
+
+class Job:
+    """One sequence: the prompt, then sampled tokens streamed in exllamav3's result dicts (Job.receive_sample's
+    emit(): "stage" "streaming", "eos", "eos_reason", "token_ids" / "logits" of the tokens released, "held" for
+    what an ending job still held, "identifier" when given). Text is held while it ends in an incomplete
+    character. Not faked (raise): stop strings, banned strings, token healing, top tokens / probs, requeueing,
+    embeddings, loop detection."""
+
+    def __init__(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int | None = None,
+                 min_new_tokens: int = 0, max_skips: int | None = 4, sampler: Sampler | None = None,
+                 seed: int | None = None, stop_conditions: list | tuple | set | None = None,
+                 decode_special_tokens: bool = False, return_top_tokens: int = 0, return_logits: bool = False,
+                 return_probs: bool = False, filters: list[Filter] | None = None, token_healing: bool = False,
+                 identifier: object | None = None, banned_strings: list[str] | None = None,
+                 embeddings: list | None = None, max_rq_tokens: int | None = None,
+                 stop_on_loop: tuple[int, int] | None = None, rq_state: dict | None = None, **kwargs: Any):
+        if isinstance(input_ids, list):
+            assert len(input_ids) == 1, "A job holds exactly one sequence (multi-sequence jobs are not supported)"
+            input_ids = input_ids[0]
+        assert input_ids.device.type == "cpu", "input_ids must reside in system memory"
+        assert input_ids.dim() == 2 and input_ids.shape[0] == 1, "input_ids must be [1, seq_len] tensor"
+        assert input_ids.shape[-1] > 0, "Input IDs cannot be empty."
+        assert max_new_tokens is None or max_new_tokens >= 1, "max_new_tokens must be >= 1, or None for no limit"
+        if return_top_tokens or return_probs or token_healing or banned_strings or embeddings or max_rq_tokens \
+                or stop_on_loop or rq_state:
+            raise NotImplementedError("the fake Job has no top tokens, probs, healing, banned strings, embeddings, "
+                                      "requeueing or loop detection")
+        self.generator: Generator | None = None
+        self.serial_number: int | None = None
+        self.identifier = identifier
+        self.input_ids = input_ids.clone()
+        self.sequence_ids: list[int] = input_ids[0].tolist()
+        self.kv_position = 0
+        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
+        self.new_tokens = 0
+        self.sampler = sampler if sampler is not None else ComboSampler(temperature=0.8, min_p=0.08)
+        self.seed = seed
+        self.rng = random.Random() if seed is None else random.Random(seed)
+        self.decode_special_tokens, self.return_logits = decode_special_tokens, return_logits
+        self.stop_tokens: set[int] = set()
+        if stop_conditions is not None:
+            if isinstance(stop_conditions, str | int):
+                stop_conditions = [stop_conditions]
+            for t in stop_conditions:
+                if isinstance(t, str):
+                    raise NotImplementedError("the fake Job has no stop strings")
+                if not isinstance(t, int):
+                    raise ValueError("Unsupported type in stop_conditions")
+                self.stop_tokens.add(t)
+        self.filters = filters if filters is not None else []
+        self.filters_suspended = False
+        self.held_text = ""
+        self.held_tokens: list[int] = []
+        self.held_logits: list[torch.Tensor] = []
+        self.full_completion = ""
+        self.is_finished = False
+
+    def __repr__(self) -> str:
+        return "Generator job (new)" if self.serial_number is None else f"Generator job #{self.serial_number}"
+
+    def prepare_for_queue(self, generator: Generator, serial_number: int) -> None:
+        self.serial_number, self.generator = serial_number, generator
+        # The cache bounds the response: max_new_tokens is capped to what fits past the prompt (exllamav3's rule).
+        room = generator.max_total_tokens - len(self.input_ids[0]) - 1
+        if self.max_new_tokens is None:
+            self.max_new_tokens = max(1, room)
+        elif room >= 1:
+            self.max_new_tokens = min(self.max_new_tokens, room)
+        # Pages for the prompt, the response and one position past it (Sequence.prepare, max_rq_tokens): a prompt
+        # with no room left keeps its limit and fails here, as there.
+        total_pages = (len(self.input_ids[0]) + self.max_new_tokens + 1 + PAGE_SIZE - 1) // PAGE_SIZE
+        max_pages = generator.cache.max_pages
+        assert total_pages <= max_pages, \
+            f"Job requires {total_pages} pages (only {max_pages} available) and cannot be enqueued. Total cache " \
+            f"allocated is {max_pages} * {PAGE_SIZE} = {generator.max_total_tokens} tokens"
+
+    def activate(self) -> None:
+        for f in self.filters:
+            f.attach(self)
+            f.reset()
+            f.is_active = f.trigger_token is None and not self.filters_suspended
+
+    def is_prefill_done(self) -> bool:
+        return self.kv_position == len(self.sequence_ids) - 1
+
+    def _past(self, pos: int) -> list[int]:
+        """The CONTEXT - 1 tokens before position pos (-1 before the start)."""
+        return [self.sequence_ids[i] if i >= 0 else -1 for i in range(pos - CONTEXT + 1, pos)]
+
+    def prefill(self, results: list) -> None:
+        """One chunk of the prompt (all but its last token) through the model, ending on a page boundary."""
+        n = len(self.sequence_ids)
+        if self.kv_position >= n - 1:
+            return
+        start = self.kv_position
+        end = min((start + self.generator.max_chunk_size) // PAGE_SIZE * PAGE_SIZE, n - 1)
+        ids = torch.tensor([self.sequence_ids[start:end]], dtype=torch.long)
+        self.generator.model.forward(ids, {"past_ids": torch.tensor([self._past(start)], dtype=torch.long)})
+        self.kv_position = end
+        r = {"job": self, "stage": "prefill", "eos": False, "curr_progress": end, "max_progress": n - 1,
+             "serial": self.serial_number}
+        if self.identifier is not None:
+            r["identifier"] = self.identifier
+        results.append(r)
+
+    def logit_mask(self) -> torch.Tensor | None:
+        """The active filters' masks combined (and stop tokens blocked before min_new_tokens)."""
+        dim = self.generator.padded_vocab_size
+        mask = None
+        if not self.filters_suspended:
+            for f in self.filters:
+                if f.is_active:
+                    m = _dense_mask(f.get_next_logit_mask(), dim)
+                    mask = m if mask is None else mask + m
+        if self.new_tokens < self.min_new_tokens and self.stop_tokens:
+            mask = torch.zeros((1, dim)) if mask is None else mask
+            mask[:, sorted(self.stop_tokens)] = float("-inf")
+        return mask
+
+    def receive_sample(self, logits: torch.Tensor, next_token: torch.Tensor, results: list) -> bool:
+        """Accept one sampled token (logits: its (1, 1, vocab) row); returns True when the job ended."""
+        token = int(next_token.item())
+        filter_eos = False
+        if not self.filters_suspended:
+            for f in self.filters:
+                filter_eos |= f.feed(token)
+        self.new_tokens += 1
+        self.sequence_ids.append(token)
+        self.kv_position += 1
+
+        tokenizer = self.generator.tokenizer
+        self.held_text += tokenizer.get_id_to_piece_list(self.decode_special_tokens)[token]
+        self.held_tokens.append(token)
+        if self.return_logits:
+            self.held_logits.append(logits[:1, :, :].clone())
+        if token in self.stop_tokens:
+            return self._emit(results, eos="stop_token", stop_token=token)
+        if self.new_tokens >= self.max_new_tokens:
+            return self._emit(results, eos="max_new_tokens", held=True)
+        if filter_eos:
+            return self._emit(results, eos="end_filter", held=True)
+        if "\ufffd" in self.held_text:
+            text = tokenizer.decode(torch.tensor([self.held_tokens]), self.decode_special_tokens)[0]
+            if text.endswith("\ufffd") and len(text) <= 20:
+                return self._emit(results)  # the last character may still be completed: hold
+            self.held_text = text
+        return self._emit(results, held=True)
+
+    def _emit(self, results: list, eos: str | None = None, held: bool = False, stop_token: int | None = None) -> bool:
+        r: dict[str, Any] = {"job": self, "stage": "streaming", "eos": eos is not None, "serial": self.serial_number}
+        if eos is not None:
+            r["eos_reason"] = eos
+            if eos == "stop_token":
+                r["eos_triggering_token_id"] = stop_token
+                r["eos_triggering_token_str"] = self.generator.tokenizer.get_id_to_piece_list(True)[stop_token]
+        if held:
+            if eos is not None and "\ufffd" in self.held_text and self.held_tokens:
+                self.held_text = self.generator.tokenizer.decode(torch.tensor([self.held_tokens]),
+                                                                 self.decode_special_tokens)[0]
+            if self.held_text:
+                self.full_completion += self.held_text
+                r["text"], self.held_text = self.held_text, ""
+            if self.held_tokens:
+                r["token_ids"] = torch.tensor([self.held_tokens], dtype=torch.long)
+                self.held_tokens = []
+            if self.held_logits:
+                r["logits"] = torch.cat(self.held_logits, dim=1)
+                self.held_logits = []
+        if eos is not None:
+            self.is_finished = True
+            r.update(full_completion=self.full_completion, new_tokens=self.new_tokens,
+                     prompt_tokens=len(self.input_ids[0]), time_enqueued=0.0, time_prefill=0.0, time_generate=0.0,
+                     cached_pages=0, cached_tokens=0)
+            rh: dict[str, Any] = {}
+            if self.held_text:
+                rh["text"] = self.held_text
+            if self.held_tokens:
+                rh["token_ids"] = torch.tensor([self.held_tokens], dtype=torch.long)
+            if self.held_logits:
+                rh["logits"] = torch.cat(self.held_logits, dim=1)
+            if rh:
+                r["held"] = rh
+        if self.identifier is not None:
+            r["identifier"] = self.identifier
+        results.append(r)
+        return eos is not None
 
 
 class Generator:
-    pass
+    """Pending and active jobs; iterate(): start jobs (up to max_batch_size), one prefill chunk per job still
+    ingesting its prompt (a failure there fails only that job: an "error" result, as reap_failed_job does), then one
+    batched decode step (one model forward of every job past its prompt) and each job's sample. No prompt cache,
+    no page accounting beyond capping max_new_tokens, no speculative decoding."""
 
+    def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int = 256,
+                 max_chunk_size: int = 2048, **kwargs: Any):
+        self.model, self.cache, self.tokenizer = model, cache, tokenizer
+        self.max_batch_size, self.max_chunk_size = max_batch_size, max_chunk_size
+        self.padded_vocab_size = (model.config.vocab_size + 31) // 32 * 32
+        self.max_total_tokens = PAGE_SIZE * cache.max_pages
+        self.pending_jobs: list[Job] = []
+        self.active_jobs: list[Job] = []
+        self.job_serial = 0
+        self.forwards = 0  # model forwards (prefill chunks and decode steps), for tests
 
-class Job:
-    pass
+    def num_remaining_jobs(self) -> int:
+        return len(self.pending_jobs) + len(self.active_jobs)
+
+    def num_active_jobs(self) -> int:
+        return len(self.active_jobs)
+
+    def num_pending_jobs(self) -> int:
+        return len(self.pending_jobs)
+
+    def enqueue(self, job: Job | list[Job]) -> int | list[int]:
+        if isinstance(job, list):
+            return [self.enqueue(j) for j in job]
+        job.prepare_for_queue(self, self.job_serial)
+        self.job_serial += 1
+        self.pending_jobs.append(job)
+        return job.serial_number
+
+    def cancel(self, job: Job) -> None:
+        if job in self.pending_jobs:
+            self.pending_jobs.remove(job)
+        elif job in self.active_jobs:
+            self.active_jobs.remove(job)
+
+    def clear_queue(self) -> None:
+        self.active_jobs.clear()
+        self.pending_jobs.clear()
+
+    def reap_failed_job(self, job: Job, error: Exception, results: list) -> None:
+        if job in self.active_jobs:
+            self.active_jobs.remove(job)
+        results.append({"job": job, "serial": job.serial_number, "stage": "error", "eos": True, "error": error})
+
+    def iterate(self) -> list[dict]:
+        assert self.cache.initialized, \
+            "Cache tensors were never allocated. Construct the Cache BEFORE calling model.load()"
+        results: list[dict] = []
+        while self.pending_jobs and len(self.active_jobs) < self.max_batch_size:
+            job = self.pending_jobs.pop(0)
+            self.active_jobs.append(job)
+            job.activate()
+            r = {"job": job, "stage": "started", "eos": False, "serial": job.serial_number}
+            if job.identifier is not None:
+                r["identifier"] = job.identifier
+            results.append(r)
+        for job in list(self.active_jobs):
+            try:
+                if not job.is_prefill_done():
+                    self.forwards += 1
+                job.prefill(results)
+            except Exception as e:
+                self.reap_failed_job(job, e, results)
+        self._iterate_gen(results)
+        return results
+
+    def _iterate_gen(self, results: list) -> None:
+        batch = [job for job in self.active_jobs if job.is_prefill_done()]
+        if not batch:
+            return
+        masks = [job.logit_mask() for job in batch]  # exllamav3 computes them alongside the forward
+        ids = torch.tensor([[job.sequence_ids[-1]] for job in batch], dtype=torch.long)
+        past = torch.tensor([job._past(len(job.sequence_ids) - 1) for job in batch], dtype=torch.long)
+        self.forwards += 1
+        logits = self.model.forward(ids, {"past_ids": past})
+        for j, (job, mask) in enumerate(zip(batch, masks, strict=True)):
+            row = logits[j : j + 1]
+            token = job.sampler.forward(row, None, job.rng.randint(0, (1 << 32) - 1), self.tokenizer, logit_mask=mask)
+            if job.receive_sample(row, token, results):
+                self.active_jobs.remove(job)
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
@@ -679,7 +1264,18 @@ def fake_modules() -> dict[str, types.ModuleType]:
     """The sys.modules entries of the fake exllamav3, parents included."""
     mods = {
         "exllamav3": _module("exllamav3", Config=Config, Model=Model, Cache=Cache, Tokenizer=Tokenizer,
-                             Generator=Generator, Job=Job),
+                             Generator=Generator, Job=Job, Filter=Filter, LLGuidanceFilter=LLGuidanceFilter,
+                             ArgmaxSampler=ArgmaxSampler, GreedySampler=ArgmaxSampler, ComboSampler=ComboSampler),
+        "exllamav3.generator": _module("exllamav3.generator", Generator=Generator, Job=Job),
+        "exllamav3.generator.filter": _module("exllamav3.generator.filter", Filter=Filter,
+                                              LLGuidanceFilter=LLGuidanceFilter),
+        "exllamav3.generator.filter.llguidance": _module("exllamav3.generator.filter.llguidance",
+                                                         LLGuidanceFilter=LLGuidanceFilter,
+                                                         llguidance_available=llguidance_available,
+                                                         create_ll_tokenizer=create_ll_tokenizer),
+        "exllamav3.generator.sampler": _module("exllamav3.generator.sampler", Sampler=Sampler,
+                                               ArgmaxSampler=ArgmaxSampler, GreedySampler=ArgmaxSampler,
+                                               ComboSampler=ComboSampler),
         "exllamav3.version": _module("exllamav3.version", __version__=VERSION),
         "exllamav3.modules": _module("exllamav3.modules", Module=Module, Linear=Linear,
                                      BlockSparseMLP=BlockSparseMLP),

@@ -223,7 +223,10 @@ class Exl3Engine(WorkerEngine):
             raise EngineError("EXL3_MOE_CPU_SPLIT / EXL3_MOE_CPU_OFFLOAD are set: glm53 tiers the experts itself; "
                               "unset them")
         model = exl.Model.from_config(config)
-        cache = exl.Cache(model, max_num_tokens=self.kv_tokens, max_batch_size=max(16, self.max_running))
+        # One page more than the context: exllamav3 reserves a position past a job's last token (a job needs
+        # prompt + max_new_tokens + 1 positions), so without it the last token of the context is cut ("length" a
+        # token early) and a prompt of context_length - 1 tokens cannot be enqueued at all.
+        cache = exl.Cache(model, max_num_tokens=self.kv_tokens + PAGE, max_batch_size=max(16, self.max_running))
         tiered = None
         if self.mode != "stock":
             counts = self._saved_counts(model)
@@ -389,7 +392,11 @@ class Exl3Engine(WorkerEngine):
             while (batch := self._admit()) is not None:
                 try:
                     for req in batch.new:
-                        self._start(req)
+                        try:
+                            self._start(req)
+                        except Exception as exc:  # its job could not be made or enqueued: this request alone fails
+                            log.exception("exllamav3 engine: request %s could not start", req.request_id)
+                            self._retire(req, "requests_failed", EngineError(f"generation failed: {exc}"))
                     for req in batch.running:
                         if req.cancelled and not req.done:
                             self._stop_job(req)
@@ -449,11 +456,21 @@ class Exl3Engine(WorkerEngine):
             self._emit_token(req, t, None, forced=True)
 
     def _on_result(self, r: dict) -> None:
+        if r.get("stage") == "error":
+            # exllamav3 contained a failure of this job alone (reap_failed_job: its prefill or page allocation
+            # raised) and dropped it; the result carries no "identifier", only the job.
+            req = getattr(r.get("job"), "identifier", None)
+            if isinstance(req, _Request) and not req.done and r.get("job") is req.job:
+                log.error("exllamav3 engine: request %s failed: %r", req.request_id, r.get("error"))
+                req.job = None
+                self._retire(req, "requests_failed", EngineError(f"generation failed: {r.get('error')}"))
+            return
         req = r.get("identifier")
         if not isinstance(req, _Request) or req.done or r.get("job") is not req.job:
             return  # a cancelled job's late result
         if r.get("stage") == "prefill":
-            if r.get("max_progress", 0) > self.prefill_chunk:
+            # A continuation job's prefill comes after the request's first tokens: progress is for the prompt only.
+            if not req.generated and r.get("max_progress", 0) > self.prefill_chunk:
                 req.emit(PromptProgress(int(r["curr_progress"]), int(r["max_progress"])))
             return
         if r.get("stage") != "streaming":
@@ -464,11 +481,16 @@ class Exl3Engine(WorkerEngine):
             held = r.get("held", {})
             tokens, logits = held.get("token_ids", tokens), held.get("logits", logits)
         ids = tokens[0].tolist() if tokens is not None else []
+        # A job that ends without a stop token ends on its last token: its grammar completed ("stop", like the
+        # reference engine) or its max_new_tokens (capped by exllamav3 to the cache) ran out ("length").
+        end = None
+        if r.get("eos") and stop_token is None:
+            end = "stop" if r.get("eos_reason") == "end_filter" else "length"
         for i, t in enumerate(ids):
             if req.done:
                 return
             row = logits[0, i, : self._n_vocab] if logits is not None and i < logits.shape[1] else None
-            self._emit_token(req, t, row)
+            self._emit_token(req, t, row, end=end if i == len(ids) - 1 else None)
             if req.budget_spent and not req.done:
                 # Budget reached mid-stream: stop this job, close the block, continue in a new job.
                 self._stop_job(req)
@@ -477,13 +499,16 @@ class Exl3Engine(WorkerEngine):
                     self._start(req)
                 return
         if r.get("eos") and not req.done:
-            # The job ended without a token we treat as final: its grammar completed ("stop", like the reference
-            # engine), or its max_new_tokens cut a continuation.
-            self._finish(req, "stop" if r.get("eos_reason") == "end_filter" else "length")
+            # The job ended with no token to end the request on (not expected from exllamav3): end it here.
+            self._finish(req, end or "length")
 
-    def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False) -> None:
+    def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False, end: str | None = None) -> None:
+        """end: the finish reason when this token ends the job (the request ends with it, on this event)."""
         # Forced tokens come with row=None: no logits for them, so no logprobs either.
-        event = self._token_event(req, token, row, forced)
+        event = self._token_event(req, token, row, forced, grammar_done=end == "stop")
+        if end is not None and event.finish_reason is None:
+            event.finish_reason = end
+            event.text += req.detok.flush()
         if event.finish_reason is not None:
             self._stop_job(req)
             self._retire(req, "requests_finished", event)
