@@ -50,6 +50,8 @@ EXL3_DEMO_RECIPE = {"recipe": 1, "seed": 0, "router_skew": [0.25, 0.5], "kind": 
 @dataclass(eq=False, kw_only=True)
 class _Request(Request):
     job: Any = None
+    grammar_filter: Any = None  # compiled when the request arrived, for its first job (if the trigger still fits)
+    grammar_filter_reasoning: bool = False
 
 
 def ensure_exl3_demo_model(cache_dir: Path) -> Path:
@@ -263,6 +265,12 @@ class Exl3Engine(WorkerEngine):
         tokenizer = exl.Tokenizer.from_config(config)
         self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=self.max_running,
                                        max_chunk_size=self.prefill_chunk)
+        if self.supports_grammar:
+            # llguidance's tables for this vocabulary (about a second for 150k tokens), built now rather than on the
+            # event loop when the first response_format request arrives; exllamav3 caches them per tokenizer.
+            from exllamav3.generator.filter.llguidance import create_ll_tokenizer
+
+            create_ll_tokenizer(tokenizer)
         native = int(getattr(config, "max_position_embeddings", 0) or 0) or self.kv_tokens
         limit = min(self.kv_tokens, native)
         self.context_length = min(self.context_length, limit) if self.context_length else limit
@@ -358,8 +366,18 @@ class Exl3Engine(WorkerEngine):
     def _new_request(self, **fields: Any) -> _Request:
         req = _Request(**fields)
         if req.params.grammar is not None:
-            self._grammar_filter(req)  # compile once here: a bad grammar is the caller's 400, not a failed step
+            # Compiled here, so a bad grammar is the caller's 400, not a failed step; the first job reuses it. (This
+            # runs on the event loop: cheap, since load() built the vocabulary's matcher tables.)
+            req.grammar_filter, req.grammar_filter_reasoning = self._grammar_filter(req), req.in_reasoning
         return req
+
+    def _job_filter(self, req: _Request) -> Any:
+        """The filter compiled at arrival if this is the first job and the think block is as it was then, else a
+        fresh one (a continuation job after a forced </think> must not wait for another close)."""
+        filt, req.grammar_filter = req.grammar_filter, None
+        if filt is not None and req.grammar_filter_reasoning == req.in_reasoning:
+            return filt
+        return self._grammar_filter(req)
 
     def _grammar_filter(self, req: _Request) -> Any:
         """A fresh llguidance filter for the request's next job. Inside an open think block it waits for the
@@ -436,7 +454,7 @@ class Exl3Engine(WorkerEngine):
             identifier=req,
             return_logits=p.logprobs is not None,
             decode_special_tokens=True,
-            filters=[self._grammar_filter(req)] if p.grammar is not None else None,
+            filters=[self._job_filter(req)] if p.grammar is not None else None,
         )
         self.generator.enqueue(req.job)
         if not req.generated:

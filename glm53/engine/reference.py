@@ -102,6 +102,8 @@ class ReferenceEngine(WorkerEngine):
                 out = model(input_ids=torch.tensor([[0, 1]]), use_cache=True)
                 model(input_ids=torch.tensor([[2]]), past_key_values=out.past_key_values, use_cache=True)
         self._model = model
+        if self.supports_grammar:
+            self._grammar_vocab()  # now, not on the event loop when the first response_format request arrives
         self._start_worker("glm53-reference-engine")
         log.info(
             "reference engine: ready in %.1f s (%d layers, %d experts, context %d)",
@@ -114,7 +116,8 @@ class ReferenceEngine(WorkerEngine):
 
     # --- text ---------------------------------------------------------------------------------------------
     def _grammar_vocab(self) -> Any:
-        # Built on first use: most deployments never see a grammar request, and it costs an import.
+        # Built at load: a grammar request compiles on the event loop (engines validate before their first
+        # await), where building these tables (and importing llguidance.torch) would stall every stream.
         with self._cv:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = constrain.make_tokenizer(self._hf_tok, self._n_vocab, self._eos)
