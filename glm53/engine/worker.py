@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -69,7 +70,7 @@ class Batch(NamedTuple):
     running: list  # every admitted request, the new ones included
 
 
-class WorkerEngine:
+class WorkerEngine(ABC):
     """The shared half of an Engine (glm53.engine.interface): text, queue, worker thread, events, stats."""
 
     kind: str
@@ -352,16 +353,16 @@ class WorkerEngine:
 
     # --- what an engine supplies --------------------------------------------------------------------------
     @property
-    def ready(self) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def ready(self) -> bool: ...
 
+    @abstractmethod
     def _new_request(self, **fields: Any) -> Request:
         """The engine's Request (subclass) from the shared fields; may raise to refuse the request."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _worker(self) -> None:
         """The worker thread: `while (batch := self._admit()) is not None:` run the batch's requests."""
-        raise NotImplementedError
 
-    def _release(self, req: Request) -> None:
+    def _release(self, req: Request) -> None:  # noqa: B027 - optional: engines with nothing to drop skip it
         """Drop what a retired request holds in the engine (its cache, its job)."""
