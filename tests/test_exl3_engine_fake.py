@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import fake_exllamav3 as F
 import pytest
+from test_reference_engine import BOOL_OBJECT
 
 from glm53.engine.interface import EngineError, EngineNotReady, PromptProgress, SamplingParams, TokenEvent
 from glm53.fixture import tokenizer as gtok
@@ -24,13 +25,6 @@ from glm53.fixture.exl3 import write_exl3_checkpoint
 
 SLOTS = 3  # VRAM slots per MoE layer (of 16 experts, top-4): most picks miss
 
-BOOL_OBJECT = {
-    "x-guidance": {"whitespace_flexible": False},
-    "type": "object",
-    "properties": {"ok": {"type": "boolean"}},
-    "required": ["ok"],
-    "additionalProperties": False,
-}
 GRAMMAR = "start: %json " + json.dumps(BOOL_OBJECT, separators=(",", ":"))  # as server.common.grammar_for builds
 
 
