@@ -22,7 +22,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     res = {"h2d_GBps": 50.0, "stock_decode_tok_s": 100.0, "stock_prefill_tok_s": 2000.0, "bound_decode_tok_s": 80.0,
            "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "disk_GBps": 6.5,
            "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
-           "modes": {"exact": mode_doc(50.0), "exact-nolookahead": mode_doc(15.0), "fast": mode_doc(30.0),
+           "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True)}}
     text = B.report(res, 8)
     for mode in res["modes"]:

@@ -214,7 +214,7 @@ def test_exact_mode_is_bit_identical_to_stock(ck, overlap):
 def test_lookahead_runs_and_reports_its_recall(ck, overlap):
     stock = stock_model(ck)
     # Staging rows above a decode step's own (min(16 experts, 8 rows x top-4) = 16): 2 x 8 for prestaging.
-    model, tiered = tiered_model(ck, lookahead=True, staging_slots=32, overlap_copies=overlap)
+    model, tiered = tiered_model(ck, lookahead=True, prestage=True, staging_slots=32, overlap_copies=overlap)
     try:
         drive(stock, model, schedule(2, 40, prefill_every=10), 2, bit_identical, tiered)
         snap = tiered.snapshot()
@@ -240,7 +240,7 @@ def test_fast_mode_lane_takes_picks_masked_and_added_back(ck):
     stock = stock_model(ck, torch.float)  # fp32 intermediates: what the lane computes
     # Layer 0 has no VRAM slot: with the default 16 staging slots its S + P would be all 16 experts, an interval
     # exllamav3 treats as "no split" (no masking), so the adapter must take one staging slot more.
-    model, tiered = tiered_model(ck, torch.float, slots=[0, 3, 4], lookahead=True)
+    model, tiered = tiered_model(ck, torch.float, slots=[0, 3, 4], lookahead=True, prestage=True)
     try:
         lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
         tiered.enable_lane(lane, lane_fit())
@@ -323,7 +323,7 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging):
     stock = stock_model(ck)
     # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops. With 32 staging rows
     # the lookahead also prestages predicted RAM experts (held against drops until copied).
-    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, staging_slots=staging,
+    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, prestage=True, staging_slots=staging,
                                  nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
     try:
         drive(stock, model, schedule(8, 30), 8, bit_identical, tiered)
@@ -343,7 +343,7 @@ def test_nvme_mode_with_the_lane(ck, store):
     from glm53.cpu_lane.lane import CpuLane
 
     stock = stock_model(ck, torch.float)
-    model, tiered = tiered_model(ck, torch.float, slots=[2, 2, 2], lookahead=True,
+    model, tiered = tiered_model(ck, torch.float, slots=[2, 2, 2], lookahead=True, prestage=True,
                                  nvme_open=nvme_opener(store, ck, 24, "nvme"))
     try:
         # A cold start (no routing statistics): RAM holds no expert yet, and the lane's PCIe calibration must run.

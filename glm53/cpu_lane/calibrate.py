@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .kernel import CpuKernel, ExpertCall, ExpertGeometry, supported_isas
+from .kernel import CpuKernel, ExpertCall, ExpertGeometry, KernelUnavailable, supported_isas, unavailable_reason
 from .planner import CpuSample
 
 GIB = 1 << 30
@@ -159,7 +159,7 @@ def calibrate_cpu(threads: int, cpus: Sequence[int] | None = None, *, geo: Exper
     rng = np.random.default_rng(seed + 1)
     candidates = list(isas or supported_isas())
     if not candidates:
-        raise RuntimeError("no ISA to calibrate")
+        raise KernelUnavailable(unavailable_reason() or "the CPU expert kernel supports no ISA on this CPU")
     # Which path: one-row experts (the decode case) at the lane's threads. Scalar only if nothing else runs.
     simd = [i for i in candidates if i != "scalar"] or candidates
     isa_seconds = {}

@@ -311,15 +311,18 @@ class TieredMoE:
         ram_spare: int | None = None,
         read_threads: int = 8,
         nvme_open: Callable[[list[int], int], Any] | None = None,
-        lookahead: bool = True,
-        overlap_copies: bool = False,
+        lookahead: bool | None = None,
+        prestage: bool = False,
+        overlap_copies: bool = True,
     ):
         """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
         num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed.
         nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme.open_nvme_tier with
         warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
-        step's input and move its predicted experts one layer ahead. device: the CUDA device exllamav3 runs on
+        step's input and start the store reads of its predicted experts one layer ahead (default: in the nvme
+        modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). prestage: also
+        copy predicted RAM experts into staging ahead (off: a wrong guess costs a whole expert's PCIe time). device: the CUDA device exllamav3 runs on
         (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets unpinned host buffers and no
         stream synchronisation, and is otherwise the same code. overlap_copies: the GPU, not the host, waits for
         a decode step's copies (glm53.engine.moe_step, `overlap`)."""
@@ -368,7 +371,8 @@ class TieredMoE:
         self.layout = self._layout()
         self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
         self.nvme_open = nvme_open
-        self.lookahead = lookahead
+        self.lookahead = nvme_open is not None if lookahead is None else lookahead
+        self.prestage = prestage
         self.overlap_copies = overlap_copies
         self.tiers: Any = None
         self.nvme: Any = None
@@ -516,8 +520,8 @@ class TieredMoE:
             self.tiers.populate(load, self.counts)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
                                   admit=self.admit, nvme=self.nvme, overlap=self.overlap_copies,
-                                  decode_staging=min(self.num_experts, MAX_BSZN * self.top_k) if self.lookahead
-                                  else None)
+                                  decode_staging=min(self.num_experts, MAX_BSZN * self.top_k)
+                                  if self.lookahead and self.prestage else None)
         hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module
@@ -615,7 +619,7 @@ class TieredMoE:
         if n > layer.ids_host.numel():
             self._grow(layer, n)  # a prefill chunk larger than any before: safe, the stream is synced below
         decode = bsz <= MAX_BSZN
-        lane = decode and stepper.lane is not None and stepper.lane.alive
+        lane = decode and stepper.lane_in_use()
         predict = decode and self.lookahead and li + 1 < len(self.layers)
         t0 = time.perf_counter()
         stream = torch.cuda.current_stream(selected.device) if selected.is_cuda else None  # CPU: copies are done

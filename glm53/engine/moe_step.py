@@ -20,6 +20,7 @@ Nothing here imports exllamav3, so the decisions run on the CPU in tests with CP
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -75,6 +76,9 @@ def decode_slots(ids: np.ndarray, picks: list[int], uniq: np.ndarray, slot_of: n
 
 
 _NO_SLOTS = np.empty(0, np.int64)
+LANE_TRIAL = 512  # decode layer steps (a few tokens of the real model) before the lane's worth is judged
+LANE_MIN_SHARE = 0.005
+log = logging.getLogger(__name__)
 _NO_SLOTS.flags.writeable = False
 
 
@@ -100,17 +104,19 @@ class MoeStepper:
 
     def __init__(self, tiers: Any, cache_slots: Sequence[int], staging_slots: int, *, admit: bool = True,
                  lane: Any = None, fit: Any = None, recompute: Recompute | None = None, nvme: Any = None,
-                 overlap: bool = False, decode_staging: int | None = None):
+                 overlap: bool = True, decode_staging: int | None = None):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
         NvmeTier, for prefetch. overlap: a decode step's copies (staging, admissions) are ordered before the
         expert kernels on the GPU (a stream-side wait) instead of the host waiting for them, and admitted experts
         are read from their slot in that same step (still marked resident only when the host sees them land).
-        Saves the host's wake-up per layer; under evaluation (`glm53 bench decode` runs both), so off by
-        default, and the PCIe timings the planner refits from are then only the start-up ones.
+        Saves the host's wake-up per layer: measured on the H200 (docs/results.md, third session) 0.88 of the PCIe
+        bound against 0.73 without, so on by default; the PCIe timings the planner refits from are then only the
+        start-up ones.
         decode_staging: the staging rows a decode step can need (MAX_BSZN x top_k, at most num_experts). The rows
         above it, split in two by layer parity, take the next layer's predicted RAM experts ahead of its step
-        (all-RAM modes; see `ahead`); None or no rows left: no prestaging."""
+        (see `ahead`); None or no rows left: no prestaging. Off in the engine: decode is PCIe-bound, and a wrong
+        guess costs a whole expert's copy (measured: 0.86 -> 0.73 of the bound at a recall of 0.57)."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
@@ -138,6 +144,10 @@ class MoeStepper:
         self._rank_total: np.ndarray | None = None
         self.last_assignment: Any = None
         self.lookahead = RecallMeter()
+        # The lane is tried for LANE_TRIAL decode steps; if the planner gave it under LANE_MIN_SHARE of the picks
+        # (a host whose PCIe outruns its CPU), it is set aside: the per-step cost of offering it then buys nothing.
+        self.lane_trial = {"steps": 0, "picks": 0, "cpu": 0}
+        self.lane_idle = False
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
         self._predicted: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids predicted for its next step
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0}
@@ -145,6 +155,10 @@ class MoeStepper:
         from glm53.tiers.tiers import RAM, STORE, VRAM
 
         self._vram_code, self._ram_code, self._store_code = VRAM, RAM, STORE
+
+    def lane_in_use(self) -> bool:
+        """Whether decode steps offer misses to the CPU lane (attached, alive, and not set aside as idle)."""
+        return self.lane is not None and self.lane.alive and not self.lane_idle
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -357,14 +371,26 @@ class MoeStepper:
     # ---- parts ------------------------------------------------------------------------------------------------
 
     def _plan_lane(self, li: int, ids: np.ndarray, misses: list[int]) -> list[int]:
-        if self.lane is None or not misses:
+        if not self.lane_in_use():
             return []
-        from glm53.cpu_lane.planner import assign
+        trial = self.lane_trial
+        trial["steps"] += 1
+        trial["picks"] += ids.size
+        cpu: list[int] = []
+        if misses:
+            from glm53.cpu_lane.planner import assign
 
-        counts = Counter(ids.ravel().tolist())
-        rows = [(e, counts[e]) for e in misses]
-        self.last_assignment = assign(rows, self.fit.model(), cpu_ok=self.lane.alive)
-        return sorted(int(e) for e in self.last_assignment.cpu)
+            counts = Counter(ids.ravel().tolist())
+            rows = [(e, counts[e]) for e in misses]
+            self.last_assignment = assign(rows, self.fit.model(), cpu_ok=self.lane.alive)
+            cpu = sorted(int(e) for e in self.last_assignment.cpu)
+            trial["cpu"] += sum(counts[e] for e in cpu)
+        if trial["steps"] == LANE_TRIAL and trial["cpu"] < LANE_MIN_SHARE * trial["picks"]:
+            self.lane_idle = True
+            log.info("CPU lane set aside: over %d decode layer steps the planner gave it %d of %d picks (PCIe is "
+                     "faster for this host's experts); decode now runs as the exact mode does", LANE_TRIAL,
+                     trial["cpu"], trial["picks"])
+        return cpu
 
     def _submit_lane(self, li: int, ids: np.ndarray, x: np.ndarray | None, weights: np.ndarray | None,
                      experts: list[int]) -> Any:

@@ -32,6 +32,9 @@ if [ -d .device-cache/extra ] && ! python3 -c "import fastapi" 2>/dev/null; then
   pip install -q --no-index --no-deps --target /tmp/site-extra .device-cache/extra/*.whl >> "$OUT/summary.log" 2>&1
   export PYTHONPATH="${PYTHONPATH:-}:/tmp/site-extra"
 fi
+# The CPU-lane kernel is built per Python (the GPU machine's is 3.12); the working tree carries no build.
+python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
+stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
 if has tiny; then
   gpu_pytest modes-tiny 300 tests/test_gpu_modes.py -k tiny
   gpu_pytest exact-tiny 240 tests/test_gpu_engine.py -k "tiny or engine"
