@@ -50,6 +50,8 @@ def register_bench(bench_sub: Any) -> None:
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
                         f"real model; 16 GiB gives {RAM_16G}). The store is packed from the checkpoint into --work")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--profile", metavar="MODE", help="after the windows, decode one more window of MODE under "
+                   "cProfile and print where the host's time went (the top functions by own time)")
     p.set_defaults(func=cmd_bench_decode)
 
 
@@ -186,7 +188,7 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
 
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
                  modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print,
-                 store: Path | None = None, ram_fraction: float = RAM_55G) -> dict:
+                 store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None) -> dict:
     import torch
 
     rate = h2d_rate()
@@ -223,6 +225,19 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                        f"{res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
                        f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H, host "
                        f"{res['host_us_per_layer_step']:.0f} us/layer step" if name != "stock" else ""))
+
+        if profile in runners:
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            runners[profile].run(prompt, tokens, seed=999)
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+            log(f"profile of one {profile} window ({tokens} tokens, prefill included):\n{buf.getvalue()}")
 
         def mean(name: str, key: str) -> float:
             vals = [x[key] for x in rows if x["name"] == name and x.get(key) is not None]
@@ -376,7 +391,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         print(f"packed the expert store in {time.perf_counter() - t0:.0f} s")
     try:
         res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
-                           store=store, ram_fraction=args.ram_fraction)
+                           store=store, ram_fraction=args.ram_fraction, profile=args.profile)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

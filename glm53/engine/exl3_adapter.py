@@ -613,6 +613,8 @@ class TieredMoE:
         some picks (our combine adds its partial), else (None, None)."""
         import torch
 
+        from glm53.tiers.copier import compute_stream
+
         layer = self.layers[li]
         stepper = self.stepper
         n = selected.numel()
@@ -622,7 +624,7 @@ class TieredMoE:
         lane = decode and stepper.lane_in_use()
         predict = decode and self.lookahead and li + 1 < len(self.layers)
         t0 = time.perf_counter()
-        stream = torch.cuda.current_stream(selected.device) if selected.is_cuda else None  # CPU: copies are done
+        stream = compute_stream(selected.device.index) if selected.is_cuda else None  # CPU: copies are done
         host = layer.ids_host[:n]
         host.copy_(selected.reshape(-1), non_blocking=True)
         if lane:  # the lane's input rows and weights cross in the same synchronisation
