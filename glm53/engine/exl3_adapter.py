@@ -611,8 +611,6 @@ class TieredMoE:
         """Called by exllamav3 after layer li's routing: make the picks readable, rewrite ids to slots in place.
         Returns exllamav3's (cpu_partial, cpu_pending): (None, (LANE_TAG, ticket, rows)) when the CPU lane computes
         some picks (our combine adds its partial), else (None, None)."""
-        import torch
-
         from glm53.tiers.copier import compute_stream
 
         layer = self.layers[li]
