@@ -295,6 +295,7 @@ def test_a_lane_the_planner_never_uses_is_set_aside(monkeypatch, cpu_cost, set_a
         assert stepper.lane_idle is set_aside and stepper.lane_in_use() is not set_aside
         assert lane.alive, "set aside, not failed: the lane itself is fine"
         assert (stepper.lane_trial["cpu"] > 0) is not set_aside
+        assert stepper.snapshot()["cpu_lane"]["set_aside"] is set_aside
 
 
 def test_a_failing_lane_is_recomputed_then_bypassed():

@@ -447,7 +447,7 @@ class MoeStepper:
                                    "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()]}}
         if self.lane is not None:
-            doc["cpu_lane"] = self.lane.snapshot()
+            doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": self.lane_idle, "trial": dict(self.lane_trial)}
             if self.last_assignment is not None:
                 from glm53.cpu_lane.lane import assignment_json
 
