@@ -2,18 +2,20 @@
 # One GPU-machine session's checks, in order of what is owed, each step under its own time limit, logs to $OUT.
 # Run from the repository root on the device, after `source .device-cache/setup.sh`:
 #   STEPS=tiny,server bash tests/gpu/session.sh          # a subset (default: all, in this order)
-# Steps:
+# First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
 #   tiny      fast/nvme KL + top-1 and nvme-exact bit-identity (tests/test_gpu_modes.py -k tiny), then exact mode
 #             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
 #             tests/gpu/stage_extras.sh)
 #   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
-#   bench     glm53 bench decode: stock, exact, exact without lookahead, fast (8 MoE layers)
+#   bench     glm53 bench decode: stock, exact, exact-serial, exact-prestage, fast (8 MoE layers)
 #   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~20 GB of disk)
+#   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
+#             the machine's cores against 867 us on the 2-core dev machine; find where its scaling stops
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-tiny,server,width,bench,nvme}
+STEPS=${STEPS:-tiny,server,width,bench,nvme,lane}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.log"; }
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -57,4 +59,11 @@ if has nvme; then
   timeout 560 python3 -m glm53 bench decode --moe-layers 8 --work /tmp --modes exact,fast,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
+fi
+if has lane; then
+  timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
+    > "$OUT/bench-cpu-lane.log" 2>&1
+  stamp "lane rc=$?"
+  timeout 120 python3 -m glm53 bench cpu-lane --thread-list 8,15 --no-pin >> "$OUT/bench-cpu-lane.log" 2>&1
+  stamp "lane unpinned rc=$?"
 fi
