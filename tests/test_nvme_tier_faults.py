@@ -164,6 +164,33 @@ def test_a_slow_read_times_out_and_is_retried_into_a_fresh_slot(tier, direct, mo
     check_bytes(tier, tier.path)
 
 
+def test_a_prefetch_queued_past_the_timeout_is_not_a_fault(tier, direct, monkeypatch):
+    """A guess read ahead that no step waits for may sit behind demand reads on a busy disk for longer than the
+    timeout: /ready must not flip to 503 for it. Once a step waits for it, the timeout counts from then."""
+    release = threading.Event()
+
+    def stall(n, real, fd, view, offset):
+        assert release.wait(10)
+        return real(fd, view, offset)
+
+    Inject(monkeypatch, tier, stall)
+    try:
+        assert tier.prefetch([BAD]) == 1
+        time.sleep(tier.timeout_s * 2)
+        assert tier.health() is None
+        tier.demand(BAD[0], np.array([BAD[1]]))  # a step now needs it: the clock starts
+        time.sleep(tier.timeout_s * 1.5)
+        assert tier.health()["state"] == "degraded" and tier.health()["stalled_reads"] == 1
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while tier._reads and time.monotonic() < deadline:
+        tier.poll()
+        time.sleep(0.005)
+    assert tier.health() is None and tier.tiers.where[BAD] == Where.RAM
+    tier.check_invariants()
+
+
 def test_a_read_that_stays_stalled_is_an_error_naming_the_record(tier, direct, monkeypatch):
     release = threading.Event()
 
