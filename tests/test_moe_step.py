@@ -368,6 +368,38 @@ def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
         assert la["prefetched"] == snap["prefetch"]["issued"]
 
 
+def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
+    """Store prefetch spends disk time, the nvme modes' bottleneck: once the live precision says ranks 2 and 3
+    of the guess are usually wrong, only ranks 0 and 1 are read ahead, most likely first."""
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = packed
+    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+        stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
+        asked: list[list[tuple[int, int]]] = []
+        real_prefetch = tier.prefetch
+
+        def prefetch(picks, **kw):
+            asked.append(list(picks))
+            return real_prefetch(asked[-1], **kw)
+
+        tier.prefetch = prefetch
+        rng = np.random.default_rng(3)
+        for _ in range(12):  # ranks 0, 1 always right; ranks 2, 3 never
+            guess = rng.choice(16, 4, replace=False)
+            stepper.ahead(1, guess[None, :])
+            others = [e for e in range(16) if e not in guess]
+            real = np.array([[guess[0], guess[1], others[0], others[1]]])
+            stepper.resolve(1, real, True)
+            tier.check_invariants()
+        assert [round(p, 1) for p in stepper.rank_precision()][:2] == [0.9, 0.9]
+        assert max(stepper.rank_precision()[2:]) < 0.5
+        asked.clear()
+        stepper.ahead(1, np.array([[9, 4, 7, 2]]))
+        assert asked == [[(1, 9), (1, 4)]]
+
+
 def test_nvme_prefill_reads_the_next_layer_ahead(packed):
     from glm53.tiers.nvme import open_nvme_tier
 
