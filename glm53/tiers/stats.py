@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 LANES = ("vram_hit", "pcie", "cpu", "nvme")
-DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging")
+# staging_to_vram: admissions copied on the device from the staging row their step streamed them into.
+DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging", "staging_to_vram")
 PREFETCH = ("issued", "hits", "late", "wasted", "demand_misses")
 NVME = ("reads", "prefetch_reads", "warm_reads", "timeouts", "failed_reads")
 

@@ -20,10 +20,10 @@ thread that owns these tiers. Without one, `fetch` reads synchronously.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -340,9 +340,12 @@ class ExpertTiers:
         """(num_layers, num_experts) policy scores: the keep-worthiness the RAM tier ranks victims by."""
         return np.stack([p.scores() for p in self.policies])
 
-    def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None) -> int:
+    def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None,
+              src: Any = None) -> int:
         """Start copying a RAM expert into a VRAM slot of its layer: a free one, else `victim`'s (written back
-        first). Returns the slot; the expert becomes resident when the copy lands (poll/settle)."""
+        first). Returns the slot; the expert becomes resident when the copy lands (poll/settle). src: a device
+        buffer already holding the expert's image (the staging row a step just streamed it into), copied from
+        instead of the RAM row: no second PCIe crossing."""
         if self.where[layer, expert] != RAM:
             raise TierError(f"admit {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not RAM")
         vl = self.vram[layer]
@@ -354,12 +357,14 @@ class ExpertTiers:
             slot = self._write_back(layer, victim, protect, also=expert)
         vl.reserve(slot, expert)
         self.ram_guard[layer, expert] = False  # in use now: the guard's job is done
-        src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
+        from_ram = src is None
+        if from_ram:
+            src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
         ticket = self.copier.copy(vl.flat(slot), src, after=self._slot_reader.pop((layer, slot), None))
         self._moves[(layer, expert)] = _Move(ticket, True, slot)
         self.where[layer, expert] = TO_VRAM
         self.stats.add_admission(layer)
-        self.stats.add_bytes("ram_to_vram", self.layout.nbytes)
+        self.stats.add_bytes("ram_to_vram" if from_ram else "staging_to_vram", self.layout.nbytes)
         self._refresh_gauges(layer)
         return slot
 
@@ -374,17 +379,19 @@ class ExpertTiers:
         mv = self._moves.get((layer, expert))
         return None if mv is None else mv.ticket
 
-    def try_admit(self, layer: int, misses: np.ndarray, protect: np.ndarray) -> dict[int, int]:
+    def try_admit(self, layer: int, misses: np.ndarray, protect: np.ndarray,
+                  sources: Mapping[int, Any] | None = None) -> dict[int, int]:
         """Admit the misses the layer's policy wants (free slots first, then beating the weakest unprotected
         resident by its margin); returns {expert: slot} of the copies started. Call after observe(). Where RAM has
-        no room for a victim's write-back the rest are not admitted (they stream instead): never an error."""
+        no room for a victim's write-back the rest are not admitted (they stream instead): never an error.
+        sources: {expert: device buffer holding its image} to copy from instead of RAM (see admit)."""
         vl = self.vram[layer]
         plan = choose_admissions(self.policies[layer], vl.resident(), vl.free_count(), misses, protect)
         started = {}
         for e, v in plan:
             if v is not None and not self._ram_room(layer, protect, also=e):
                 break
-            started[e] = self.admit(layer, e, v, protect)
+            started[e] = self.admit(layer, e, v, protect, None if sources is None else sources.get(e))
         return started
 
     def observe(self, layer: int, ids: np.ndarray, weight: float = 1.0) -> None:
