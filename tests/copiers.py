@@ -19,7 +19,8 @@ class HeldTicket:
 
 class HeldCopier(Copier):
     """One in-order copy stream that runs only when someone waits for a copy (then every copy before it runs
-    too, as on a CUDA stream). Sources are read at issue time: their owners keep them intact until landing."""
+    too, as on a CUDA stream). Sources are read when the copy runs, as on the GPU: a source changed before its
+    copy lands, or a copy chained on one still in flight (staging row -> VRAM slot), shows up in the bytes."""
 
     def __init__(self):
         super().__init__("cpu")
@@ -29,7 +30,7 @@ class HeldCopier(Copier):
     def copy(self, dst, src, after=None):
         if after is not None:
             after.wait()
-        self.queue.append((dst, src.clone()))
+        self.queue.append((dst, src))
         return HeldTicket(self, len(self.queue) - 1)
 
     def run_to(self, index: int) -> None:

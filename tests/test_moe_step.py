@@ -106,6 +106,41 @@ def test_every_pick_points_at_its_own_bytes(overlap):
     assert snap["layers"][1]["hit_rate"] == 0  # no slots in layer 1: every pick crossed PCIe
 
 
+def test_admissions_after_launch_copy_from_staging_and_every_pick_reads_its_bytes():
+    """admit_after_launch (the default): a decode step streams every PCIe miss, the GPU reads the staging rows,
+    and only then (exllamav3's combine) are admissions chosen and copied on the device from those rows. Copies
+    run in issue order and read their source when they run, as on a CUDA stream, so an admission chained on a
+    staging copy still in flight, or a staging row refilled under a pending admission, shows in the bytes."""
+    copier = GpuLikeCopier()
+    tiers, fill = _byte_tiers(copier=copier)
+    stepper = MoeStepper(tiers, [3, 0], 16)
+    rng = np.random.default_rng(8)
+    want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
+    for n in range(240):
+        li = n % 2
+        ids = np.stack([rng.choice(16, 4, replace=False, p=np.r_[np.full(4, 0.15), np.full(12, 0.4 / 12)])
+                        for _ in range(int(rng.integers(1, 4)))])
+        step = stepper.resolve(li, ids, True)
+        assert step.admitted == [], "nothing is admitted before the kernels are queued"
+        copier.gpu_runs()  # the expert kernels: they wait for the step's copies, then read
+        for e, s in zip(ids.ravel().tolist(), step.slots.ravel().tolist(), strict=True):
+            fill(li, e, want)
+            assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {n}: expert {e} -> slot {s}"
+        stepper.after_launch()  # exllamav3's combine
+        tiers.check_invariants()
+    tiers.settle_all()
+    for e in range(16):  # every resident's slot holds its own image
+        s = int(tiers.vram[0].slot_of[e])
+        if s >= 0:
+            fill(0, e, want)
+            assert torch.equal(tiers.vram[0].flat(s), want), f"resident {e} in slot {s}"
+    snap = tiers.stats.snapshot()
+    assert snap["admissions"] > 0 and snap["evictions"] > 0 and snap["picks"]["vram_hit"] > 0
+    assert snap["bytes"]["ram_to_vram"] == 0, "an admission crossed PCIe a second time"
+    assert snap["bytes"]["staging_to_vram"] == snap["admissions"] * tiers.layout.nbytes
+    assert stepper.snapshot()["host_seconds"]["after_launch"] > 0
+
+
 def test_more_misses_than_staging_slots_is_refused():
     tiers, _ = _byte_tiers(slots=(0, 0), staging=4)
     stepper = MoeStepper(tiers, [0, 0], 4, admit=False)

@@ -1,9 +1,10 @@
 """`glm53 bench decode`: decode speed of the tiered modes next to stock exllamav3 and the PCIe bound, in one run.
 
 One process loads the same full-width synthetic checkpoint once per mode: stock exllamav3 with every routed
-expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact as the engine runs it, exact-serial with
-the host instead of the GPU waiting for each step's copies, exact-prestage with the next layer's predicted RAM
-experts copied ahead, fast; and with --modes the nvme modes) with a 24 GB card's share of expert slots (the rest in the pinned RAM tier). Decode windows rotate through
+expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact as the engine runs it, exact-eager with
+admissions decided and copied from RAM before the step's kernels instead of after, exact-serial with the host
+instead of the GPU waiting for each step's copies, exact-prestage with the next layer's predicted RAM experts
+copied ahead, fast; and with --modes the nvme modes) with a 24 GB card's share of expert slots (the rest in the pinned RAM tier). Decode windows rotate through
 the modes (interleaved, never compared across sessions). All sample with the same seed, so the exact modes
 generate the same tokens as stock and route the same experts (fast mode is near-exact and may drift). The PCIe
 bound is
@@ -42,9 +43,9 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, also timed as prefill (default 512)")
     p.add_argument("--work", metavar="DIR", help="where to write the synthetic checkpoint (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
-    p.add_argument("--modes", default="exact,exact-serial,exact-prestage,fast",
-                   help="tiered modes to run next to stock (default exact,exact-serial,exact-prestage,fast; "
-                        "also nvme-exact, nvme)")
+    p.add_argument("--modes", default="exact,exact-eager,exact-serial,fast",
+                   help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
+                        "exact-prestage, nvme-exact, nvme)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -55,7 +56,7 @@ def register_bench(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_decode)
 
 
-MODES = ("exact", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme")
+MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -99,7 +100,8 @@ class _Runner:
             prestage = mode == "exact-prestage"
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
                                     prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
-                                    overlap_copies=mode != "exact-serial")
+                                    overlap_copies=mode != "exact-serial",
+                                    admit_after_launch=mode not in ("exact-eager", "exact-serial"))
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:

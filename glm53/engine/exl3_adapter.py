@@ -314,6 +314,7 @@ class TieredMoE:
         lookahead: bool | None = None,
         prestage: bool = False,
         overlap_copies: bool = True,
+        admit_after_launch: bool = True,
     ):
         """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
@@ -325,7 +326,8 @@ class TieredMoE:
         copy predicted RAM experts into staging ahead (off: a wrong guess costs a whole expert's PCIe time). device: the CUDA device exllamav3 runs on
         (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets unpinned host buffers and no
         stream synchronisation, and is otherwise the same code. overlap_copies: the GPU, not the host, waits for
-        a decode step's copies (glm53.engine.moe_step, `overlap`)."""
+        a decode step's copies (glm53.engine.moe_step, `overlap`). admit_after_launch: admissions are decided and
+        copied (device to device, from staging) once the step's kernels are queued (moe_step, same name)."""
         import torch
 
         self.model = model
@@ -374,6 +376,7 @@ class TieredMoE:
         self.lookahead = nvme_open is not None if lookahead is None else lookahead
         self.prestage = prestage
         self.overlap_copies = overlap_copies
+        self.admit_after_launch = admit_after_launch
         self.tiers: Any = None
         self.nvme: Any = None
         self.stepper: MoeStepper | None = None
@@ -520,6 +523,7 @@ class TieredMoE:
             self.tiers.populate(load, self.counts)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
                                   admit=self.admit, nvme=self.nvme, overlap=self.overlap_copies,
+                                  admit_after_launch=self.admit_after_launch,
                                   decode_staging=min(self.num_experts, MAX_BSZN * self.top_k)
                                   if self.lookahead and self.prestage else None)
         hidden = self.layers[0].module.hidden_size
@@ -530,7 +534,7 @@ class TieredMoE:
             m._split_perm = None
             m._split_saved = layer.saved
             m.cpu_split_submit = _seam(self, li)
-            m.cpu_split_combine = _combine(m)
+            m.cpu_split_combine = _combine(m, self.stepper)
             m.cpu_split_first = m.num_local_experts
             rows = MAX_BSZN
             layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=self.pin)
@@ -769,14 +773,16 @@ def _seam(tiered: TieredMoE, li: int) -> Callable[..., tuple[None, Any]]:
     return cpu_split_submit
 
 
-def _combine(module: Any) -> Callable[..., Any]:
+def _combine(module: Any, stepper: Any) -> Callable[..., Any]:
     """The module's combine with the CPU lane's partial added: exllamav3 calls it after it queued the GPU expert
-    kernels, so the host waits for the lane while the GPU works; the partial lands before the post norms."""
+    kernels, so the host does the step's deferred bookkeeping (MoeStepper.after_launch) and waits for the lane
+    while the GPU works; the partial lands before the post norms."""
     stock = module.cpu_split_combine
 
     def cpu_split_combine(final_hidden_states: Any, cpu_partial: Any, cpu_pending: Any, shape: Any) -> Any:
         import torch
 
+        stepper.after_launch()
         if isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG:
             _, ticket, rows = cpu_pending
             partial = torch.from_numpy(ticket.partial(rows)).to(final_hidden_states.device)

@@ -104,19 +104,23 @@ class MoeStepper:
 
     def __init__(self, tiers: Any, cache_slots: Sequence[int], staging_slots: int, *, admit: bool = True,
                  lane: Any = None, fit: Any = None, recompute: Recompute | None = None, nvme: Any = None,
-                 overlap: bool = True, decode_staging: int | None = None):
+                 overlap: bool = True, decode_staging: int | None = None, admit_after_launch: bool = True):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
         NvmeTier, for prefetch. overlap: a decode step's copies (staging, admissions) are ordered before the
         expert kernels on the GPU (a stream-side wait) instead of the host waiting for them, and admitted experts
         are read from their slot in that same step (still marked resident only when the host sees them land).
-        Saves the host's wake-up per layer: measured on the H200 (docs/results.md, third session) 0.88 of the PCIe
-        bound against 0.73 without, so on by default; the PCIe timings the planner refits from are then only the
-        start-up ones.
+        Saves the host's wake-up per layer: 1.05-1.17x the decode speed of the host waiting in every paired window
+        on the H200 (docs/results.md, third session), so on by default; the PCIe timings the planner refits from
+        are then only the start-up ones.
         decode_staging: the staging rows a decode step can need (MAX_BSZN x top_k, at most num_experts). The rows
         above it, split in two by layer parity, take the next layer's predicted RAM experts ahead of its step
         (see `ahead`); None or no rows left: no prestaging. Off in the engine: decode is PCIe-bound, and a wrong
-        guess costs a whole expert's copy (measured: 0.86 -> 0.73 of the bound at a recall of 0.57)."""
+        guess costs a whole expert's copy (measured: 0.86 -> 0.73 of the bound at a recall of 0.57).
+        admit_after_launch: a decode step streams every PCIe miss into staging, and the policy's learning and
+        admissions run in `after_launch`, once exllamav3 has queued the step's expert kernels (the host works
+        while the GPU does): an admitted expert is copied on the device from the staging row it was just streamed
+        into. Off: admissions are decided before the kernels, and copied from RAM into their slot."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
@@ -128,6 +132,8 @@ class MoeStepper:
         self.recompute = recompute
         self.nvme = nvme
         self.overlap = overlap
+        self.admit_after_launch = admit_after_launch
+        self._deferred: tuple | None = None  # (layer, ids, uniq, pcie misses, staged) awaiting after_launch
         self.num_experts = tiers.num_experts
         # Prestaging: two regions above the decode step's own rows, one per layer parity, so the copies for layer
         # l+1 never land in rows layer l's kernels are about to read (layer l-1's, in the other region, finished
@@ -150,11 +156,35 @@ class MoeStepper:
         self.lane_idle = False
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
         self._predicted: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids predicted for its next step
-        self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0}
+        self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0}
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
 
         self._vram_code, self._ram_code, self._store_code = VRAM, RAM, STORE
+
+    def after_launch(self) -> None:
+        """The last decode step's bookkeeping the GPU need not wait for (admit_after_launch): the layer's policy
+        learns the step's picks and admits the streamed misses it wants, each copied on the device from its
+        staging row (no second PCIe crossing). exllamav3's combine calls this once the step's expert kernels
+        are queued; the copy stream orders each admission after them, and a fill into a victim's slot after the
+        victim's write-back. The next resolve() runs it first if nobody did."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return
+        t0 = time.perf_counter()
+        li, ids, uniq, pcie, staged = d
+        tiers = self.tiers
+        tiers.observe(li, ids)
+        if self.admit and staged:
+            row = {e: i for i, e in enumerate(staged)}
+            # Still in RAM: in the nvme modes the lookahead's store reads may have dropped one since (the tiers
+            # move an expert into VRAM only from RAM).
+            where, ram = tiers.where[li], self._ram_code
+            candidates = [e for e in pcie if e in row and where[e] == ram]
+            if candidates:
+                tiers.try_admit(li, np.array(candidates, np.int64), uniq,
+                                source=lambda e: tiers.staging_slot(row[e]))
+        self.host_seconds["after_launch"] += time.perf_counter() - t0
 
     def lane_in_use(self) -> bool:
         """Whether decode steps offer misses to the CPU lane (attached, alive, and not set aside as idle)."""
@@ -182,6 +212,8 @@ class MoeStepper:
         GPU waiting: a decode step has at most a few dozen picks, so it works on Python lists and sets of them
         (numpy's per-call overhead exceeds the work at that size) and leaves each tier path alone unless it has
         something to do (no moves in flight, no store, no lane)."""
+        if self._deferred is not None:  # the caller never ran it (no combine hook): now, before this step
+            self.after_launch()
         t_start = time.perf_counter()
         VRAM, STORE = self._vram_code, self._store_code
         tiers = self.tiers
@@ -219,15 +251,17 @@ class MoeStepper:
         hits = {e for e, c in zip(uniq_l, codes, strict=True) if c == VRAM}
         misses = [e for e, c in zip(uniq_l, codes, strict=True) if c != VRAM]
         step = Step(slots=_NO_SLOTS)
+        defer = decode and self.admit_after_launch
         if decode:
-            tiers.observe(li, ids)
+            if not defer:
+                tiers.observe(li, ids)
             pre_rows = pre[0] if pre is not None else {}
             # A prestaged miss is already crossing PCIe: it stays on that lane, at no further cost.
             step.cpu = self._plan_lane(li, ids, [e for e in misses if e not in pre_rows] if pre_rows else misses)
             on_cpu = set(step.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
             admitted_slots: dict[int, int] = {}
-            if self.admit and pcie:
+            if self.admit and pcie and not defer:
                 admitted_slots = tiers.try_admit(li, np.array(pcie, np.int64), uniq)
                 step.admitted = list(admitted_slots)
             admitted = set(step.admitted)
@@ -253,6 +287,8 @@ class MoeStepper:
                                            for i, e in enumerate(step.staged)])
             if crossed:
                 tiers.stats.add_bytes("ram_to_staging", crossed * tiers.layout.nbytes)
+        if defer:
+            self._deferred = (li, ids, uniq, pcie, step.staged)
         t0 = time.perf_counter()
         overlap = self.overlap and decode
         pre_ticket = pre[1] if step.prestaged else None

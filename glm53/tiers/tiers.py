@@ -20,7 +20,7 @@ thread that owns these tiers. Without one, `fetch` reads synchronously.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
@@ -380,18 +380,18 @@ class ExpertTiers:
         return None if mv is None else mv.ticket
 
     def try_admit(self, layer: int, misses: np.ndarray, protect: np.ndarray,
-                  sources: Mapping[int, Any] | None = None) -> dict[int, int]:
+                  source: Callable[[int], Any] | None = None) -> dict[int, int]:
         """Admit the misses the layer's policy wants (free slots first, then beating the weakest unprotected
         resident by its margin); returns {expert: slot} of the copies started. Call after observe(). Where RAM has
         no room for a victim's write-back the rest are not admitted (they stream instead): never an error.
-        sources: {expert: device buffer holding its image} to copy from instead of RAM (see admit)."""
+        source(expert): a device buffer holding its image to copy from instead of RAM, or None (see admit)."""
         vl = self.vram[layer]
         plan = choose_admissions(self.policies[layer], vl.resident(), vl.free_count(), misses, protect)
         started = {}
         for e, v in plan:
             if v is not None and not self._ram_room(layer, protect, also=e):
                 break
-            started[e] = self.admit(layer, e, v, protect, None if sources is None else sources.get(e))
+            started[e] = self.admit(layer, e, v, protect, None if source is None else source(e))
         return started
 
     def observe(self, layer: int, ids: np.ndarray, weight: float = 1.0) -> None:
