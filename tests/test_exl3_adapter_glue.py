@@ -187,10 +187,10 @@ def test_the_fake_satisfies_the_contract_and_computes_the_reference(ck):
 # ---- exact: bit-identical to all experts in "VRAM" ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_exact_mode_is_bit_identical_to_stock(ck, overlap):
+@pytest.mark.parametrize("overlap, after_launch", [(False, False), (True, False), (True, True)])
+def test_exact_mode_is_bit_identical_to_stock(ck, overlap, after_launch):
     stock = stock_model(ck)
-    model, tiered = tiered_model(ck, lookahead=False, overlap_copies=overlap)
+    model, tiered = tiered_model(ck, lookahead=False, overlap_copies=overlap, admit_after_launch=after_launch)
     try:
         assert not any(".experts." in k for k in model.config.stc.reads), "exllamav3 read an expert from disk"
         for li, m in enumerate(model.moe()):
@@ -203,6 +203,10 @@ def test_exact_mode_is_bit_identical_to_stock(ck, overlap):
         picks = snap["picks"]
         assert picks["vram_hit"] > 0 and picks["pcie"] > 0 and picks["cpu"] == 0
         assert snap["admissions"] > 0 and snap["evictions"] > 0
+        # After launch (exllamav3's combine ran it), admissions are device copies from the staging rows.
+        moved = snap["admissions"] * tiered.layout.nbytes
+        assert (snap["bytes"]["staging_to_vram"], snap["bytes"]["ram_to_vram"]) == ((moved, 0) if after_launch
+                                                                                   else (0, moved))
         assert masked_picks(model, tiered) == 0
         tiered.check_invariants()
     finally:
