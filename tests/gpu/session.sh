@@ -8,7 +8,8 @@
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
 #             tests/gpu/stage_extras.sh)
 #   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
-#   bench     glm53 bench decode: stock, exact, exact-serial, exact-prestage, fast (8 MoE layers)
+#   bench     glm53 bench decode: stock, exact, exact-eager, exact-serial, fast (4 MoE layers, 3 windows of 128
+#             tokens, a cProfile of one exact window; ~3 min on a warm machine)
 #   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~20 GB of disk)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             the machine's cores against 867 us on the 2-core dev machine; find where its scaling stops
@@ -51,12 +52,12 @@ if has width; then
   gpu_pytest exact-width 500 tests/test_gpu_engine.py -k glm53_width
 fi
 if has bench; then
-  timeout 560 python3 -m glm53 bench decode --moe-layers 8 --work /tmp --json "$OUT/bench-decode.json" \
-    > "$OUT/bench-decode.log" 2>&1
+  timeout 400 python3 -m glm53 bench decode --moe-layers 4 --tokens 128 --windows 3 --profile exact --work /tmp \
+    --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
 fi
 if has nvme; then
-  timeout 560 python3 -m glm53 bench decode --moe-layers 8 --work /tmp --modes exact,fast,nvme-exact,nvme \
+  timeout 400 python3 -m glm53 bench decode --moe-layers 4 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 fi
