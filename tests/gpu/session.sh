@@ -10,7 +10,7 @@
 #   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
 #   bench     glm53 bench decode: stock, exact, exact-eager, exact-serial, fast (4 MoE layers, 3 windows of 128
 #             tokens, a cProfile of one exact window; ~3 min on a warm machine)
-#   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~20 GB of disk)
+#   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~10 GB of disk)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             the machine's cores against 867 us on the 2-core dev machine; find where its scaling stops
 set -uo pipefail
