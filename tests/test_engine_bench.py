@@ -27,7 +27,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     text = B.report(res, 8)
     for mode in res["modes"]:
         assert f"  {mode} " in text, mode
-    for what in ("PCIe bound", "fast / exact: 1.600 (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
+    for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
         assert what in text, what
 
@@ -36,3 +36,17 @@ def test_nvme_opener_measures_the_disk(tmp_path):
     ck, store = make_store(tmp_path, layers=3, experts=16)
     opener, rate = B.nvme_opener(ck, store, 0.5, threads=2)
     assert callable(opener) and rate > 0
+
+
+def test_paired_ratio_cancels_drift_between_windows():
+    # The machine's speed moves 8x between windows; fast is 1.5x exact within each.
+    rows = [{"name": n, "window": w, "decode_tok_s": v} for w, (e, f) in enumerate([(100, 150), (50, 75), (400, 600)])
+            for n, v in (("exact", e), ("fast", f))]
+    assert B.paired_ratio(rows, "fast", "exact") == 1.5
+    rows.append({"name": "fast", "window": 3, "decode_tok_s": 10.0})  # no exact in window 3: not paired
+    assert B.paired_ratio(rows, "fast", "exact") == 1.5
+    assert B.paired_ratio(rows, "exact", "stock") != B.paired_ratio(rows, "exact", "stock")  # nan: nothing paired
+    rows += [{"name": "exact", "window": 3, "decode_tok_s": 20.0}]  # a 0.5 outlier window: the median holds
+    assert B.paired_ratio(rows, "fast", "exact") == 1.5
+    rows[0]["decode_tok_s"] = 300  # window 0 now 0.5 too: ratios 0.5, 0.5, 1.5, 1.5 -> the middle two's mean
+    assert B.paired_ratio(rows, "fast", "exact") == 1.0
