@@ -8,6 +8,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from glm53.cli import main
@@ -85,3 +86,77 @@ def test_baseline_from_a_worktree_prints_the_ratio(capsys):
     _, this, base, r, _ = ratios[0]
     assert float(r) == pytest.approx(float(this) / float(base), rel=0.05, abs=1e-3)
     assert _git("worktree", "list") == before  # the temporary worktree is gone
+
+
+# ---- --nvme: the nvme modes' path on a record store packed for the run --------------------------------------------
+
+NVME = ["--nvme", "--store-threads", "2"]
+NVME_LINE = re.compile(r"^  resolve \(plan\) median ([\d.]+) us, p90 ([\d.]+); ahead median ([\d.]+) us, p90 ([\d.]+); "
+                       r"blocked on reads \(not counted\) mean ([\d.]+) us, in (\d+) of (\d+) steps$")
+
+
+def test_nvme_report_and_json(capsys, tmp_path):
+    out = tmp_path / "nvme.json"
+    lines = _bench(capsys, *NVME, "--baseline", "none", "--top", "40", "--json", str(out))
+    assert any(line.startswith("nvme: RAM tier 0.47 of all experts") for line in lines)
+    runs = [m.groups() for m in map(RUN.match, lines) if m]
+    assert [(who, int(b)) for who, b, *_ in runs] == [("this", 1), ("this", 2)]
+    nvme_lines = [m.groups() for m in map(NVME_LINE.match, lines) if m]
+    assert len(nvme_lines) == 2 and all(int(steps) == 24 for *_, steps in nvme_lines)
+    doc = json.loads(out.read_text())
+    assert doc["nvme"] == {"ram_share": 0.47, "recall": 0.575, "store_threads": 2}
+    for r in doc["runs"]:
+        assert r["layer_steps"] == 24 and 0 < r["median_us"] <= r["p90_us"]
+        # Each layer step is resolve() then the lookahead, less the time blocked on reads: never less than
+        # resolve's own accounting of its host time plus the lookahead's.
+        assert r["mean_us"] >= r["resolve"]["mean_us"] + r["ahead"]["mean_us"] - 1e-6
+        assert r["ahead"]["median_us"] > 0 and r["store_wait"]["mean_us"] >= 0
+        store = r["store"]
+        assert store["demand_reads_per_step"] + store["prefetch_reads_per_step"] > 0  # RAM is a cache: reads happen
+        assert store["prefetch"]["issued"] > 0
+        assert 0.3 < r["lookahead_recall"] < 0.85
+        names = [row["name"] for row in r["breakdown"]["by_call"]]
+        assert "resolve (own time)" in names and any(n.startswith("ahead > ") for n in names)
+        # The rows add up to the whole, up to how the profiler's and the stepper's clocks differ on the blocked time.
+        assert 0.5 < sum(row["share"] for row in r["breakdown"]["by_call"]) < 1.05
+
+
+def test_guesses_keep_about_the_recall_and_name_distinct_experts():
+    from glm53.engine.host_bench_nvme import guesses
+    from glm53.tiers.policy import zipf_trace
+
+    trace = zipf_trace(2000, 64, 8, exponent=1.1, seed=5).reshape(-1, 2, 8)
+    g = guesses(trace, 64, 0.575, seed=1)
+    assert g.shape == trace.shape and np.array_equal(g, guesses(trace, 64, 0.575, seed=1))  # seeded
+    same = g == trace
+    assert abs(same.mean() - 0.575) < 0.03
+    assert same[..., 0].mean() > same[..., -1].mean() + 0.3  # surer of the best guesses
+    for real, guess in zip(trace.reshape(-1, 8)[:200], g.reshape(-1, 8)[:200], strict=True):
+        assert len(set(guess.tolist())) == 8
+        wrong = [e for e, r in zip(guess.tolist(), real.tolist(), strict=True) if e != r]
+        assert not set(wrong) & set(real.tolist())  # a wrong guess names an expert the row did not pick
+
+
+@needs_git
+def test_nvme_baseline_without_the_mode_is_said_and_skipped(capsys):
+    added = _git("log", "--diff-filter=A", "--format=%H", "--", "glm53/engine/host_bench.py").splitlines()
+    if not added:
+        pytest.skip("no commit added the host-step benchmark")
+    lines = _bench(capsys, *NVME, "--baseline", added[-1], "--bsz", "1")
+    assert any("lacks `bench host-step --nvme`" in line and "--baseline-driver this" in line for line in lines)
+    assert [m.group(1) for m in map(RUN.match, lines) if m] == ["this"]
+    assert not any(line.startswith("ratio") for line in lines)
+
+
+@needs_git
+def test_nvme_baseline_with_this_driver_prints_the_ratio(capsys):
+    if subprocess.run(["git", "cat-file", "-e", "HEAD:glm53/engine/host_bench.py"], cwd=REPO).returncode:
+        pytest.skip("HEAD has no host-step benchmark yet")
+    before = _git("worktree", "list")
+    lines = _bench(capsys, *NVME, "--baseline", "HEAD", "--baseline-driver", "this", "--bsz", "1")
+    assert any("measured by this version's benchmark" in line for line in lines)
+    assert [m.group(1) for m in map(RUN.match, lines) if m] == ["this", "baseline"]
+    assert len([m for m in map(NVME_LINE.match, lines) if m]) == 2
+    ratios = [m.groups() for m in map(RATIO.match, lines) if m]
+    assert len(ratios) == 1 and ratios[0][0] == "1"
+    assert _git("worktree", "list") == before

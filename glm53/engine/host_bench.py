@@ -9,7 +9,11 @@ Zipf-like with some token-to-token locality, so the VRAM hit rate (~70%) and the
 
 Reports the median and p90 per layer step, then where the time goes (a second, profiled replay of the same trace:
 the profiler inflates everything, so its shares matter, not its microseconds). `--baseline REV` runs the same
-benchmark from a git worktree of REV in the same run, so the ratio compares like with like on this machine.
+benchmark from a git worktree of REV in the same run, so the ratio compares like with like on this machine;
+`--baseline-driver this` runs this version's benchmark there instead of REV's own (REV's code, this driver).
+
+`--nvme` measures the nvme modes' path instead (glm53.engine.host_bench_nvme): a record store packed for the run,
+the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them.
 """
 
 from __future__ import annotations
@@ -99,14 +103,44 @@ def _breakdown(stepper: Any, traces: list[np.ndarray], steps: range, top: int) -
     prof.enable()
     _replay(stepper, traces, steps)
     prof.disable()
+    return profile_rows(prof, top)
+
+
+# What a profiled replay spends blocked on store reads is charged here (resolve's call that waits for the reads, and
+# the lock a Future.result() sleeps on): they lose it, so that the shares are of the host's own work.
+_BLOCKED_CALL = ("tiers.py", "fetch_to_ram")
+_BLOCKED_OWN = "<method 'acquire' of '_thread.lock' objects>"
+
+
+def profile_rows(prof: cProfile.Profile, top: int, roots: tuple[str, ...] = ("resolve",), blocked: float = 0.0) -> dict:
+    """The breakdown of a profiled replay: time inside the MoeStepper `roots` (resolve first; one row per layer step)
+    by what each called directly (cumulative; a later root's rows are prefixed with its name), and the top
+    functions by own time, each as a share of the roots' total less `blocked` (seconds blocked on store reads) and
+    as profiled microseconds per layer step."""
     st = pstats.Stats(prof).stats  # func -> (primitive calls, calls, own time, cumulative time, callers)
-    resolve = next(f for f in st if f[2] == "resolve" and f[0].endswith("moe_step.py"))
-    total = st[resolve][3]
-    n = st[resolve][1]
-    callees = [(ct, _label(f)) for f, (*_, callers) in st.items() if resolve in callers
-               for ct in [callers[resolve][3]]]
-    callees.append((st[resolve][2], "resolve (own time)"))
-    own = [(tt, _label(f)) for f, (_, _, tt, _, _) in st.items() if f != resolve]
+    found = {f[2]: f for f in st if f[2] in roots and f[0].endswith("moe_step.py")}
+    root_funcs = [found[name] for name in roots if name in found]
+    total = sum(st[f][3] for f in root_funcs) - blocked
+    n = st[root_funcs[0]][1]
+    callees: list[tuple[float, str]] = []
+    for i, root in enumerate(root_funcs):
+        prefix = "" if i == 0 else f"{root[2]} > "
+        for f, (*_, callers) in st.items():
+            if root in callers:
+                ct = callers[root][3]
+                label = _label(f)
+                if blocked and (Path(f[0]).name, f[2]) == _BLOCKED_CALL:
+                    ct, label = max(0.0, ct - blocked), f"{label} (less store_wait)"
+                callees.append((ct, prefix + label))
+        callees.append((st[root][2], f"{root[2]} (own time)"))
+    own = []
+    for f, (_, _, tt, _, _) in st.items():
+        if f in root_funcs:
+            continue
+        label = _label(f)
+        if blocked and f[2] == _BLOCKED_OWN:
+            tt, label = max(0.0, tt - blocked), f"{label} (less store_wait)"
+        own.append((tt, label))
 
     def rows(items: list[tuple[float, str]]) -> list[dict]:
         return [{"name": name, "share": sec / total, "us": sec / n * 1e6}
@@ -133,8 +167,19 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
             "hit_rate": hits / total if total else None, "breakdown": breakdown}
 
 
-def run_bench(opts: HostBenchOptions) -> dict:
-    return {"format": JSON_FORMAT, "options": asdict(opts), "runs": [measure(opts, b) for b in opts.bsz]}
+def run_bench(opts: HostBenchOptions, nvme: Any = None) -> dict:
+    """nvme: glm53.engine.host_bench_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
+    packed for the run); its options are then under "nvme" and each run carries the nvme figures."""
+    if nvme is None:
+        return {"format": JSON_FORMAT, "options": asdict(opts), "runs": [measure(opts, b) for b in opts.bsz]}
+    from glm53.engine import host_bench_nvme
+
+    def breakdown(prof: cProfile.Profile, blocked: float) -> dict:
+        return profile_rows(prof, opts.top, ("resolve", "ahead"), blocked)
+
+    with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
+        runs = [host_bench_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
+    return {"format": JSON_FORMAT, "options": asdict(opts), "nvme": asdict(nvme), "runs": runs}
 
 
 # ---- the baseline, from a worktree of another revision ---------------------------------------------------------------
@@ -148,35 +193,59 @@ def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
 
 
-def _cli_args(opts: HostBenchOptions) -> list[str]:
-    return ["--layers", str(opts.layers), "--experts", str(opts.experts), "--top-k", str(opts.top_k),
+def _cli_args(opts: HostBenchOptions, nvme: Any = None) -> list[str]:
+    args = ["--layers", str(opts.layers), "--experts", str(opts.experts), "--top-k", str(opts.top_k),
             "--slots", str(opts.slots), "--staging", str(opts.staging), "--bsz", ",".join(map(str, opts.bsz)),
             "--steps", str(opts.steps), "--warmup", str(opts.warmup), "--zipf", str(opts.zipf),
             "--locality", str(opts.locality), "--seed", str(opts.seed), "--top", str(opts.top)]
+    if nvme is not None:
+        args += ["--nvme", "--ram-share", str(nvme.ram_share), "--recall", str(nvme.recall), "--store-threads",
+                 str(nvme.store_threads)]
+    return args
 
 
-def run_baseline(rev: str, opts: HostBenchOptions) -> tuple[dict | None, str]:
-    """This benchmark as `rev` runs it, from a temporary git worktree; (its JSON or None, what happened)."""
+# The benchmark's own files: `--baseline-driver this` runs them on the baseline's code.
+DRIVER_FILES = ("glm53/engine/host_bench.py", "glm53/engine/host_bench_nvme.py")
+
+
+def _has_nvme_mode(commit: str, root: Path) -> bool:
+    shown = _git("show", f"{commit}:glm53/engine/host_bench.py", cwd=root)
+    return shown.returncode == 0 and '"--nvme"' in shown.stdout
+
+
+def run_baseline(rev: str, opts: HostBenchOptions, nvme: Any = None, driver: str = "own") -> tuple[dict | None, str]:
+    """This benchmark as `rev` runs it, from a temporary git worktree; (its JSON or None, what happened).
+    driver="this": this version's benchmark files replace rev's in the worktree, so the same driver measures rev's
+    code (for a rev from before a benchmark mode existed; what it calls must exist in rev)."""
     root = _repo_root()
     sha = _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=root)
     if sha.returncode:
         return None, f"baseline {rev}: not a commit of {root}"
     commit = sha.stdout.strip()
+    who = f"baseline {rev} ({commit[:10]})"
     if _git("cat-file", "-e", f"{commit}:glm53/engine/host_bench.py", cwd=root).returncode:
-        return None, f"baseline {rev} ({commit[:10]}) lacks `glm53 bench host-step`: only this version's numbers"
+        return None, f"{who} lacks `glm53 bench host-step`: only this version's numbers"
+    if driver == "this":
+        who += " measured by this version's benchmark"
+    elif nvme is not None and not _has_nvme_mode(commit, root):
+        return None, (f"{who} lacks `bench host-step --nvme`: only this version's numbers (`--baseline-driver this` "
+                      "runs this version's benchmark on its code)")
     tmp = Path(tempfile.mkdtemp(prefix="glm53-host-bench-"))
     tree = tmp / "tree"
     try:
         added = _git("worktree", "add", "--detach", str(tree), commit, cwd=root)
         if added.returncode:
             return None, f"baseline {rev}: git worktree add failed: {added.stderr.strip()}"
+        if driver == "this":
+            for rel in DRIVER_FILES:
+                shutil.copyfile(root / rel, tree / rel)
         # `-m` puts the worktree first on sys.path, ahead of the installed (editable) glm53.
         env = dict(os.environ, PYTHONPATH=str(tree))
         proc = subprocess.run([sys.executable, "-m", "glm53", "bench", "host-step", "--json", "--baseline", "none",
-                               *_cli_args(opts)], cwd=tree, env=env, capture_output=True, text=True)
+                               *_cli_args(opts, nvme)], cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode:
-            return None, f"baseline {rev} ({commit[:10]}) failed: {proc.stderr.strip()[-2000:]}"
-        return json.loads(proc.stdout), f"baseline {rev} ({commit[:10]})"
+            return None, f"{who} failed: {proc.stderr.strip()[-2000:]}"
+        return json.loads(proc.stdout), who
     finally:
         _git("worktree", "remove", "--force", str(tree), cwd=root)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -190,8 +259,11 @@ def _print_run(run: dict, who: str, log) -> None:
     hr = "n/a" if run["hit_rate"] is None else f"{run['hit_rate']:.3f}"
     log(f"{who} bsz {run['bsz']}: median {run['median_us']:.1f} us, p90 {run['p90_us']:.1f} us per layer step "
         f"({run['layer_steps']} layer steps, VRAM hit rate {hr})")
+    if "store_wait" in run:
+        _print_nvme(run, log)
     b = run["breakdown"]
-    log(f"  by call from resolve (profiled {b['profiled_us']:.1f} us per layer step):")
+    roots = "resolve and ahead" if "store_wait" in run else "resolve"
+    log(f"  by call from {roots} (profiled {b['profiled_us']:.1f} us per layer step):")
     for row in b["by_call"]:
         log(f"    {100 * row['share']:5.1f}%  {row['us']:8.1f} us  {row['name']}")
     log("  by own time:")
@@ -199,11 +271,27 @@ def _print_run(run: dict, who: str, log) -> None:
         log(f"    {100 * row['share']:5.1f}%  {row['us']:8.1f} us  {row['name']}")
 
 
+def _print_nvme(run: dict, log) -> None:
+    r, a, w, s = run["resolve"], run["ahead"], run["store_wait"], run["store"]
+    recall = "n/a" if run["lookahead_recall"] is None else f"{run['lookahead_recall']:.3f}"
+    log(f"  resolve (plan) median {r['median_us']:.1f} us, p90 {r['p90_us']:.1f}; ahead median {a['median_us']:.1f} "
+        f"us, p90 {a['p90_us']:.1f}; blocked on reads (not counted) mean {w['mean_us']:.1f} us, in "
+        f"{w['steps_waiting']} of {run['layer_steps']} steps")
+    log(f"  per layer step: {s['demand_reads_per_step']:.2f} demand and {s['prefetch_reads_per_step']:.2f} prefetch "
+        f"reads, {s['store_picks_per_step']:.2f} picks from the store; lookahead recall {recall}; "
+        f"{'O_DIRECT' if run['direct_io'] else 'buffered'} reads")
+
+
 def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
     o = doc["options"]
     log(f"glm53 bench host-step: {o['layers']} MoE layers x {o['experts']} experts, top-k {o['top_k']}, "
         f"{o['slots']} VRAM slots per layer, {o['staging']} staging; {o['steps']} decode steps after {o['warmup']} "
         f"warm-up; Zipf {o['zipf']}, locality {o['locality']}")
+    if "nvme" in doc:
+        n = doc["nvme"]
+        log(f"nvme: RAM tier {n['ram_share']} of all experts, record store of tiny experts, {n['store_threads']} "
+            f"reader threads, lookahead guesses at recall {n['recall']}; per layer step: resolve + ahead, less the "
+            "time blocked on store reads")
     for run in doc["runs"]:
         _print_run(run, "this", log)
     if base is not None:
@@ -230,7 +318,9 @@ def _ints(spec: str) -> tuple[int, ...]:
 
 
 def register_bench(bench_sub: Any) -> None:
-    d = HostBenchOptions()
+    from glm53.engine.host_bench_nvme import NvmeBenchOptions
+
+    d, dn = HostBenchOptions(), NvmeBenchOptions()
     p = bench_sub.add_parser("host-step", help="host microseconds per decoded MoE layer step (MoeStepper.resolve on "
                                                "CPU tiers) vs a baseline revision")
     p.add_argument("--layers", type=int, default=d.layers, help=f"MoE layers replayed (default {d.layers})")
@@ -249,9 +339,30 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--baseline", default=BASELINE_REV, metavar="REV",
                    help=f"git revision to compare with, from a temporary worktree; 'none' skips (default "
                         f"{BASELINE_REV})")
+    p.add_argument("--baseline-driver", choices=("own", "this"), default="own",
+                   help="run the baseline's own benchmark (default), or this version's on the baseline's code (for a "
+                        "baseline from before --nvme)")
+    p.add_argument("--nvme", action="store_true",
+                   help="the nvme modes' path: a record store packed for the run (tiny experts), the RAM tier as its "
+                        "cache, the next layer's lookahead after each step; time blocked on reads is not counted")
+    p.add_argument("--ram-share", type=float, default=dn.ram_share,
+                   help=f"--nvme: RAM tier records as a share of all experts (default {dn.ram_share})")
+    p.add_argument("--recall", type=float, default=dn.recall,
+                   help=f"--nvme: share of the next layer's picks the lookahead guesses (default {dn.recall})")
+    p.add_argument("--store-threads", type=int, default=dn.store_threads,
+                   help=f"--nvme: store reader threads (default {dn.store_threads})")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the results as JSON to FILE (bare --json: to stdout, instead of the report)")
     p.set_defaults(func=cmd_bench_host_step)
+
+
+def _nvme_options(args: argparse.Namespace) -> Any:
+    """The --nvme options, or None (not asked for, or out of range)."""
+    from glm53.engine.host_bench_nvme import NvmeBenchOptions
+
+    if not args.nvme or not (0 < args.ram_share <= 1 and 0 <= args.recall <= 1 and args.store_threads >= 1):
+        return None
+    return NvmeBenchOptions(args.ram_share, args.recall, args.store_threads)
 
 
 def cmd_bench_host_step(args: argparse.Namespace) -> int:
@@ -260,8 +371,14 @@ def cmd_bench_host_step(args: argparse.Namespace) -> int:
     if opts.slots > opts.experts or opts.top_k > opts.experts or opts.steps < 1:
         print("glm53 bench host-step: need slots <= experts, top-k <= experts and steps >= 1", file=sys.stderr)
         return 2
-    doc = run_bench(opts)
-    base, note = (None, None) if args.baseline.lower() == "none" else run_baseline(args.baseline, opts)
+    nvme = _nvme_options(args)
+    if args.nvme and nvme is None:
+        print("glm53 bench host-step --nvme: need 0 < --ram-share <= 1, 0 <= --recall <= 1 and --store-threads >= 1",
+              file=sys.stderr)
+        return 2
+    doc = run_bench(opts, nvme)
+    base, note = ((None, None) if args.baseline.lower() == "none"
+                  else run_baseline(args.baseline, opts, nvme, args.baseline_driver))
     if base is not None:
         doc["baseline"] = {"rev": args.baseline, "runs": base["runs"]}
     if args.json == "-":

@@ -1,0 +1,263 @@
+"""`glm53 bench host-step --nvme`: the host's share of a decoded MoE layer step in the nvme modes.
+
+On the H200 (docs/results.md, third session) the host side of a decode layer step cost ~340 us all-RAM but
+~900-990 us in the nvme modes, not counting the time blocked on disk reads: the nvme path's own bookkeeping (store
+reads in flight, prefetch guards, held RAM experts) is what this measures. It packs a record store from a synthetic
+expert checkpoint with the real model's counts where the bookkeeping scales with them (288 experts per layer,
+top-k 8, 32 VRAM slots per layer, a RAM tier of ~0.47 of all experts as a 55 GiB cap gives the real model) but tiny
+experts, opens an NvmeTier on it and replays decode steps through `MoeStepper.resolve()` followed by the next
+layer's `ahead()` (the router lookahead the GPU engine runs in the nvme modes), guessing with a noisy copy of the
+next layer's real picks at the recall measured on the GPU.
+
+Copies are CPU copies whose tickets stay in flight until the next layer step begins, as the GPU's do (the engine
+synchronises its stream before each step): with the plain CPU copier every ticket is done at issue, and the paths
+that only run while copies are in flight (held RAM experts, moves landing in poll) would never run.
+
+The time per layer step is resolve() plus ahead() minus the time resolve() spent blocked on store reads
+(`MoeStepper.host_seconds["store_wait"]`), reported separately, as is resolve() alone (what the GPU bench's "host us /
+layer step" measures).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+EXPERT_HIDDEN = 16  # tiny experts: the bookkeeping does not depend on their size, the store's size and pack time do
+EXPERT_INTER = 16
+RANK_SPREAD = 0.45  # how much surer of its best guesses the lookahead is than of its last (0.80 .. 0.35 around 0.575)
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NvmeBenchOptions:
+    ram_share: float = 0.47  # RAM tier records as a share of all experts (55 GiB of the real model's 117 GiB)
+    recall: float = 0.575  # mean share of a row's real picks the lookahead guessed (H200: 0.55-0.6)
+    store_threads: int = 4  # the store reader's threads (the plan's default)
+
+
+class StoreFixture:
+    """A synthetic expert checkpoint and its packed store in a temporary directory, removed on close."""
+
+    def __init__(self, layers: int, experts: int, seed: int):
+        from store.pack import PackOptions, pack_store
+        from store.synth import write_expert_checkpoint
+
+        self.root = Path(tempfile.mkdtemp(prefix="glm53-host-bench-nvme-"))
+        try:
+            # One dense layer first, as the real model: the store numbers its MoE layers 1..layers.
+            self.checkpoint = write_expert_checkpoint(self.root / "ck", hidden=EXPERT_HIDDEN,
+                                                      moe_intermediate=EXPERT_INTER, layers=layers + 1,
+                                                      experts=experts, mtp_layers=0, seed=seed)
+            self.store = self.root / "experts.glm53"
+            pack_store(PackOptions(self.checkpoint, self.store, threads=2, progress=False, verify=False),
+                       log=lambda m: None)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> StoreFixture:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _gpu_like_copier() -> Any:
+    """A Copier whose copies run at once on the CPU but whose tickets land only when the next layer step begins
+    (`step_begins`) or someone waits on them; the compute side's waits on them are stream-side (no host wait)."""
+    from glm53.tiers.copier import Copier
+
+    class StepTicket:
+        __slots__ = ("copier", "issued", "landed")
+
+        def __init__(self, copier: Any, issued: int):
+            self.copier, self.issued, self.landed = copier, issued, False
+
+        def done(self) -> bool:
+            return self.landed or self.copier.steps > self.issued
+
+        def wait(self) -> None:
+            self.landed = True
+
+    class StepCopier(Copier):
+        def __init__(self) -> None:
+            super().__init__("cpu")
+            self.steps = 0
+
+        def copy(self, dst: Any, src: Any, after: Any = None) -> Any:
+            dst.copy_(src)
+            return StepTicket(self, self.steps)
+
+        def order_compute_after(self, tickets: list) -> None:
+            pass  # the GPU waits for them, the host goes on
+
+        def step_begins(self) -> None:
+            self.steps += 1
+
+    return StepCopier()
+
+
+def guesses(trace: np.ndarray, num_experts: int, recall: float, seed: int) -> np.ndarray:
+    """A lookahead's guesses of a layer's picks, (steps, rows, k) like `trace`: rank r keeps the real pick with a
+    probability falling with r around `recall` (a router run one layer early is surest of its best picks), else
+    names an expert the row did not pick, drawn by how often the layer picks it (a near miss is a popular expert)."""
+    rng = np.random.default_rng(seed)
+    k = trace.shape[-1]
+    keep_p = np.clip(recall + RANK_SPREAD * (0.5 - np.arange(k) / max(1, k - 1)), 0.0, 1.0)
+    popularity = np.bincount(trace.ravel(), minlength=num_experts) + 1.0
+    popularity /= popularity.sum()
+    out = trace.copy()
+    for t, row, r in zip(*np.nonzero(rng.random(trace.shape) >= keep_p), strict=True):
+        taken = set(trace[t, row].tolist()) | set(out[t, row].tolist())
+        e = int(rng.choice(num_experts, p=popularity))
+        while e in taken:
+            e = int(rng.choice(num_experts, p=popularity))
+        out[t, row, r] = e
+    return out
+
+
+@dataclass
+class NvmeRig:
+    tier: Any
+    stepper: Any
+    copier: Any
+    traces: list[np.ndarray]  # per layer: (steps, rows, k) picks
+    guesses: list[np.ndarray]  # per layer: the lookahead's (steps, rows, k) guesses of those picks
+
+    def close(self) -> None:
+        self.tier.close()
+
+
+def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
+    """The nvme tier on `store` warmed from the routing of a first stretch of the trace (as saved statistics warm a
+    real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay."""
+    from glm53.engine.moe_step import MoeStepper
+    from glm53.tiers.nvme import NvmeTier
+    from glm53.tiers.policy import zipf_trace
+    from store.reader import StoreReader
+
+    total = opts.layers * opts.experts
+    vram = [opts.slots] * opts.layers
+    ram = max(opts.experts + 1, min(total - sum(vram), round(nopts.ram_share * total)))
+    n = (opts.warmup + opts.steps) * bsz
+    traces = [zipf_trace(n, opts.experts, opts.top_k, exponent=opts.zipf, locality=opts.locality,
+                         seed=opts.seed * 1000 + li).reshape(-1, bsz, opts.top_k) for li in range(opts.layers)]
+    guessed = [guesses(t, opts.experts, nopts.recall, opts.seed * 1000 + 500 + li) for li, t in enumerate(traces)]
+    counts = np.stack([np.bincount(t[: max(1, opts.warmup)].ravel(), minlength=opts.experts) for t in traces])
+    copier = _gpu_like_copier()
+    # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
+    reader = StoreReader(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug)
+    tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
+    try:
+        tier.warm(counts)
+        stepper = MoeStepper(tier.tiers, vram, opts.staging, nvme=tier)
+    except BaseException:
+        tier.close()
+        raise
+    return NvmeRig(tier, stepper, copier, traces, guessed)
+
+
+def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = None) -> None:
+    """Decode steps in model order, each layer's resolve() then the next layer's lookahead, as the engine's seam
+    runs them. times: per layer step, appended to "host" (resolve + ahead - store_wait), "resolve" (its plan
+    seconds), "ahead" and "store_wait"."""
+    clock = time.perf_counter
+    stepper, copier = rig.stepper, rig.copier
+    spent = stepper.host_seconds
+    last = len(rig.traces) - 1
+    for t in steps:
+        for li, trace in enumerate(rig.traces):
+            copier.step_begins()  # the engine synchronised its stream: the copies of the steps before have landed
+            plan0, wait0 = spent["plan"], spent["store_wait"]
+            t0 = clock()
+            step = stepper.resolve(li, trace[t], decode=True)
+            t1 = clock()
+            if li < last:
+                stepper.ahead(li + 1, rig.guesses[li + 1][t], busy=step.cpu)
+            t2 = clock()
+            if times is not None:
+                waited = spent["store_wait"] - wait0
+                times["host"].append(t2 - t0 - waited)
+                times["resolve"].append(spent["plan"] - plan0)
+                times["ahead"].append(t2 - t1)
+                times["store_wait"].append(waited)
+
+
+def profile(rig: NvmeRig, steps: range) -> tuple[cProfile.Profile, float]:
+    """A profiled replay; returns the profile and the seconds resolve() was blocked on store reads in it."""
+    wait0 = rig.stepper.host_seconds["store_wait"]
+    prof = cProfile.Profile()
+    prof.enable()
+    replay(rig, steps)
+    prof.disable()
+    return prof, rig.stepper.host_seconds["store_wait"] - wait0
+
+
+def _us(xs: list[float]) -> dict:
+    us = np.asarray(xs) * 1e6
+    return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean())}
+
+
+def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
+            breakdown: Any) -> dict:
+    """One batch size: the timed replay's figures, and `breakdown(profile, blocked, rows)` of a profiled replay of
+    the same steps on a fresh rig (the profiler's overhead never touches the timings)."""
+    rig = build(opts, nopts, store, bsz)
+    try:
+        replay(rig, range(opts.warmup))
+        snap0, la0 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
+        times: dict[str, list[float]] = {"host": [], "resolve": [], "ahead": [], "store_wait": []}
+        replay(rig, range(opts.warmup, opts.warmup + opts.steps), times)
+        snap1, la1 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
+        direct = bool(rig.tier.reader.direct)
+    finally:
+        rig.close()
+    rig = build(opts, nopts, store, bsz)
+    try:
+        replay(rig, range(opts.warmup))
+        prof, blocked = profile(rig, range(opts.warmup, opts.warmup + opts.steps))
+    finally:
+        rig.close()
+    n = len(times["host"])
+    host = _us(times["host"])
+    return {"bsz": bsz, "layer_steps": n, **host,
+            "hit_rate": _delta_rate(snap0, snap1),
+            "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]),
+            "store_wait": {**_us(times["store_wait"]), "steps_waiting": sum(1 for w in times["store_wait"] if w > 0)},
+            "store": _store_figures(snap0, snap1, n),
+            "lookahead_recall": _recall(la0, la1), "direct_io": direct,
+            "breakdown": breakdown(prof, blocked)}
+
+
+def _delta_rate(snap0: dict, snap1: dict) -> float | None:
+    hits = snap1["picks"]["vram_hit"] - snap0["picks"]["vram_hit"]
+    total = snap1["picks"]["total"] - snap0["picks"]["total"]
+    return hits / total if total else None
+
+
+def _store_figures(snap0: dict, snap1: dict, layer_steps: int) -> dict:
+    """Per layer step: store reads (demand, prefetch), picks read from the store, and the prefetch's counters."""
+    nv0, nv1 = snap0["nvme"], snap1["nvme"]
+    pf0, pf1 = snap0["prefetch"], snap1["prefetch"]
+    per = max(1, layer_steps)
+    return {"demand_reads_per_step": (nv1["reads"] - nv0["reads"]) / per,
+            "prefetch_reads_per_step": (nv1["prefetch_reads"] - nv0["prefetch_reads"]) / per,
+            "store_picks_per_step": (snap1["picks"]["nvme"] - snap0["picks"]["nvme"]) / per,
+            "prefetch": {k: pf1[k] - pf0[k] for k in ("issued", "hits", "late", "wasted", "demand_misses")}}
+
+
+def _recall(la0: dict, la1: dict) -> float | None:
+    picks = la1["picks"] - la0["picks"]
+    return (la1["hits"] - la0["hits"]) / picks if picks else None
