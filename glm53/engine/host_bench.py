@@ -175,7 +175,7 @@ def run_bench(opts: HostBenchOptions, nvme: Any = None) -> dict:
     from glm53.engine import host_bench_nvme
 
     def breakdown(prof: cProfile.Profile, blocked: float) -> dict:
-        return profile_rows(prof, opts.top, ("resolve", "ahead"), blocked)
+        return profile_rows(prof, opts.top, ("resolve", "ahead", "after_launch"), blocked)
 
     with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
         runs = [host_bench_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
@@ -262,7 +262,7 @@ def _print_run(run: dict, who: str, log) -> None:
     if "store_wait" in run:
         _print_nvme(run, log)
     b = run["breakdown"]
-    roots = "resolve and ahead" if "store_wait" in run else "resolve"
+    roots = "resolve, ahead and after_launch" if "store_wait" in run else "resolve"
     log(f"  by call from {roots} (profiled {b['profiled_us']:.1f} us per layer step):")
     for row in b["by_call"]:
         log(f"    {100 * row['share']:5.1f}%  {row['us']:8.1f} us  {row['name']}")
@@ -277,6 +277,9 @@ def _print_nvme(run: dict, log) -> None:
     log(f"  resolve (plan) median {r['median_us']:.1f} us, p90 {r['p90_us']:.1f}; ahead median {a['median_us']:.1f} "
         f"us, p90 {a['p90_us']:.1f}; blocked on reads (not counted) mean {w['mean_us']:.1f} us, in "
         f"{w['steps_waiting']} of {run['layer_steps']} steps")
+    if "after_launch" in run:
+        al = run["after_launch"]
+        log(f"  after launch (deferred admissions) median {al['median_us']:.1f} us, p90 {al['p90_us']:.1f}")
     log(f"  per layer step: {s['demand_reads_per_step']:.2f} demand and {s['prefetch_reads_per_step']:.2f} prefetch "
         f"reads, {s['store_picks_per_step']:.2f} picks from the store; lookahead recall {recall}; "
         f"{'O_DIRECT' if run['direct_io'] else 'buffered'} reads")
@@ -290,8 +293,8 @@ def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
     if "nvme" in doc:
         n = doc["nvme"]
         log(f"nvme: RAM tier {n['ram_share']} of all experts, record store of tiny experts, {n['store_threads']} "
-            f"reader threads, lookahead guesses at recall {n['recall']}; per layer step: resolve + ahead, less the "
-            "time blocked on store reads")
+            f"reader threads, lookahead guesses at recall {n['recall']}; per layer step: resolve + ahead + after "
+            "launch, less the time blocked on store reads")
     for run in doc["runs"]:
         _print_run(run, "this", log)
     if base is not None:

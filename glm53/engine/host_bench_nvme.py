@@ -13,9 +13,9 @@ Copies are CPU copies whose tickets stay in flight until the next layer step beg
 synchronises its stream before each step): with the plain CPU copier every ticket is done at issue, and the paths
 that only run while copies are in flight (held RAM experts, moves landing in poll) would never run.
 
-The time per layer step is resolve() plus ahead() minus the time resolve() spent blocked on store reads
-(`MoeStepper.host_seconds["store_wait"]`), reported separately, as is resolve() alone (what the GPU bench's "host us /
-layer step" measures).
+The time per layer step is resolve() plus ahead() plus the deferred admissions (`after_launch`, where the stepper has
+it) minus the time resolve() spent blocked on store reads (`MoeStepper.host_seconds["store_wait"]`), reported
+separately, as is resolve()'s own accounting (what the GPU bench's "host us / layer step" measures).
 """
 
 from __future__ import annotations
@@ -170,11 +170,13 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
 
 
 def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = None) -> None:
-    """Decode steps in model order, each layer's resolve() then the next layer's lookahead, as the engine's seam
-    runs them. times: per layer step, appended to "host" (resolve + ahead - store_wait), "resolve" (its plan
-    seconds), "ahead" and "store_wait"."""
+    """Decode steps in model order as the engine runs each: resolve() and the next layer's lookahead at the seam,
+    then, once the expert kernels are queued, the stepper's `after_launch` where it has one (the deferred
+    admissions). times: per layer step, appended to "host" (all three, less store_wait), "resolve" (its plan
+    seconds), "ahead", "after_launch" and "store_wait"."""
     clock = time.perf_counter
     stepper, copier = rig.stepper, rig.copier
+    after_launch = getattr(stepper, "after_launch", None)  # a stepper from before deferred admissions has none
     spent = stepper.host_seconds
     last = len(rig.traces) - 1
     for t in steps:
@@ -187,11 +189,15 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
             if li < last:
                 stepper.ahead(li + 1, rig.guesses[li + 1][t], busy=step.cpu)
             t2 = clock()
+            if after_launch is not None:
+                after_launch()
+            t3 = clock()
             if times is not None:
                 waited = spent["store_wait"] - wait0
-                times["host"].append(t2 - t0 - waited)
+                times["host"].append(t3 - t0 - waited)
                 times["resolve"].append(spent["plan"] - plan0)
                 times["ahead"].append(t2 - t1)
+                times["after_launch"].append(t3 - t2)
                 times["store_wait"].append(waited)
 
 
@@ -218,7 +224,7 @@ def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     try:
         replay(rig, range(opts.warmup))
         snap0, la0 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
-        times: dict[str, list[float]] = {"host": [], "resolve": [], "ahead": [], "store_wait": []}
+        times: dict[str, list[float]] = {"host": [], "resolve": [], "ahead": [], "after_launch": [], "store_wait": []}
         replay(rig, range(opts.warmup, opts.warmup + opts.steps), times)
         snap1, la1 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
         direct = bool(rig.tier.reader.direct)
@@ -234,7 +240,7 @@ def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     host = _us(times["host"])
     return {"bsz": bsz, "layer_steps": n, **host,
             "hit_rate": _delta_rate(snap0, snap1),
-            "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]),
+            "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]), "after_launch": _us(times["after_launch"]),
             "store_wait": {**_us(times["store_wait"]), "steps_waiting": sum(1 for w in times["store_wait"] if w > 0)},
             "store": _store_figures(snap0, snap1, n),
             "lookahead_recall": _recall(la0, la1), "direct_io": direct,
