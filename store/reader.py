@@ -133,14 +133,13 @@ class StoreReader:
         prepared = []
         for layer, expert, out in requests:
             entry = self.header.entry(layer, expert)
-            self._check_buffer(out, entry)
-            prepared.append((entry, out))
+            prepared.append((entry, out, self._check_buffer(out, entry)))
         futures = []
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"store reader for {self.path} is closed")
-            for entry, out in prepared:
-                key = (entry.layer, entry.expert, out.ctypes.data)
+            for entry, out, address in prepared:
+                key = (entry.layer, entry.expert, address)
                 task = self._queued.get(key)
                 if task is not None and not task.taken:
                     if int(priority) < task.priority:      # promote a queued prefetch to demand
@@ -155,15 +154,19 @@ class StoreReader:
             self._cv.notify(len(prepared))
         return futures
 
-    def _check_buffer(self, out: np.ndarray, entry: RecordEntry) -> None:
+    def _check_buffer(self, out: np.ndarray, entry: RecordEntry) -> int:
+        """Refuse a buffer the read cannot land in; returns its address (looking it up costs about a microsecond,
+        and a decode step queues its reads one by one)."""
         if not isinstance(out, np.ndarray) or out.dtype != np.uint8 or out.ndim != 1 \
                 or not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("store reads need a writable, contiguous 1-D uint8 numpy buffer "
                              "(store.directio.alloc_aligned / alloc_slots make them)")
         if out.nbytes < entry.extent:
             raise ValueError(f"buffer of {out.nbytes} bytes is too small for {entry.where()}")
-        if self.direct and out.ctypes.data % ALIGN:
+        address = out.ctypes.data
+        if self.direct and address % ALIGN:
             raise ValueError(f"O_DIRECT reads need a {ALIGN}-byte aligned buffer (use store.directio.alloc_aligned)")
+        return address
 
     # -- workers --------------------------------------------------------------------------------------------
     def _worker(self) -> None:
