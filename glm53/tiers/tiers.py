@@ -49,7 +49,8 @@ class Where(IntEnum):
 
 
 # The states as plain ints for the per-step paths: an IntEnum member lookup goes through the enum machinery
-# (about a microsecond each in Python 3.11), and these run several times per expert of every layer step.
+# (about a microsecond each in Python 3.11), and these run several times per expert of every layer step. Worse, a
+# numpy value compared with a member (`where[l, e] != Where.STORE`) costs ~3 us, against ~0.05 us with an int.
 VRAM, RAM, TO_VRAM, TO_RAM, STORE, FROM_STORE = (int(w) for w in Where)
 
 
@@ -273,31 +274,31 @@ class ExpertTiers:
     def begin_read(self, layer: int, expert: int, protect: np.ndarray | None = None) -> int | None:
         """Claim a RAM slot for reading a STORE expert from the store (dropping the weakest unprotected RAM expert
         if full): the expert becomes FROM_STORE, readable nowhere until `land_read`. None when RAM has no room."""
-        if self.where[layer, expert] != Where.STORE:
+        if self.where[layer, expert] != STORE:
             raise TierError(f"read {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not STORE")
         if not self._ram_room(layer, protect):
             return None
         r = self.ram.alloc(layer, expert, pending=True)
-        self.where[layer, expert] = Where.FROM_STORE
+        self.where[layer, expert] = FROM_STORE
         self.stats.set_ram_in_use(self.ram.in_use())
         return r
 
     def land_read(self, layer: int, expert: int) -> None:
         """The read's bytes are in the RAM slot (and checked): only now is the expert resident."""
-        if self.where[layer, expert] != Where.FROM_STORE:
+        if self.where[layer, expert] != FROM_STORE:
             raise TierError(f"land {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not FROM_STORE")
         self.ram.land(int(self.ram.slot_of[layer, expert]))
-        self.where[layer, expert] = Where.RAM
+        self.where[layer, expert] = RAM
         self.stats.add_bytes("store_to_ram", self.layout.nbytes)
         self.stats.set_ram_in_use(self.ram.in_use())
 
     def abort_read(self, layer: int, expert: int, retire: bool = False) -> int:
         """A read failed or was given up: the expert is STORE again; returns the RAM slot it had. retire=True when
         the read may still be writing into the slot (a timeout): the slot stays out of use until `reclaim`."""
-        if self.where[layer, expert] != Where.FROM_STORE:
+        if self.where[layer, expert] != FROM_STORE:
             raise TierError(f"abort {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not FROM_STORE")
         r = self.ram.retire(layer, expert) if retire else self.ram.free(layer, expert)
-        self.where[layer, expert] = Where.STORE
+        self.where[layer, expert] = STORE
         self.ram_guard[layer, expert] = False
         self.stats.set_ram_in_use(self.ram.in_use())
         return r
@@ -314,7 +315,7 @@ class ExpertTiers:
 
     def droppable(self) -> np.ndarray:
         """(num_layers, num_experts): RAM experts no copy in flight reads (the candidates for dropping)."""
-        ok = self.where == Where.RAM
+        ok = self.where == RAM
         for key, ticket in list(self._held.items()):
             if ticket.done():
                 del self._held[key]
@@ -324,14 +325,14 @@ class ExpertTiers:
 
     def drop_ram(self, layer: int, expert: int) -> None:
         """Drop a RAM expert (nvme modes: the store still has it)."""
-        if self.keep_all or self.where[layer, expert] != Where.RAM:
+        if self.keep_all or self.where[layer, expert] != RAM:
             raise TierError(f"drop {layer}/{expert}: it is {Where(self.where[layer, expert]).name}"
                             + (" (all-RAM mode)" if self.keep_all else ", not RAM"))
         held = self._held.get((layer, expert))
         if held is not None and not held.done():
             raise TierError(f"drop {layer}/{expert}: a copy in flight still reads it")
         self.ram.free(layer, expert)
-        self.where[layer, expert] = Where.STORE
+        self.where[layer, expert] = STORE
         self.ram_guard[layer, expert] = False
         self.stats.add_ram_drop()
         self.stats.set_ram_in_use(self.ram.in_use())
