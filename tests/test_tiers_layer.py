@@ -173,6 +173,60 @@ def test_nvme_mode_ram_full_of_write_backs() -> None:
     check_contents(tiers, experts)
 
 
+def test_scores_follow_the_policies_and_are_the_callers_to_keep() -> None:
+    """The stacked scores the victim searches use are kept current through observe(), and what scores() hands out
+    is a copy: a caller writing into it changes no decision."""
+    experts = make_experts(3, 6, 6)
+    tiers = build(experts, [1, 1, 1], keep_all=False, ram_slots=7)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), np.arange(18.0).reshape(3, 6) % 5)
+
+    def stacked() -> np.ndarray:
+        return np.stack([p.scores() for p in tiers.policies])
+
+    s0 = tiers.scores()
+    assert np.array_equal(s0, stacked())
+    s0[:] = -1.0
+    assert np.array_equal(tiers.scores(), stacked())
+    rng = np.random.default_rng(0)
+    for step in range(30):
+        tiers.observe(step % 3, rng.choice(6, (2, 2)))
+        assert np.array_equal(tiers.scores(), stacked())
+        ok = rng.random((3, 6)) < 0.4
+        if ok.any():
+            want = np.unravel_index(np.argmin(np.where(ok, stacked(), np.inf)), ok.shape)
+            assert tiers.weakest(ok) == tuple(int(i) for i in want)
+
+
+def test_ties_between_victims_go_to_the_lowest_layer_then_id() -> None:
+    experts = make_experts(2, 6, 8)
+    tiers = build(experts, [0, 0], keep_all=False, ram_slots=7)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))  # no statistics: every score is 0
+    ok = np.zeros((2, 6), bool)
+    ok[1, 2] = ok[0, 5] = ok[1, 0] = True
+    assert tiers.weakest(ok) == (0, 5)
+    ok[0, 5] = False
+    assert tiers.weakest(ok) == (1, 0)
+
+
+def test_a_store_read_drops_unguarded_experts_first_and_never_a_protected_one() -> None:
+    experts = make_experts(2, 6, 9)
+    tiers = build(experts, [0, 0], keep_all=False, ram_slots=7)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), np.arange(12.0).reshape(2, 6))
+    in_ram = {(int(a), int(b)) for a, b in zip(*np.nonzero(tiers.where == Where.RAM), strict=True)}
+    assert tiers.ram.free_count() == 0 and in_ram == {(0, 5)} | {(1, e) for e in range(6)}
+    tiers.ram_guard[1, 0] = True  # read ahead for a step to come: dropped last
+    assert tiers.begin_read(0, 0, protect=np.array([5])) is not None  # protect names layer 0's experts
+    assert tiers.where[1, 1] == Where.STORE and tiers.where[1, 0] == Where.RAM and tiers.where[0, 5] == Where.RAM
+    tiers.ram_guard[1, 2:] = True  # now every unguarded one is protected: the weakest guarded one goes
+    tiers.land_read(0, 0)
+    assert tiers.begin_read(0, 1, protect=np.array([0, 5])) is not None
+    assert tiers.where[1, 0] == Where.STORE and not tiers.ram_guard[1, 0]
+    tiers.land_read(0, 1)
+    assert tiers.begin_read(0, 2, protect=np.arange(6)) is not None  # layer 1's guarded experts are fair game
+    assert tiers.where[1, 2] == Where.STORE
+    tiers.check_invariants()
+
+
 def test_rejects_plans_that_break_the_rules() -> None:
     with pytest.raises(ValueError, match="spare"):
         ExpertTiers(LAYOUT, 8, [2], 6, keep_all=True)  # 8 - 2 = 6 leaves no slot for a write-back

@@ -448,11 +448,10 @@ class NvmeTier:
         t = self.tiers
         if t.ram.free_count():
             return True
-        ok = t.droppable() & ~t.ram_guard & ~keep
+        ok = t.droppable() > (t.ram_guard | keep)  # droppable, neither guarded nor kept
         if not ok.any():
             return False
-        layer, e = np.unravel_index(np.argmin(np.where(ok, t.scores(), np.inf)), ok.shape)
-        t.drop_ram(int(layer), int(e))
+        t.drop_ram(*t.weakest(ok))
         return True
 
     def _account_prefetch(self, layer: int, experts: list[int], codes: list[int]) -> None:
