@@ -181,6 +181,26 @@ def test_prefetch_respects_window_guards_and_protection(packed):
         tier.check_invariants()
 
 
+def test_a_prefetch_drops_the_weakest_expert_that_is_neither_its_own_pick_nor_protected(packed):
+    """RAM full of unguarded experts, the weakest of them this prefetch's own picks and one a lane is reading: each
+    read drops the weakest of the others (ties: the lowest layer, then the lowest id)."""
+    ck, store = packed
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
+        t = tier.tiers
+        t.demand_reads(0, np.arange(EXPERTS))
+        t.demand_reads(1, np.array([0]))
+        settle_reads(tier)
+        assert t.ram.free_count() == 0 and not t.ram_guard.any()
+        t.observe(0, np.arange(4, EXPERTS)[None, :])  # experts 0-3 of layer 0 stay the weakest
+        t.observe(1, np.array([[0]]))  # as strong as layer 0's 4-15
+        assert tier.prefetch([(1, 9), (0, 0), (1, 10), (0, 2)], protect={0: [1]}) == 2
+        dropped = {(int(a), int(b)) for a, b in zip(*np.nonzero(t.where == Where.STORE), strict=True)}
+        assert dropped >= {(0, 3), (0, 4)} and not dropped & {(0, 0), (0, 1), (0, 2), (1, 0)}
+        assert len([k for k in dropped if k[0] == 0]) == 2
+        assert t.where[1, 9] != Where.STORE and t.where[1, 10] != Where.STORE
+        tier.check_invariants()
+
+
 def test_prefill_prefetch_reads_upcoming_layers_without_touching_the_hot_set(packed):
     ck, store = packed
     stats = ck.parent / "routing-prefill.json"

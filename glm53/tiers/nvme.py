@@ -235,24 +235,35 @@ class NvmeTier:
         self.poll()
         window = self.window if window is None else window
         picks = [(int(layer), int(e)) for layer, e in picks]
-        keep = np.zeros_like(self.tiers.ram_guard)
-        for layer, e in picks:
-            keep[layer, e] = True
-        for layer, es in (protect or {}).items():
-            keep[layer, np.asarray(list(es), np.int64)] = True
         self._prune_prefetched()
+        where, ram = self.tiers.where, self.tiers.ram
+        keep: np.ndarray | None = None  # made when RAM is first found full: most calls never need it
         started = 0
         for layer, e in picks:
-            if self.tiers.where[layer, e] != Where.STORE:
+            if where[layer, e] != STORE:
                 continue
-            if len(self._prefetched) >= window or not self._room_without_waiting(keep):
+            if len(self._prefetched) >= window:
                 break
+            if not ram.free_count():
+                if keep is None:
+                    keep = self._keep_mask(picks, protect)
+                if not self._room_without_waiting(keep):
+                    break
             self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False)
             self.tiers.ram_guard[layer, e] = True
             self._prefetched.add((layer, e))
             started += 1
         self.stats.add_prefetch(issued=started)
         return started
+
+    def _keep_mask(self, picks: list[tuple[int, int]], protect: Mapping[int, Iterable[int]] | None) -> np.ndarray:
+        """(num_layers, num_experts): what a prefetch may not drop, its own picks and `protect`."""
+        keep = np.zeros_like(self.tiers.ram_guard)
+        for layer, e in picks:
+            keep[layer, e] = True
+        for layer, es in (protect or {}).items():
+            keep[layer, np.asarray(list(es), np.int64)] = True
+        return keep
 
     def prefetch_prefill(self, layers: Sequence[int], picks: Mapping[int, Iterable[int]] | None = None, *,
                          protect: Mapping[int, Iterable[int]] | None = None, window: int | None = None) -> int:
@@ -411,8 +422,9 @@ class NvmeTier:
         exc = _exception(r.future)
         if exc is None:
             self.tiers.land_read(r.layer, r.expert)
-            with self._lock:
-                self._faults.pop(key, None)
+            if key in self._faults:  # only this thread adds faults: no lock needed to look
+                with self._lock:
+                    del self._faults[key]
             return None
         self.tiers.abort_read(r.layer, r.expert)  # the reader is done with the slot: free it
         self._prefetched.discard(key)
