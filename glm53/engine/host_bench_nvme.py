@@ -228,6 +228,7 @@ def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
         replay(rig, range(opts.warmup, opts.warmup + opts.steps), times)
         snap1, la1 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
         direct = bool(rig.tier.reader.direct)
+        deferred = getattr(rig.stepper, "after_launch", None) is not None
     finally:
         rig.close()
     rig = build(opts, nopts, store, bsz)
@@ -237,14 +238,14 @@ def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     finally:
         rig.close()
     n = len(times["host"])
-    host = _us(times["host"])
-    return {"bsz": bsz, "layer_steps": n, **host,
-            "hit_rate": _delta_rate(snap0, snap1),
-            "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]), "after_launch": _us(times["after_launch"]),
-            "store_wait": {**_us(times["store_wait"]), "steps_waiting": sum(1 for w in times["store_wait"] if w > 0)},
-            "store": _store_figures(snap0, snap1, n),
-            "lookahead_recall": _recall(la0, la1), "direct_io": direct,
-            "breakdown": breakdown(prof, blocked)}
+    run = {"bsz": bsz, "layer_steps": n, **_us(times["host"]), "hit_rate": _delta_rate(snap0, snap1),
+           "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]),
+           "store_wait": {**_us(times["store_wait"]), "steps_waiting": sum(1 for w in times["store_wait"] if w > 0)},
+           "store": _store_figures(snap0, snap1, n), "lookahead_recall": _recall(la0, la1), "direct_io": direct,
+           "breakdown": breakdown(prof, blocked)}
+    if deferred:  # a stepper from before deferred admissions makes them inside resolve()
+        run["after_launch"] = _us(times["after_launch"])
+    return run
 
 
 def _delta_rate(snap0: dict, snap1: dict) -> float | None:
