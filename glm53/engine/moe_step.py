@@ -146,8 +146,9 @@ class MoeStepper:
         # How often the guess at each rank (best first) is among the real picks, pooled over layers. A prestaged
         # expert costs its PCIe time whether or not it is picked and saves it only when it is, so only ranks right
         # more often than not are prestaged: calibrated live, starting from "yes".
-        self._rank_hits: np.ndarray | None = None
-        self._rank_total: np.ndarray | None = None
+        self._rank_hits: list[int] = []  # plain ints: updated per guess on the per-step path
+        self._rank_total: list[int] = []
+        self._precision: list[float] = []  # rank_precision(), refreshed when the counts change
         self.last_assignment: Any = None
         self.lookahead = RecallMeter()
         # The lane is tried for LANE_TRIAL decode steps; if the planner gave it under LANE_MIN_SHARE of the picks
@@ -296,8 +297,7 @@ class MoeStepper:
             pending = [tiers.move_ticket(li, e) for e in step.admitted] + [last, pre_ticket]
             tiers.copier.order_compute_after([t for t in pending if t is not None])
             if not tiers.keep_all and last is not None:  # nvme: no store read may reuse a slot being copied from
-                for e in step.staged:
-                    tiers.hold(li, e, last)
+                tiers.hold(li, step.staged, last)
         else:
             for e in step.admitted:
                 tiers.settle(li, e)
@@ -340,10 +340,8 @@ class MoeStepper:
         reading right now (never dropped for a prefetch). Returns the reads or admissions started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
-        predicted = np.atleast_2d(np.asarray(predicted, np.int64))
-        uniq_l = sorted(set(predicted.ravel().tolist()))
-        uniq = np.array(uniq_l, np.int64)
-        self._predicted[li] = predicted.copy()
+        predicted = np.atleast_2d(np.array(predicted, np.int64))  # a copy: the caller's buffer is reused
+        self._predicted[li] = predicted
         tiers = self.tiers
         started = 0
         if self.nvme is not None:
@@ -351,28 +349,29 @@ class MoeStepper:
             # Most likely first (the read window may fill), and only guess ranks right more often than not: on a
             # disk-bound host a wrong guess costs a whole record's read (H200 bench: half the reads were wasted).
             started = self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
-            codes = tiers.where[li].take(uniq).tolist()
-            ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
-            if ram and self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
-                started += self._prestage(li, self._worth_prestaging(predicted, ram))
-        else:
-            tiers.poll()
-            codes = tiers.where[li].take(uniq).tolist()
-            ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
-            if ram and self.admit:
-                admitted = tiers.try_admit(li, np.array(ram, np.int64), uniq)
-                started = len(admitted)
-                ram = [e for e in ram if e not in admitted]
-            if ram and self.prestage_rows:
-                started += self._prestage(li, self._worth_prestaging(predicted, ram))
+            if self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
+                ram = [e for e in self._likely(predicted) if tiers.where[li, e] == self._ram_code]
+                if ram:
+                    started += self._prestage(li, ram)
+            self.prefetched += started
+            return started
+        uniq_l = sorted(set(predicted.ravel().tolist()))
+        uniq = np.array(uniq_l, np.int64)
+        tiers.poll()
+        codes = tiers.where[li].take(uniq).tolist()
+        ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
+        if ram and self.admit:
+            admitted = tiers.try_admit(li, np.array(ram, np.int64), uniq)
+            started = len(admitted)
+            ram = [e for e in ram if e not in admitted]
+        if ram and self.prestage_rows:
+            started += self._prestage(li, self._worth_prestaging(predicted, ram))
         self.prefetched += started
         return started
 
     def rank_precision(self) -> list[float]:
         """Per guess rank (best first): (hits + 1) / (guesses + 2), the share of guesses the real picks contained."""
-        if self._rank_total is None:
-            return []
-        return ((self._rank_hits + 1) / (self._rank_total + 2)).tolist()
+        return list(self._precision)
 
     def _worth_prestaging(self, predicted: np.ndarray, ram: list[int]) -> list[int]:
         """The RAM experts guessed at a rank right more often than not, in rank order."""
@@ -381,7 +380,7 @@ class MoeStepper:
     def _likely(self, predicted: np.ndarray, among: set[int] | None = None) -> list[int]:
         """The predicted experts (of `among`, if given) guessed at a rank right more often than not (live
         precision; a rank not yet scored counts as right), best rank first, each once."""
-        precision = self.rank_precision()
+        precision = self._precision
         ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > 0.5]
         out, seen = [], set()
         for r in ranks:
@@ -405,8 +404,7 @@ class MoeStepper:
                                          for i, e in enumerate(chosen)])
         self._prestaged[li] = ({e: base + i for i, e in enumerate(chosen)}, ticket)
         if not tiers.keep_all:
-            for e in chosen:
-                tiers.hold(li, e, ticket)
+            tiers.hold(li, chosen, ticket)
         tiers.stats.add_bytes("ram_to_staging", len(chosen) * tiers.layout.nbytes)
         self.prestage["issued"] += len(chosen)
         return len(chosen)
@@ -471,18 +469,19 @@ class MoeStepper:
         pred = self._predicted.pop(li, None)
         if pred is None or not decode or pred.shape[0] != ids.shape[0]:
             return  # no guess, or not for this step's rows (another batch shape came between)
-        self.lookahead.update(li, pred, ids)
-        k = pred.shape[1]
-        if self._rank_total is None or len(self._rank_total) < k:
-            hits, total = np.zeros(k, np.int64), np.zeros(k, np.int64)
-            if self._rank_total is not None:
-                hits[: len(self._rank_hits)], total[: len(self._rank_total)] = self._rank_hits, self._rank_total
-            self._rank_hits, self._rank_total = hits, total
-        for guess, real in zip(pred.tolist(), ids.tolist(), strict=True):
+        guesses, reals = pred.tolist(), ids.tolist()
+        self.lookahead.update(li, guesses, reals)
+        hits, total = self._rank_hits, self._rank_total
+        k = len(guesses[0]) if guesses else 0
+        if len(total) < k:
+            hits.extend([0] * (k - len(hits)))
+            total.extend([0] * (k - len(total)))
+        for guess, real in zip(guesses, reals, strict=True):
             real_set = set(real)
             for r, e in enumerate(guess):
-                self._rank_total[r] += 1
-                self._rank_hits[r] += e in real_set
+                total[r] += 1
+                hits[r] += e in real_set
+        self._precision = [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},

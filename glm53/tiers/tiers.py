@@ -313,10 +313,13 @@ class ExpertTiers:
         self.ram.reclaim(slot)
         self.stats.set_ram_in_use(self.ram.in_use())
 
-    def hold(self, layer: int, expert: int, ticket: Ticket | None) -> None:
-        """A copy (`ticket`) still reads this RAM expert's bytes: it is not dropped before the copy lands."""
-        if ticket is not None and not ticket.done():
-            self._held[(layer, expert)] = ticket
+    def hold(self, layer: int, experts: int | Sequence[int], ticket: Ticket | None) -> None:
+        """A copy (`ticket`) still reads these RAM experts' bytes: they are not dropped before the copy lands.
+        One ticket for many experts is checked once (on the GPU each check is an event query)."""
+        if ticket is None or ticket.done():
+            return
+        for e in [experts] if isinstance(experts, int) else experts:
+            self._held[(layer, e)] = ticket
 
     def droppable(self) -> np.ndarray:
         """(num_layers, num_experts): RAM experts no copy in flight reads (the candidates for dropping)."""
