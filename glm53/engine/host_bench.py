@@ -77,16 +77,25 @@ def _build(opts: HostBenchOptions, bsz: int) -> tuple[Any, Any, list[np.ndarray]
     return tiers, MoeStepper(tiers, vram, opts.staging), traces
 
 
-def _replay(stepper: Any, traces: list[np.ndarray], steps: range, times: list[float] | None = None) -> None:
-    """Decode steps in model order: every layer of token t, then token t + 1."""
+def _replay(stepper: Any, traces: list[np.ndarray], steps: range, times: list[float] | None = None,
+            after: list[float] | None = None) -> None:
+    """Decode steps in model order: every layer of token t, then token t + 1. `times`: resolve(), what the GPU
+    waits for. `after`: a stepper's after_launch (deferred admissions), which the engine runs from exllamav3's
+    combine while the GPU computes: timed apart, off the GPU's critical path (a stepper without one has none)."""
     clock = time.perf_counter
+    after_launch = getattr(stepper, "after_launch", None)
     for t in steps:
         for li, trace in enumerate(traces):
             ids = trace[t]
             t0 = clock()
             stepper.resolve(li, ids, decode=True)
+            t1 = clock()
             if times is not None:
-                times.append(clock() - t0)
+                times.append(t1 - t0)
+            if after_launch is not None:
+                after_launch()
+                if after is not None:
+                    after.append(clock() - t1)
 
 
 def _label(func: tuple[str, int, str]) -> str:
@@ -154,7 +163,8 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
     _replay(stepper, traces, range(opts.warmup))
     before = tiers.stats.snapshot()["picks"]
     times: list[float] = []
-    _replay(stepper, traces, range(opts.warmup, opts.warmup + opts.steps), times)
+    after: list[float] = []
+    _replay(stepper, traces, range(opts.warmup, opts.warmup + opts.steps), times, after)
     picks = tiers.stats.snapshot()["picks"]
     hits, total = picks["vram_hit"] - before["vram_hit"], picks["total"] - before["total"]
     us = np.asarray(times) * 1e6
@@ -162,9 +172,13 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
     _, prof_stepper, _ = _build(opts, bsz)
     _replay(prof_stepper, traces, range(opts.warmup))
     breakdown = _breakdown(prof_stepper, traces, range(opts.warmup, opts.warmup + opts.steps), opts.top)
-    return {"bsz": bsz, "layer_steps": len(times), "median_us": float(np.median(us)),
-            "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean()),
-            "hit_rate": hits / total if total else None, "breakdown": breakdown}
+    doc = {"bsz": bsz, "layer_steps": len(times), "median_us": float(np.median(us)),
+           "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean()),
+           "hit_rate": hits / total if total else None, "breakdown": breakdown}
+    if after:
+        a = np.asarray(after) * 1e6
+        doc["after_launch"] = {"median_us": float(np.median(a)), "p90_us": float(np.percentile(a, 90))}
+    return doc
 
 
 def run_bench(opts: HostBenchOptions, nvme: Any = None) -> dict:
@@ -261,6 +275,10 @@ def _print_run(run: dict, who: str, log) -> None:
         f"({run['layer_steps']} layer steps, VRAM hit rate {hr})")
     if "store_wait" in run:
         _print_nvme(run, log)
+    elif "after_launch" in run:
+        al = run["after_launch"]
+        log(f"  plus, off the GPU's critical path, after launch (deferred admissions): median {al['median_us']:.1f} "
+            f"us, p90 {al['p90_us']:.1f}")
     b = run["breakdown"]
     roots = "resolve, ahead and after_launch" if "store_wait" in run else "resolve"
     log(f"  by call from {roots} (profiled {b['profiled_us']:.1f} us per layer step):")
