@@ -12,7 +12,7 @@
 #             tokens, a cProfile of one exact window; ~3 min on a warm machine)
 #   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~10 GB of disk)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
-#             the machine's cores against 867 us on the 2-core dev machine; find where its scaling stops
+#             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
