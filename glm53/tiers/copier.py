@@ -114,7 +114,8 @@ class Copier:
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         """Several copies into device buffers (a step's staging), in order; the returned ticket lands with the
         last, hence with all of them. One stream hand-off and one event for the batch: per copy those cost more
-        host time than issuing the copy itself, and a layer step stages a few."""
+        host time than issuing the copy itself, and a layer step stages a few. The buffers must outlive the
+        copies (slot arenas, allocated once): unlike copy(), no record_stream per buffer on this per-step path."""
         if not pairs:
             return DONE
         if not self.cuda or type(self).copy is not Copier.copy or not all(d.is_cuda for d, _ in pairs):
@@ -130,8 +131,4 @@ class Copier:
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        for dst, src in pairs:
-            dst.record_stream(stream)
-            if src.is_cuda:
-                src.record_stream(stream)
         return Ticket(event)
