@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 
 def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None,
-                overlap=False) -> dict:
+                overlap=True, after_launch=True) -> dict:
     """Generate `steps` greedy tokens for every prompt in one generator; returns tokens, logits (CPU), stats."""
     import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
@@ -34,7 +34,7 @@ def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True,
     tiered = None
     if slots is not None:
         tiered = TieredMoE(model, model_dir, slots, staging_slots=staging, admit=admit, nvme_open=nvme,
-                           overlap_copies=overlap)
+                           overlap_copies=overlap, admit_after_launch=after_launch)
         tiered.install()
     t0 = time.perf_counter()
     model.load(device=torch.device("cuda:0"))
@@ -107,22 +107,27 @@ def test_tiny_exact_bit_identical(tmp_path, exl3):
     steps = 300
     prompts = prompts_for(200)
     stock = greedy_runs(path, prompts, steps)
-    # 2 slots per layer (< top_k 4): every step misses, admits (evicting) and stages.
+    # 2 slots per layer (< top_k 4): every step misses, admits (evicting) and stages. The engine's defaults: the
+    # GPU waits for the copies, and admissions are copied from staging once the step's kernels are queued.
     exact = greedy_runs(path, prompts, steps, slots=2)
     assert_bit_identical(stock, exact, steps)
     s = exact["stats"]
     assert s["picks"]["pcie"] > 0 and s["evictions"] > 0 and s["bytes"]["ram_to_staging"] > 0
+    assert s["bytes"]["staging_to_vram"] > 0 and s["bytes"]["ram_to_vram"] == 0
     _report("tiny, 2 slots/layer", stock, exact, steps)
     # No VRAM cache at all: every pick streamed through staging.
     stream = greedy_runs(path, prompts, steps, slots=0, admit=False)
     assert_bit_identical(stock, stream, steps)
     assert stream["stats"]["picks"]["vram_hit"] == 0
     _report("tiny, 0 slots (all staged)", stock, stream, steps)
-    # The GPU, not the host, waits for each step's copies; admitted experts are read from their filling slot.
-    overlap = greedy_runs(path, prompts, steps, slots=2, overlap=True)
-    assert_bit_identical(stock, overlap, steps)
-    assert overlap["stats"]["admissions"] > 0
-    _report("tiny, 2 slots/layer, copies overlapped", stock, overlap, steps)
+    # Admissions decided before the kernels and copied from RAM: the GPU reads them from their filling slot
+    # (waiting for the copy on the device), or the host waits for every copy first.
+    for overlap in (True, False):
+        eager = greedy_runs(path, prompts, steps, slots=2, overlap=overlap, after_launch=False)
+        assert_bit_identical(stock, eager, steps)
+        assert eager["stats"]["admissions"] > 0 and eager["stats"]["bytes"]["ram_to_vram"] > 0
+        _report(f"tiny, 2 slots/layer, admissions before launch, {'GPU' if overlap else 'host'} waits", stock, eager,
+                steps)
 
 
 @pytest.mark.parametrize("moe_layers", [2, 3])
