@@ -63,9 +63,13 @@ def _in_git_checkout() -> bool:
 
 
 needs_git = pytest.mark.skipif(not _in_git_checkout(), reason="not a git checkout")
+# The "baseline lacks it" tests reach back to commits before the benchmark: a shallow clone has no such commit (its
+# oldest commit shows every file as added).
+needs_history = pytest.mark.skipif(not _in_git_checkout() or _git("rev-parse", "--is-shallow-repository") == "true",
+                                   reason="needs the git history (not a checkout, or a shallow clone)")
 
 
-@needs_git
+@needs_history
 def test_a_baseline_without_the_command_is_said_and_skipped(capsys):
     root = _git("rev-list", "--max-parents=0", "HEAD").splitlines()[0]
     lines = _bench(capsys, "--baseline", root, "--bsz", "1")
@@ -138,7 +142,7 @@ def test_guesses_keep_about_the_recall_and_name_distinct_experts():
         assert not set(wrong) & set(real.tolist())  # a wrong guess names an expert the row did not pick
 
 
-@needs_git
+@needs_history
 def test_nvme_baseline_without_the_mode_is_said_and_skipped(capsys):
     added = _git("log", "--diff-filter=A", "--format=%H", "--", "glm53/engine/host_bench.py").splitlines()
     if not added:
