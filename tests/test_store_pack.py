@@ -131,15 +131,15 @@ def test_resume_redoes_a_journaled_record_whose_bytes_went_bad(ck, clean, tmp_pa
 
 def test_ctrl_c_in_the_main_thread_keeps_the_work(ck, clean, tmp_path, monkeypatch):
     out = tmp_path / "s.glm53"
-    real, calls = P.wait, [0]
+    real, calls = P._drain, [0]
 
-    def wait(*a, **kw):
+    def drain(*a, **kw):  # the main thread's wait for finished records: Ctrl-C arrives during the second
         calls[0] += 1
         if calls[0] == 2:
             raise KeyboardInterrupt
         return real(*a, **kw)
 
-    monkeypatch.setattr(P, "wait", wait)
+    monkeypatch.setattr(P, "_drain", drain)
     with pytest.raises(PackInterrupted, match="interrupted") as ei:
         pack_store(opts(ck, out, threads=1), log=Log())
     assert isinstance(ei.value.__cause__, KeyboardInterrupt)
