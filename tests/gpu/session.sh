@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine session's checks, in order of what is owed, each step under its own time limit, logs to $OUT.
 # Run from the repository root on the device, after `source .device-cache/setup.sh`:
-#   STEPS=tiny,server bash tests/gpu/session.sh          # a subset (default: all, in this order)
+#   STEPS=tiny,bench bash tests/gpu/session.sh           # a subset (default: all, in the order of STEPS below)
 # First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
 #   tiny      fast/nvme KL + top-1 and nvme-exact bit-identity (tests/test_gpu_modes.py -k tiny), then exact mode
 #             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
@@ -16,10 +16,9 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-tiny,server,width,bench,nvme,lane}
+STEPS=${STEPS:-tiny,bench,lane,nvme,width,server}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.log"; }
-has() { [[ ",$STEPS," == *",$1,"* ]]; }
 gpu_pytest() {  # name, limit (s), pytest args...
   local name=$1 limit=$2
   shift 2
@@ -38,33 +37,40 @@ fi
 # The CPU-lane kernel is built per Python (the GPU machine's is 3.12); the working tree carries no build.
 python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
 stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
-if has tiny; then
+step_tiny() {
   gpu_pytest modes-tiny 300 tests/test_gpu_modes.py -k tiny
   gpu_pytest exact-tiny 240 tests/test_gpu_engine.py -k "tiny or engine"
-fi
-if has server; then
+}
+step_server() {
   GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_server_conformance.py \
     > "$OUT/server.log" 2>&1
   stamp "server rc=$?"
-fi
-if has width; then
+}
+step_width() {
   gpu_pytest modes-width 400 tests/test_gpu_modes.py -k glm53_width
   gpu_pytest exact-width 500 tests/test_gpu_engine.py -k glm53_width
-fi
-if has bench; then
+}
+step_bench() {
   timeout 400 python3 -m glm53 bench decode --moe-layers 4 --tokens 128 --windows 3 --profile exact --work /tmp \
     --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
-fi
-if has nvme; then
+}
+step_nvme() {
   timeout 400 python3 -m glm53 bench decode --moe-layers 4 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
-fi
-if has lane; then
+}
+step_lane() {
   timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
     > "$OUT/bench-cpu-lane.log" 2>&1
   stamp "lane rc=$?"
   timeout 120 python3 -m glm53 bench cpu-lane --thread-list 8,15 --no-pin >> "$OUT/bench-cpu-lane.log" 2>&1
   stamp "lane unpinned rc=$?"
-fi
+}
+for step in ${STEPS//,/ }; do
+  if declare -F "step_$step" > /dev/null; then
+    "step_$step"
+  else
+    stamp "unknown step $step (known: tiny bench lane nvme width server)"
+  fi
+done
