@@ -76,10 +76,10 @@ def decode_slots(ids: np.ndarray, picks: list[int], uniq: np.ndarray, slot_of: n
 
 
 _NO_SLOTS = np.empty(0, np.int64)
+_NO_SLOTS.flags.writeable = False
 LANE_TRIAL = 512  # decode layer steps (a few tokens of the real model) before the lane's worth is judged
 LANE_MIN_SHARE = 0.005
 log = logging.getLogger(__name__)
-_NO_SLOTS.flags.writeable = False
 
 
 @dataclass
@@ -107,9 +107,10 @@ class MoeStepper:
                  overlap: bool = True, decode_staging: int | None = None, admit_after_launch: bool = True):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
-        NvmeTier, for prefetch. overlap: a decode step's copies (staging, admissions) are ordered before the
-        expert kernels on the GPU (a stream-side wait) instead of the host waiting for them, and admitted experts
-        are read from their slot in that same step (still marked resident only when the host sees them land).
+        NvmeTier, for prefetch. overlap: a decode step's copies (staging, and admissions decided before launch)
+        are ordered before the expert kernels on the GPU (a stream-side wait) instead of the host waiting for
+        them; an expert admitted before launch is read from its filling slot in that same step (still marked
+        resident only when the host sees it land).
         Saves the host's wake-up per layer: 1.05-1.17x the decode speed of the host waiting in every paired window
         on the H200 (docs/results.md, third session), so on by default; the PCIe timings the planner refits from
         are then only the start-up ones.
