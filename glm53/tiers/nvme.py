@@ -237,7 +237,7 @@ class NvmeTier:
         picks = [(int(layer), int(e)) for layer, e in picks]
         self._prune_prefetched()
         where, ram = self.tiers.where, self.tiers.ram
-        keep: np.ndarray | None = None  # made when RAM is first found full: most calls never need it
+        keep: dict[int, set[int]] | None = None  # made when RAM is first found full: most calls never need it
         started = 0
         for layer, e in picks:
             if where[layer, e] != STORE:
@@ -246,23 +246,24 @@ class NvmeTier:
                 break
             if not ram.free_count():
                 if keep is None:
-                    keep = self._keep_mask(picks, protect)
+                    keep = self._keep(picks, protect)
                 if not self._room_without_waiting(keep):
                     break
             self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False)
-            self.tiers.ram_guard[layer, e] = True
+            self.tiers.guard(layer, e)
             self._prefetched.add((layer, e))
             started += 1
         self.stats.add_prefetch(issued=started)
         return started
 
-    def _keep_mask(self, picks: list[tuple[int, int]], protect: Mapping[int, Iterable[int]] | None) -> np.ndarray:
-        """(num_layers, num_experts): what a prefetch may not drop, its own picks and `protect`."""
-        keep = np.zeros_like(self.tiers.ram_guard)
+    @staticmethod
+    def _keep(picks: list[tuple[int, int]], protect: Mapping[int, Iterable[int]] | None) -> dict[int, set[int]]:
+        """{layer: experts} a prefetch may not drop: its own picks and `protect`."""
+        keep: dict[int, set[int]] = {}
         for layer, e in picks:
-            keep[layer, e] = True
+            keep.setdefault(layer, set()).add(e)
         for layer, es in (protect or {}).items():
-            keep[layer, np.asarray(list(es), np.int64)] = True
+            keep.setdefault(int(layer), set()).update(int(e) for e in es)
         return keep
 
     def prefetch_prefill(self, layers: Sequence[int], picks: Mapping[int, Iterable[int]] | None = None, *,
@@ -455,15 +456,21 @@ class NvmeTier:
         self._fault(key, err)
         return err
 
-    def _room_without_waiting(self, keep: np.ndarray) -> bool:
+    def _room_without_waiting(self, keep: dict[int, set[int]]) -> bool:
         """A free RAM slot, or one made by dropping the weakest RAM expert that is neither guarded nor kept."""
         t = self.tiers
         if t.ram.free_count():
             return True
-        ok = t.droppable() > (t.ram_guard | keep)  # droppable, neither guarded nor kept
-        if not ok.any():
-            return False
-        t.drop_ram(*t.weakest(ok))
+        victim = t.weakest_droppable(keep)
+        if victim is None:  # none, or only ones scored +inf: the search over the full masks
+            kept = np.zeros_like(t.ram_guard)
+            for layer, es in keep.items():
+                kept[layer, list(es)] = True
+            ok = t.droppable() > (t.ram_guard | kept)  # droppable, neither guarded nor kept
+            if not ok.any():
+                return False
+            victim = t.weakest(ok)
+        t.drop_ram(*victim)
         return True
 
     def _account_prefetch(self, layer: int, experts: list[int], codes: list[int]) -> None:
@@ -473,13 +480,13 @@ class NvmeTier:
         mine = [k for k in self._prefetched if k[0] == layer] if self._prefetched else ()
         if mine:
             used = set(experts)
-            where, guard = self.tiers.where[layer], self.tiers.ram_guard[layer]
+            where = self.tiers.where[layer]
             for key in mine:
                 self._prefetched.discard(key)
                 e = key[1]
                 w = int(where[e])
                 if w == RAM or w == FROM_STORE:
-                    guard[e] = False
+                    self.tiers.unguard(layer, e)
                 if e not in used:
                     wasted += 1
                 elif w in _READABLE:
