@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from store.directio import alloc_aligned, alloc_slots, open_for_read, pread_into
+from store.errors import StoreError
 from store.format import read_header
 from store.pack import PackOptions, pack_store
 from store.reader import Priority, StoreReader
@@ -244,7 +245,11 @@ def _run(opts: BenchOptions, log, made: list[Path]) -> BenchResult:
                          f"of {rec / 2**20:.2f} MiB); {opts.threads} threads, {opts.rounds} interleaved rounds")
     seq_key = f"sequential read (1 thread, {rec / 2**20:.1f} MiB blocks)"
     rand_key = f"random-record read ({2 * opts.threads} in flight)"
-    window = max(4 * opts.threads, min(64, len(extents) // 8))
+    if len(extents) < 2:
+        raise StoreError(f"{store} holds {len(extents)} record(s); the reader/raw comparison needs at least 2",
+                         "bench a bigger store: raise --gb, or pass --path to a store of more records")
+    # Raw and reader passes take disjoint windows, so at least two windows must fit in the store.
+    window = min(max(4 * opts.threads, min(64, len(extents) // 8)), len(extents) // 2)
     seq = []
     with StoreReader(store, threads=opts.threads, allow_buffered=opts.allow_buffered, header=head) as reader:
         if not reader.direct:

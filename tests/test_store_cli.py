@@ -79,6 +79,27 @@ def test_bench_store_prints_ratios(tmp_path, capsys):
     assert not any((tmp_path / "w").iterdir())       # synthetic files removed
 
 
+def test_bench_store_on_a_store_smaller_than_two_default_windows(ck, tmp_path, capsys):
+    # 16 records, 8 threads: the default window (4 x threads) would leave no pair of disjoint windows
+    store = tmp_path / "s.glm53"
+    assert main(["pack-store", "--model", str(ck), "--out", str(store), "--threads", "2"]) == 0
+    capsys.readouterr()
+    assert main(["bench", "store", "--path", str(store), "--workdir", str(tmp_path / "w"), "--rounds", "1",
+                 "--threads", "8"]) == 0
+    o = capsys.readouterr().out
+    assert "reader random records (8 threads)" in o and "paired windows of 8 records" in o
+
+
+def test_bench_store_refuses_a_one_record_store(tmp_path, capsys):
+    ck1 = write_exl3_checkpoint(tmp_path / "ck1", seed=0, layers=2, experts=1, top_k=1)
+    store = tmp_path / "one.glm53"
+    assert main(["pack-store", "--model", str(ck1), "--out", str(store)]) == 0
+    capsys.readouterr()
+    assert main(["bench", "store", "--path", str(store), "--workdir", str(tmp_path / "w"), "--rounds", "1"]) == 1
+    e = capsys.readouterr().err
+    assert "holds 1 record(s)" in e and "fix:" in e and "--gb" in e
+
+
 def test_the_store_never_imports_torch():
     import subprocess
     import sys
