@@ -60,7 +60,7 @@ from unittest.mock import MagicMock
 sys.path.insert(0, sys.argv[1])
 ext = types.ModuleType("exllamav3.ext"); ext.exllamav3_ext = MagicMock()
 sys.modules["exllamav3.ext"] = ext
-for name in ("exllamav3_ext", "triton", "triton.language", "flash_attn"):
+for name in ("exllamav3_ext", "triton", "triton.language", "flash_attn", "PIL", "PIL.Image", "PIL.ImageOps"):
     sys.modules[name] = MagicMock()
 from exllamav3.model.config import Config
 from exllamav3.model.model import Model
