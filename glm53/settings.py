@@ -128,6 +128,9 @@ SCHEMA: tuple[Setting, ...] = (
 )
 
 BY_NAME = {s.name: s for s in SCHEMA}
+# GLM53_* names that are not settings of the server, so not warned about as unknown: the entrypoint's
+# interpreter, and test-suite switches.
+NOT_SETTINGS = frozenset({"GLM53_PYTHON", "GLM53_TEST_ENGINE", "GLM53_EXLLAMAV3_SRC"})
 
 
 @dataclass(frozen=True)
@@ -166,7 +169,7 @@ def load(environ: dict[str, str] | None = None, dotenv: Path | None = Path(".env
     env.update(os.environ if environ is None else environ)
     warnings = []
     for key in sorted(env):
-        if key.startswith(PREFIX) and key not in BY_NAME:
+        if key.startswith(PREFIX) and key not in BY_NAME and key not in NOT_SETTINGS:
             close = difflib.get_close_matches(key, list(BY_NAME), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else "; `glm53 settings` lists the known ones"
             warnings.append(f"unknown setting {key}{hint}")

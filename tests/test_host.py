@@ -73,6 +73,16 @@ def test_unknown_topology_assumes_no_smt(tmp_path):
     assert f.cpu.physical_cores == 6 and any("topology unknown" in n for n in f.notes)
 
 
+def test_avx512_flags_are_reported(tmp_path):
+    from fakehost import EPYC_FLAGS, Cpu
+
+    zen4 = Cpu("AMD EPYC 9354P 32-Core Processor", EPYC_FLAGS + " avx512f avx512bw avx512vl avx512_vnni", 1, 32, 2)
+    f = facts(tmp_path, HostSpec(cpu=zen4))
+    assert f.cpu.avx512 == ["avx512_vnni", "avx512bw", "avx512f", "avx512vl"]
+    assert set(f.to_json()["cpu"]["flags"]) == {"avx2", "fma", "f16c", *f.cpu.avx512}
+    assert (f.cpu.physical_cores, f.cpu.smt_siblings) == (32, 2)
+
+
 def test_cpu_quota(tmp_path):
     f = facts(tmp_path, HostSpec(extra={"/sys/fs/cgroup/cpu.max": "400000 100000\n"}))
     assert f.cpu.quota_cpus == 4.0

@@ -183,7 +183,7 @@ def test_vram_budget_emulates_a_smaller_card(tmp_path):
 def test_two_gpus_uses_one_and_says_which(tmp_path):
     slow_link = ("NVIDIA GeForce RTX 3090", 24576, 24135, 4, 4)
     p = run(tmp_path, HostSpec(gpus=(slow_link, RTX3090)))
-    assert p.gpu_index == 1 and p.device == "cuda:1"
+    assert p.mode == "fast" and p.gpu_index == 1 and p.device == "cuda:1"
     assert "2 GPUs found" in p.reasons["gpu"] and "GPU 0 stay idle" in p.reasons["gpu"]
 
 
@@ -254,6 +254,48 @@ def test_refusal_json_has_every_key(tmp_path):
 # ---------------------------------------------------------------- through the command line
 
 
+# Every fake host of issue 2 (item 6), the way a user runs it: `glm53 plan --host-root DIR --json`.
+# (name, host, settings, expected mode or None for a refusal, a phrase the error / a warning / a reason must hold)
+ISSUE2_HOSTS = [
+    ("3090 + 24-core EPYC + 256 GiB", HostSpec(), {}, "fast", "SMT siblings unused"),
+    ("55 GiB cap and a store", NVME_55, {"GLM53_STORE": STORE}, "nvme", "the store is valid"),
+    ("16 GiB cap", NVME_55.but(mem_cap_gib=16), {"GLM53_STORE": STORE}, "nvme", "small host: usable RAM"),
+    ("12 GiB cap", NVME_55.but(mem_cap_gib=12), {"GLM53_STORE": STORE}, None,
+     "memory cap 12 GiB < 15 GiB needed for nvme mode: run with --memory 55g --memory-swap 55g"),
+    ("CPU without AVX2", HostSpec(cpu=IVYBRIDGE), {}, "exact", "lacks AVX2/FMA"),
+    ("CPU without AVX2, 55 GiB cap and a store", NVME_55.but(cpu=IVYBRIDGE), {"GLM53_STORE": STORE}, "nvme-exact",
+     "lacks AVX2/FMA"),
+    ("memlock 64 KiB", HostSpec(memlock=65536), {}, "fast", "RLIMIT_MEMLOCK 64 KiB"),
+    ("a cap without a swap cap", NVME_55.but(swap_cap_gib=None), {"GLM53_STORE": STORE}, "nvme",
+     "memory cap 55 GiB without an equal swap cap"),
+    ("no GPU", HostSpec(gpus=()), {}, None, "no NVIDIA GPU found"),
+    ("a 16 GB GPU", HostSpec(gpus=(RTX4080,)), {}, None, "16 GiB of VRAM < 20 GiB needed"),
+    ("two GPUs", HostSpec(gpus=(RTX3090, RTX3090)), {}, "fast", "2 GPUs found"),
+    ("dual-socket 44-core Broadwell, PCIe 3",
+     HostSpec(cpu=BROADWELL_2S, numa_nodes=2, mem_total_gib=125.8, mem_available_gib=120,
+              gpus=(("NVIDIA GeForce RTX 3090", 24576, 24135, 3, 16),)), {}, "fast", "2 NUMA nodes"),
+    ("store missing", NVME_55.but(store=None), {"GLM53_STORE": STORE}, None,
+     f"store {STORE} not found: run the pack-store container first: docker run"),
+    ("store on a filesystem without O_DIRECT", NVME_55.but(mounts=(("/", "overlay"), ("/nvx", "tmpfs"))),
+     {"GLM53_STORE": STORE}, None, "/nvx is on tmpfs, which does not support O_DIRECT: put the store on ext4 or xfs"),
+]
+
+
+@pytest.mark.parametrize(("spec", "env", "mode", "phrase"), [case[1:] for case in ISSUE2_HOSTS],
+                         ids=[case[0] for case in ISSUE2_HOSTS])
+def test_cli_every_issue2_host(tmp_path, spec, env, mode, phrase):
+    rc, out = cli(write_host(tmp_path, spec), GLM53_MODEL_DIR="/model", **env)
+    assert out["reasons"], "every answer, refusal or not, carries its reasons"
+    said = [out["error"] or "", *out["warnings"], *out["reasons"].values()]
+    assert any(phrase in text for text in said), said
+    if mode is None:
+        assert rc == 2 and out["mode"] is None and phrase in out["error"]
+    else:
+        assert rc == 0 and out["error"] is None and out["mode"] == mode and out["reasons"]["mode"].startswith(mode)
+        for key in ("vram_slots", "ram_slots", "cpu_threads"):
+            assert isinstance(out[key], int) and key in out["reasons"]
+
+
 def test_cli_fast_json(tmp_path):
     rc, out = cli(write_host(tmp_path), GLM53_MODEL_DIR="/model")
     assert rc == 0 and out["mode"] == "fast" and out["error"] is None
@@ -311,6 +353,68 @@ def test_cli_preflight_on_this_machine(tmp_path):
     assert set(checks) == {"pin", "o_direct", "store"}
     assert checks["o_direct"]["detail"].startswith("probe:")
     assert checks["store"]["status"] in ("fail", "skip") and not checks["store"]["blocks"]
+
+
+# ---------------------------------------------------------------- the pin proof (preflight and start-up)
+
+
+class _FakeBuffer:
+    def fill_(self, value):
+        return self
+
+    def copy_(self, other, non_blocking=False):
+        return self
+
+
+def _fake_torch(pin_error: str | None):
+    """Just enough of torch for check_pinning: a CUDA device whose pinned allocation fails with `pin_error`."""
+    import types
+
+    def empty(size, dtype=None, pin_memory=False, device=None):
+        if pin_memory and pin_error:
+            raise RuntimeError(pin_error + "\nCUDA kernel errors might be asynchronously reported")
+        return _FakeBuffer()
+
+    cuda = types.SimpleNamespace(is_available=lambda: True, synchronize=lambda device=None: None,
+                                 mem_get_info=lambda device=None: (23 * P.GIB, 24 * P.GIB))
+    return types.SimpleNamespace(empty=empty, uint8="uint8", cuda=cuda)
+
+
+@pytest.mark.parametrize("pin_error", [None, "CUDA error: out of memory"])
+def test_pin_proof_refuses_with_the_fix_only_when_pinning_fails(tmp_path, monkeypatch, pin_error):
+    from glm53 import planning_cli
+
+    facts = H.read_host(write_host(tmp_path, HostSpec(memlock=65536)))
+    p = P.plan(facts, M.DEFAULT_SHAPE, settings())
+    assert any(w.startswith("RLIMIT_MEMLOCK 64 KiB") for w in p.warnings)  # the plan only warns
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(pin_error))
+    check = planning_cli.check_pinning(p, facts)
+    if pin_error is None:
+        # Pinned past the limit anyway (some drivers pin without RLIMIT_MEMLOCK): no refusal, and it says so.
+        assert check.status == "ok" and "works despite RLIMIT_MEMLOCK 64 KiB" in check.detail
+    else:
+        assert check.status == "fail" and check.blocks
+        assert "out of memory" in check.detail and check.detail.endswith("add --ulimit memlock=-1")
+
+
+# ---------------------------------------------------------------- the container's entrypoint
+
+
+def _entrypoint(*args: str, python: str = sys.executable) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "entrypoint.sh"), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "GLM53_PYTHON": python,
+                                           "GLM53_MODEL_DIR": "/model"})
+
+
+def test_entrypoint_only_dispatches(tmp_path):
+    echo = "/bin/echo"  # as the interpreter: shows what the entrypoint would run, runs nothing
+    assert _entrypoint(python=echo).stdout == "-m glm53 serve\n"  # no command: serve
+    for cmd in ("serve", "plan", "preflight", "pack-store", "verify-store", "bench"):
+        assert _entrypoint(cmd, "--x", python=echo).stdout == f"-m glm53 {cmd} --x\n"
+    assert _entrypoint("--port", "8000", python=echo).stdout == "-m glm53 serve --port 8000\n"
+    assert _entrypoint("printf", "as-is").stdout == "as-is"  # anything else is exec'd as is
+    done = _entrypoint("plan", "--host-root", str(write_host(tmp_path, NVME_55.but(mem_cap_gib=12))), "--json")
+    assert done.returncode == 2 and "15 GiB" in json.loads(done.stdout)["error"]
 
 
 # ---------------------------------------------------------------- the model's shape

@@ -34,6 +34,28 @@ def test_unknown_name_warns_with_closest_known_name():
     assert any("GLM53_PORT" in w for w in s.warnings)
 
 
+def test_entrypoint_and_test_switches_are_not_unknown_settings():
+    s = S.load(environ={"GLM53_PYTHON": "/usr/bin/python3", "GLM53_TEST_ENGINE": "exl3"}, dotenv=None)
+    assert s.warnings == ()
+    assert not S.NOT_SETTINGS & set(S.BY_NAME)
+
+
+def test_invalid_value_in_dotenv_names_it(tmp_path):
+    env_file = tmp_path / ".env"
+    env_file.write_text("GLM53_MAX_CONCURRENCY=0\n")
+    with pytest.raises(S.SettingsError, match=r"GLM53_MAX_CONCURRENCY='0' is invalid \(allowed: integer >= 1\)"):
+        S.load(environ={}, dotenv=env_file)
+
+
+def test_settings_command_prints_every_setting():
+    proc = subprocess.run([sys.executable, "-m", "glm53", "settings"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "GLM53_PORT": "31000"})
+    assert proc.returncode == 0, proc.stderr
+    for s in S.SCHEMA:
+        assert s.name in proc.stdout
+    assert "31000" in proc.stdout  # the current value next to the default
+
+
 def test_environment_overrides_dotenv(tmp_path):
     env_file = tmp_path / ".env"
     env_file.write_text("GLM53_PORT=31000\nGLM53_MODEL_ID=from-file\n")
