@@ -333,6 +333,43 @@ def test_a_lane_the_planner_never_uses_is_set_aside(monkeypatch, cpu_cost, set_a
         assert stepper.snapshot()["cpu_lane"]["set_aside"] is set_aside
 
 
+def test_a_lane_used_only_at_first_is_set_aside_in_a_later_window(monkeypatch):
+    """The judgement repeats per window: a lane the cold start used (a cost model still settling) but the
+    planner stops using is set aside at the end of the first window it goes idle in."""
+    import glm53.engine.moe_step as moe_step
+
+    monkeypatch.setattr(moe_step, "LANE_TRIAL", 8)
+    experts = make_experts(4)
+    tiers = exl3_tiers(experts, vram=3)
+    recompute, _ = recompute_with(experts)
+
+    def fit_at(cpu_cost: float) -> LiveFit:
+        return LiveFit([CpuSample((1,) * n, 2, n * cpu_cost) for n in (1, 2, 4)]
+                       + [CpuSample((1,), 1, 2 * cpu_cost)],
+                       [PcieSample((1,) * n, n * 0.4e-3) for n in (1, 2, 4)], threads=2)
+
+    rng = np.random.default_rng(7)
+    with CpuLane(LAYOUT, threads=2, stats=tiers.stats) as lane:
+        stepper = MoeStepper(tiers, [3] * NUM_LAYERS, NUM_EXPERTS + 1, lane=lane, fit=fit_at(0.5e-3),
+                             recompute=recompute)
+        used = []
+        for step in range(32):
+            if step == 12:  # mid second window: the lane stops paying
+                stepper.fit = fit_at(50e-3)
+            li = step % NUM_LAYERS
+            ids = np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(2)])
+            x = torch.from_numpy(rng.standard_normal((2, HIDDEN))).float()
+            w = torch.from_numpy(rng.random((2, TOP_K))).float()
+            y, st = emulate_layer(tiers, stepper, li, x, ids, w)
+            assert rel_err(y, direct(experts, li, x, ids, w)) < 1e-5, f"step {step}"
+            used.append(bool(st.cpu))
+            if step == 15:  # the second window had lane picks before the switch: kept
+                assert not stepper.lane_idle
+        assert any(used[:12]), "the cheap lane was used"
+        assert stepper.lane_idle and not any(used[24:]), "the third window (all idle) set it aside"
+        assert stepper.lane_trial["windows"] == 3
+
+
 def test_a_failing_lane_is_recomputed_then_bypassed():
     experts = make_experts(6)
     tiers = exl3_tiers(experts, vram=2)
