@@ -61,6 +61,7 @@ step_nvme() {
   stamp "nvme rc=$?"
 }
 step_lane() {
+  { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
   timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
     > "$OUT/bench-cpu-lane.log" 2>&1
   stamp "lane rc=$?"
