@@ -77,8 +77,6 @@ def decode_slots(ids: np.ndarray, picks: list[int], uniq: np.ndarray, slot_of: n
 
 _NO_SLOTS = np.empty(0, np.int64)
 _NO_SLOTS.flags.writeable = False
-LANE_TRIAL = 512  # decode layer steps (a few tokens of the real model) before the lane's worth is judged
-LANE_MIN_SHARE = 0.005
 log = logging.getLogger(__name__)
 
 
@@ -104,7 +102,8 @@ class MoeStepper:
 
     def __init__(self, tiers: Any, cache_slots: Sequence[int], staging_slots: int, *, admit: bool = True,
                  lane: Any = None, fit: Any = None, recompute: Recompute | None = None, nvme: Any = None,
-                 overlap: bool = True, decode_staging: int | None = None, admit_after_launch: bool = True):
+                 overlap: bool = True, decode_staging: int | None = None, admit_after_launch: bool = True,
+                 lane_judge: Any = None):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
         NvmeTier, for prefetch. overlap: a decode step's copies (staging, and admissions decided before launch)
@@ -121,7 +120,9 @@ class MoeStepper:
         admit_after_launch: a decode step streams every PCIe miss into staging, and the policy's learning and
         admissions run in `after_launch`, once exllamav3 has queued the step's expert kernels (the host works
         while the GPU does): an admitted expert is copied on the device from the staging row it was just streamed
-        into. Off: admissions are decided before the kernels, and copied from RAM into their slot."""
+        into. Off: admissions are decided before the kernels, and copied from RAM into their slot.
+        lane_judge: a glm53.engine.lane_judge.LaneJudge (default: a new one on the wall clock), which decides from
+        paired windows of decode steps whether offering the lane makes them faster."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
@@ -152,13 +153,11 @@ class MoeStepper:
         self._precision: list[float] = []  # rank_precision(), refreshed when the counts change
         self.last_assignment: Any = None
         self.lookahead = RecallMeter()
-        # The lane is judged over each window of LANE_TRIAL decode steps; once the planner gave it under
-        # LANE_MIN_SHARE of a window's picks (a host whose PCIe outruns its CPU), it is set aside: the per-step cost
-        # of offering it then buys nothing. Every window, not the first only: that one holds the cold start (a
-        # cost model still settling gave the H200 host's lane 0.35% of picks, past the first window's bar).
-        self.lane_trial = {"steps": 0, "picks": 0, "cpu": 0, "windows": 0}
-        self._lane_window = [0, 0, 0]  # steps, picks, cpu picks in the current window
-        self.lane_idle = False
+        if lane_judge is None:
+            from glm53.engine.lane_judge import LaneJudge
+
+            lane_judge = LaneJudge()
+        self.lane_judge = lane_judge
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
         self._predicted: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids predicted for its next step
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0}
@@ -192,8 +191,8 @@ class MoeStepper:
         self.host_seconds["after_launch"] += time.perf_counter() - t0
 
     def lane_in_use(self) -> bool:
-        """Whether decode steps offer misses to the CPU lane (attached, alive, and not set aside as idle)."""
-        return self.lane is not None and self.lane.alive and not self.lane_idle
+        """Whether the next decode step offers misses to the CPU lane (attached, alive, and offered by the judge)."""
+        return self.lane is not None and self.lane.alive and self.lane_judge.offer()
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -220,6 +219,8 @@ class MoeStepper:
         if self._deferred is not None:  # the caller never ran it (no combine hook): now, before this step
             self.after_launch()
         t_start = time.perf_counter()
+        if self.lane is not None:
+            self.lane_judge.started(decode)
         VRAM, STORE = self._vram_code, self._store_code
         tiers = self.tiers
         tiers.poll()
@@ -262,7 +263,9 @@ class MoeStepper:
                 tiers.observe(li, ids)
             pre_rows = pre[0] if pre is not None else {}
             # A prestaged miss is already crossing PCIe: it stays on that lane, at no further cost.
-            step.cpu = self._plan_lane(li, ids, [e for e in misses if e not in pre_rows] if pre_rows else misses)
+            step.cpu, n_cpu = self._plan_lane(li, ids, [e for e in misses if e not in pre_rows] if pre_rows else misses)
+            if self.lane is not None:
+                self.lane_judge.done(ids.size, n_cpu)
             on_cpu = set(step.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
             admitted_slots: dict[int, int] = {}
@@ -415,10 +418,10 @@ class MoeStepper:
 
     # ---- parts ------------------------------------------------------------------------------------------------
 
-    def _plan_lane(self, li: int, ids: np.ndarray, misses: list[int]) -> list[int]:
+    def _plan_lane(self, li: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], int]:
+        """The misses the CPU lane computes this step, and their picks."""
         if not self.lane_in_use():
-            return []
-        trial, window = self.lane_trial, self._lane_window
+            return [], 0
         n_cpu = 0
         cpu: list[int] = []
         if misses:
@@ -429,21 +432,7 @@ class MoeStepper:
             self.last_assignment = assign(rows, self.fit.model(), cpu_ok=self.lane.alive)
             cpu = sorted(int(e) for e in self.last_assignment.cpu)
             n_cpu = sum(counts[e] for e in cpu)
-        trial["steps"] += 1
-        trial["picks"] += ids.size
-        trial["cpu"] += n_cpu
-        window[0] += 1
-        window[1] += ids.size
-        window[2] += n_cpu
-        if window[0] == LANE_TRIAL:
-            trial["windows"] += 1
-            if window[2] < LANE_MIN_SHARE * window[1]:
-                self.lane_idle = True
-                log.info("CPU lane set aside: over the last %d decode layer steps the planner gave it %d of %d "
-                         "picks (PCIe is faster for this host's experts); decode now runs as the exact mode does",
-                         LANE_TRIAL, window[2], window[1])
-            window[:] = [0, 0, 0]
-        return cpu
+        return cpu, n_cpu
 
     def _submit_lane(self, li: int, ids: np.ndarray, x: np.ndarray | None, weights: np.ndarray | None,
                      experts: list[int]) -> Any:
@@ -501,7 +490,8 @@ class MoeStepper:
                                    "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()]}}
         if self.lane is not None:
-            doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": self.lane_idle, "trial": dict(self.lane_trial)}
+            doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not self.lane_in_use(),
+                               "judge": self.lane_judge.snapshot()}
             if self.last_assignment is not None:
                 from glm53.cpu_lane.lane import assignment_json
 

@@ -1,0 +1,113 @@
+"""Whether offering decode steps to the CPU lane makes them faster, judged from the steps' own wall time.
+
+The planner's cost model prices a lane job by its kernel time, but offering the lane also costs every step a
+host-side share (the step's input rows cross with the ids, the combine waits for the partial and uploads it);
+on a host whose PCIe outruns its CPU the lane's picks buy less than that (the H200 machine: 3.9% of picks on the
+lane, decode at 0.86 of exact). So the lane is judged by outcome: during a trial, windows of decode layer steps
+alternate between offering the lane and not, and it stays on only if the steps with it were faster, by the
+median of the paired windows' ratios (pairs cancel drift, the median a noisy window). Ties go to the exact path.
+A decided lane is re-tried after REJUDGE windows, since the batch mix (rows per expert) moves the balance.
+
+Pure bookkeeping on a clock: MoeStepper calls `started(decode)` as each layer step begins and `done(picks, cpu)`
+once a decode step's lane decision is made; `offer()` says whether the next decode step offers the lane."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+WINDOW = 64          # decode layer steps per window (under one token of the real 75-layer model)
+PAIRS = 4            # lane-on / lane-off window pairs per trial
+MARGIN = 0.02        # the lane is kept only if it makes a layer step at least this much faster
+MIN_SHARE = 0.005    # ... and the planner gave it at least this share of the on-windows' picks
+REJUDGE = 256        # windows between the end of one trial and the start of the next
+IDLE_GAP_S = 0.5     # a longer interval between two decode steps is a pause between requests, not a step
+
+
+class LaneJudge:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, window: int = WINDOW, pairs: int = PAIRS,
+                 rejudge: int = REJUDGE):
+        self.clock = clock
+        self.window, self.pairs, self.rejudge = int(window), int(pairs), int(rejudge)
+        self.trials = 0
+        self.kept: bool | None = None        # the last trial's verdict (None before the first ends)
+        self.last_ratio: float | None = None  # median lane-on / lane-off step time of the last trial
+        self.last_share: float | None = None  # the lane's share of the on-windows' picks in the last trial
+        self._start_trial()
+
+    def _start_trial(self) -> None:
+        self.in_trial = True
+        self._arm = True
+        self._steps = 0              # decode steps done in the current window
+        self._window_index = 0       # 2p: pair p's lane-on window, 2p + 1: its lane-off window
+        self._time = [0.0] * (2 * self.pairs)
+        self._count = [0] * (2 * self.pairs)
+        self._picks = self._cpu = 0
+        self._last: tuple[float, int] | None = None  # (start, window index) of the previous decode step
+
+    def offer(self) -> bool:
+        """Whether the next decode step offers the lane its misses."""
+        return self._arm if self.in_trial else bool(self.kept)
+
+    def started(self, decode: bool) -> None:
+        """A layer step begins: the previous decode step's interval is charged to its window."""
+        now = self.clock()
+        last, self._last = self._last, None
+        if last is not None and decode and now - last[0] <= IDLE_GAP_S:
+            self._time[last[1]] += now - last[0]
+            self._count[last[1]] += 1
+        if decode and self.in_trial:
+            self._last = (now, self._window_index)
+
+    def done(self, picks: int, cpu: int) -> None:
+        """A decode step's lane decision is made (picks: the step's picks; cpu: those given to the lane)."""
+        self._steps += 1
+        if not self.in_trial:
+            if self._steps >= self.rejudge * self.window:
+                self._start_trial()
+            return
+        if self._arm:
+            self._picks += picks
+            self._cpu += cpu
+        if self._steps < self.window:
+            return
+        self._steps = 0
+        self._window_index += 1
+        self._arm = not self._arm
+        if self._window_index == 2 * self.pairs:
+            self._verdict()
+
+    def _verdict(self) -> None:
+        ratios = []
+        for p in range(self.pairs):
+            (t_on, t_off), (n_on, n_off) = self._time[2 * p: 2 * p + 2], self._count[2 * p: 2 * p + 2]
+            if n_on and n_off and t_off > 0:
+                ratios.append((t_on / n_on) / (t_off / n_off))
+        self.last_ratio = statistics.median(ratios) if ratios else None
+        self.last_share = self._cpu / self._picks if self._picks else 0.0
+        kept = (self.last_ratio is not None and self.last_ratio < 1 - MARGIN and self.last_share >= MIN_SHARE)
+        if kept != self.kept:
+            ratio = "no timed pairs" if self.last_ratio is None else f"{self.last_ratio:.3f}"
+            if kept:
+                log.info("CPU lane on: decode layer steps offering it took %s of the time of those without "
+                         "(median of %d paired windows); it had %.1f%% of their picks", ratio, self.pairs,
+                         100 * self.last_share)
+            else:
+                log.info("CPU lane set aside: decode layer steps offering it took %s of the time of those without "
+                         "(median of %d paired windows) with %.1f%% of their picks: PCIe serves this host's misses "
+                         "at least as fast; decode runs as the exact mode does (tried again later)", ratio,
+                         self.pairs, 100 * self.last_share)
+        self.kept = kept
+        self.trials += 1
+        self.in_trial = False
+        self._steps = 0
+        self._last = None
+
+    def snapshot(self) -> dict:
+        return {"in_trial": self.in_trial, "offer": self.offer(), "trials": self.trials, "kept": self.kept,
+                "ratio_on_over_off": None if self.last_ratio is None else round(self.last_ratio, 4),
+                "cpu_share": None if self.last_share is None else round(self.last_share, 4)}
