@@ -2,7 +2,8 @@
 # Install glm53 and what it needs into the Python environment given as $1 (default: python3 on PATH).
 # Used by the Dockerfile, by `make` (into .venv) and by CI, so one script is what everyone proves.
 #   docker/install.sh [PYTHON] [EXTRAS]      e.g. docker/install.sh .venv/bin/python dev
-# Torch: a CPU build where there is no NVIDIA driver, else the CUDA build PyPI serves; TORCH_SPEC overrides.
+# Torch: a CPU build where there is no NVIDIA driver, else the CUDA build PyPI serves; TORCH_SPEC (and
+# TORCH_INDEX, the index for a CPU build) override.
 set -euo pipefail
 python=${1:-python3}
 extras=${2:-}
@@ -13,12 +14,17 @@ if [ -z "${TORCH_SPEC:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     TORCH_SPEC="torch>=2.6"
   else
-    TORCH_SPEC="torch==2.13.0"   # CPU build where the registry mirror has it; enough for the demo and tests
+    TORCH_SPEC="torch==2.13.0"   # enough for the demo and tests
+    # PyPI's Linux wheel of torch is the CUDA build (several GB of libraries): take the CPU build from
+    # PyTorch's own index; a machine that cannot reach it (an offline mirror) falls back to its configured one.
+    TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
   fi
 fi
 if ! "$python" -c "import torch" >/dev/null 2>&1; then
-  echo "install: $TORCH_SPEC"
-  "${pip[@]}" "$TORCH_SPEC"
+  echo "install: $TORCH_SPEC${TORCH_INDEX:+ from $TORCH_INDEX}"
+  if [ -z "${TORCH_INDEX:-}" ] || ! "${pip[@]}" --retries 1 --timeout 30 --index-url "$TORCH_INDEX" "$TORCH_SPEC"; then
+    "${pip[@]}" "$TORCH_SPEC"
+  fi
 fi
 target="$root"
 [ -n "$extras" ] && target="${root}[${extras}]"

@@ -226,8 +226,11 @@ def render_markdown() -> str:
              "Set these in the environment (`docker run -e ...`) or in a `.env` file. An invalid value stops",
              "start-up with a message naming it (exit status 2); an unknown `GLM53_*` name is warned about.", "",
              "| setting | default | allowed | meaning |", "|---|---|---|---|"]
+    def cell(text: str) -> str:  # a bare | would end the cell (GLM53_MODE's allowed values are "auto | fast | ...")
+        return str(text).replace("|", "\\|")
+
     for s in SCHEMA:
-        lines.append(f"| `{s.name}` | `{_default_column(s)}` | {s.allowed} | {s.meaning} |")
+        lines.append(f"| `{s.name}` | `{cell(_default_column(s))}` | {cell(s.allowed)} | {cell(s.meaning)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -19,14 +19,14 @@ def drive(judge: LaneJudge, now: list[float], steps: int, on_s: float, off_s: fl
     return offered
 
 
-def test_faster_with_the_lane_keeps_it_slower_sets_it_aside_ties_go_to_the_exact_path():
-    for on_s, kept in ((0.9e-3, True), (1.1e-3, False), (0.99e-3, False)):
-        now = [0.0]
-        judge = LaneJudge(clock=lambda: now[0], window=8, pairs=3)
-        offered = drive(judge, now, 48 + 40, on_s, 1e-3)
-        assert offered[:16] == [True] * 8 + [False] * 8
-        assert judge.trials == 1 and judge.kept is kept and all(o is kept for o in offered[48:])
-        assert judge.last_ratio == pytest.approx(on_s / 1e-3)
+@pytest.mark.parametrize("on_s,kept", [(0.9e-3, True), (1.1e-3, False), (0.99e-3, False)])
+def test_faster_with_the_lane_keeps_it_slower_sets_it_aside_ties_go_to_the_exact_path(on_s, kept):
+    now = [0.0]
+    judge = LaneJudge(clock=lambda: now[0], window=8, pairs=3)
+    offered = drive(judge, now, 48 + 40, on_s, 1e-3)
+    assert offered[:16] == [True] * 8 + [False] * 8
+    assert judge.trials == 1 and judge.kept is kept and all(o is kept for o in offered[48:])
+    assert judge.last_ratio == pytest.approx(on_s / 1e-3)
 
 
 def test_a_lane_the_planner_gives_almost_nothing_is_set_aside_even_if_its_windows_were_faster():

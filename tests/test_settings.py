@@ -79,3 +79,15 @@ def test_every_setting_is_documented_once_in_env_example():
     text = (ROOT / ".env.example").read_text()
     for s in S.SCHEMA:
         assert text.count(f"# {s.name}=") == 1
+
+
+def test_configuration_table_rows_have_four_cells():
+    """A bare | inside a cell (GLM53_MODE's allowed values) would split the row into extra columns."""
+    import re
+
+    from glm53.settings import render_markdown
+
+    rows = [line for line in render_markdown().splitlines() if line.startswith("| `GLM53_")]
+    assert len(rows) == len(S.SCHEMA)
+    for row in rows:
+        assert len(re.findall(r"(?<!\\)\|", row)) == 5, row

@@ -44,8 +44,10 @@ def check_model(state: ServerState, model: str | None) -> None:
 
 def check_ready(state: ServerState) -> None:
     if not state.engine.ready:
-        why = f" (loading failed: {state.load_error})" if state.load_error else "; retry shortly"
-        raise APIError(503, f"The model is still loading{why}.", code="model_not_ready")
+        if state.load_error:  # the message names the fix (e.g. --ulimit memlock=-1 for a RAM tier that cannot pin)
+            raise APIError(503, f"The model could not be loaded: {state.load_error}. Fix that and restart the "
+                                "server; the log has the details.", code="model_load_failed")
+        raise APIError(503, "The model is still loading; retry shortly.", code="model_not_ready")
 
 
 def check_unsupported(req: SamplingFields) -> None:
