@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session's checks, in order of what is owed, each step under its own time limit, logs to $OUT.
 # Run from the repository root on the device, after `source .device-cache/setup.sh`:
-#   STEPS=tiny,bench bash tests/gpu/session.sh           # a subset (default: all, in the order of STEPS below)
+#   STEPS=bench bash tests/gpu/session.sh               # a subset (default: all, what is owed first; one call runs
+#                                                        # at most 10 min, so give bench and nvme a call each)
 # First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
 #   tiny      fast/nvme KL + top-1 and nvme-exact bit-identity (tests/test_gpu_modes.py -k tiny), then exact mode
 #             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
@@ -11,13 +12,14 @@
 #   bench     glm53 bench decode: stock, exact, exact-eager, exact-serial, fast (8 MoE layers as issue 5 asks, 3
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
 #             machine's ~100 s first-prefill penalty, so give it a call of its own)
-#   nvme      glm53 bench decode with the nvme modes at the 55 GiB fraction (packs a store: ~10 GB of disk)
+#   nvme      glm53 bench decode with the nvme modes (8 MoE layers) at the 55 GiB and the 16 GiB fraction (packs a
+#             store: ~20 GB of disk; at 4 layers it took 2 min)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-tiny,bench,lane,nvme,width,server}
+STEPS=${STEPS:-bench,nvme,tiny,width,server,lane}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.log"; }
 gpu_pytest() {  # name, limit (s), pytest args...
@@ -56,10 +58,13 @@ step_bench() {
     --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
 }
-step_nvme() {
-  timeout 400 python3 -m glm53 bench decode --moe-layers 4 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
+step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB and the 16 GiB fraction
+  timeout 400 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,fast,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
+  timeout 300 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
+    --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
+  stamp "nvme 16 GiB fraction rc=$?"
 }
 step_lane() {
   { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
