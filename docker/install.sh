@@ -23,6 +23,7 @@ fi
 if ! "$python" -c "import torch" >/dev/null 2>&1; then
   echo "install: $TORCH_SPEC${TORCH_INDEX:+ from $TORCH_INDEX}"
   if [ -z "${TORCH_INDEX:-}" ] || ! "${pip[@]}" --retries 1 --timeout 30 --index-url "$TORCH_INDEX" "$TORCH_SPEC"; then
+    [ -n "${TORCH_INDEX:-}" ] && echo "install: $TORCH_INDEX not usable here; $TORCH_SPEC from the configured index"
     "${pip[@]}" "$TORCH_SPEC"
   fi
 fi
