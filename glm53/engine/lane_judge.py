@@ -5,11 +5,18 @@ host-side share (the step's input rows cross with the ids, the combine waits for
 on a host whose PCIe outruns its CPU the lane's picks buy less than that (the H200 machine: 3.9% of picks on the
 lane, decode at 0.86 of exact). So the lane is judged by outcome: during a trial, windows of decode layer steps
 alternate between offering the lane and not, and it stays on only if the steps with it were faster, by the
-median of the paired windows' ratios (pairs cancel drift, the median a noisy window). Ties go to the exact path.
-A decided lane is re-tried after REJUDGE windows, since the batch mix (rows per expert) moves the balance.
+median of the paired windows' ratios. Ties go to the exact path. A decided lane is re-tried after REJUDGE
+windows, since the batch mix (rows per expert) moves the balance.
 
-Pure bookkeeping on a clock: MoeStepper calls `started(decode)` as each layer step begins and `done(picks, cpu)`
-once a decode step's lane decision is made; `offer()` says whether the next decode step offers the lane."""
+What keeps the comparison fair: a window ends only at a token's end (a step is timed up to the next one, so the
+last MoE layer's step also carries the token's head, sampling and dense layers: a window holding one more of
+those than its partner would decide the verdict); pairs alternate which window comes first (on-off, off-on, ...)
+so a steady trend, such as a cache still warming, cancels; an interval far longer than the steps so far is a
+pause between requests, not a step, and is not charged.
+
+Pure bookkeeping on a clock: MoeStepper calls `started(decode)` as each layer step begins and
+`done(picks, cpu, end_of_token)` once a decode step's lane decision is made; `offer()` says whether the next
+decode step offers the lane."""
 
 from __future__ import annotations
 
@@ -20,12 +27,14 @@ from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
-WINDOW = 64          # decode layer steps per window (under one token of the real 75-layer model)
+WINDOW = 64          # decode layer steps per window at least (then up to the token's end)
 PAIRS = 4            # lane-on / lane-off window pairs per trial
 MARGIN = 0.02        # the lane is kept only if it makes a layer step at least this much faster
 MIN_SHARE = 0.005    # ... and the planner gave it at least this share of the on-windows' picks
 REJUDGE = 256        # windows between the end of one trial and the start of the next
-IDLE_GAP_S = 0.5     # a longer interval between two decode steps is a pause between requests, not a step
+IDLE_GAP_S = 0.5     # a longer interval between two decode steps is a pause between requests, not a step ...
+IDLE_FACTOR = 50     # ... and so is one over this many times the typical step (with a floor of IDLE_FLOOR_S)
+IDLE_FLOOR_S = 0.02
 
 
 class LaneJudge:
@@ -37,13 +46,14 @@ class LaneJudge:
         self.kept: bool | None = None        # the last trial's verdict (None before the first ends)
         self.last_ratio: float | None = None  # median lane-on / lane-off step time of the last trial
         self.last_share: float | None = None  # the lane's share of the on-windows' picks in the last trial
+        self._typical: float | None = None    # a running mean of charged intervals (for the pause test)
         self._start_trial()
 
     def _start_trial(self) -> None:
         self.in_trial = True
-        self._arm = True
+        self._arm = True             # pair p offers the lane in its first window when p is even, else its second
         self._steps = 0              # decode steps done in the current window
-        self._window_index = 0       # 2p: pair p's lane-on window, 2p + 1: its lane-off window
+        self._window_index = 0       # windows 2p and 2p + 1 form pair p
         self._time = [0.0] * (2 * self.pairs)
         self._count = [0] * (2 * self.pairs)
         self._picks = self._cpu = 0
@@ -57,34 +67,42 @@ class LaneJudge:
         """A layer step begins: the previous decode step's interval is charged to its window."""
         now = self.clock()
         last, self._last = self._last, None
-        if last is not None and decode and now - last[0] <= IDLE_GAP_S:
-            self._time[last[1]] += now - last[0]
-            self._count[last[1]] += 1
+        if last is not None and decode:
+            dt = now - last[0]
+            limit = IDLE_GAP_S if self._typical is None else \
+                min(IDLE_GAP_S, max(IDLE_FLOOR_S, IDLE_FACTOR * self._typical))
+            if dt <= limit:
+                self._time[last[1]] += dt
+                self._count[last[1]] += 1
+                self._typical = dt if self._typical is None else 0.95 * self._typical + 0.05 * dt
         if decode and self.in_trial:
             self._last = (now, self._window_index)
 
-    def done(self, picks: int, cpu: int) -> None:
-        """A decode step's lane decision is made (picks: the step's picks; cpu: those given to the lane)."""
+    def done(self, picks: int, cpu: int, end_of_token: bool = True) -> None:
+        """A decode step's lane decision is made (picks: the step's picks; cpu: those given to the lane;
+        end_of_token: this was the last MoE layer's step, where windows may end)."""
         self._steps += 1
         if not self.in_trial:
-            if self._steps >= self.rejudge * self.window:
+            if self._steps >= self.rejudge * self.window and end_of_token:
                 self._start_trial()
             return
         if self._arm:
             self._picks += picks
             self._cpu += cpu
-        if self._steps < self.window:
+        if self._steps < self.window or not end_of_token:
             return
         self._steps = 0
         self._window_index += 1
-        self._arm = not self._arm
+        pair, second = divmod(self._window_index, 2)
+        self._arm = (pair % 2 == 0) != bool(second)
         if self._window_index == 2 * self.pairs:
             self._verdict()
 
     def _verdict(self) -> None:
         ratios = []
         for p in range(self.pairs):
-            (t_on, t_off), (n_on, n_off) = self._time[2 * p: 2 * p + 2], self._count[2 * p: 2 * p + 2]
+            on, off = (2 * p, 2 * p + 1) if p % 2 == 0 else (2 * p + 1, 2 * p)
+            t_on, t_off, n_on, n_off = self._time[on], self._time[off], self._count[on], self._count[off]
             if n_on and n_off and t_off > 0:
                 ratios.append((t_on / n_on) / (t_off / n_off))
         self.last_ratio = statistics.median(ratios) if ratios else None

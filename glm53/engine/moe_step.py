@@ -265,7 +265,7 @@ class MoeStepper:
             # A prestaged miss is already crossing PCIe: it stays on that lane, at no further cost.
             step.cpu, n_cpu = self._plan_lane(li, ids, [e for e in misses if e not in pre_rows] if pre_rows else misses)
             if self.lane is not None:
-                self.lane_judge.done(ids.size, n_cpu)
+                self.lane_judge.done(ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
             on_cpu = set(step.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
             admitted_slots: dict[int, int] = {}
@@ -490,7 +490,8 @@ class MoeStepper:
                                    "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()]}}
         if self.lane is not None:
-            doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not self.lane_in_use(),
+            judge = self.lane_judge
+            doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not judge.in_trial and not judge.kept,
                                "judge": self.lane_judge.snapshot()}
             if self.last_assignment is not None:
                 from glm53.cpu_lane.lane import assignment_json
