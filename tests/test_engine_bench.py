@@ -24,7 +24,13 @@ def test_report_has_a_line_per_mode_and_the_targets():
            "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True)}}
+    res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
+                                                            "cpu_share": 0.039}}}
+    res["modes"]["nvme"]["tiers"] = {"cpu_lane": {"judge": {"kept": None, "ratio_on_over_off": None,
+                                                            "cpu_share": None}}}
     text = B.report(res, 8)
+    assert "CPU lane set aside (steps offering it took 1.031 of the others, 0.039 of picks)" in text
+    assert "CPU lane on trial" in text and text.count("CPU lane") == 2
     for mode in res["modes"]:
         assert f"  {mode} " in text, mode
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",

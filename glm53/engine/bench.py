@@ -319,6 +319,18 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             r.close()
 
 
+def _judged(m: dict) -> str:
+    """The CPU lane's verdict in a mode that has one: whether decode steps offering it were faster."""
+    judge = (m.get("tiers") or {}).get("cpu_lane", {}).get("judge")
+    if not judge:
+        return ""
+    if judge["kept"] is None:
+        return "; CPU lane on trial"
+    ratio = judge["ratio_on_over_off"]
+    return (f"; CPU lane {'kept' if judge['kept'] else 'set aside'} (steps offering it took "
+            f"{'-' if ratio is None else f'{ratio:.3f}'} of the others, {judge['cpu_share']:.3f} of picks)")
+
+
 def report(res: dict, moe_layers: int | None) -> str:
     lines = [
         f"glm53 bench decode: {moe_layers or '?'} full-width MoE layers, {res['slots_per_layer']} VRAM slots/layer, "
@@ -334,7 +346,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                      + (f", x exact {paired:.3f} (paired)" if mode != "exact" and paired == paired else "")
                      + f"; hit rate {m['hit_rate']:.3f}, "
                      f"CPU-lane share {m['cpu_pick_share']:.3f}, lookahead recall {recall}, host "
-                     f"{m['host_us_per_layer_step']:.0f} us/layer step")
+                     f"{m['host_us_per_layer_step']:.0f} us/layer step" + _judged(m))
     lines.append(f"  PCIe bound ({res['h2d_MiB_per_token']:.0f} MiB/token at {res['h2d_GBps']:.1f} GB/s + stock step): "
                  f"{res['bound_decode_tok_s']:8.1f} tok/s (exact target >= 0.85 of it)")
     if "fast_over_exact" in res:
