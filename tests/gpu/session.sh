@@ -12,14 +12,14 @@
 #   bench     glm53 bench decode: stock, exact, exact-eager, exact-serial, fast (8 MoE layers as issue 5 asks, 3
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
 #             machine's ~100 s first-prefill penalty, so give it a call of its own)
-#   nvme      glm53 bench decode with the nvme modes (8 MoE layers) at the 55 GiB and the 16 GiB fraction (packs a
-#             store: ~20 GB of disk; at 4 layers it took 2 min)
+#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction
+#             (packs a store: ~20 GB of disk; at 4 layers it took 2 min); nvme16: the same at the 16 GiB fraction
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-bench,nvme,tiny,width,server,lane}
+STEPS=${STEPS:-bench,nvme,nvme16,tiny,width,server,lane}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.log"; }
 gpu_pytest() {  # name, limit (s), pytest args...
@@ -58,11 +58,13 @@ step_bench() {
     --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
 }
-step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB and the 16 GiB fraction
-  timeout 400 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,fast,nvme-exact,nvme \
+step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
+  timeout 500 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,fast,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
-  timeout 300 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
+}
+step_nvme16() {
+  timeout 400 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
@@ -78,6 +80,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: tiny bench lane nvme width server)"
+    stamp "unknown step $step (known: bench nvme nvme16 tiny width server lane)"
   fi
 done
