@@ -492,7 +492,7 @@ class MoeStepper:
         if self.lane is not None:
             judge = self.lane_judge
             doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not judge.in_trial and not judge.kept,
-                               "judge": self.lane_judge.snapshot()}
+                               "judge": judge.snapshot()}
             if self.last_assignment is not None:
                 from glm53.cpu_lane.lane import assignment_json
 
