@@ -42,7 +42,8 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--windows", type=int, default=2, help="A/B window pairs (default 2)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length, also timed as prefill (default 512)")
     p.add_argument("--work", metavar="DIR", help="where to write the synthetic checkpoint (default: a temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint")
+    p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and store under --work, and "
+                   "reuse them from there on the next run of the same shape (a warm GPU machine keeps /tmp)")
     p.add_argument("--modes", default="exact,exact-eager,exact-serial,fast",
                    help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
                         "exact-prestage, nvme-exact, nvme)")
@@ -399,11 +400,21 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     else:
         from glm53.fixture.exl3 import write_exl3_checkpoint
 
-        work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
-        t0 = time.perf_counter()
-        model_dir = write_exl3_checkpoint(work / "ckpt", shape="glm53", moe_layers=args.moe_layers, mtp_layers=0,
-                                          shards=max(2, args.moe_layers), router_skew=skew)
-        print(f"wrote a {args.moe_layers}-MoE-layer full-width checkpoint in {time.perf_counter() - t0:.0f} s")
+        if args.keep and args.work:  # a fixed place, so the next run of this shape finds it
+            work = Path(args.work) / f"glm53-bench-{args.moe_layers}L-{skew[0]}-{skew[1]}"
+            work.mkdir(parents=True, exist_ok=True)
+        else:
+            work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
+        model_dir, done = work / "ckpt", work / "ckpt.complete"
+        if done.exists():
+            print(f"reusing the {args.moe_layers}-MoE-layer full-width checkpoint in {model_dir}")
+        else:
+            t0 = time.perf_counter()
+            shutil.rmtree(model_dir, ignore_errors=True)
+            write_exl3_checkpoint(model_dir, shape="glm53", moe_layers=args.moe_layers, mtp_layers=0,
+                                  shards=max(2, args.moe_layers), router_skew=skew)
+            done.touch()
+            print(f"wrote a {args.moe_layers}-MoE-layer full-width checkpoint in {time.perf_counter() - t0:.0f} s")
         experts = 288
     slots = args.slots if args.slots is not None else round(CARD_FRACTION * experts)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -417,10 +428,14 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
         if work is None:
             work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
-        store = work / "experts.glm53"
-        t0 = time.perf_counter()
-        pack_store(PackOptions(model_dir, store, threads=8, progress=False), log=lambda m: None)
-        print(f"packed the expert store in {time.perf_counter() - t0:.0f} s")
+        store, done = work / "experts.glm53", work / "experts.complete"
+        if done.exists():
+            print(f"reusing the expert store {store}")
+        else:
+            t0 = time.perf_counter()
+            pack_store(PackOptions(model_dir, store, threads=8, progress=False), log=lambda m: None)
+            done.touch()
+            print(f"packed the expert store in {time.perf_counter() - t0:.0f} s")
     try:
         res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
                            store=store, ram_fraction=args.ram_fraction, profile=args.profile)

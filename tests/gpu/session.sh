@@ -9,9 +9,10 @@
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
 #             tests/gpu/stage_extras.sh)
 #   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
-#   bench     glm53 bench decode: stock, exact, exact-eager, exact-serial, fast (8 MoE layers as issue 5 asks, 3
+#   bench     glm53 bench decode: stock, exact, exact-eager, fast (8 MoE layers as issue 5 asks, 3
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
-#             machine's ~100 s first-prefill penalty, so give it a call of its own)
+#             machine's ~100 s first-prefill penalty, so give it a call of its own). bench, nvme and nvme16
+#             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
 #   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction
 #             (packs a store: ~20 GB of disk; at 4 layers it took 2 min); nvme16: the same at the 16 GiB fraction
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
@@ -54,17 +55,18 @@ step_width() {
   gpu_pytest exact-width 500 tests/test_gpu_engine.py -k glm53_width
 }
 step_bench() {
-  timeout 500 python3 -m glm53 bench decode --moe-layers 8 --tokens 128 --windows 3 --profile exact --work /tmp \
+  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 128 --windows 3 --profile exact --work /tmp --keep \
+    --modes exact,exact-eager,fast \
     --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
 }
 step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
-  timeout 500 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,fast,nvme-exact,nvme \
+  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --keep --modes exact,fast,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 }
 step_nvme16() {
-  timeout 400 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --modes exact,nvme-exact,nvme \
+  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --work /tmp --keep --modes exact,nvme-exact,nvme \
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
