@@ -3,7 +3,8 @@
 A pool of threads serves one priority queue: demand reads (a token is waiting) before prefetch reads (a
 guess), first come first served within a priority. Re-asking for a queued prefetch as a demand promotes it.
 Every request returns a concurrent.futures.Future; cancelling a prefetch that is still queued drops it.
-os.preadv releases the GIL, so a few Python threads keep an NVMe queue full.
+os.preadv releases the GIL, so a few Python threads keep an NVMe queue full. With pieces > 1 a record is read
+as that many aligned parts by whichever threads are idle (see StoreReader.__init__).
 
     reader = StoreReader(path, threads=4, allow_buffered=settings.allow_buffered_reads)
     arena = alloc_slots(64, reader.max_extent)              # pin it with cudaHostRegister if you like
@@ -29,7 +30,7 @@ import xxhash
 
 from store.directio import open_for_read, pread_into
 from store.errors import StoreCorruptError, StoreReadError
-from store.format import ALIGN, DTYPES, PROJECTIONS, Layout, RecordEntry, StoreHeader, read_header
+from store.format import ALIGN, DTYPES, PROJECTIONS, Layout, RecordEntry, StoreHeader, align_up, read_header
 from store.verify import pack_command
 
 log = logging.getLogger("glm53.store")
@@ -74,23 +75,38 @@ class ReadDone:
 
 
 class _Task:
-    __slots__ = ("entry", "out", "future", "verify", "priority", "taken", "key")
+    """One record read. A task split into parts stays at the head of the heap until its last part is handed out
+    (`taken`), so its parts keep the task's place in the priority order; `left` counts parts not yet landed."""
+    __slots__ = ("entry", "out", "future", "verify", "priority", "taken", "key",
+                 "parts", "next", "left", "failed", "t0", "attempts")
 
-    def __init__(self, entry: RecordEntry, out: np.ndarray, verify: bool, priority: int, key: tuple):
+    def __init__(self, entry: RecordEntry, out: np.ndarray, verify: bool, priority: int, key: tuple,
+                 parts: list[tuple[int, int]] | None = None):
         self.entry, self.out, self.verify, self.priority, self.key = entry, out, verify, priority, key
         self.future: Future = Future()
         self.taken = False
+        self.parts = parts          # (start, length) inside the extent; None: one pread, the unsplit path
+        self.next, self.left, self.failed = 0, len(parts or ()), False
+        self.t0, self.attempts = 0.0, 1
 
 
 class StoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
-                 retries: int = 2, header: StoreHeader | None = None, warn=None):
+                 retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
+                 min_piece: int = 1 << 20):
         """Open a store for reading. Raises StoreFormatError for a bad header and DirectIOUnsupported when the
-        filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads)."""
+        filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads).
+
+        pieces: read each record as up to this many equal 4 KiB-aligned parts (none smaller than min_piece) that
+        idle threads read at once. A lone large pread on a virtual disk can run far below the disk's aggregate
+        rate, and a step that waits on one record waits on that lone read; splitting it puts several requests in
+        flight. 1 (the default) reads a record with one pread, as before."""
         self.path = Path(path)
         self.header = header or read_header(self.path)
         self.verify = verify
         self.retries = max(0, retries)
+        self.pieces = max(1, pieces)
+        self.min_piece = align_up(max(1, min_piece))
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
         self._heap: list[tuple[int, int, _Task]] = []
         self._queued: dict[tuple, _Task] = {}
@@ -147,12 +163,21 @@ class StoreReader:
                         heapq.heappush(self._heap, (task.priority, next(self._seq), task))
                     futures.append(task.future)
                     continue
-                task = _Task(entry, out, self.verify if verify is None else verify, int(priority), key)
+                task = _Task(entry, out, self.verify if verify is None else verify, int(priority), key,
+                             self._split(entry.extent) if self.pieces > 1 else None)
                 self._queued[key] = task
                 heapq.heappush(self._heap, (task.priority, next(self._seq), task))
                 futures.append(task.future)
             self._cv.notify(len(prepared))
         return futures
+
+    def _split(self, extent: int) -> list[tuple[int, int]] | None:
+        """Parts of one extent (an ALIGN multiple): n-1 of an aligned size, the last takes the remainder."""
+        n = min(self.pieces, extent // self.min_piece)
+        if n < 2:
+            return None
+        size = extent // n // ALIGN * ALIGN
+        return [(i * size, size if i < n - 1 else extent - i * size) for i in range(n)]
 
     def _check_buffer(self, out: np.ndarray, entry: RecordEntry) -> int:
         """Refuse a buffer the read cannot land in; returns its address (looking it up costs about a microsecond,
@@ -176,11 +201,21 @@ class StoreReader:
                     self._cv.wait()
                 if not self._heap:
                     return
-                _, _, task = heapq.heappop(self._heap)
+                task = self._heap[0][2]
                 if task.taken:
-                    continue                # a stale heap item left behind by a promotion
-                task.taken = True
-                self._queued.pop(task.key, None)
+                    heapq.heappop(self._heap)
+                    continue                # a stale heap item left behind by a promotion, cancel or failure
+                if task.parts is not None:
+                    part = self._take_part(task)
+                    if part is None:
+                        continue
+                else:
+                    heapq.heappop(self._heap)
+                    task.taken = True
+                    self._queued.pop(task.key, None)
+            if task.parts is not None:
+                self._read_part(task, part)
+                continue
             if not task.future.set_running_or_notify_cancel():
                 self._count("cancelled")
                 continue
@@ -194,12 +229,14 @@ class StoreReader:
         with self._cv:
             self._stats[key] += n
 
-    def _read(self, task: _Task) -> ReadDone:
+    def _read(self, task: _Task, first: int = 1, problem: str = "", corrupt: bool = False,
+              t0: float | None = None) -> ReadDone:
+        """Read and check the whole record. A split read whose bytes failed the check comes back here as attempt 2,
+        with the problem so far (and its start time)."""
         e = task.entry
         view = task.out[:e.extent]
-        t0 = time.perf_counter()
-        problem, corrupt = "", False
-        for attempt in range(1, self.retries + 2):
+        t0 = time.perf_counter() if t0 is None else t0
+        for attempt in range(first, self.retries + 2):
             if attempt > 1:
                 self._count("retries")
                 time.sleep(0.005 * attempt)
@@ -218,10 +255,81 @@ class StoreReader:
                 self._stats["reads"] += 1
                 self._stats["bytes"] += got
             return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
+        raise self._error(e, problem, corrupt)
+
+    def _error(self, e: RecordEntry, problem: str, corrupt: bool) -> Exception:
         cls = StoreCorruptError if corrupt else StoreReadError
-        raise cls(f"store {self.path}: {e.where()}: {problem}, after {self.retries + 1} attempts",
-                  f"run glm53 verify-store {self.path}; if it fails (or the disk reports errors in dmesg), "
-                  f"repack: {pack_command(self.path, self.header.source_hint)}")
+        return cls(f"store {self.path}: {e.where()}: {problem}, after {self.retries + 1} attempts",
+                   f"run glm53 verify-store {self.path}; if it fails (or the disk reports errors in dmesg), "
+                   f"repack: {pack_command(self.path, self.header.source_hint)}")
+
+    # -- split reads ----------------------------------------------------------------------------------------
+    def _take_part(self, task: _Task) -> int | None:
+        """Hand out the next part of the task at the heap head (the caller holds the lock). The future turns
+        running under the lock, with the first part: no other thread may write into a cancelled read's buffer."""
+        part = task.next
+        task.next += 1
+        if task.next == len(task.parts):
+            heapq.heappop(self._heap)
+            task.taken = True
+            self._queued.pop(task.key, None)
+        if part == 0:
+            if not task.future.set_running_or_notify_cancel():
+                task.taken = True           # its other parts, if any are left, become stale heap items
+                self._queued.pop(task.key, None)
+                self._stats["cancelled"] += 1
+                return None
+            task.t0 = time.perf_counter()
+        return part
+
+    def _read_part(self, task: _Task, part: int) -> None:
+        """Read one part with today's retries; the thread that lands the last part checks and resolves the record."""
+        e = task.entry
+        start, n = task.parts[part]
+        try:
+            view = memoryview(task.out[start:start + n])
+            problem = ""
+            for attempt in range(1, self.retries + 2):
+                if task.failed:
+                    return                  # another part gave up: the future already holds the error
+                if attempt > 1:
+                    self._count("retries")
+                    time.sleep(0.005 * attempt)
+                try:
+                    got = pread_into(self.fd, view, e.offset + start)
+                except OSError as exc:
+                    problem = f"I/O error: {exc.strerror or exc}"
+                    continue
+                if got < n:
+                    problem = (f"short read ({got} of {n} bytes at +{start} of {e.extent}; "
+                               "the file may be truncated)")
+                    continue
+                break
+            else:
+                raise self._error(e, problem, False)
+            with self._cv:
+                task.attempts = max(task.attempts, attempt)
+                task.left -= 1
+                if task.left:
+                    return
+            record = task.out[:e.extent]
+            if task.verify and xxhash.xxh3_64_intdigest(memoryview(record)) != e.xxh3:
+                done = self._read(task, 2, "the bytes fail the record's xxh3 check", True, task.t0)
+            else:
+                with self._cv:
+                    self._stats["reads"] += 1
+                    self._stats["bytes"] += e.extent
+                done = ReadDone(e.layer, e.expert, record, task.attempts, time.perf_counter() - task.t0)
+            task.future.set_result(done)
+        except BaseException as exc:       # the caller gets every failure through its future, once
+            with self._cv:
+                if task.failed:
+                    return
+                task.failed = task.taken = True
+                if self._queued.get(task.key) is task:    # once all parts are out, the key may name a newer read
+                    del self._queued[task.key]
+                self._stats["errors"] += 1
+            task.future.set_exception(exc)
 
     def stats(self) -> dict:
         with self._cv:
@@ -235,10 +343,13 @@ class StoreReader:
                 return
             self._closed = True
             for task in self._queued.values():
+                if task.next:
+                    continue                # a split read under way: its future resolves once its parts are read
                 task.taken = True
                 task.future.cancel()
             self._queued.clear()
-            self._heap.clear()
+            self._heap = [item for item in self._heap if not item[2].taken]
+            heapq.heapify(self._heap)
             self._cv.notify_all()
         for t in self._threads:
             t.join()

@@ -21,9 +21,11 @@ def mode_doc(tok: float, nvme: bool = False) -> dict:
 def test_report_has_a_line_per_mode_and_the_targets():
     res = {"h2d_GBps": 50.0, "stock_decode_tok_s": 100.0, "stock_prefill_tok_s": 2000.0, "bound_decode_tok_s": 80.0,
            "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "disk_GBps": 6.5,
-           "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
+           "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run", "pieces_effect": 1.25,
+           "record_ms_by_pieces": {"1": 7.27, "4": 3.95},
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
-                     "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True)}}
+                     "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
+                     "nvme-exact-whole": mode_doc(16.0, nvme=True)}}
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
                                                             "cpu_share": 0.039}}}
     res["modes"]["nvme"]["tiers"] = {"cpu_lane": {"judge": {"kept": None, "ratio_on_over_off": None,
@@ -34,14 +36,19 @@ def test_report_has_a_line_per_mode_and_the_targets():
     for mode in res["modes"]:
         assert f"  {mode} " in text, mode
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
-                 "nvme picks per tier: vram_hit 0.600", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
+                 "nvme picks per tier: vram_hit 0.600",
+                 "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
+                 "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
         assert what in text, what
 
 
 def test_nvme_opener_measures_the_disk(tmp_path):
     ck, store = make_store(tmp_path, layers=3, experts=16)
-    opener, rate = B.nvme_opener(ck, store, 0.5, threads=2)
+    opener, rate, latency, share = B.nvme_opener(ck, store, 0.75, threads=2)
+    assert share == 0.75  # 24 of the 2 MoE layers x 16 experts
+    assert B.nvme_opener(ck, store, 0.1, threads=2)[3] == 17 / 32  # one layer's 16 experts plus one
     assert callable(opener) and rate > 0
+    assert set(latency) == {1, 4, 8} and all(t > 0 for t in latency.values())
 
 
 def test_paired_ratio_cancels_drift_between_windows():

@@ -1,4 +1,4 @@
-"""The engine's reader: priorities, promotion, cancellation, retries, errors, buffers, buffered fallback."""
+"""The engine's reader: priorities, promotion, cancellation, retries, errors, buffers, fallback, split reads."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 import store.reader as R
 from store.directio import alloc_aligned, alloc_slots
-from store.errors import DirectIOUnsupported, StoreReadError
+from store.errors import DirectIOUnsupported, StoreCorruptError, StoreReadError
 from store.format import read_header
 from store.pack import PackOptions, pack_store
 from store.reader import Priority, StoreReader
@@ -208,3 +208,198 @@ def test_threads_read_concurrently(store):
         futs = r.read_many([(layer, e, arena[i]) for i, (layer, e) in enumerate(keys)])
         assert all(f.result(10).data.tobytes() == reference(store, *k) for k, f in zip(keys, futs, strict=True))
         assert r.stats()["reads"] == 64 and r.stats()["queued"] == 0
+
+
+# -- split reads (pieces > 1): the test store's records are 40 KiB, so min_piece=4096 splits them in four --------
+
+SPLIT = {"pieces": 4, "min_piece": 4096}
+
+
+def parts(r, layer, expert):
+    """File offsets of the parts a split reader reads (layer, expert) in."""
+    e = r.header.entry(layer, expert)
+    return [e.offset + start for start, _ in r._split(e.extent)]
+
+
+class Faults:
+    """Wraps pread_into: records every (offset, length); `how(call, real, fd, view, offset)` handles the reads
+    that cover the byte at `target` (the other reads go through)."""
+
+    def __init__(self, monkeypatch, target, how):
+        self.real, self.target, self.how, self.calls, self.seen = R.pread_into, target, how, 0, []
+        monkeypatch.setattr(R, "pread_into", self)
+
+    def __call__(self, fd, view, offset):
+        self.seen.append((offset, len(view)))
+        if not offset <= self.target < offset + len(view):
+            return self.real(fd, view, offset)
+        self.calls += 1
+        return self.how(self.calls, self.real, fd, view, offset)
+
+
+def test_split_reads_land_the_same_bytes_in_aligned_parts(store, monkeypatch):
+    rec = Faults(monkeypatch, -1, None)
+    with StoreReader(store, threads=4, verify=True, **SPLIT) as r, StoreReader(store, threads=2) as whole:
+        keys = r.keys()
+        arena, ref = alloc_slots(len(keys), r.max_extent), alloc_slots(len(keys), r.max_extent)
+        futs = r.read_many([(layer, e, arena[i]) for i, (layer, e) in enumerate(keys)])
+        refs = whole.read_many([(layer, e, ref[i]) for i, (layer, e) in enumerate(keys)])
+        for k, f, g in zip(keys, futs, refs, strict=True):
+            done = f.result(10)
+            assert (done.layer, done.expert, done.attempts) == (*k, 1) and done.seconds >= 0
+            assert done.data.tobytes() == g.result(10).data.tobytes() == reference(store, *k)
+        h = r.header
+        assert r.stats()["reads"] == len(keys) and r.stats()["bytes"] == sum(h.entry(*k).extent for k in keys)
+        split = [(o, n) for o, n in rec.seen if n < r.max_extent]
+        assert len(split) == 4 * len(keys) and all(o % 4096 == 0 and n % 4096 == 0 for o, n in split)
+        for k in keys:                                   # each record's parts tile its extent exactly
+            e = h.entry(*k)
+            mine = sorted((o, n) for o, n in split if e.offset <= o < e.offset + e.extent)
+            assert mine[0][0] == e.offset and sum(n for _, n in mine) == e.extent
+            assert all(a + m == b for (a, m), (b, _) in zip(mine, mine[1:], strict=False))
+    assert r._split(40960) == [(0, 8192), (8192, 8192), (16384, 8192), (24576, 16384)]
+
+
+def test_records_below_two_min_pieces_stay_one_read(store, monkeypatch):
+    rec = Faults(monkeypatch, -1, None)
+    with StoreReader(store, threads=2, pieces=4) as r:                # min_piece 1 MiB: the 40 KiB records stay whole
+        assert r.read(1, 3, alloc_aligned(r.max_extent)).result(10).data.tobytes() == reference(store, 1, 3)
+        assert rec.seen == [(r.header.entry(1, 3).offset, r.max_extent)]
+
+
+def test_split_demand_parts_go_before_queued_prefetch_parts(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1, **SPLIT) as r:
+        arena = alloc_slots(4, r.max_extent)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        assert gate.entered.wait(10)                        # the only worker holds the first part of (1, 0)
+        pre = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        dem = r.read(2, 7, arena[2], priority=Priority.DEMAND)
+        gate.release.set()
+        for f, k in [(first, (1, 0)), (pre, (1, 1)), (dem, (2, 7))]:
+            assert f.result(10).data.tobytes() == reference(store, *k)
+        a, b, d = parts(r, 1, 0), parts(r, 1, 1), parts(r, 2, 7)
+        assert gate.order == a[:1] + d + a[1:] + b
+
+
+def test_asking_again_as_demand_promotes_a_queued_split_prefetch(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1, **SPLIT) as r:
+        arena = alloc_slots(3, r.max_extent)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        assert gate.entered.wait(10)
+        a = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        b = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
+        assert r.read(1, 2, arena[2], priority=Priority.DEMAND) is b
+        assert r.read(1, 0, arena[0], priority=Priority.DEMAND) is first   # its parts not yet taken move up too
+        gate.release.set()
+        for f in (first, a, b):
+            f.result(10)
+        assert gate.order == parts(r, 1, 0)[:1] + parts(r, 1, 2) + parts(r, 1, 0)[1:] + parts(r, 1, 1)
+        assert r.stats()["reads"] == 3
+
+
+def test_a_queued_split_read_can_be_cancelled_but_not_one_under_way(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1, **SPLIT) as r:
+        arena = alloc_slots(3, r.max_extent)
+        running = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        assert gate.entered.wait(10)
+        doomed = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        kept = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
+        assert doomed.cancel() and not running.cancel()
+        gate.release.set()
+        assert running.result(10).data.tobytes() == reference(store, 1, 0)
+        kept.result(10)
+        assert not set(parts(r, 1, 1)) & set(gate.order)
+        assert r.stats()["cancelled"] == 1 and r.stats()["reads"] == 2
+
+
+def test_close_finishes_a_split_read_under_way_and_cancels_the_queued_ones(store, monkeypatch):
+    gate = Gate(monkeypatch)
+    r = StoreReader(store, threads=1, **SPLIT)
+    arena = alloc_slots(2, r.max_extent)
+    running = r.read(1, 0, arena[0])
+    assert gate.entered.wait(10)
+    queued = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+    threading.Timer(0.05, gate.release.set).start()
+    r.close()
+    assert running.result(10).data.tobytes() == reference(store, 1, 0) and queued.cancelled()
+
+
+def test_a_failed_part_is_retried_in_place(store, monkeypatch):
+    def flaky(n, real, fd, view, offset):
+        if n == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        if n == 2:
+            return 4096                                    # a short read
+        return real(fd, view, offset)
+
+    with StoreReader(store, threads=2, retries=2, verify=True, **SPLIT) as r:
+        target = parts(r, 1, 3)[2]
+        faults = Faults(monkeypatch, target, flaky)
+        done = r.read(1, 3, alloc_aligned(r.max_extent)).result(10)
+        assert done.attempts == 3 and r.stats()["retries"] == 2 and r.stats()["reads"] == 1
+        assert done.data.tobytes() == reference(store, 1, 3)
+        assert [o for o, _ in faults.seen].count(target) == 3       # only that part was read again
+        assert len(faults.seen) == 6
+
+
+def test_a_part_that_keeps_failing_fails_the_record_and_skips_the_rest(store, monkeypatch):
+    def broken(n, real, fd, view, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    with StoreReader(store, threads=1, retries=1, **SPLIT) as r:
+        p = parts(r, 2, 6)
+        faults = Faults(monkeypatch, p[2], broken)
+        with pytest.raises(StoreReadError) as ei:
+            r.read(2, 6, alloc_aligned(r.max_extent)).result(10)
+        assert str(store) in ei.value.problem and "(layer 2, expert 6)" in ei.value.problem
+        assert "Input/output error" in ei.value.problem and "after 2 attempts" in ei.value.problem
+        assert "glm53 verify-store" in ei.value.fix
+        assert [o for o, _ in faults.seen] == [p[0], p[1], p[2], p[2]]   # the last part is never read
+        assert r.stats()["errors"] == 1 and r.stats()["queued"] == 0
+        assert r.read(2, 5, alloc_aligned(r.max_extent)).result(10).data.tobytes() == reference(store, 2, 5)
+
+
+def test_a_truncated_store_gives_a_short_read_error_with_split_reads(store, tmp_path):
+    p = tmp_path / "s.glm53"
+    p.write_bytes(store.read_bytes())
+    with StoreReader(p, threads=2, retries=0, **SPLIT) as r:
+        last = r.keys()[-1]
+        os.truncate(p, r.header.entry(*last).offset + 4096)
+        with pytest.raises(StoreReadError, match="short read"):
+            r.read(*last, alloc_aligned(r.max_extent)).result(10)
+
+
+def flip_once(n, real, fd, view, offset):
+    got = real(fd, view, offset)
+    if n == 1:
+        view[1000] = (view[1000] + 1) % 256                # the disk returned a wrong byte, once
+    return got
+
+
+def flip_always(n, real, fd, view, offset):
+    got = real(fd, view, offset)
+    view[1000] = (view[1000] + 1) % 256
+    return got
+
+
+def test_a_checksum_mismatch_in_a_part_rereads_the_whole_record(store, monkeypatch):
+    with StoreReader(store, threads=2, verify=True, **SPLIT) as r:
+        e = r.header.entry(1, 4)
+        faults = Faults(monkeypatch, parts(r, 1, 4)[1] + 1000, flip_once)
+        done = r.read(1, 4, alloc_aligned(r.max_extent)).result(10)
+        assert done.data.tobytes() == reference(store, 1, 4) and done.attempts == 2
+        assert faults.seen[-1] == (e.offset, e.extent)             # the re-read is one whole-record pread
+        assert r.stats()["retries"] == 1 and r.stats()["reads"] == 1 and r.stats()["errors"] == 0
+
+
+def test_a_checksum_mismatch_that_persists_is_a_corrupt_record(store, monkeypatch):
+    with StoreReader(store, threads=2, verify=True, retries=2, **SPLIT) as r:
+        Faults(monkeypatch, parts(r, 2, 1)[3] + 1000, flip_always)
+        with pytest.raises(StoreCorruptError) as ei:
+            r.read(2, 1, alloc_aligned(r.max_extent)).result(10)
+        assert "(layer 2, expert 1)" in ei.value.problem and "xxh3" in ei.value.problem
+        assert "after 3 attempts" in ei.value.problem and "glm53 verify-store" in ei.value.fix
+        assert r.stats()["errors"] == 1 and r.stats()["retries"] == 2

@@ -17,6 +17,7 @@ segfaulted (2026-11-29, DESIGN section 3), so it dies at load.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import shutil
@@ -46,7 +47,8 @@ def register_bench(bench_sub: Any) -> None:
                    "reuse them from there on the next run of the same shape (a warm GPU machine keeps /tmp)")
     p.add_argument("--modes", default="exact,exact-eager,exact-serial,fast",
                    help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
-                        "exact-prestage, nvme-exact, nvme)")
+                        "exact-prestage, nvme-exact, nvme, and nvme-exact-whole: nvme-exact reading each record "
+                        "in one piece, as before)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -57,7 +59,7 @@ def register_bench(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_decode)
 
 
-MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme")
+MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", "nvme-exact-whole")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -112,6 +114,8 @@ class _Runner:
         self.tiered = None
         if slots is not None:
             prestage = mode == "exact-prestage"
+            if mode == "nvme-exact-whole":  # the previous reader: each record one pread (paired comparison)
+                nvme_open = functools.partial(nvme_open, read_pieces=1)
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
                                     prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
                                     overlap_copies=mode != "exact-serial",
@@ -177,29 +181,36 @@ class _Runner:
         torch.cuda.empty_cache()
 
 
-def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int = 8) -> tuple[Any, float]:
-    """TieredMoE's nvme_open for a RAM tier of `ram_fraction` of all experts, and the store's raw O_DIRECT
-    random-read rate (bytes/s) measured now over a layer's worth of its records."""
+def nvme_opener(model_dir: Path, store: Path, ram_fraction: float,
+                threads: int = 8) -> tuple[Any, float, dict, float]:
+    """TieredMoE's nvme_open for a RAM tier of `ram_fraction` of all experts, the store's raw O_DIRECT
+    random-read rate (bytes/s) measured now over a layer's worth of its records, and the median seconds one record
+    read alone takes, by how many parallel pieces it is read in, and the RAM tier's share it gave."""
     import random
 
     from glm53.plan import Plan
-    from glm53.tiers.nvme import open_nvme_tier
-    from glm53.tiers.nvme_bench import raw_pass
+    from glm53.tiers.nvme import READ_PIECES, open_nvme_tier
+    from glm53.tiers.nvme_bench import raw_pass, record_latency
     from store.format import read_header
 
     head = read_header(store)
     keys = sorted(head.index)
-    ram = round(ram_fraction * len(keys))
+    # The tier needs one layer's experts plus one in RAM (a prefill streams a whole layer); a few-layer checkpoint
+    # at the 16 GiB fraction falls just under that, so it gets that minimum (printed as the fraction it is).
+    per_layer = max(sum(1 for k in keys if k[0] == layer) for layer in {k[0] for k in keys})
+    ram = max(round(ram_fraction * len(keys)), per_layer + 1)
     plan = Plan(mode="nvme", device="cuda:0", gpu_index=0, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
                 vram_slots_per_layer=0, ram_slots=ram, ram_tier_bytes=ram * head.max_extent, cpu_threads=0,
                 nvme_threads=threads, kv_tokens=0, budget="normal", store=str(store))
     rate = raw_pass(store, random.Random(0).sample(keys, min(len(keys), 288)), threads)
+    lone = random.Random(1).sample(keys, min(len(keys), 24))
+    latency = {parts: record_latency(store, lone, parts) for parts in (1, 4, 8)}
 
-    def open_(slots: list[int], staging: int) -> Any:
+    def open_(slots: list[int], staging: int, read_pieces: int = READ_PIECES) -> Any:
         return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
-                              warm=False)
+                              warm=False, read_pieces=read_pieces)
 
-    return open_, rate
+    return open_, rate, latency, ram / len(keys)
 
 
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
@@ -209,11 +220,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
 
     rate = h2d_rate()
     log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
-    nvme_open, disk_rate = None, None
+    nvme_open, disk_rate, latency = None, None, {}
     if any(m.startswith("nvme") for m in modes):
-        nvme_open, disk_rate = nvme_opener(model_dir, store, ram_fraction)
+        nvme_open, disk_rate, latency, ram_fraction = nvme_opener(model_dir, store, ram_fraction)
         log(f"store {store}: raw O_DIRECT random reads {disk_rate / 1e9:.2f} GB/s; RAM tier {ram_fraction:.3f} of "
-            f"the experts")
+            f"the experts; one record alone: " + ", ".join(f"{t * 1e3:.2f} ms in {n} piece(s)"
+                                                          for n, t in latency.items()))
     cache_tokens = prompt_tokens + tokens + 512
     runners: dict[str, _Runner] = {}
     try:
@@ -275,6 +287,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             "windows": [{k: v for k, v in x.items() if k != "tokens"} for x in rows],
             "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (DESIGN section 3)",
             "disk_GBps": None if disk_rate is None else disk_rate / 1e9,
+            "record_ms_by_pieces": {str(n): t * 1e3 for n, t in latency.items()},
             "ram_fraction": ram_fraction if nvme_open is not None else None,
         }
         for mode in modes:
@@ -310,7 +323,9 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 disk_s = m["store_MiB_per_token"] * 2**20 / disk_rate
                 m["bound_decode_tok_s"] = 1 / max(gpu_s, disk_s)
                 m["over_own_bound"] = m["decode_tok_s"] * max(gpu_s, disk_s)
-        exact_like = [m for m in modes if m.startswith("exact") or m == "nvme-exact"]
+        exact_like = [m for m in modes if m.startswith(("exact", "nvme-exact"))]
+        if "nvme-exact" in modes and "nvme-exact-whole" in modes:
+            result["pieces_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-whole")
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
@@ -354,8 +369,12 @@ def report(res: dict, moe_layers: int | None) -> str:
         lines.append(f"  fast / exact: {res['fast_over_exact']:.3f}, median of paired windows (target >= 1.5)")
     if res.get("disk_GBps") is not None:
         lines.append(f"  store: raw O_DIRECT {res['disk_GBps']:.2f} GB/s; RAM tier {res['ram_fraction']:.3f} of the "
-                     f"experts")
-        for mode in ("nvme-exact", "nvme"):
+                     f"experts; one record alone: " + ", ".join(f"{t:.2f} ms in {n} piece(s)" for n, t in
+                                                                res.get("record_ms_by_pieces", {}).items()))
+        if "pieces_effect" in res:
+            lines.append(f"  nvme-exact / nvme-exact-whole (each record read in parallel parts / in one pread): "
+                         f"{res['pieces_effect']:.3f}, median of paired windows")
+        for mode in ("nvme-exact", "nvme", "nvme-exact-whole"):
             if mode in res["modes"]:
                 sh = res["modes"][mode]["pick_shares"]
                 m = res["modes"][mode]

@@ -255,6 +255,33 @@ def raw_pass(store: Path, keys, threads: int) -> float:
     return raw_random(store, [(head.index[k].offset, head.index[k].extent) for k in keys], bufs)
 
 
+def record_latency(store: Path, keys, parts: int) -> float:
+    """Median seconds to read one record alone (nothing else in flight), as `parts` equal 4 KiB-aligned pieces
+    read at once by as many threads: what a demand read waits when the disk is otherwise idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from store.directio import ALIGN, alloc_slots, open_for_read, pread_into
+    from store.format import read_header
+
+    head = read_header(store)
+    buf = alloc_slots(1, head.max_extent)[0]
+    buf[:] = 1
+    fd, _ = open_for_read(store, allow_buffered=True)
+    times = []
+    try:
+        with ThreadPoolExecutor(parts) as pool:
+            for k in keys:
+                e = head.index[k]
+                step = -(-e.extent // parts // ALIGN) * ALIGN
+                pieces = [(e.offset + o, buf[o:min(o + step, e.extent)]) for o in range(0, e.extent, step)]
+                t0 = time.perf_counter()
+                list(pool.map(lambda p: pread_into(fd, memoryview(p[1]), p[0]), pieces))
+                times.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return sorted(times)[len(times) // 2]
+
+
 def stream_pass(store: Path, model: Path, plan, keys, top_k: int) -> float:
     """Random records demanded through a cold tier, one layer's top-k per step, nothing else going on."""
     import numpy as np
