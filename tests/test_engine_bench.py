@@ -25,7 +25,9 @@ def test_report_has_a_line_per_mode_and_the_targets():
            "record_ms_by_pieces": {"1": 7.27, "4": 3.95},
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
-                     "nvme-exact-whole": mode_doc(16.0, nvme=True)}}
+                     "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
+    res["ahead2_effect"] = 1.2
+    res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
                                                             "cpu_share": 0.039}}}
     res["modes"]["nvme"]["tiers"] = {"cpu_lane": {"judge": {"kept": None, "ratio_on_over_off": None,
@@ -38,7 +40,9 @@ def test_report_has_a_line_per_mode_and_the_targets():
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
-                 "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
+                 "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier",
+                 "(store reads started two layers ahead too / one): 1.200, median of paired windows; recall two layers "
+                 "ahead 0.41", "nvme-exact-ahead2 picks per tier", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
         assert what in text, what
 
 

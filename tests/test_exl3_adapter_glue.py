@@ -322,13 +322,14 @@ def test_recompute_gives_the_exact_path_numbers(ck):
 # ---- nvme modes: misses through a record store packed from the checkpoint ----------------------------------------
 
 
-@pytest.mark.parametrize("staging", [None, 32])
-def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging):
+@pytest.mark.parametrize("staging, depth", [(None, 1), (32, 1), (None, 2)])
+def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging, depth):
     stock = stock_model(ck)
     # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops. With 32 staging rows
-    # the lookahead also prestages predicted RAM experts (held against drops until copied).
+    # the lookahead also prestages predicted RAM experts (held against drops until copied). Depth 2 also reads
+    # the guesses for the layer after next.
     model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, prestage=True, staging_slots=staging,
-                                 nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
+                                 lookahead_depth=depth, nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
     try:
         drive(stock, model, schedule(8, 30), 8, bit_identical, tiered)
         snap = tiered.snapshot()
@@ -337,6 +338,11 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging):
         assert snap["nvme_fault"] is None or not snap["nvme_fault"].get("faults")
         if staging:
             assert snap["lookahead"]["prestaged"]["used"] > 0
+        far = snap["lookahead"]["two_ahead"]
+        if depth == 2:  # layer 2 is the only one two MoE layers after another
+            assert set(far["layers"]) == {2} and far["steps"] > 0 and 0.0 <= far["recall"] <= 1.0
+        else:
+            assert far["steps"] == 0 and far["prefetched"] == 0
         tiered.nvme.check_invariants()
     finally:
         model.unload()

@@ -443,6 +443,45 @@ def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
         assert asked == [[(1, 9), (1, 4)]]
 
 
+def test_nvme_reads_two_layers_ahead_scored_apart(packed):
+    """Guesses two layers ahead are read at their own ranks' live precision, not the next layer's: here the near
+    guess is always right and the far guess right only at rank 0, so after a while the far guess's rank 0 alone
+    is read, and the two meters keep their own scores."""
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = packed
+    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+        stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
+        asked: list[list[tuple[int, int]]] = []
+        real_prefetch = tier.prefetch
+
+        def prefetch(picks, **kw):
+            asked.append(list(picks))
+            return real_prefetch(asked[-1], **kw)
+
+        tier.prefetch = prefetch
+        rng = np.random.default_rng(5)
+        for _ in range(12):
+            real = rng.choice(16, 4, replace=False)
+            others = [e for e in range(16) if e not in real]
+            stepper.ahead(1, np.array([[real[0], *others[:3]]]), distance=2)  # two ahead: rank 0 right only
+            stepper.ahead(1, real[None, :])  # one ahead: all right
+            stepper.resolve(1, real[None, :], True)
+            tier.check_invariants()
+        la = stepper.snapshot()["lookahead"]
+        assert la["recall"] == 1.0 and la["two_ahead"]["recall"] == pytest.approx(0.25)
+        assert la["two_ahead"]["rank_precision"][0] > 0.9 and max(la["two_ahead"]["rank_precision"][1:]) < 0.1
+        assert min(stepper.rank_precision()) > 0.9, "the near guess's precision is not diluted by the far one"
+        asked.clear()
+        assert stepper.ahead(1, np.array([[9, 4, 7, 2]]), distance=2) <= 1
+        assert asked == [[(1, 9)]]
+        assert la["two_ahead"]["prefetched"] > 0
+        # The all-RAM modes never act on a far guess (admitting on it would spend PCIe time decode is bound by).
+        ram_tiers, _ = _byte_tiers()
+        assert MoeStepper(ram_tiers, [3, 0], 16).ahead(1, np.array([[1, 2, 3]]), distance=2) == 0
+
+
 def test_nvme_prefill_reads_the_next_layer_ahead(packed):
     from glm53.tiers.nvme import open_nvme_tier
 

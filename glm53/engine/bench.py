@@ -47,8 +47,9 @@ def register_bench(bench_sub: Any) -> None:
                    "reuse them from there on the next run of the same shape (a warm GPU machine keeps /tmp)")
     p.add_argument("--modes", default="exact,exact-eager,exact-serial,fast",
                    help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
-                        "exact-prestage, nvme-exact, nvme, and nvme-exact-whole: nvme-exact reading each record "
-                        "in one piece, as before)")
+                        "exact-prestage, nvme-exact, nvme, and for paired comparisons nvme-exact-whole: each "
+                        "record read in one piece, as before; nvme-exact-ahead2: store reads started two layers "
+                        "ahead as well)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -59,7 +60,8 @@ def register_bench(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_decode)
 
 
-MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", "nvme-exact-whole")
+MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", "nvme-exact-whole",
+         "nvme-exact-ahead2")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -119,6 +121,7 @@ class _Runner:
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
                                     prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
                                     overlap_copies=mode != "exact-serial",
+                                    lookahead_depth=2 if mode == "nvme-exact-ahead2" else 1,
                                     admit_after_launch=mode not in ("exact-eager", "exact-serial"))
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
@@ -162,10 +165,13 @@ class _Runner:
             picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "cpu", "nvme", "total")}
             la0, la1 = snap0["lookahead"], snap1["lookahead"]
             hits, actual = la1["hits"] - la0["hits"], la1["picks"] - la0["picks"]
+            f0, f1 = la0.get("two_ahead", {}), la1.get("two_ahead", {})
+            far_hits, far_actual = f1.get("hits", 0) - f0.get("hits", 0), f1.get("picks", 0) - f0.get("picks", 0)
             store = snap1["bytes"]["store_to_ram"] - snap0["bytes"]["store_to_ram"]
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
+                       two_ahead_recall=far_hits / far_actual if far_actual else None,
                        host_us_per_layer_step=1e6 * (snap1["host_seconds"]["plan"] - snap0["host_seconds"]["plan"])
                        / max(1, snap1["layer_steps"] - snap0["layer_steps"]))
         return out
@@ -309,6 +315,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 "h2d_MiB_per_token": mean(mode, "h2d_bytes_per_token") / 2**20,
                 "d2h_MiB_per_token": mean(mode, "d2h_bytes_per_token") / 2**20,
                 "lookahead_recall": mean(mode, "lookahead_recall"),
+                "two_ahead_recall": mean(mode, "two_ahead_recall"),
                 "host_us_per_layer_step": mean(mode, "host_us_per_layer_step"),
                 "same_tokens_as_stock": all(a["tokens"] == b["tokens"] for a, b in zip(stock_rows, m_rows, strict=True)),
                 "load_s": runners[mode].load_s,
@@ -326,6 +333,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         exact_like = [m for m in modes if m.startswith(("exact", "nvme-exact"))]
         if "nvme-exact" in modes and "nvme-exact-whole" in modes:
             result["pieces_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-whole")
+        if "nvme-exact" in modes and "nvme-exact-ahead2" in modes:
+            result["ahead2_effect"] = paired_ratio(rows, "nvme-exact-ahead2", "nvme-exact")
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
@@ -374,7 +383,12 @@ def report(res: dict, moe_layers: int | None) -> str:
         if "pieces_effect" in res:
             lines.append(f"  nvme-exact / nvme-exact-whole (each record read in parallel parts / in one pread): "
                          f"{res['pieces_effect']:.3f}, median of paired windows")
-        for mode in ("nvme-exact", "nvme", "nvme-exact-whole"):
+        if "ahead2_effect" in res:
+            far = res["modes"]["nvme-exact-ahead2"].get("two_ahead_recall", float("nan"))
+            lines.append(f"  nvme-exact-ahead2 / nvme-exact (store reads started two layers ahead too / one): "
+                         f"{res['ahead2_effect']:.3f}, median of paired windows; recall two layers ahead "
+                         + ("-" if far != far else f"{far:.2f}"))
+        for mode in ("nvme-exact", "nvme", "nvme-exact-whole", "nvme-exact-ahead2"):
             if mode in res["modes"]:
                 sh = res["modes"][mode]["pick_shares"]
                 m = res["modes"][mode]

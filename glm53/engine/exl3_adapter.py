@@ -285,6 +285,7 @@ class _Layer:
     x_host: Any = None  # pinned fp16 (MAX_BSZN, hidden): a decode step's input, for the CPU lane
     w_host: Any = None  # pinned fp16 (MAX_BSZN, top_k): its routing weights
     next_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the next layer's predicted picks
+    far_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the layer after next's (lookahead_depth 2)
 
 
 class TieredMoE:
@@ -312,6 +313,7 @@ class TieredMoE:
         read_threads: int = 8,
         nvme_open: Callable[[list[int], int], Any] | None = None,
         lookahead: bool | None = None,
+        lookahead_depth: int = 1,
         prestage: bool = False,
         overlap_copies: bool = True,
         admit_after_launch: bool = True,
@@ -322,7 +324,9 @@ class TieredMoE:
         nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme.open_nvme_tier with
         warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
         step's input and start the store reads of its predicted experts one layer ahead (default: in the nvme
-        modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). prestage: also
+        modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). lookahead_depth 2
+        (nvme modes): also run the router of the layer after next on the same input and start reads of its likely
+        picks two layers ahead (glm53.engine.moe_step, lookahead). prestage: also
         copy predicted RAM experts into staging ahead (off: a wrong guess costs a whole expert's PCIe time). device: the CUDA device exllamav3 runs on
         (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets unpinned host buffers and no
         stream synchronisation, and is otherwise the same code. overlap_copies: the GPU, not the host, waits for
@@ -374,6 +378,9 @@ class TieredMoE:
         self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
         self.nvme_open = nvme_open
         self.lookahead = nvme_open is not None if lookahead is None else lookahead
+        if lookahead_depth not in (1, 2):
+            raise ValueError(f"lookahead_depth is 1 or 2, got {lookahead_depth}")
+        self.lookahead_depth = lookahead_depth
         self.prestage = prestage
         self.overlap_copies = overlap_copies
         self.admit_after_launch = admit_after_launch
@@ -540,6 +547,7 @@ class TieredMoE:
             layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=self.pin)
             layer.w_host = torch.empty((rows, self.top_k), dtype=torch.half, pin_memory=self.pin)
             layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
+            layer.far_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
         self.populated = True
 
     @property
@@ -632,8 +640,10 @@ class TieredMoE:
         if lane:  # the lane's input rows and weights cross in the same synchronisation
             layer.x_host[:bsz].copy_(y.view(bsz, -1), non_blocking=True)
             layer.w_host[:bsz].copy_(weights.view(bsz, -1), non_blocking=True)
+        far = predict and self.lookahead_depth == 2 and self.nvme is not None and li + 2 < len(self.layers)
         if predict:
             predict = self._predict_next(li + 1, y.view(bsz, -1), layer.next_host[:bsz])
+            far = far and predict and self._predict_next(li + 2, y.view(bsz, -1), layer.far_host[:bsz])
         if stream is not None:
             stream.synchronize()
         t1 = time.perf_counter()
@@ -643,6 +653,8 @@ class TieredMoE:
         step = stepper.resolve(li, ids, decode, x, w)
         if predict:
             stepper.ahead(li + 1, layer.next_host[:bsz].numpy(), busy=step.cpu)
+        if far:
+            stepper.ahead(li + 2, layer.far_host[:bsz].numpy(), busy=step.cpu, distance=2)
         out = layer.out_host[:n]
         out.numpy()[:] = step.slots.reshape(-1)
         selected.copy_(out.view(selected.shape), non_blocking=True)

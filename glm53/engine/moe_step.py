@@ -15,7 +15,10 @@ Nothing here imports exllamav3, so the decisions run on the CPU in tests with CP
   CPU lane and PCIe; exact / nvme-exact send every miss over PCIe.
   lookahead: the adapter may hand in the next layer's router run on this layer's input; its picks are read or
   admitted one layer ahead (reads and copies overlap this layer's experts and the next layer's attention), and
-  how many of them the next layer really picks is counted (recall).
+  how many of them the next layer really picks is counted (recall). In the nvme modes it may also hand in the
+  layer after next's router on the same input (two ahead): a store read takes several layers' GPU time, so a
+  guess one layer ahead often lands late. Those guesses are scored apart and read only at ranks right more often
+  than not, so where they are poor they cost nothing but the router's few microseconds.
 """
 
 from __future__ import annotations
@@ -153,6 +156,13 @@ class MoeStepper:
         self._precision: list[float] = []  # rank_precision(), refreshed when the counts change
         self.last_assignment: Any = None
         self.lookahead = RecallMeter()
+        # The same for guesses two layers ahead (nvme modes): scored apart, they are right less often.
+        self._far_hits: list[int] = []
+        self._far_total: list[int] = []
+        self._far_precision: list[float] = []
+        self.lookahead_far = RecallMeter()
+        self._predicted_far: dict[int, np.ndarray] = {}
+        self.prefetched_far = 0
         if lane_judge is None:
             from glm53.engine.lane_judge import LaneJudge
 
@@ -340,14 +350,25 @@ class MoeStepper:
         self.host_seconds["plan"] += time.perf_counter() - t_start - waited - store_wait
         return step
 
-    def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = ()) -> int:
-        """The next layer (li) is predicted to pick `predicted` (ids, any shape): read its store-only experts into
-        RAM (nvme modes), or admit its RAM experts the policy wants (all-RAM modes, when admitting), so their
-        bytes move while the GPU is still busy with the layer before. busy: experts of layer li - 1 the CPU lane is
-        reading right now (never dropped for a prefetch). Returns the reads or admissions started."""
+    def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = (), distance: int = 1) -> int:
+        """Layer li, `distance` (1 or 2) layers after the one stepping now, is predicted to pick `predicted` (ids,
+        any shape): read its store-only experts into RAM (nvme modes), or admit its RAM experts the policy wants
+        (all-RAM modes, when admitting, distance 1 only), so their bytes move while the GPU is still busy with the
+        layers before. busy: experts of the layer stepping now that the CPU lane is reading (never dropped for a
+        prefetch). Returns the reads or admissions started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
         predicted = np.atleast_2d(np.array(predicted, np.int64))  # a copy: the caller's buffer is reused
+        if distance == 2:
+            if self.nvme is None:
+                return 0
+            self._predicted_far[li] = predicted
+            now = li - 2
+            protect = {now: list(busy)} if now >= 0 and len(busy) else None
+            started = self.nvme.prefetch([(li, e) for e in self._likely(predicted, precision=self._far_precision)],
+                                         protect=protect)
+            self.prefetched_far += started
+            return started
         self._predicted[li] = predicted
         tiers = self.tiers
         started = 0
@@ -384,10 +405,12 @@ class MoeStepper:
         """The RAM experts guessed at a rank right more often than not, in rank order."""
         return self._likely(predicted, set(ram))
 
-    def _likely(self, predicted: np.ndarray, among: set[int] | None = None) -> list[int]:
+    def _likely(self, predicted: np.ndarray, among: set[int] | None = None,
+                precision: list[float] | None = None) -> list[int]:
         """The predicted experts (of `among`, if given) guessed at a rank right more often than not (live
-        precision; a rank not yet scored counts as right), best rank first, each once."""
-        precision = self._precision
+        precision, one layer ahead unless given; a rank not yet scored counts as right), best rank first, each
+        once."""
+        precision = self._precision if precision is None else precision
         ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > 0.5]
         out, seen = [], set()
         for r in ranks:
@@ -467,12 +490,24 @@ class MoeStepper:
         self.tiers.stats.add_lane_picks(li, n_hit, len(picks) - n_hit - n_store - n_cpu, n_cpu, n_store)
 
     def _count_lookahead(self, li: int, ids: np.ndarray, decode: bool) -> None:
-        pred = self._predicted.pop(li, None)
+        near = self._score(self._predicted.pop(li, None), li, ids, decode, self.lookahead, self._rank_hits,
+                           self._rank_total)
+        if near is not None:
+            self._precision = near
+        far = self._score(self._predicted_far.pop(li, None), li, ids, decode, self.lookahead_far, self._far_hits,
+                          self._far_total)
+        if far is not None:
+            self._far_precision = far
+
+    @staticmethod
+    def _score(pred: np.ndarray | None, li: int, ids: np.ndarray, decode: bool, meter: RecallMeter,
+               hits: list[int], total: list[int]) -> list[float] | None:
+        """Score one guess against the real picks: the meter, the per-rank counts, and the new per-rank precision
+        (None when there was nothing to score)."""
         if pred is None or not decode or pred.shape[0] != ids.shape[0]:
-            return  # no guess, or not for this step's rows (another batch shape came between)
+            return None  # no guess, or not for this step's rows (another batch shape came between)
         guesses, reals = pred.tolist(), ids.tolist()
-        self.lookahead.update(li, guesses, reals)
-        hits, total = self._rank_hits, self._rank_total
+        meter.update(li, guesses, reals)
         k = len(guesses[0]) if guesses else 0
         if len(total) < k:
             hits.extend([0] * (k - len(hits)))
@@ -482,13 +517,15 @@ class MoeStepper:
             for r, e in enumerate(guess):
                 total[r] += 1
                 hits[r] += e in real_set
-        self._precision = [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
+        return [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
                                    "prestaged": dict(self.prestage),
-                                   "rank_precision": [round(p, 3) for p in self.rank_precision()]}}
+                                   "rank_precision": [round(p, 3) for p in self.rank_precision()],
+                                   "two_ahead": {**self.lookahead_far.snapshot(), "prefetched": self.prefetched_far,
+                                                 "rank_precision": [round(p, 3) for p in self._far_precision]}}}
         if self.lane is not None:
             judge = self.lane_judge
             doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not judge.in_trial and not judge.kept,

@@ -7,8 +7,9 @@ in interleaved windows:
   stream   the same number of random records demanded through the tier, one layer's top-k at a time and nothing
            else to do: the tier's read path against raw;
   decode   a skewed routing trace decoded through the tier, each layer "computing" for --layer-ms (a sleep: the
-           GPU's time), with prefetch off, with a perfect next-layer predictor and with one of --recall (0.6, the
-           router lookahead measured 0.55-0.75). Picks per tier, NVMe bytes/s, and tokens/s against the bound
+           GPU's time), with prefetch off, with a perfect next-layer predictor, with perfect predictors for the next
+           two and three layers (perfect-2, perfect-3: what reading further ahead could win when a record read
+           takes several layers' compute) and with one of --recall (0.6, the router lookahead measured 0.55-0.75). Picks per tier, NVMe bytes/s, and tokens/s against the bound
            max(compute, NVMe bytes per token / raw rate) that perfect overlap would reach.
 Every expert is computed "in place" (CPU lane, no admissions): this measures the store and RAM tiers, not PCIe.
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REAL = {"hidden": 4096, "moe_intermediate": 2048, "k_bits": 3}
-MODES = ("off", "perfect", "realistic")
+MODES = ("off", "perfect", "perfect-2", "perfect-3", "realistic")
 
 
 @dataclass
@@ -333,9 +334,11 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
         for t in range(tokens):
             for layer in range(opts.layers):
                 ids = trace[layer, t][None, :]
-                if mode != "off" and layer + 1 < opts.layers:
-                    nxt = predict(trace[layer + 1, t], scores[layer + 1, t], mode, sigma, rng)
-                    tier.prefetch([(layer + 1, e) for e in nxt], protect={layer: ids[0].tolist()})
+                kind, _, depth = mode.partition("-")
+                for d in range(1, int(depth or 1) + 1) if mode != "off" else ():
+                    if layer + d < opts.layers:
+                        nxt = predict(trace[layer + d, t], scores[layer + d, t], kind, sigma, rng)
+                        tier.prefetch([(layer + d, e) for e in nxt], protect={layer: ids[0].tolist()})
                 tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
                 t1 = time.perf_counter()
                 time.sleep(opts.compute_ms / 1e3)  # the layer's compute, during which reads go on
@@ -423,7 +426,7 @@ def _run(opts: NvmeBenchOptions, log, made: list[Path]) -> NvmeBenchResult:
 
 def register_bench(bench_sub) -> None:
     b = bench_sub.add_parser("nvme", help="the nvme tier on a full-width record store: picks per tier, NVMe rate vs "
-                             "raw O_DIRECT, prefetch off / perfect / realistic",
+                             "raw O_DIRECT, prefetch off / perfect (1, 2, 3 layers ahead) / realistic",
                              description=__doc__.split("\n\n")[0])
     b.add_argument("--store", type=Path, help="an existing store (with --model); default: a synthetic one")
     b.add_argument("--model", type=Path, help="the store's checkpoint (start-up verifies against it)")

@@ -61,7 +61,7 @@ step_bench() {
   stamp "bench rc=$?"
 }
 step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
-  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --work /tmp --keep --modes exact,fast,nvme-exact,nvme,nvme-exact-whole \
+  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --work /tmp --keep --modes exact,fast,nvme-exact,nvme,nvme-exact-ahead2 \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 }
