@@ -349,6 +349,35 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging, depth):
         tiered.close()
 
 
+def test_nvme_prefill_reads_ahead_only_what_the_router_run_ahead_names(tmp_path_factory):
+    """A short prompt chunk picks a few of a layer's experts: with the next layer's router run ahead on the chunk,
+    the store reads ahead those (and demand-reads what it missed) instead of the whole layer, and the result is
+    still stock's, bit for bit."""
+    from store.pack import PackOptions, pack_store
+
+    wide = write_exl3_checkpoint(tmp_path_factory.mktemp("glue-wide") / "ck", router_skew=(0.25, 0.5), layers=4,
+                                 dense_layers=1, mtp_layers=0, experts=64, top_k=2)
+    wide_store = wide.parent / "experts.glm53"
+    pack_store(PackOptions(wide, wide_store, threads=2, progress=False, verify=False), log=lambda m: None)
+    stock = stock_model(wide)
+    rows = [9, 12, 10, 16, 9, 11]  # prompt chunks only (more rows than a decode step), ~20 of 64 experts each
+    reads = {}
+    for guess in (False, True):
+        model, tiered = tiered_model(wide, slots=[2, 2, 2], lookahead=guess,
+                                     nvme_open=nvme_opener(wide_store, wide, 70, "nvme-exact"))
+        try:
+            drive(stock, model, rows, 4, bit_identical, tiered)
+            snap = tiered.snapshot()
+            reads[guess] = snap["nvme"]["reads"] + snap["nvme"]["prefetch_reads"]
+            tiered.nvme.check_invariants()
+        finally:
+            model.unload()
+            tiered.close()
+    print(f"\nstore records read over {len(rows)} prompt chunks: {reads[False]} reading whole layers ahead, "
+          f"{reads[True]} reading the router's guess ({reads[True] / reads[False]:.2f}x)")
+    assert reads[True] < 0.7 * reads[False]
+
+
 def test_nvme_mode_with_the_lane(ck, store):
     from glm53.cpu_lane.lane import CpuLane
 

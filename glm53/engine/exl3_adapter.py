@@ -286,6 +286,7 @@ class _Layer:
     w_host: Any = None  # pinned fp16 (MAX_BSZN, top_k): its routing weights
     next_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the next layer's predicted picks
     far_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the layer after next's (lookahead_depth 2)
+    guess_host: Any = None  # pinned bool (experts,): the next layer's experts a prompt chunk's router run names
 
 
 class TieredMoE:
@@ -548,6 +549,7 @@ class TieredMoE:
             layer.w_host = torch.empty((rows, self.top_k), dtype=torch.half, pin_memory=self.pin)
             layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
             layer.far_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
+            layer.guess_host = torch.empty(self.num_experts, dtype=torch.bool, pin_memory=self.pin)
         self.populated = True
 
     @property
@@ -641,16 +643,20 @@ class TieredMoE:
             layer.x_host[:bsz].copy_(y.view(bsz, -1), non_blocking=True)
             layer.w_host[:bsz].copy_(weights.view(bsz, -1), non_blocking=True)
         far = predict and self.lookahead_depth == 2 and self.nvme is not None and li + 2 < len(self.layers)
+        guess = not decode and self.lookahead and self.nvme is not None and li + 1 < len(self.layers)
         if predict:
             predict = self._predict_next(li + 1, y.view(bsz, -1), layer.next_host[:bsz])
             far = far and predict and self._predict_next(li + 2, y.view(bsz, -1), layer.far_host[:bsz])
+        if guess:
+            guess = self._predict_next(li + 1, y.reshape(-1, y.shape[-1]), layer.guess_host)
         if stream is not None:
             stream.synchronize()
         t1 = time.perf_counter()
         ids = host.numpy().reshape(selected.shape).copy()
         x = layer.x_host[:bsz].numpy().astype(np.float32) if lane else None
         w = layer.w_host[:bsz].numpy().astype(np.float32) if lane else None
-        step = stepper.resolve(li, ids, decode, x, w)
+        step = stepper.resolve(li, ids, decode, x, w,
+                               next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None)
         if predict:
             stepper.ahead(li + 1, layer.next_host[:bsz].numpy(), busy=step.cpu)
         if far:
@@ -663,11 +669,12 @@ class TieredMoE:
         return None, ((LANE_TAG, step.ticket, bsz) if step.ticket is not None else None)
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
-        """Enqueue layer li's router on this step's input y (bsz, hidden) and a copy of its top-k ids into `out`
+        """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
         (pinned): glm53.engine.lookahead.predict_topk, GLM's selection rule (sigmoid scores plus the selection
         bias, group-limited where the config says so) on exllamav3's loaded router. A guess for prefetching,
-        scored against the real picks. Returns False (and turns lookahead off with a log line) when the next
-        layer's router is not reachable."""
+        scored against the real picks. `out` of shape (experts,) and dtype bool gets the set of experts any row
+        names instead (a prompt chunk: its rows can outnumber any fixed buffer, its set cannot). Returns False
+        (and turns lookahead off with a log line) when the next layer's router is not reachable."""
         import torch
 
         from glm53.engine.lookahead import predict_topk
@@ -684,6 +691,10 @@ class TieredMoE:
             bias = torch.zeros(gate.shape[1], device=gate.device)
         z = m.router_pre_norm.forward(y, {}, out_dtype=torch.half) if m.router_pre_norm else y
         ids = predict_topk(z, gate.t(), bias, self.top_k, n_group=cfg.n_group or 1, topk_group=cfg.topk_group or 1)
+        if out.dtype == torch.bool:
+            named = torch.zeros(out.shape, dtype=torch.bool, device=ids.device)
+            named[ids.reshape(-1)] = True
+            ids = named
         out.copy_(ids, non_blocking=True)
         return True
 

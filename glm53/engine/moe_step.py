@@ -211,7 +211,7 @@ class MoeStepper:
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def resolve(self, li: int, ids: np.ndarray, decode: bool, x: np.ndarray | None = None,
-                weights: np.ndarray | None = None) -> Step:
+                weights: np.ndarray | None = None, next_guess: Sequence[int] | None = None) -> Step:
         """Make every pick of layer li readable on the GPU (or give it to the CPU lane) and translate to slots.
 
         Decode steps (<= MAX_BSZN rows) teach the policy, admit the misses it wants and stream the rest through
@@ -220,7 +220,8 @@ class MoeStepper:
         (they must not evict the decode hot set) and stage EVERY picked expert, residents included (a
         device-to-device copy), in ascending id order: the mapping id -> slot is then monotonic, so exllamav3's
         prefill paths, which sort and group picks by expert id, see exactly the stock order and stay
-        bit-identical.
+        bit-identical. next_guess (nvme modes, prefill): the next layer's experts its router, run ahead on this
+        chunk, names; the store reads ahead only those instead of the whole layer (a short prompt picks a few).
 
         This runs between exllamav3's router and its expert kernels for every MoE layer of every token, with the
         GPU waiting: a decode step has at most a few dozen picks, so it works on Python lists and sets of them
@@ -344,9 +345,10 @@ class MoeStepper:
             step.slots = translate(ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
                                    step.cpu, self.masked_id(li))
         if not decode and self.nvme is not None and li + 1 < len(self.cache_slots):
-            # A prompt chunk picks most of every layer: start reading the next layer's experts now, so the store
-            # works while this layer's experts run.
-            self.prefetched += self.nvme.prefetch_prefill([li + 1], protect={li: uniq_l})
+            # Start reading the next layer's experts now, so the store works while this layer's experts run: the
+            # ones the router run ahead names, else (no guess) the whole layer, as a long chunk picks nearly all.
+            picks = None if next_guess is None else {li + 1: next_guess}
+            self.prefetched += self.nvme.prefetch_prefill([li + 1], picks, protect={li: uniq_l})
         self.host_seconds["plan"] += time.perf_counter() - t_start - waited - store_wait
         return step
 

@@ -273,14 +273,17 @@ class NvmeTier:
     def prefetch_prefill(self, layers: Sequence[int], picks: Mapping[int, Iterable[int]] | None = None, *,
                          protect: Mapping[int, Iterable[int]] | None = None, window: int | None = None) -> int:
         """Prefill's upcoming layers, nearest first: the experts `picks` names per layer (the router run ahead on
-        the prompt), else every expert of the layer, most popular first (a long prompt picks nearly all).
+        the prompt), else every expert of the layer (a long prompt picks nearly all), most popular first.
         window defaults to one layer's experts: prefill reads drop the weakest RAM experts, which after the first
         layer are mostly prefill's own earlier reads (prefill does not raise scores), never the decode hot set
         first."""
         window = self.num_experts if window is None else window
         order = []
         for layer in layers:
-            es = list(picks[layer]) if picks is not None and layer in picks else hot_order(self.tiers.scores()[layer])
+            es = hot_order(self.tiers.scores()[layer])
+            if picks is not None and layer in picks:
+                named = {int(e) for e in picks[layer]}
+                es = [e for e in es if int(e) in named]
             order.extend((layer, int(e)) for e in es)
         return self.prefetch(order, protect=protect, window=window)
 
