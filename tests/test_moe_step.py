@@ -482,6 +482,30 @@ def test_nvme_reads_two_layers_ahead_scored_apart(packed):
         assert MoeStepper(ram_tiers, [3, 0], 16).ahead(1, np.array([[1, 2, 3]]), distance=2) == 0
 
 
+def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packed):
+    """A record read takes several layers' GPU time: the next layer's guessed reads are queued while this step's
+    own store reads are still in flight (not after they land), and never drop this step's experts."""
+    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.tiers import FROM_STORE
+
+    ck, store = packed
+    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+        stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
+        seen = []
+
+        def read_ahead(busy):
+            where = tier.tiers.where[0]
+            seen.append((sorted(busy), [int(where[e]) for e in busy]))
+            stepper.ahead(1, np.array([[5, 6, 7, 8]]), busy=busy)
+
+        step = stepper.resolve(0, np.array([[0, 1, 2, 3]]), True, read_ahead=read_ahead)  # a cold tier: all reads
+        assert seen == [([0, 1, 2, 3], [int(FROM_STORE)] * 4)], "called once, with this step's reads in flight"
+        assert stepper.prefetched > 0 and step.slots.size == 4
+        assert all(int(tier.tiers.where[0][e]) != int(FROM_STORE) for e in range(4)), "its own reads landed"
+        tier.check_invariants()
+
+
 def test_nvme_prefill_reads_the_next_layer_ahead(packed):
     from glm53.tiers.nvme import open_nvme_tier
 

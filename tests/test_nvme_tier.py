@@ -319,10 +319,10 @@ def test_bench_nvme_runs_and_prints_ratios(packed, tmp_path):
     res = run_bench(opts, log=lambda m: None)
     text = res.render()
     for what in ("raw O_DIRECT", "x raw", "picks per tier", "prefetch off", "prefetch perfect", "prefetch realistic",
-                 "prefetch perfect-2", "prefetch perfect-3", "x off", "x bound", "recall"):
+                 "prefetch perfect-2", "prefetch perfect-3", "prefetch realistic-after", "x off", "x bound", "recall"):
         assert what in text, what
-    assert len(res.windows) == 5 and all(w.tokens == 6 for w in res.windows)
-    assert [w.mode for w in res.windows] == ["off", "perfect", "perfect-2", "perfect-3", "realistic"]
+    assert len(res.windows) == 6 and all(w.tokens == 6 for w in res.windows)
+    assert [w.mode for w in res.windows] == ["off", "perfect", "perfect-2", "perfect-3", "realistic", "realistic-after"]
     assert store.exists() and ck.exists(), "the bench removed files it did not make"
 
 

@@ -655,12 +655,21 @@ class TieredMoE:
         ids = host.numpy().reshape(selected.shape).copy()
         x = layer.x_host[:bsz].numpy().astype(np.float32) if lane else None
         w = layer.w_host[:bsz].numpy().astype(np.float32) if lane else None
+
+        def read_ahead(busy: Any) -> None:
+            if predict:
+                stepper.ahead(li + 1, layer.next_host[:bsz].numpy(), busy=busy)
+            if far:
+                stepper.ahead(li + 2, layer.far_host[:bsz].numpy(), busy=busy, distance=2)
+
+        # nvme modes: the guesses' store reads are queued inside resolve, right behind this step's own; elsewhere
+        # the lookahead admits into VRAM, which waits until this step's own admissions are decided.
+        early = self.nvme is not None and (predict or far)
         step = stepper.resolve(li, ids, decode, x, w,
-                               next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None)
-        if predict:
-            stepper.ahead(li + 1, layer.next_host[:bsz].numpy(), busy=step.cpu)
-        if far:
-            stepper.ahead(li + 2, layer.far_host[:bsz].numpy(), busy=step.cpu, distance=2)
+                               next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
+                               read_ahead=read_ahead if early else None)
+        if not early:
+            read_ahead(step.cpu)
         out = layer.out_host[:n]
         out.numpy()[:] = step.slots.reshape(-1)
         selected.copy_(out.view(selected.shape), non_blocking=True)

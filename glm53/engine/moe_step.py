@@ -211,7 +211,8 @@ class MoeStepper:
     # ---- one step ---------------------------------------------------------------------------------------------
 
     def resolve(self, li: int, ids: np.ndarray, decode: bool, x: np.ndarray | None = None,
-                weights: np.ndarray | None = None, next_guess: Sequence[int] | None = None) -> Step:
+                weights: np.ndarray | None = None, next_guess: Sequence[int] | None = None,
+                read_ahead: Callable[[list[int]], Any] | None = None) -> Step:
         """Make every pick of layer li readable on the GPU (or give it to the CPU lane) and translate to slots.
 
         Decode steps (<= MAX_BSZN rows) teach the policy, admit the misses it wants and stream the rest through
@@ -222,6 +223,9 @@ class MoeStepper:
         prefill paths, which sort and group picks by expert id, see exactly the stock order and stay
         bit-identical. next_guess (nvme modes, prefill): the next layer's experts its router, run ahead on this
         chunk, names; the store reads ahead only those instead of the whole layer (a short prompt picks a few).
+        read_ahead(picks) (nvme modes, decode): the caller's lookahead for the layers after this one, run as soon as
+        this step's own store reads are queued and before they are waited for, so the disk works on both; picks are
+        this step's experts, which its reads must not drop.
 
         This runs between exllamav3's router and its expert kernels for every MoE layer of every token, with the
         GPU waiting: a decode step has at most a few dozen picks, so it works on Python lists and sets of them
@@ -252,6 +256,17 @@ class MoeStepper:
                 tiers.stats.add_wait("pcie", w)
         else:
             tiers.demand_reads(li, uniq)  # nvme: every store miss of the step in flight before the first wait
+            # The next layers' reads go in behind them (demand reads overtake prefetch in the reader's queue): a
+            # record read takes several layers' GPU time, and waiting for this step's reads first would leave the
+            # disk with one read at a time.
+            if read_ahead is not None and decode:
+                read_ahead(uniq_l)
+            elif not decode and self.nvme is not None and li + 1 < len(self.cache_slots):
+                # Start reading the next layer's experts now, so the store works while this layer's are read and
+                # run: the ones the router run ahead names, else (no guess) the whole layer, as a long chunk
+                # picks nearly all.
+                named = None if next_guess is None else {li + 1: next_guess}
+                self.prefetched += self.nvme.prefetch_prefill([li + 1], named, protect={li: uniq_l})
             for e in uniq_l:
                 w = tiers.settle(li, e)
                 if w:
@@ -344,11 +359,6 @@ class MoeStepper:
         else:
             step.slots = translate(ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
                                    step.cpu, self.masked_id(li))
-        if not decode and self.nvme is not None and li + 1 < len(self.cache_slots):
-            # Start reading the next layer's experts now, so the store works while this layer's experts run: the
-            # ones the router run ahead names, else (no guess) the whole layer, as a long chunk picks nearly all.
-            picks = None if next_guess is None else {li + 1: next_guess}
-            self.prefetched += self.nvme.prefetch_prefill([li + 1], picks, protect={li: uniq_l})
         self.host_seconds["plan"] += time.perf_counter() - t_start - waited - store_wait
         return step
 

@@ -9,7 +9,9 @@ in interleaved windows:
   decode   a skewed routing trace decoded through the tier, each layer "computing" for --layer-ms (a sleep: the
            GPU's time), with prefetch off, with a perfect next-layer predictor, with perfect predictors for the next
            two and three layers (perfect-2, perfect-3: what reading further ahead could win when a record read
-           takes several layers' compute) and with one of --recall (0.6, the router lookahead measured 0.55-0.75). Picks per tier, NVMe bytes/s, and tokens/s against the bound
+           takes several layers' compute) and with one of --recall (0.6, the router lookahead measured 0.55-0.75),
+           its guesses read as the engine does, once the layer's own store reads are queued, and (realistic-after)
+           only once those have landed, as the engine did before 2026-11-30. Picks per tier, NVMe bytes/s, and tokens/s against the bound
            max(compute, NVMe bytes per token / raw rate) that perfect overlap would reach.
 Every expert is computed "in place" (CPU lane, no admissions): this measures the store and RAM tiers, not PCIe.
 
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REAL = {"hidden": 4096, "moe_intermediate": 2048, "k_bits": 3}
-MODES = ("off", "perfect", "perfect-2", "perfect-3", "realistic")
+MODES = ("off", "perfect", "perfect-2", "perfect-3", "realistic", "realistic-after")
 
 
 @dataclass
@@ -119,7 +121,7 @@ class NvmeBenchResult:
             other = statistics.median((w.seconds - w.compute - w.nvme_wait) / w.tokens for w in ws) * 1e3
             recall = "" if mode == "off" else (f", recall {_mean(ws, 'recall'):.2f} precision "
                                                f"{_mean(ws, 'precision'):.2f}")
-            lines.append(f"  decode, prefetch {mode:9} {tok_s:7.2f} tok/s = {tok_s / base:4.2f} x off = "
+            lines.append(f"  decode, prefetch {mode:15} {tok_s:7.2f} tok/s = {tok_s / base:4.2f} x off = "
                          f"{tok_s / bound:4.2f} x bound ({bound:.2f}); {per_token / self.record_bytes:4.1f} "
                          f"records/token at {rate / 1e9:4.2f} GB/s = {rate / replay:4.2f} x raw replay "
                          f"({replay / 1e9:4.2f} GB/s); per token: compute {compute:4.1f} ms, NVMe wait {wait:4.1f} "
@@ -335,11 +337,15 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
             for layer in range(opts.layers):
                 ids = trace[layer, t][None, :]
                 kind, _, depth = mode.partition("-")
-                for d in range(1, int(depth or 1) + 1) if mode != "off" else ():
+                after = depth == "after"
+                if after:  # the layer's own store reads first, waited for; only then the guesses
+                    tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
+                for d in range(1, 2 if after else int(depth or 1) + 1) if mode != "off" else ():
                     if layer + d < opts.layers:
                         nxt = predict(trace[layer + d, t], scores[layer + d, t], kind, sigma, rng)
                         tier.prefetch([(layer + d, e) for e in nxt], protect={layer: ids[0].tolist()})
-                tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
+                if not after:
+                    tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
                 t1 = time.perf_counter()
                 time.sleep(opts.compute_ms / 1e3)  # the layer's compute, during which reads go on
                 slept += time.perf_counter() - t1
