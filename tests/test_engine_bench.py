@@ -22,7 +22,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     res = {"h2d_GBps": 50.0, "stock_decode_tok_s": 100.0, "stock_prefill_tok_s": 2000.0, "bound_decode_tok_s": 80.0,
            "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "disk_GBps": 6.5,
            "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run", "pieces_effect": 1.25,
-           "record_ms_by_pieces": {"1": 7.27, "4": 3.95},
+           "record_ms_by_pieces": {"1": 7.27, "4": 3.95}, "warmup_tokens": 192,
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
                      "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
@@ -40,6 +40,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
+                 "each tiered mode decoded 192 tokens before the windows",
                  "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier",
                  "(store reads started two layers ahead too / one): 1.200, median of paired windows; recall two layers "
                  "ahead 0.41", "nvme-exact-ahead2 picks per tier", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):

@@ -55,6 +55,9 @@ def register_bench(bench_sub: Any) -> None:
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
                         f"real model; 16 GiB gives {RAM_16G}). The store is packed from the checkpoint into --work")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--warmup-tokens", type=int, default=16,
+                   help="tokens each tiered mode decodes before the windows (default 16: the tiers start nearly "
+                        "cold; a server's start warm from saved routing statistics)")
     p.add_argument("--profile", metavar="MODE", help="after the windows, decode one more window of MODE under "
                    "cProfile and print where the host's time went (the top functions by own time)")
     p.set_defaults(func=cmd_bench_decode)
@@ -221,7 +224,8 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float,
 
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
                  modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print,
-                 store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None) -> dict:
+                 store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None,
+                 warmup_tokens: int = 16) -> dict:
     import torch
 
     rate = h2d_rate()
@@ -245,8 +249,11 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
         vocab = 150000
         prompt = [(13 * i + 7) % vocab for i in range(prompt_tokens)]
-        for r in runners.values():  # warm-up at the measured prompt length: a fresh process spends over a minute
-            r.run(prompt, 16, seed=0)  # setting up the first prefill of a new shape (seen on the H200)
+        # Warm-up at the measured prompt length: a fresh process spends over a minute setting up the first prefill
+        # of a new shape (seen on the H200). Decoding longer in it starts the windows with tiers that have learnt
+        # the routing, as a server's are (it warms them from the routing statistics saved at its last shutdown).
+        for r in runners.values():
+            r.run(prompt, warmup_tokens if r.tiered is not None else 16, seed=0)
         rows: list[dict] = []
         for w in range(windows):
             for name, r in runners.items():
@@ -359,7 +366,9 @@ def _judged(m: dict) -> str:
 def report(res: dict, moe_layers: int | None) -> str:
     lines = [
         f"glm53 bench decode: {moe_layers or '?'} full-width MoE layers, {res['slots_per_layer']} VRAM slots/layer, "
-        f"exact modes generate stock's tokens: {res['same_tokens']}",
+        f"exact modes generate stock's tokens: {res['same_tokens']}"
+        + (f"; each tiered mode decoded {res['warmup_tokens']} tokens before the windows" if "warmup_tokens" in res
+           else ""),
         f"  stock exllamav3, all experts in VRAM : {res['stock_decode_tok_s']:8.1f} tok/s decode, "
         f"{res['stock_prefill_tok_s']:8.1f} tok/s prefill",
     ]
@@ -471,12 +480,13 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             print(f"packed the expert store in {time.perf_counter() - t0:.0f} s")
     try:
         res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
-                           store=store, ram_fraction=args.ram_fraction, profile=args.profile)
+                           store=store, ram_fraction=args.ram_fraction, profile=args.profile,
+                           warmup_tokens=args.warmup_tokens)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     res.update(moe_layers=None if args.model else args.moe_layers, skew=list(skew), tokens=args.tokens,
-               date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name())
+               warmup_tokens=args.warmup_tokens, date=time.strftime("%Y-%m-%d"), device=torch.cuda.get_device_name())
     print(report(res, res["moe_layers"]))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

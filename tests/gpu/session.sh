@@ -61,12 +61,13 @@ step_bench() {
   stamp "bench rc=$?"
 }
 step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
-  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --work /tmp --keep --modes exact,fast,nvme-exact,nvme,nvme-exact-ahead2 \
+  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep \
+    --modes exact,fast,nvme-exact,nvme,nvme-exact-ahead2 \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 }
 step_nvme16() {
-  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --work /tmp --keep --modes exact,nvme-exact,nvme \
+  timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep --modes exact,nvme-exact,nvme \
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
