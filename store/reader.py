@@ -76,9 +76,11 @@ class ReadDone:
 
 class _Task:
     """One record read. A task split into parts stays at the head of the heap until its last part is handed out
-    (`taken`), so its parts keep the task's place in the priority order; `left` counts parts not yet landed."""
+    (`taken`), so its parts keep the task's place in the priority order; `left` counts parts not yet landed,
+    `running` parts handed out and still reading (a failed read resolves only when none is: until then a part may
+    still write into the caller's buffer)."""
     __slots__ = ("entry", "out", "future", "verify", "priority", "taken", "key",
-                 "parts", "next", "left", "failed", "t0", "attempts")
+                 "parts", "next", "left", "failed", "t0", "attempts", "running", "error")
 
     def __init__(self, entry: RecordEntry, out: np.ndarray, verify: bool, priority: int, key: tuple,
                  parts: list[tuple[int, int]] | None = None):
@@ -87,7 +89,8 @@ class _Task:
         self.taken = False
         self.parts = parts          # (start, length) inside the extent; None: one pread, the unsplit path
         self.next, self.left, self.failed = 0, len(parts or ()), False
-        self.t0, self.attempts = 0.0, 1
+        self.t0, self.attempts, self.running = 0.0, 1, 0
+        self.error: BaseException | None = None
 
 
 class StoreReader:
@@ -150,7 +153,7 @@ class StoreReader:
         for layer, expert, out in requests:
             entry = self.header.entry(layer, expert)
             prepared.append((entry, out, self._check_buffer(out, entry)))
-        futures = []
+        futures, wake = [], 0
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"store reader for {self.path} is closed")
@@ -162,13 +165,16 @@ class StoreReader:
                         task.priority = int(priority)
                         heapq.heappush(self._heap, (task.priority, next(self._seq), task))
                     futures.append(task.future)
+                    wake += 1
                     continue
                 task = _Task(entry, out, self.verify if verify is None else verify, int(priority), key,
                              self._split(entry.extent) if self.pieces > 1 else None)
                 self._queued[key] = task
                 heapq.heappush(self._heap, (task.priority, next(self._seq), task))
                 futures.append(task.future)
-            self._cv.notify(len(prepared))
+                wake += len(task.parts or ()) or 1
+            # One wake-up per part: idle threads each take one, so a lone record's parts are read at once.
+            self._cv.notify(wake)
         return futures
 
     def _split(self, extent: int) -> list[tuple[int, int]] | None:
@@ -280,10 +286,25 @@ class StoreReader:
                 self._stats["cancelled"] += 1
                 return None
             task.t0 = time.perf_counter()
+        task.running += 1
+        if not task.taken:
+            self._cv.notify()               # more parts of it wait: another idle thread takes the next
         return part
 
     def _read_part(self, task: _Task, part: int) -> None:
-        """Read one part with today's retries; the thread that lands the last part checks and resolves the record."""
+        """Read one part with today's retries; the thread that lands the last part checks and resolves the record,
+        and a failed record is resolved by the last of its parts to stop."""
+        try:
+            self._read_part_inner(task, part)
+        finally:
+            with self._cv:
+                task.running -= 1
+                fail = task.failed and task.running == 0 and task.error is not None
+                error, task.error = (task.error, None) if fail else (None, task.error)
+            if error is not None:
+                task.future.set_exception(error)
+
+    def _read_part_inner(self, task: _Task, part: int) -> None:
         e = task.entry
         start, n = task.parts[part]
         try:
@@ -325,11 +346,11 @@ class StoreReader:
             with self._cv:
                 if task.failed:
                     return
-                task.failed = task.taken = True
+                task.failed = task.taken = True     # no further part is handed out
+                task.error = exc                    # resolved by the last running part (_read_part)
                 if self._queued.get(task.key) is task:    # once all parts are out, the key may name a newer read
                     del self._queued[task.key]
                 self._stats["errors"] += 1
-            task.future.set_exception(exc)
 
     def stats(self) -> dict:
         with self._cv:

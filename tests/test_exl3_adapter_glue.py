@@ -328,8 +328,9 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging, depth):
     # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops. With 32 staging rows
     # the lookahead also prestages predicted RAM experts (held against drops until copied). Depth 2 also reads
     # the guesses for the layer after next.
-    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, prestage=True, staging_slots=staging,
-                                 lookahead_depth=depth, nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
+    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, prestage=staging is not None,
+                                 staging_slots=staging, lookahead_depth=depth,
+                                 nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
     try:
         drive(stock, model, schedule(8, 30), 8, bit_identical, tiered)
         snap = tiered.snapshot()

@@ -506,6 +506,34 @@ def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packe
         tier.check_invariants()
 
 
+def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp_path):
+    """RAM full: the far guess's reads need room, and must not take it from the layer in between's experts that
+    the (likelier) near guess just named."""
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
+    plan = nvme_plan(store, ram_records=17, vram_slots=3, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1, 1], staging_slots=16, warm=False) as tier:
+        t = tier.tiers
+        for e in range(4):
+            t.fetch_to_ram(0, e)  # this step's picks, already in RAM
+        for e in range(13):
+            t.fetch_to_ram(1, e)  # RAM now full (17 records)
+        assert t.ram.free_count() == 0
+        stepper = MoeStepper(t, [1, 1, 1], 16, nvme=tier)
+        near = np.array([[0, 1, 2, 3]])  # layer 1's guess: all in RAM already
+        far = np.array([[0, 1, 2, 3]])  # layer 2's guess: all in the store
+
+        def read_ahead(busy):  # what TieredMoE.step's closure does
+            stepper.ahead(1, near, busy=busy)
+            stepper.ahead(2, far, busy=busy, distance=2)
+
+        stepper.resolve(0, np.array([[0, 1, 2, 3]]), True, read_ahead=read_ahead)
+        assert stepper.prefetched_far > 0, "the far guess was read (dropping other layer-1 experts)"
+        assert all(t.where[1, e] == Where.RAM for e in range(4)), "the near guess's experts were dropped"
+        tier.check_invariants()
+
+
 def test_nvme_prefill_reads_the_next_layer_ahead(packed):
     from glm53.tiers.nvme import open_nvme_tier
 

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -403,3 +404,54 @@ def test_a_checksum_mismatch_that_persists_is_a_corrupt_record(store, monkeypatc
         assert "(layer 2, expert 1)" in ei.value.problem and "xxh3" in ei.value.problem
         assert "after 3 attempts" in ei.value.problem and "glm53 verify-store" in ei.value.fix
         assert r.stats()["errors"] == 1 and r.stats()["retries"] == 2
+
+
+def test_a_failed_split_read_resolves_only_once_no_part_is_still_writing(store, monkeypatch):
+    """The owner frees (and may reuse) a read's buffer as soon as its future fails, so a sibling part still in
+    its pread must finish before the failure is reported."""
+    real = R.pread_into
+    release, slow_in = threading.Event(), threading.Event()
+    with StoreReader(store, threads=4, retries=0, pieces=4, min_piece=4096) as r:
+        p = parts(r, 1, 3)
+
+        def fake(fd, view, offset):
+            if offset == p[2]:
+                assert slow_in.wait(10)
+                raise OSError(errno.EIO, "Input/output error")
+            if offset == p[1]:  # a slow part, still reading
+                slow_in.set()
+                assert release.wait(10)
+            return real(fd, view, offset)
+
+        monkeypatch.setattr(R, "pread_into", fake)
+        others = [(2, i, alloc_aligned(r.max_extent)) for i in range(3)]  # wake every thread, whatever the waking
+        fut = r.read_many([(1, 3, alloc_aligned(r.max_extent)), *others], priority=Priority.DEMAND)[0]
+        assert slow_in.wait(10)
+        time.sleep(0.2)  # the failing part has long given up by now
+        assert not fut.done(), "the failure was reported while part 1 could still write into the buffer"
+        release.set()
+        with pytest.raises(StoreReadError, match="I/O error"):
+            fut.result(10)
+        assert r.stats()["errors"] == 1
+
+
+def test_a_lone_split_read_is_read_by_several_threads_at_once(store, monkeypatch):
+    real = R.pread_into
+    live, peak, lock = [0], [0], threading.Lock()
+
+    def slow(fd, view, offset):
+        with lock:
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+        time.sleep(0.05)  # a disk read's latency
+        with lock:
+            live[0] -= 1
+        return real(fd, view, offset)
+
+    with StoreReader(store, threads=4, pieces=4, min_piece=4096) as r:
+        time.sleep(0.1)  # the workers idle, waiting, as between decode steps
+        monkeypatch.setattr(R, "pread_into", slow)
+        buf = alloc_aligned(r.max_extent)
+        r.read(1, 3, buf).result(10)
+        assert bytes(buf[:r.extent(1, 3)]) == reference(store, 1, 3)
+    assert peak[0] == 4, f"its 4 parts were read at most {peak[0]} at a time"

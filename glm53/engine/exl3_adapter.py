@@ -662,9 +662,10 @@ class TieredMoE:
             if far:
                 stepper.ahead(li + 2, layer.far_host[:bsz].numpy(), busy=busy, distance=2)
 
-        # nvme modes: the guesses' store reads are queued inside resolve, right behind this step's own; elsewhere
-        # the lookahead admits into VRAM, which waits until this step's own admissions are decided.
-        early = self.nvme is not None and (predict or far)
+        # nvme modes: the guesses' store reads are queued inside resolve, right behind this step's own. Elsewhere
+        # the lookahead admits into VRAM, and prestaging copies into staging: both wait until this step's own
+        # admissions and copies are decided, so they never delay this step's kernels.
+        early = self.nvme is not None and not stepper.prestage_rows and (predict or far)
         step = stepper.resolve(li, ids, decode, x, w,
                                next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
                                read_ahead=read_ahead if early else None)

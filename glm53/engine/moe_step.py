@@ -376,9 +376,12 @@ class MoeStepper:
                 return 0
             self._predicted_far[li] = predicted
             now = li - 2
-            protect = {now: list(busy)} if now >= 0 and len(busy) else None
+            protect = {now: list(busy)} if now >= 0 and len(busy) else {}
+            near = self._predicted.get(li - 1)
+            if near is not None:  # the likelier guess for the layer in between keeps its RAM experts
+                protect[li - 1] = self._likely(near)
             started = self.nvme.prefetch([(li, e) for e in self._likely(predicted, precision=self._far_precision)],
-                                         protect=protect)
+                                         protect=protect or None)
             self.prefetched_far += started
             return started
         self._predicted[li] = predicted

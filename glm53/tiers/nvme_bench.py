@@ -340,6 +340,8 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
                 after = depth == "after"
                 if after:  # the layer's own store reads first, waited for; only then the guesses
                     tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
+                else:  # as the engine: the layer's own reads queued first, the guesses right behind them
+                    tier.tiers.demand_reads(layer, ids[0])
                 for d in range(1, 2 if after else int(depth or 1) + 1) if mode != "off" else ():
                     if layer + d < opts.layers:
                         nxt = predict(trace[layer + d, t], scores[layer + d, t], kind, sigma, rng)
