@@ -68,3 +68,19 @@ def test_paired_ratio_cancels_drift_between_windows():
     assert B.paired_ratio(rows, "fast", "exact") == 1.5
     rows[0]["decode_tok_s"] = 300  # window 0 now 0.5 too: ratios 0.5, 0.5, 1.5, 1.5 -> the middle two's mean
     assert B.paired_ratio(rows, "fast", "exact") == 1.0
+
+
+def test_a_kept_checkpoint_or_store_is_made_once(tmp_path, capsys):
+    made = []
+    marker = tmp_path / "ckpt.complete"
+    for _ in range(2):
+        B._made_once(marker, lambda: made.append(1), "the checkpoint")
+    assert made == [1] and marker.exists()
+    out = capsys.readouterr().out
+    assert "made the checkpoint in" in out and "reusing the checkpoint" in out
+    failing = tmp_path / "store.complete"
+    try:
+        B._made_once(failing, lambda: 1 / 0, "the store")
+    except ZeroDivisionError:
+        pass
+    assert not failing.exists(), "a half-made store must be made again next time"

@@ -411,6 +411,19 @@ def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
         assert la["prefetched"] == snap["prefetch"]["issued"]
 
 
+def recording_prefetch(tier) -> list[list[tuple[int, int]]]:
+    """Make `tier.prefetch` record each call's (layer, expert) list (then do it); returns the record."""
+    asked: list[list[tuple[int, int]]] = []
+    real_prefetch = tier.prefetch
+
+    def prefetch(picks, **kw):
+        asked.append(list(picks))
+        return real_prefetch(asked[-1], **kw)
+
+    tier.prefetch = prefetch
+    return asked
+
+
 def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
     """Store prefetch spends disk time, the nvme modes' bottleneck: once the live precision says ranks 2 and 3
     of the guess are usually wrong, only ranks 0 and 1 are read ahead, most likely first."""
@@ -420,14 +433,7 @@ def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
     plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
     with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
-        asked: list[list[tuple[int, int]]] = []
-        real_prefetch = tier.prefetch
-
-        def prefetch(picks, **kw):
-            asked.append(list(picks))
-            return real_prefetch(asked[-1], **kw)
-
-        tier.prefetch = prefetch
+        asked = recording_prefetch(tier)
         rng = np.random.default_rng(3)
         for _ in range(12):  # ranks 0, 1 always right; ranks 2, 3 never
             guess = rng.choice(16, 4, replace=False)
@@ -453,14 +459,7 @@ def test_nvme_reads_two_layers_ahead_scored_apart(packed):
     plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
     with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
-        asked: list[list[tuple[int, int]]] = []
-        real_prefetch = tier.prefetch
-
-        def prefetch(picks, **kw):
-            asked.append(list(picks))
-            return real_prefetch(asked[-1], **kw)
-
-        tier.prefetch = prefetch
+        asked = recording_prefetch(tier)
         rng = np.random.default_rng(5)
         for _ in range(12):
             real = rng.choice(16, 4, replace=False)

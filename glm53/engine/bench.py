@@ -412,6 +412,17 @@ def report(res: dict, moe_layers: int | None) -> str:
     return "\n".join(lines)
 
 
+def _made_once(marker: Path, make: Any, what: str) -> None:
+    """make() unless `marker` says an earlier run finished it (a --keep run on a warm machine)."""
+    if marker.exists():
+        print(f"reusing {what}")
+        return
+    t0 = time.perf_counter()
+    make()
+    marker.touch()
+    print(f"made {what} in {time.perf_counter() - t0:.0f} s")
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     try:
         import torch
@@ -447,16 +458,14 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             work.mkdir(parents=True, exist_ok=True)
         else:
             work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
-        model_dir, done = work / "ckpt", work / "ckpt.complete"
-        if done.exists():
-            print(f"reusing the {args.moe_layers}-MoE-layer full-width checkpoint in {model_dir}")
-        else:
-            t0 = time.perf_counter()
+        model_dir = work / "ckpt"
+
+        def write() -> None:
             shutil.rmtree(model_dir, ignore_errors=True)
             write_exl3_checkpoint(model_dir, shape="glm53", moe_layers=args.moe_layers, mtp_layers=0,
                                   shards=max(2, args.moe_layers), router_skew=skew)
-            done.touch()
-            print(f"wrote a {args.moe_layers}-MoE-layer full-width checkpoint in {time.perf_counter() - t0:.0f} s")
+
+        _made_once(work / "ckpt.complete", write, f"the {args.moe_layers}-MoE-layer full-width checkpoint {model_dir}")
         experts = 288
     slots = args.slots if args.slots is not None else round(CARD_FRACTION * experts)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
@@ -470,14 +479,10 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
         if work is None:
             work = Path(tempfile.mkdtemp(prefix="glm53-bench-", dir=args.work))
-        store, done = work / "experts.glm53", work / "experts.complete"
-        if done.exists():
-            print(f"reusing the expert store {store}")
-        else:
-            t0 = time.perf_counter()
-            pack_store(PackOptions(model_dir, store, threads=8, progress=False), log=lambda m: None)
-            done.touch()
-            print(f"packed the expert store in {time.perf_counter() - t0:.0f} s")
+        store = work / "experts.glm53"
+        _made_once(work / "experts.complete",
+                   lambda: pack_store(PackOptions(model_dir, store, threads=8, progress=False), log=lambda m: None),
+                   f"the expert store {store}")
     try:
         res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
                            store=store, ram_fraction=args.ram_fraction, profile=args.profile,
