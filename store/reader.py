@@ -160,7 +160,7 @@ class StoreReader:
             for entry, out, address in prepared:
                 key = (entry.layer, entry.expert, address)
                 task = self._queued.get(key)
-                if task is not None and not task.taken:
+                if task is not None and not task.taken and not task.future.cancelled():  # a cancelled one: anew
                     if int(priority) < task.priority:      # promote a queued prefetch to demand
                         task.priority = int(priority)
                         heapq.heappush(self._heap, (task.priority, next(self._seq), task))
@@ -218,7 +218,7 @@ class StoreReader:
                 else:
                     heapq.heappop(self._heap)
                     task.taken = True
-                    self._queued.pop(task.key, None)
+                    self._unqueue(task)
             if task.parts is not None:
                 self._read_part(task, part)
                 continue
@@ -230,6 +230,12 @@ class StoreReader:
             except BaseException as exc:   # the caller gets every failure through its future
                 self._count("errors")
                 task.future.set_exception(exc)
+
+    def _unqueue(self, task: _Task) -> None:
+        """Forget a task's key (the caller holds the lock), unless a newer read of the same key replaced it (a read
+        asked again after its queued one was cancelled)."""
+        if self._queued.get(task.key) is task:
+            del self._queued[task.key]
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._cv:
@@ -278,11 +284,11 @@ class StoreReader:
         if task.next == len(task.parts):
             heapq.heappop(self._heap)
             task.taken = True
-            self._queued.pop(task.key, None)
+            self._unqueue(task)
         if part == 0:
             if not task.future.set_running_or_notify_cancel():
                 task.taken = True           # its other parts, if any are left, become stale heap items
-                self._queued.pop(task.key, None)
+                self._unqueue(task)
                 self._stats["cancelled"] += 1
                 return None
             task.t0 = time.perf_counter()
@@ -348,8 +354,7 @@ class StoreReader:
                     return
                 task.failed = task.taken = True     # no further part is handed out
                 task.error = exc                    # resolved by the last running part (_read_part)
-                if self._queued.get(task.key) is task:    # once all parts are out, the key may name a newer read
-                    del self._queued[task.key]
+                self._unqueue(task)                 # once all parts are out, the key may name a newer read
                 self._stats["errors"] += 1
 
     def stats(self) -> dict:

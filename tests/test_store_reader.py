@@ -455,3 +455,22 @@ def test_a_lone_split_read_is_read_by_several_threads_at_once(store, monkeypatch
         r.read(1, 3, buf).result(10)
         assert bytes(buf[:r.extent(1, 3)]) == reference(store, 1, 3)
     assert peak[0] == 4, f"its 4 parts were read at most {peak[0]} at a time"
+
+
+@pytest.mark.parametrize("split", [{}, SPLIT])
+def test_asking_again_after_cancelling_a_queued_read_reads_it(store, monkeypatch, split):
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=1, **split) as r:
+        arena = alloc_slots(2, r.max_extent)
+        first = r.read(1, 0, arena[0])
+        assert gate.entered.wait(10)
+        doomed = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        assert doomed.cancel()
+        again = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        assert again is not doomed and not again.cancelled()
+        # The cancelled read's leftover is skipped without forgetting the new one: asking a third time promotes it.
+        assert r.read(1, 1, arena[1], priority=Priority.DEMAND) is again
+        gate.release.set()
+        first.result(10)
+        assert bytes(again.result(10).data) == reference(store, 1, 1)
+        assert r.stats()["reads"] == 2
