@@ -372,7 +372,8 @@ class StoreReader:
                 if task.next:
                     continue                # a split read under way: its future resolves once its parts are read
                 task.taken = True
-                task.future.cancel()
+                if task.future.cancelled() or task.future.cancel():  # cancelled by the caller, or now
+                    self._stats["cancelled"] += 1
             self._queued.clear()
             self._heap = [item for item in self._heap if not item[2].taken]
             heapq.heapify(self._heap)

@@ -178,6 +178,7 @@ def test_close_cancels_what_is_queued(store, monkeypatch):
     threading.Timer(0.05, gate.release.set).start()
     r.close()
     assert running.result(10).expert == 0 and queued.cancelled()
+    assert r.stats()["cancelled"] == 1 and r.stats()["reads"] == 1
     with pytest.raises(RuntimeError, match="closed"):
         r.read(1, 2, arena[2])
 
