@@ -265,7 +265,10 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                     + (f", hit rate {res['hit_rate']:.3f}, cpu picks {res['picks']['cpu']}, "
                        f"{res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
                        f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H, host "
-                       f"{res['host_us_per_layer_step']:.0f} us/layer step" if name != "stock" else ""))
+                       f"{res['host_us_per_layer_step']:.0f} us/layer step" if name != "stock" else "")
+                    + (f", {res['store_bytes_per_token'] / 2**20:.0f} MiB/token from the store "
+                       f"({res['store_bytes_per_token'] / disk_rate * res['decode_tok_s']:.2f} of the disk's time)"
+                       if name.startswith("nvme") and disk_rate else ""))
 
         if profile in runners:
             import cProfile
