@@ -100,6 +100,39 @@ class Step:
 Recompute = Callable[[int, int, np.ndarray], Any]
 
 
+class Guesses:
+    """Guesses of one distance (one layer ahead, or two): each layer's guess until its step comes, and how often the
+    guess at each rank (best first) was among the real picks, pooled over layers. A guess acted on costs its bytes
+    whether or not it is picked and saves them only when it is, so only ranks right more often than not are acted
+    on: calibrated live, starting from "yes"."""
+
+    def __init__(self) -> None:
+        self.meter = RecallMeter()
+        self.pending: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids guessed for its next step
+        self.hits: list[int] = []  # plain ints: updated per guess on the per-step path
+        self.total: list[int] = []
+        self.precision: list[float] = []  # (hits + 1) / (total + 2) per rank, refreshed when the counts change
+
+    def score(self, li: int, ids: np.ndarray, decode: bool) -> None:
+        """Score layer li's pending guess against its real picks `ids` (rows, top_k)."""
+        pred = self.pending.pop(li, None)
+        if pred is None or not decode or pred.shape[0] != ids.shape[0]:
+            return  # no guess, or not for this step's rows (another batch shape came between)
+        guesses, reals = pred.tolist(), ids.tolist()
+        self.meter.update(li, guesses, reals)
+        hits, total = self.hits, self.total
+        k = len(guesses[0]) if guesses else 0
+        if len(total) < k:
+            hits.extend([0] * (k - len(hits)))
+            total.extend([0] * (k - len(total)))
+        for guess, real in zip(guesses, reals, strict=True):
+            real_set = set(real)
+            for r, e in enumerate(guess):
+                total[r] += 1
+                hits[r] += e in real_set
+        self.precision = [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
+
+
 class MoeStepper:
     """Decides, per layer step, which tier each pick is read from; owns no tensors of its own."""
 
@@ -148,28 +181,17 @@ class MoeStepper:
         self.prestage_rows = max(0, spare)
         self._prestaged: dict[int, tuple[dict[int, int], Any]] = {}  # layer -> ({expert: staging row}, ticket)
         self.prestage = {"issued": 0, "used": 0}
-        # How often the guess at each rank (best first) is among the real picks, pooled over layers. A prestaged
-        # expert costs its PCIe time whether or not it is picked and saves it only when it is, so only ranks right
-        # more often than not are prestaged: calibrated live, starting from "yes".
-        self._rank_hits: list[int] = []  # plain ints: updated per guess on the per-step path
-        self._rank_total: list[int] = []
-        self._precision: list[float] = []  # rank_precision(), refreshed when the counts change
+        # Guesses one layer ahead, and two (nvme modes; scored apart, they are right less often).
+        self._near, self._far = Guesses(), Guesses()
+        self.lookahead = self._near.meter
         self.last_assignment: Any = None
-        self.lookahead = RecallMeter()
-        # The same for guesses two layers ahead (nvme modes): scored apart, they are right less often.
-        self._far_hits: list[int] = []
-        self._far_total: list[int] = []
-        self._far_precision: list[float] = []
-        self.lookahead_far = RecallMeter()
-        self._predicted_far: dict[int, np.ndarray] = {}
-        self.prefetched_far = 0
         if lane_judge is None:
             from glm53.engine.lane_judge import LaneJudge
 
             lane_judge = LaneJudge()
         self.lane_judge = lane_judge
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
-        self._predicted: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids predicted for its next step
+        self.prefetched_far = 0
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0}
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
@@ -366,25 +388,25 @@ class MoeStepper:
         """Layer li, `distance` (1 or 2) layers after the one stepping now, is predicted to pick `predicted` (ids,
         any shape): read its store-only experts into RAM (nvme modes), or admit its RAM experts the policy wants
         (all-RAM modes, when admitting, distance 1 only), so their bytes move while the GPU is still busy with the
-        layers before. busy: experts of the layer stepping now that the CPU lane is reading (never dropped for a
-        prefetch). Returns the reads or admissions started."""
+        layers before. busy: experts of the layer stepping now that must stay (the CPU lane's; all of the step's
+        when called from inside resolve), never dropped for a prefetch. Returns the reads or admissions started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
         predicted = np.atleast_2d(np.array(predicted, np.int64))  # a copy: the caller's buffer is reused
         if distance == 2:
             if self.nvme is None:
                 return 0
-            self._predicted_far[li] = predicted
+            self._far.pending[li] = predicted
             now = li - 2
             protect = {now: list(busy)} if now >= 0 and len(busy) else {}
-            near = self._predicted.get(li - 1)
+            near = self._near.pending.get(li - 1)
             if near is not None:  # the likelier guess for the layer in between keeps its RAM experts
                 protect[li - 1] = self._likely(near)
-            started = self.nvme.prefetch([(li, e) for e in self._likely(predicted, precision=self._far_precision)],
+            started = self.nvme.prefetch([(li, e) for e in self._likely(predicted, precision=self._far.precision)],
                                          protect=protect or None)
             self.prefetched_far += started
             return started
-        self._predicted[li] = predicted
+        self._near.pending[li] = predicted
         tiers = self.tiers
         started = 0
         if self.nvme is not None:
@@ -414,7 +436,7 @@ class MoeStepper:
 
     def rank_precision(self) -> list[float]:
         """Per guess rank (best first): (hits + 1) / (guesses + 2), the share of guesses the real picks contained."""
-        return list(self._precision)
+        return list(self._near.precision)
 
     def _worth_prestaging(self, predicted: np.ndarray, ram: list[int]) -> list[int]:
         """The RAM experts guessed at a rank right more often than not, in rank order."""
@@ -425,7 +447,7 @@ class MoeStepper:
         """The predicted experts (of `among`, if given) guessed at a rank right more often than not (live
         precision, one layer ahead unless given; a rank not yet scored counts as right), best rank first, each
         once."""
-        precision = self._precision if precision is None else precision
+        precision = self._near.precision if precision is None else precision
         ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > 0.5]
         out, seen = [], set()
         for r in ranks:
@@ -505,42 +527,16 @@ class MoeStepper:
         self.tiers.stats.add_lane_picks(li, n_hit, len(picks) - n_hit - n_store - n_cpu, n_cpu, n_store)
 
     def _count_lookahead(self, li: int, ids: np.ndarray, decode: bool) -> None:
-        near = self._score(self._predicted.pop(li, None), li, ids, decode, self.lookahead, self._rank_hits,
-                           self._rank_total)
-        if near is not None:
-            self._precision = near
-        far = self._score(self._predicted_far.pop(li, None), li, ids, decode, self.lookahead_far, self._far_hits,
-                          self._far_total)
-        if far is not None:
-            self._far_precision = far
-
-    @staticmethod
-    def _score(pred: np.ndarray | None, li: int, ids: np.ndarray, decode: bool, meter: RecallMeter,
-               hits: list[int], total: list[int]) -> list[float] | None:
-        """Score one guess against the real picks: the meter, the per-rank counts, and the new per-rank precision
-        (None when there was nothing to score)."""
-        if pred is None or not decode or pred.shape[0] != ids.shape[0]:
-            return None  # no guess, or not for this step's rows (another batch shape came between)
-        guesses, reals = pred.tolist(), ids.tolist()
-        meter.update(li, guesses, reals)
-        k = len(guesses[0]) if guesses else 0
-        if len(total) < k:
-            hits.extend([0] * (k - len(hits)))
-            total.extend([0] * (k - len(total)))
-        for guess, real in zip(guesses, reals, strict=True):
-            real_set = set(real)
-            for r, e in enumerate(guess):
-                total[r] += 1
-                hits[r] += e in real_set
-        return [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
+        self._near.score(li, ids, decode)
+        self._far.score(li, ids, decode)
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
                                    "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
-                                   "two_ahead": {**self.lookahead_far.snapshot(), "prefetched": self.prefetched_far,
-                                                 "rank_precision": [round(p, 3) for p in self._far_precision]}}}
+                                   "two_ahead": {**self._far.meter.snapshot(), "prefetched": self.prefetched_far,
+                                                 "rank_precision": [round(p, 3) for p in self._far.precision]}}}
         if self.lane is not None:
             judge = self.lane_judge
             doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not judge.in_trial and not judge.kept,
