@@ -13,14 +13,16 @@
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
 #             machine's ~100 s first-prefill penalty, so give it a call of its own). bench, nvme and nvme16
 #             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
-#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction
-#             (packs a store: ~20 GB of disk; at 4 layers it took 2 min); nvme16: the same at the 16 GiB fraction
+#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction,
+#             and nvme-exact-ahead2 (store reads started two layers ahead too) paired with nvme-exact; 192 tokens of
+#             warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 428 s on a fresh machine
+#             with 16 tokens of warm-up: watch the 540 s limit); nvme16: the same at the 16 GiB fraction (223 s)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-STEPS=${STEPS:-bench,nvme,nvme16,tiny,width,server,lane}
+STEPS=${STEPS:-nvme,nvme16,tiny,width,server,bench,lane}
 t0=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/summary.log"; }
 gpu_pytest() {  # name, limit (s), pytest args...
