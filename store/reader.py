@@ -177,6 +177,19 @@ class StoreReader:
             self._cv.notify(wake)
         return futures
 
+    def promote(self, layer: int, expert: int, out: np.ndarray) -> bool:
+        """Move a queued read of (layer, expert) into `out` ahead of every prefetch, as a demand read; never starts
+        a read (asking again with read() would start a second one into the same buffer once the first is under
+        way). False when no such read waits in the queue (under way, done, cancelled or never asked)."""
+        with self._cv:
+            task = self._queued.get((layer, expert, out.ctypes.data))
+            if task is None or task.taken or task.future.cancelled():
+                return False
+            if task.priority > Priority.DEMAND:
+                task.priority = int(Priority.DEMAND)
+                heapq.heappush(self._heap, (task.priority, next(self._seq), task))
+            return True
+
     def _split(self, extent: int) -> list[tuple[int, int]] | None:
         """Parts of one extent (an ALIGN multiple): n-1 of an aligned size, the last takes the remainder."""
         n = min(self.pieces, extent // self.min_piece)

@@ -195,6 +195,7 @@ class NvmeTier:
                 r = self._reads[(layer, e)]
                 if not r.demanded:  # a prefetch still in flight: from now on a step waits for it
                     r.demanded, r.since = True, now
+                    self._promote(r)
 
     def wait(self, layer: int, expert: int, protect: np.ndarray | None = None) -> None:
         """Block until the expert is readable in RAM (reading it if it is only in the store). Raises StoreError
@@ -210,7 +211,9 @@ class NvmeTier:
             if w != FROM_STORE:  # TO_RAM: a write-back the caller settles, not a store read
                 raise TierError(f"expert {layer}/{expert} is {Where(w).name}: settle its move first")
             r = self._reads[(layer, expert)]
-            r.demanded = True
+            if not r.demanded:
+                r.demanded = True
+                self._promote(r)
             error = self._await(r, protect)
             if error is not None:
                 raise error
@@ -402,6 +405,13 @@ class NvmeTier:
             self._reads[(layer, e)] = r
         self.stats.add_nvme(kind or ("reads" if demanded else "prefetch_reads"))
         return r
+
+    def _promote(self, r: _Read) -> None:
+        """A prefetch a step now waits for goes ahead of the other guesses still queued (a guess one layer ahead
+        is often still queued when its layer runs, behind that layer's wrong guesses)."""
+        promote = getattr(self.reader, "promote", None)  # test doubles of the reader may lack it
+        if promote is not None and promote(self.store_layers[r.layer], r.expert, self.arena[r.slot]):
+            self.stats.add_nvme("promoted")
 
     def _wait_oldest(self, protect: np.ndarray | None) -> bool:
         """Wait for the oldest read in flight to land or fail (freeing or filling a slot); False if there is none.
