@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, route, slot_forward
+from test_nvme_tier_support import HIDDEN, Direct, Gate, check_bytes, make_store, nvme_plan, route, slot_forward
 
 import store.reader as R
 from glm53.tiers import Where, exl3_expert_layout, tiered_moe
@@ -143,48 +143,30 @@ def test_a_prefetch_still_in_flight_is_waited_for_not_read_twice(packed, direct,
 
 def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
     ck, store = packed
-    real, order, first, release = R.pread_into, [], threading.Event(), threading.Event()
-
-    def gated(fd, view, offset):
-        order.append(offset)
-        if len(order) == 1:
-            first.set()
-            assert release.wait(10)
-        return real(fd, view, offset)
-
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
     with open_nvme_tier(store, ck, plan) as tier:
-        monkeypatch.setattr(R, "pread_into", gated)
+        gate = Gate(monkeypatch)
         tier.prefetch([(1, e) for e in (0, 1, 2)])
-        assert first.wait(10)  # the only reader thread holds the first prefetch
+        assert gate.entered.wait(10)  # the only reader thread holds the first prefetch
         tier.demand(1, np.array([9]))
-        release.set()
+        gate.release.set()
         settle_reads(tier)
         head = tier.reader.header
-        assert order == [head.entry(2, e).offset for e in (0, 9, 1, 2)]
+        assert gate.order == [head.entry(2, e).offset for e in (0, 9, 1, 2)]
 
 
 def test_a_queued_prefetch_a_step_comes_to_need_goes_ahead_of_the_other_guesses(packed, monkeypatch):
     ck, store = packed
-    real, order, first, release = R.pread_into, [], threading.Event(), threading.Event()
-
-    def gated(fd, view, offset):
-        order.append(offset)
-        if len(order) == 1:
-            first.set()
-            assert release.wait(10)
-        return real(fd, view, offset)
-
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
     with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
-        monkeypatch.setattr(R, "pread_into", gated)
+        gate = Gate(monkeypatch)
         tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
-        assert first.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
+        assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
         tier.demand(1, np.array([3]))  # the step needs the last guess: it is read next, and only once
-        release.set()
+        gate.release.set()
         settle_reads(tier)
         head = tier.reader.header
-        assert order == [head.entry(2, e).offset for e in (0, 3, 1, 2)]
+        assert gate.order == [head.entry(2, e).offset for e in (0, 3, 1, 2)]
         snap = tier.stats.snapshot()
         assert snap["nvme"]["promoted"] == 1 and tier.reader.stats()["reads"] == 4
 
@@ -194,27 +176,18 @@ def test_promote_moves_a_queued_read_but_never_starts_one(packed, monkeypatch):
     from store.reader import Priority
 
     _, store = packed
-    real, order, first, release = R.pread_into, [], threading.Event(), threading.Event()
-
-    def gated(fd, view, offset):
-        order.append(offset)
-        if len(order) == 1:
-            first.set()
-            assert release.wait(10)
-        return real(fd, view, offset)
-
-    monkeypatch.setattr(R, "pread_into", gated)
+    gate = Gate(monkeypatch)
     with StoreReader(store, threads=1) as r:
         arena = alloc_slots(3, r.max_extent)
         running = r.read(2, 0, arena[0], priority=Priority.PREFETCH)
-        assert first.wait(10)
+        assert gate.entered.wait(10)
         a, b = r.read_many([(2, 1, arena[1]), (2, 2, arena[2])], priority=Priority.PREFETCH)
         assert r.promote(2, 2, arena[2]) and not r.promote(2, 0, arena[0]), "the running one is not re-read"
         assert not r.promote(2, 5, arena[1]), "nothing queued under that key"
-        release.set()
+        gate.release.set()
         for f in (running, a, b):
             f.result(10)
-        assert order == [r.header.entry(2, e).offset for e in (0, 2, 1)] and r.stats()["reads"] == 3
+        assert gate.order == [r.header.entry(2, e).offset for e in (0, 2, 1)] and r.stats()["reads"] == 3
 
 
 def test_prefetch_respects_window_guards_and_protection(packed):

@@ -4,12 +4,14 @@ checkpoint's own tensors."""
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import store.reader as R
 from glm53.exl3ref import Exl3Linear, expert_forward, read_exl3_linear
 from glm53.plan import Plan
 from glm53.tiers import SlotLayout, combine, group_picks
@@ -93,3 +95,19 @@ def check_bytes(tier, store: Path) -> None:
                 got = t.bytes_of(layer, e).cpu().numpy().tobytes()
                 want = record(store, tier.store_layers[layer], e)
                 assert got[: len(want)] == want, f"{layer}/{e} bytes differ from the store record"
+
+
+class Gate:
+    """Wraps pread_into: records the order of reads and holds the first one until released."""
+
+    def __init__(self, monkeypatch):
+        self.order, self.release, self.entered = [], threading.Event(), threading.Event()
+        self.real = R.pread_into
+        monkeypatch.setattr(R, "pread_into", self)
+
+    def __call__(self, fd, view, offset):
+        self.order.append(offset)
+        if len(self.order) == 1:
+            self.entered.set()
+            assert self.release.wait(10)
+        return self.real(fd, view, offset)

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from test_nvme_tier_support import Gate
 
 import store.reader as R
 from store.directio import alloc_aligned, alloc_slots
@@ -34,22 +35,6 @@ def reference(store, layer, expert):
     with open(store, "rb") as f:
         f.seek(e.offset)
         return f.read(e.extent)
-
-
-class Gate:
-    """Wraps pread_into: records the order of reads and holds the first one until released."""
-
-    def __init__(self, monkeypatch):
-        self.order, self.release, self.entered = [], threading.Event(), threading.Event()
-        self.real = R.pread_into
-        monkeypatch.setattr(R, "pread_into", self)
-
-    def __call__(self, fd, view, offset):
-        self.order.append(offset)
-        if len(self.order) == 1:
-            self.entered.set()
-            assert self.release.wait(10)
-        return self.real(fd, view, offset)
 
 
 def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
