@@ -14,7 +14,8 @@ def mode_doc(tok: float, nvme: bool = False) -> dict:
            "same_tokens_as_stock": True, "load_s": 3.0, "tiers": {}, "store_MiB_per_token": 120.0 if nvme else 0.0,
            "pick_shares": {"vram_hit": 0.6, "pcie": 0.2, "cpu": 0.15, "nvme": 0.05}}
     if nvme:
-        doc.update(bound_decode_tok_s=30.0, over_own_bound=tok / 30)
+        doc.update(bound_decode_tok_s=30.0, over_own_bound_start_rate=tok / 30, over_own_bound=tok / 25,
+                   bound_beside_tok_s=25.0, disk_GBps_beside=1.25)
     return doc
 
 
@@ -37,13 +38,14 @@ def test_report_has_a_line_per_mode_and_the_targets():
     assert "CPU lane on trial" in text and text.count("CPU lane") == 2
     for mode in res["modes"]:
         assert f"  {mode} " in text, mode
-    for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s", "nvme / fast: 0.833",
+    for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s at the start", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
                  "each tiered mode decoded 192 tokens before the windows",
                  "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier",
                  "(store reads started two layers ahead too / one): 1.200, median of paired windows; recall two layers "
-                 "ahead 0.41", "nvme-exact-ahead2 picks per tier", "x bound 0.833 (target >= 0.8)", "lookahead recall -"):
+                 "ahead 0.41", "nvme-exact-ahead2 picks per tier", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
+                 "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what
 
 
@@ -84,3 +86,29 @@ def test_a_kept_checkpoint_or_store_is_made_once(tmp_path, capsys):
     except ZeroDivisionError:
         pass
     assert not failing.exists(), "a half-made store must be made again next time"
+
+
+def test_own_bound_uses_the_disk_rate_beside_each_window():
+    # Stock's step is 10 ms, the pinned rate 1 GB/s. Window 0: the GPU side is 10 ms + 10 MB = 20 ms, the disk
+    # 30 MB at 1 GB/s = 30 ms: the disk bounds, 25 tok/s is 0.75 of it. Window 1: the disk gave 0.5 GB/s, 60 ms,
+    # and 15 tok/s is 0.9 of that; at one rate for the run it would read as 0.45.
+    rows = [{"name": "stock", "window": 0, "decode_tok_s": 100.0}, {"name": "stock", "window": 1, "decode_tok_s": 100.0},
+            {"name": "nvme", "window": 0, "decode_tok_s": 25.0, "h2d_bytes_per_token": 1e7,
+             "store_bytes_per_token": 3e7, "disk_Bps": 1e9},
+            {"name": "nvme", "window": 1, "decode_tok_s": 15.0, "h2d_bytes_per_token": 1e7,
+             "store_bytes_per_token": 3e7, "disk_Bps": 0.5e9},
+            {"name": "nvme", "window": 2, "decode_tok_s": 99.0, "h2d_bytes_per_token": 1e7,
+             "store_bytes_per_token": 3e7, "disk_Bps": 1e9}]  # no stock in window 2: not counted
+    got = B.own_bound_beside(rows, "nvme", 1e9)
+    assert abs(got["over_own_bound"] - (25 * 0.03 + 15 * 0.06) / 2) < 1e-9  # 0.75 and 0.9: the median of two
+    assert abs(got["bound_beside_tok_s"] - (1 / 0.03 + 1 / 0.06) / 2) < 1e-9
+    assert abs(got["disk_GBps_beside"] - 0.75) < 1e-12
+    rows[2]["store_bytes_per_token"] = 1e6  # the GPU side bounds window 0 now: 20 ms
+    assert abs(B.own_bound_beside(rows, "nvme", 1e9)["over_own_bound"] - (25 * 0.02 + 15 * 0.06) / 2) < 1e-9
+    assert B.own_bound_beside(rows, "nvme-exact", 1e9)["over_own_bound"] != 0.0  # nan: no windows
+
+
+def test_disk_probe_reads_a_fresh_sample_each_time(tmp_path):
+    ck, store = make_store(tmp_path, layers=3, experts=16)
+    probe = B._disk_probe(store, records=8, threads=2)
+    assert probe() > 0 and probe() > 0

@@ -13,10 +13,11 @@
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
 #             machine's ~100 s first-prefill penalty, so give it a call of its own). bench, nvme and nvme16
 #             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
-#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction,
-#             and nvme-exact-ahead2 (store reads started two layers ahead too) paired with nvme-exact; 192 tokens of
-#             warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 428 s on a fresh machine
-#             with 16 tokens of warm-up: watch the 540 s limit); nvme16: the same at the 16 GiB fraction (223 s)
+#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction;
+#             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
+#             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvme16: the same at the 16 GiB
+#             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
+#             the machine's virtual disk; disk: that disk's raw rate by reads in flight (after nvme)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
@@ -64,9 +65,20 @@ step_bench() {
 }
 step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
   timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep \
-    --modes exact,fast,nvme-exact,nvme,nvme-exact-ahead2 \
+    --modes exact,fast,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
+}
+step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what nvme gives when the disk keeps up
+  timeout 400 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep \
+    --store-dir /dev/shm --modes fast,nvme-exact,nvme --json "$OUT/bench-nvmeshm.json" > "$OUT/bench-nvmeshm.log" 2>&1
+  stamp "nvme, store in RAM, rc=$?"
+  rm -rf /dev/shm/glm53-bench-*
+}
+step_disk() {  # the store disk's raw rate by reads in flight (needs a store from the nvme step)
+  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 120 python3 tests/gpu/disk_sweep.py /tmp/glm53-bench-8L-0.11-0.4/experts.glm53 \
+    --records 200 > "$OUT/disk-sweep.log" 2>&1
+  stamp "disk sweep rc=$?"
 }
 step_nvme16() {
   timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep --modes exact,nvme-exact,nvme \
@@ -85,6 +97,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvme16 tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmeshm disk nvme16 tiny width server lane)"
   fi
 done
