@@ -28,6 +28,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
                      "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
     res["ahead2_effect"] = 1.2
+    res["copy_first_effect"] = 1.31
+    res["modes"]["nvme-exact-waitfirst"] = mode_doc(15.0, nvme=True)
     res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
                                                             "cpu_share": 0.039}}}
@@ -44,7 +46,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "each tiered mode decoded 192 tokens before the windows",
                  "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier",
                  "(store reads started two layers ahead too / one): 1.200, median of paired windows; recall two layers "
-                 "ahead 0.41", "nvme-exact-ahead2 picks per tier", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
+                 "ahead 0.41", "nvme-exact-ahead2 picks per tier", "nvme-exact-waitfirst picks per tier",
+                 "(RAM misses cross PCIe while the store reads land / after): 1.310, median of paired windows", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what
 

@@ -339,6 +339,8 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store, staging, depth):
         assert snap["nvme_fault"] is None or not snap["nvme_fault"].get("faults")
         if staging:
             assert snap["lookahead"]["prestaged"]["used"] > 0
+        else:  # RAM misses crossed PCIe while the step's store reads were still landing
+            assert snap["copied_before_store_wait"] > 0
         far = snap["lookahead"]["two_ahead"]
         if depth == 2:  # layer 2 is the only one two MoE layers after another
             assert set(far["layers"]) == {2} and far["steps"] > 0 and 0.0 <= far["recall"] <= 1.0

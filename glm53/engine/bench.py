@@ -49,7 +49,8 @@ def register_bench(bench_sub: Any) -> None:
                    help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
                         "exact-prestage, nvme-exact, nvme, and for paired comparisons nvme-exact-whole: each "
                         "record read in one piece, as before; nvme-exact-ahead2: store reads started two layers "
-                        "ahead as well)")
+                        "ahead as well; nvme-exact-waitfirst: a decode step's RAM misses wait for its store reads "
+                        "before crossing PCIe, as before)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -67,7 +68,7 @@ def register_bench(bench_sub: Any) -> None:
 
 
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", "nvme-exact-whole",
-         "nvme-exact-ahead2")
+         "nvme-exact-ahead2", "nvme-exact-waitfirst")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -172,6 +173,8 @@ class _Runner:
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:
             self.tiered.populate()
+            if mode == "nvme-exact-waitfirst":  # the step before: every store read lands before any copy starts
+                self.tiered.stepper.copy_before_store_wait = False
             if mode in ("fast", "nvme"):
                 from glm53.cpu_lane.calibrate import default_threads
 
@@ -398,6 +401,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             result["pieces_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-whole")
         if "nvme-exact" in modes and "nvme-exact-ahead2" in modes:
             result["ahead2_effect"] = paired_ratio(rows, "nvme-exact-ahead2", "nvme-exact")
+        if "nvme-exact" in modes and "nvme-exact-waitfirst" in modes:
+            result["copy_first_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-waitfirst")
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
@@ -453,7 +458,10 @@ def report(res: dict, moe_layers: int | None) -> str:
             lines.append(f"  nvme-exact-ahead2 / nvme-exact (store reads started two layers ahead too / one): "
                          f"{res['ahead2_effect']:.3f}, median of paired windows; recall two layers ahead "
                          + ("-" if far != far else f"{far:.2f}"))
-        for mode in ("nvme-exact", "nvme", "nvme-exact-whole", "nvme-exact-ahead2"):
+        if "copy_first_effect" in res:
+            lines.append(f"  nvme-exact / nvme-exact-waitfirst (RAM misses cross PCIe while the store reads land / "
+                         f"after): {res['copy_first_effect']:.3f}, median of paired windows")
+        for mode in ("nvme-exact", "nvme", "nvme-exact-whole", "nvme-exact-ahead2", "nvme-exact-waitfirst"):
             if mode in res["modes"]:
                 sh = res["modes"][mode]["pick_shares"]
                 m = res["modes"][mode]
