@@ -221,7 +221,12 @@ class _Runner:
                        lookahead_recall=hits / actual if actual else None,
                        two_ahead_recall=far_hits / far_actual if far_actual else None,
                        host_us_per_layer_step=1e6 * (snap1["host_seconds"]["plan"] - snap0["host_seconds"]["plan"])
-                       / max(1, snap1["layer_steps"] - snap0["layer_steps"]))
+                       / max(1, snap1["layer_steps"] - snap0["layer_steps"]),
+                       # Where a decoded token's host time went (the GPU idles through all of it but the lane's):
+                       # planning, waiting for the routing ids, for copies, for store reads.
+                       host_ms_per_token={k: 1e3 * (snap1["host_seconds"][k] - snap0["host_seconds"].get(k, 0.0)) / n
+                                          for k in ("plan", "sync", "copy_wait", "store_wait", "after_launch")
+                                          if k in snap1["host_seconds"]})
         return out
 
     def close(self) -> None:
@@ -318,7 +323,9 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                     + (f", hit rate {res['hit_rate']:.3f}, cpu picks {res['picks']['cpu']}, "
                        f"{res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
                        f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H, host "
-                       f"{res['host_us_per_layer_step']:.0f} us/layer step" if name != "stock" else "")
+                       f"{res['host_us_per_layer_step']:.0f} us/layer step; host ms/token "
+                       + " ".join(f"{k} {v:.2f}" for k, v in res["host_ms_per_token"].items())
+                       if name != "stock" else "")
                     + (f", {res['store_bytes_per_token'] / 2**20:.0f} MiB/token from the store "
                        f"({res['store_bytes_per_token'] / res['disk_Bps'] * res['decode_tok_s']:.2f} of the disk's "
                        f"time at the {res['disk_Bps'] / 1e9:.2f} GB/s it gave beside this window)"
