@@ -115,3 +115,15 @@ def test_disk_probe_reads_a_fresh_sample_each_time(tmp_path):
     ck, store = make_store(tmp_path, layers=3, experts=16)
     probe = B._disk_probe(store, records=8, threads=2)
     assert probe() > 0 and probe() > 0
+
+
+def test_window_line_names_the_traffic_host_time_and_disk_share():
+    assert B.window_line(0, "stock", 512, {"prefill_s": 0.06, "decode_tok_s": 280.0}) == \
+        "window 0 stock: prefill 512 tok in 0.060 s, decode 280.0 tok/s"
+    res = {"prefill_s": 0.6, "decode_tok_s": 40.0, "hit_rate": 0.4, "picks": {"cpu": 0},
+           "h2d_bytes_per_token": 345 * 2**20, "d2h_bytes_per_token": 30 * 2**20, "host_us_per_layer_step": 550.0,
+           "host_ms_per_token": {"plan": 4.4, "store_wait": 8.0}, "store_bytes_per_token": 50e6, "disk_Bps": 25e9}
+    line = B.window_line(2, "nvme", 512, res)
+    assert line.startswith("window 2 nvme: prefill 512 tok in 0.600 s, decode 40.0 tok/s, hit rate 0.400")
+    assert "345 MiB/token H2D" in line and "host 550 us/layer step; host ms/token plan 4.40 store_wait 8.00" in line
+    assert line.endswith("(0.08 of the disk's time at the 25.00 GB/s it gave beside this window)")

@@ -93,6 +93,23 @@ def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / times[len(times) // 2]
 
 
+def window_line(w: int, name: str, prompt_tokens: int, res: dict) -> str:
+    """One window's log line: speeds, and for a tiered mode its traffic, host time and store share."""
+    line = (f"window {w} {name}: prefill {prompt_tokens} tok in {res['prefill_s']:.3f} s, decode "
+            f"{res['decode_tok_s']:.1f} tok/s")
+    if name != "stock":
+        line += (f", hit rate {res['hit_rate']:.3f}, cpu picks {res['picks']['cpu']}, "
+                 f"{res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
+                 f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H, host "
+                 f"{res['host_us_per_layer_step']:.0f} us/layer step; host ms/token "
+                 + " ".join(f"{k} {v:.2f}" for k, v in res["host_ms_per_token"].items()))
+    if "disk_Bps" in res:
+        line += (f", {res['store_bytes_per_token'] / 2**20:.0f} MiB/token from the store "
+                 f"({res['store_bytes_per_token'] / res['disk_Bps'] * res['decode_tok_s']:.2f} of the disk's "
+                 f"time at the {res['disk_Bps'] / 1e9:.2f} GB/s it gave beside this window)")
+    return line
+
+
 def _median(xs: list[float]) -> float:
     xs = sorted(xs)
     if not xs:
@@ -318,18 +335,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                     disk_after = disk_probe()
                     res["disk_Bps"], disk_before = (disk_before + disk_after) / 2, disk_after
                 rows.append(res)
-                log(f"window {w} {name}: prefill {prompt_tokens} tok in {res['prefill_s']:.3f} s, decode "
-                    f"{res['decode_tok_s']:.1f} tok/s"
-                    + (f", hit rate {res['hit_rate']:.3f}, cpu picks {res['picks']['cpu']}, "
-                       f"{res['h2d_bytes_per_token'] / 2**20:.0f} MiB/token H2D, "
-                       f"{res['d2h_bytes_per_token'] / 2**20:.0f} MiB/token D2H, host "
-                       f"{res['host_us_per_layer_step']:.0f} us/layer step; host ms/token "
-                       + " ".join(f"{k} {v:.2f}" for k, v in res["host_ms_per_token"].items())
-                       if name != "stock" else "")
-                    + (f", {res['store_bytes_per_token'] / 2**20:.0f} MiB/token from the store "
-                       f"({res['store_bytes_per_token'] / res['disk_Bps'] * res['decode_tok_s']:.2f} of the disk's "
-                       f"time at the {res['disk_Bps'] / 1e9:.2f} GB/s it gave beside this window)"
-                       if "disk_Bps" in res else ""))
+                log(window_line(w, name, prompt_tokens, res))
 
         if profile in runners:
             import cProfile
