@@ -185,7 +185,7 @@ class NvmeTier:
         experts = np.asarray(experts, np.int64)
         where = self.tiers.where[layer]
         es = experts.tolist()
-        self._account_prefetch(layer, es, where.take(experts).tolist() if es else [])
+        self._account_prefetch(layer, es, where[experts].tolist() if es else [])
         now = self.clock()
         for e in es:
             w = int(where[e])  # read again each time: a read issued for one expert may land or drop others
@@ -221,14 +221,16 @@ class NvmeTier:
     def poll(self) -> int:
         """Land every finished read, reclaim retired slots whose late read is over; never blocks."""
         landed = 0
-        for key, r in list(self._reads.items()):
-            if r.future.done():
-                landed += self._finish(key) is None
-        for slot, fut in list(self._retired.items()):
-            if fut.done():
-                with self._lock:
-                    del self._retired[slot]
-                self.tiers.reclaim(slot)
+        if self._reads:  # polled several times a layer step, mostly with nothing in flight
+            for key, r in list(self._reads.items()):
+                if r.future.done():
+                    landed += self._finish(key) is None
+        if self._retired:
+            for slot, fut in list(self._retired.items()):
+                if fut.done():
+                    with self._lock:
+                        del self._retired[slot]
+                    self.tiers.reclaim(slot)
         return landed
 
     # ---- prefetch ---------------------------------------------------------------------------------------------
