@@ -262,7 +262,8 @@ class NvmeTier:
             self.tiers.guard(layer, e)
             self._prefetched.add((layer, e))
             started += 1
-        self.stats.add_prefetch(issued=started)
+        if started:
+            self.stats.add_prefetch(issued=started)
         return started
 
     @staticmethod
@@ -512,7 +513,9 @@ class NvmeTier:
                     hits += 1
                 elif w == FROM_STORE:
                     late += 1
-        self.stats.add_prefetch(hits=hits, late=late, wasted=wasted, demand_misses=codes.count(STORE))
+        misses = codes.count(STORE)
+        if hits or late or wasted or misses:  # most layer steps have nothing to count: no lock taken for it
+            self.stats.add_prefetch(hits=hits, late=late, wasted=wasted, demand_misses=misses)
 
     def _prune_prefetched(self) -> None:
         """Prefetched experts dropped again before their layer ran no longer count against the window."""

@@ -81,7 +81,13 @@ class ScoredPolicy:
         self._now += 1
         # 288 multiplies per step is cheaper than lazy per-expert decay bookkeeping and exact at any age.
         self._freq *= self._decay
-        np.add.at(self._freq, ids, weight)
+        # The same sums either way. A decode token's picks are distinct, and a fancy add then costs less than
+        # np.add.at, which also releases the GIL (to the store reader threads, for a while) on the step's path.
+        picks = ids.tolist()
+        if len(set(picks)) == len(picks):
+            self._freq[ids] += weight
+        else:
+            np.add.at(self._freq, ids, weight)
         self._recent *= self._rdecay
         self._recent[ids] = 1.0
         self._scores = None
@@ -175,7 +181,8 @@ def choose_admissions(
     eligible = resident.copy()
     eligible[protect] = False
     cand = np.flatnonzero(eligible)
-    victims = cand[np.argsort(s[cand], kind="stable")].tolist()
+    # Weakest first, the lower id among equals (as a stable argsort of the ascending ids; sorted() keeps the GIL).
+    victims = [v for _, v in sorted(zip(s[cand].tolist(), cand.tolist(), strict=True))]
     for e, v in zip(rest, victims, strict=False):
         if not policy.admits(e, v):
             break
