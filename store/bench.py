@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from store.directio import alloc_aligned, alloc_slots, open_for_read, pread_into
 from store.errors import StoreError
 from store.format import read_header
@@ -183,6 +185,66 @@ def paired_windows(store: Path, reader: StoreReader, threads: int, rounds: int, 
     return raw, rdr, ratios
 
 
+def _step_like(table: np.ndarray, ids: list[int]) -> None:
+    """Python bookkeeping with short GIL-releasing calls in between, as the engine's main thread does while it
+    plans a MoE layer step (there: torch and CUDA calls; here: numpy's take)."""
+    counts: dict[int, int] = {}
+    for i in range(40):
+        table.take(ids)
+        counts[i % 7] = counts.get(i % 7, 0) + 1
+
+
+def main_thread_stall(store: Path, head, threads: int, log, steps: int = 300, rounds: int = 2) -> dict[str, float]:
+    """How much longer a main thread's step-like work takes (mean, over idle) while the reader reads records at a
+    decode-like pace (3 at a time, then 1.5 ms of nothing), per way of reading a record. Reader threads take the
+    GIL back after each pread; each time, the main thread may wait for their bookkeeping. Idle and busy passes
+    alternate, `rounds` times; the ratios are of the summed means."""
+    from store.reader import _native
+
+    ways = {"whole records": {"pieces": 1}, "4 parts on reader threads": {"pieces": 4, "native": False}}
+    if _native() is not None:
+        ways["4 parts in native code"] = {"pieces": 4}
+    keys = sorted(head.index)
+    table, ids = np.arange(4096), [1, 5, 9, 33]
+    arena = alloc_slots(3, head.max_extent)
+    arena[:] = 1
+
+    def mean_step() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            _step_like(table, ids)
+        return (time.perf_counter() - t0) / steps
+
+    idle, busy = 0.0, dict.fromkeys(ways, 0.0)
+    for _ in range(rounds):
+        for name, kw in ways.items():
+            idle += mean_step() / len(ways)
+            with StoreReader(store, threads=threads, header=head, verify=True, **kw) as reader:
+                stop = threading.Event()
+
+                def feed(reader=reader, stop=stop) -> None:
+                    i = 0
+                    while not stop.is_set():
+                        futs = [reader.read(*keys[(i + j) % len(keys)], arena[j], priority=Priority.PREFETCH)
+                                for j in range(3)]
+                        for f in futs:
+                            f.result()
+                        i += 3
+                        time.sleep(0.0015)
+
+                feeder = threading.Thread(target=feed, daemon=True)
+                feeder.start()
+                try:
+                    busy[name] += mean_step()
+                finally:
+                    stop.set()
+                    feeder.join()
+    out = {name: b / idle for name, b in busy.items()}
+    log("bench store: the main thread's step-like work while records are read, x idle: "
+        + ", ".join(f"{name} {r:.2f}" for name, r in out.items()))
+    return out
+
+
 def dd_direct(path: Path, block_mib: int = 9) -> float | None:
     dd = shutil.which("dd")
     if dd is None:
@@ -261,6 +323,10 @@ def _run(opts: BenchOptions, log, made: list[Path]) -> BenchResult:
     result.raw[rand_key] = statistics.median(raw)
     result.notes.append(f"reader vs raw: {len(ratios)} paired windows of {window} records; median of per-pair "
                         f"ratios {statistics.median(ratios):.2f} (min {min(ratios):.2f}, max {max(ratios):.2f})")
+    stall = main_thread_stall(store, head, opts.threads, log)
+    result.notes.append("the main thread's step-like work (Python with short GIL-releasing calls, as when it plans a "
+                        "MoE layer step) while the reader reads records 3 at a time every 1.5 ms, x its time idle: "
+                        + ", ".join(f"{name} {r:.2f}" for name, r in stall.items()))
     dd = dd_direct(store)
     if dd:
         result.notes.append(f"dd if=STORE of=/dev/null bs=9M iflag=direct: {dd / 1e9:.2f} GB/s (whole file)")

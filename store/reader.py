@@ -4,7 +4,8 @@ A pool of threads serves one priority queue: demand reads (a token is waiting) b
 guess), first come first served within a priority. Re-asking for a queued prefetch as a demand promotes it.
 Every request returns a concurrent.futures.Future; cancelling a prefetch that is still queued drops it.
 os.preadv releases the GIL, so a few Python threads keep an NVMe queue full. With pieces > 1 a record is read
-as that many aligned parts by whichever threads are idle (see StoreReader.__init__).
+as that many aligned parts at once: in one call to glm53's compiled parallel pread where it is built (no GIL
+taken between the parts), else by whichever reader threads are idle (see StoreReader.__init__).
 
     reader = StoreReader(path, threads=4, allow_buffered=settings.allow_buffered_reads)
     arena = alloc_slots(64, reader.max_extent)              # pin it with cudaHostRegister if you like
@@ -93,23 +94,49 @@ class _Task:
         self.error: BaseException | None = None
 
 
+_NATIVE: list = []  # [glm53's parallel pread or None], looked up once
+
+
+def _native():
+    """glm53's compiled parallel pread, or None (not built, or the store package used without glm53)."""
+    if not _NATIVE:
+        try:
+            from glm53.cpu_lane.kernel import parallel_pread
+        except ImportError:
+            _NATIVE.append(None)
+        else:
+            _NATIVE.append(parallel_pread())
+    return _NATIVE[0]
+
+
+def pread_parts(fd: int, buf: np.ndarray, offset: int, parts: int) -> int:
+    """Fill buf from offset as `parts` ALIGN-sized pieces (the last takes the rest) read at once in native code;
+    returns the bytes read (fewer only at EOF), raises OSError."""
+    return _native()(fd, buf, offset, parts, ALIGN)
+
+
 class StoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
-                 min_piece: int = 1 << 20):
+                 min_piece: int = 1 << 20, native: bool = True):
         """Open a store for reading. Raises StoreFormatError for a bad header and DirectIOUnsupported when the
         filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads).
 
         pieces: read each record as up to this many equal 4 KiB-aligned parts (none smaller than min_piece) that
         idle threads read at once. A lone large pread on a virtual disk can run far below the disk's aggregate
         rate, and a step that waits on one record waits on that lone read; splitting it puts several requests in
-        flight. 1 (the default) reads a record with one pread, as before."""
+        flight. 1 (the default) reads a record with one pread, as before. native: read the parts in one call to
+        glm53's compiled parallel pread when it is built (False: always on the reader's own threads). Its parts
+        never take the GIL; reader threads reading parts take it back after each one, and on a busy host each
+        such hand-off can hold up the engine's main thread, which plans every MoE layer step while the GPU
+        waits."""
         self.path = Path(path)
         self.header = header or read_header(self.path)
         self.verify = verify
         self.retries = max(0, retries)
         self.pieces = max(1, pieces)
         self.min_piece = align_up(max(1, min_piece))
+        self.native = native and self.pieces > 1 and _native() is not None
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
         self._heap: list[tuple[int, int, _Task]] = []
         self._queued: dict[tuple, _Task] = {}
@@ -168,7 +195,7 @@ class StoreReader:
                     wake += 1
                     continue
                 task = _Task(entry, out, self.verify if verify is None else verify, int(priority), key,
-                             self._split(entry.extent) if self.pieces > 1 else None)
+                             self._split(entry.extent) if self.pieces > 1 and not self.native else None)
                 self._queued[key] = task
                 heapq.heappush(self._heap, (task.priority, next(self._seq), task))
                 futures.append(task.future)
@@ -260,13 +287,15 @@ class StoreReader:
         with the problem so far (and its start time)."""
         e = task.entry
         view = task.out[:e.extent]
+        parts = len(self._split(e.extent) or ()) if self.native else 0
         t0 = time.perf_counter() if t0 is None else t0
         for attempt in range(first, self.retries + 2):
             if attempt > 1:
                 self._count("retries")
                 time.sleep(0.005 * attempt)
             try:
-                got = pread_into(self.fd, memoryview(view), e.offset)
+                got = (pread_parts(self.fd, view, e.offset, parts) if parts > 1
+                       else pread_into(self.fd, memoryview(view), e.offset))
             except OSError as exc:
                 problem, corrupt = f"I/O error: {exc.strerror or exc}", False
                 continue

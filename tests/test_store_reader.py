@@ -198,8 +198,9 @@ def test_threads_read_concurrently(store):
 
 
 # -- split reads (pieces > 1): the test store's records are 40 KiB, so min_piece=4096 splits them in four --------
+# (on the reader's own threads here; native split reads, one call per record, are tested further down)
 
-SPLIT = {"pieces": 4, "min_piece": 4096}
+SPLIT = {"pieces": 4, "min_piece": 4096, "native": False}  # the reader threads read the parts
 
 
 def parts(r, layer, expert):
@@ -397,7 +398,7 @@ def test_a_failed_split_read_resolves_only_once_no_part_is_still_writing(store, 
     its pread must finish before the failure is reported."""
     real = R.pread_into
     release, slow_in = threading.Event(), threading.Event()
-    with StoreReader(store, threads=4, retries=0, pieces=4, min_piece=4096) as r:
+    with StoreReader(store, threads=4, retries=0, **SPLIT) as r:
         p = parts(r, 1, 3)
 
         def fake(fd, view, offset):
@@ -434,7 +435,7 @@ def test_a_lone_split_read_is_read_by_several_threads_at_once(store, monkeypatch
             live[0] -= 1
         return real(fd, view, offset)
 
-    with StoreReader(store, threads=4, pieces=4, min_piece=4096) as r:
+    with StoreReader(store, threads=4, **SPLIT) as r:
         time.sleep(0.1)  # the workers idle, waiting, as between decode steps
         monkeypatch.setattr(R, "pread_into", slow)
         buf = alloc_aligned(r.max_extent)
@@ -460,3 +461,96 @@ def test_asking_again_after_cancelling_a_queued_read_reads_it(store, monkeypatch
         first.result(10)
         assert bytes(again.result(10).data) == reference(store, 1, 1)
         assert r.stats()["reads"] == 2
+
+
+# -- native split reads: each record's parts read in one call to glm53's compiled parallel pread ----------------
+
+NATIVE = {"pieces": 4, "min_piece": 4096}
+needs_native = pytest.mark.skipif(R._native() is None, reason="glm53's native library is not built (pip install -e .)")
+
+
+@needs_native
+def test_the_native_parallel_pread_reads_whole_ranges_stops_at_eof_and_names_errors(tmp_path):
+    data = os.urandom(5 * 4096 + 123)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for parts in (1, 2, 4, 7):  # 7: more parts than 4 KiB blocks in a part's share -> fewer, or one
+            buf = np.zeros(len(data), np.uint8)
+            assert R.pread_parts(fd, buf, 0, parts) == len(data) and buf.tobytes() == data
+        tail = np.zeros(8 * 4096, np.uint8)  # past the end of the file: the bytes there are, no more
+        assert R.pread_parts(fd, tail, 4096, 4) == len(data) - 4096
+        assert tail[:len(data) - 4096].tobytes() == data[4096:] and not tail[len(data) - 4096:].any()
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as ei:
+        R.pread_parts(fd, np.zeros(4 * 4096, np.uint8), 0, 4)  # closed: every part fails
+    assert ei.value.errno == errno.EBADF
+
+
+@needs_native
+def test_native_split_reads_land_the_same_bytes_one_call_per_record(store, monkeypatch):
+    calls, real = [], R.pread_parts
+
+    def spy(fd, buf, offset, parts):
+        calls.append((offset, len(buf), parts))
+        return real(fd, buf, offset, parts)
+
+    def no_python_parts(fd, view, offset):
+        raise AssertionError(f"a Python-level pread at {offset}: the parts should have been read natively")
+
+    monkeypatch.setattr(R, "pread_parts", spy)
+    monkeypatch.setattr(R, "pread_into", no_python_parts)
+    with StoreReader(store, threads=4, verify=True, **NATIVE) as r:
+        assert r.native
+        keys = r.keys()
+        arena = alloc_slots(len(keys), r.max_extent)
+        futs = r.read_many([(layer, e, arena[i]) for i, (layer, e) in enumerate(keys)])
+        for k, f in zip(keys, futs, strict=True):
+            done = f.result(10)
+            assert (done.layer, done.expert, done.attempts) == (*k, 1)
+            assert done.data.tobytes() == reference(store, *k)
+        h = r.header
+        assert sorted(calls) == sorted((h.entry(*k).offset, h.entry(*k).extent, 4) for k in keys)
+        assert r.stats()["reads"] == len(keys) and r.stats()["bytes"] == sum(h.entry(*k).extent for k in keys)
+    with StoreReader(store, threads=2, pieces=4, native=False) as r:
+        assert not r.native
+    with StoreReader(store, threads=2) as r:  # pieces=1: one pread per record, nothing to split
+        assert not r.native
+
+
+@needs_native
+@pytest.mark.parametrize("fault, first_only", [("eio", True), ("short", True), ("flip", True),
+                                               ("eio", False), ("short", False), ("flip", False)])
+def test_native_split_read_faults_are_retried_then_named(store, monkeypatch, fault, first_only):
+    real, seen = R.pread_parts, []
+    with StoreReader(store, threads=2, verify=True, retries=2, **NATIVE) as r:
+        e = r.header.entry(2, 5)
+
+        def fake(fd, buf, offset, parts):
+            if offset != e.offset or (first_only and seen):
+                return real(fd, buf, offset, parts)
+            seen.append(parts)
+            if fault == "eio":
+                raise OSError(errno.EIO, "Input/output error")
+            got = real(fd, buf, offset, parts)
+            if fault == "short":
+                return got - 4096
+            buf[3000] ^= 0xFF  # the disk returned a wrong byte
+            return got
+
+        monkeypatch.setattr(R, "pread_parts", fake)
+        fut = r.read(2, 5, alloc_aligned(r.max_extent), priority=Priority.DEMAND)
+        if first_only:  # a transient fault: the second attempt reads it
+            done = fut.result(10)
+            assert done.data.tobytes() == reference(store, 2, 5) and done.attempts == 2 and seen == [4]
+            assert r.stats()["retries"] == 1 and r.stats()["errors"] == 0
+            return
+        error, words = {"eio": (StoreReadError, "I/O error"), "short": (StoreReadError, "short read"),
+                        "flip": (StoreCorruptError, "xxh3")}[fault]
+        with pytest.raises(error) as ei:
+            fut.result(10)
+        assert words in ei.value.problem and "(layer 2, expert 5)" in ei.value.problem
+        assert "after 3 attempts" in ei.value.problem and seen == [4, 4, 4]
+        assert r.stats()["errors"] == 1 and r.stats()["retries"] == 2

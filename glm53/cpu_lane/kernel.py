@@ -20,7 +20,7 @@ import ctypes
 import importlib.machinery
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,6 +83,11 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype, fn.argtypes = res, args
     if lib.glm53_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.glm53_abi_version()}, this code wants {ABI_VERSION}; rebuild with {REBUILD}"
+    pread_parts = getattr(lib, "glm53_pread_parts", None)  # optional: an older build (a bench baseline) lacks it
+    if pread_parts is not None:
+        pread_parts.restype = ctypes.c_int64
+        pread_parts.argtypes = [i32, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                ctypes.POINTER(ctypes.c_int32)]
     return lib, None
 
 
@@ -120,6 +125,25 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _WHY
+
+
+def parallel_pread() -> Callable[[int, np.ndarray, int, int, int], int] | None:
+    """The library's parallel pread, or None where the library is unavailable: read(fd, buf, offset, parts, align)
+    fills the uint8 array `buf` from `offset` as `parts` pieces (parts-1 of an `align`-multiple size, the last
+    takes the rest) read at once on native threads, with the GIL released for the whole call (store.reader's
+    split reads), and returns the bytes read (fewer only at EOF); raises OSError with a failing part's errno."""
+    if _LIB is None or getattr(_LIB, "glm53_pread_parts", None) is None:
+        return None
+    fn = _LIB.glm53_pread_parts
+
+    def read(fd: int, buf: np.ndarray, offset: int, parts: int, align: int) -> int:
+        err = ctypes.c_int32(0)
+        got = fn(fd, buf.ctypes.data, buf.nbytes, offset, parts, align, ctypes.byref(err))
+        if got < 0:
+            raise OSError(err.value, os.strerror(err.value))
+        return got
+
+    return read
 
 
 def _lib() -> ctypes.CDLL:
