@@ -29,6 +29,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                      "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
     res["ahead2_effect"] = 1.2
     res["copy_first_effect"] = 1.31
+    res["native_parts_effect"] = 1.07
+    res["modes"]["nvme-exact-pyparts"] = mode_doc(15.0, nvme=True)
     res["modes"]["nvme-exact-waitfirst"] = mode_doc(15.0, nvme=True)
     res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
@@ -47,7 +49,9 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier",
                  "(store reads started two layers ahead too / one): 1.200, median of paired windows; recall two layers "
                  "ahead 0.41", "nvme-exact-ahead2 picks per tier", "nvme-exact-waitfirst picks per tier",
-                 "(RAM misses cross PCIe while the store reads land / after): 1.310, median of paired windows", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
+                 "(RAM misses cross PCIe while the store reads land / after): 1.310, median of paired windows",
+                 "(a record's parts read in one native call / on Python threads): 1.070, median of paired windows",
+                 "nvme-exact-pyparts picks per tier", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what
 

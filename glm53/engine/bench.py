@@ -50,7 +50,8 @@ def register_bench(bench_sub: Any) -> None:
                         "exact-prestage, nvme-exact, nvme, and for paired comparisons nvme-exact-whole: each "
                         "record read in one piece, as before; nvme-exact-ahead2: store reads started two layers "
                         "ahead as well; nvme-exact-waitfirst: a decode step's RAM misses wait for its store reads "
-                        "before crossing PCIe, as before)")
+                        "before crossing PCIe, as before; nvme-exact-pyparts: a record's parts read on the reader's "
+                        "Python threads, as before the native parallel pread)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -68,7 +69,7 @@ def register_bench(bench_sub: Any) -> None:
 
 
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", "nvme-exact-whole",
-         "nvme-exact-ahead2", "nvme-exact-waitfirst")
+         "nvme-exact-ahead2", "nvme-exact-waitfirst", "nvme-exact-pyparts")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -181,6 +182,8 @@ class _Runner:
             prestage = mode == "exact-prestage"
             if mode == "nvme-exact-whole":  # the previous reader: each record one pread (paired comparison)
                 nvme_open = functools.partial(nvme_open, read_pieces=1)
+            if mode == "nvme-exact-pyparts":  # a record's parts read on the reader's Python threads, as before
+                nvme_open = functools.partial(nvme_open, native_reads=False)
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
                                     prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
                                     overlap_copies=mode != "exact-serial",
@@ -282,9 +285,10 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     lone = random.Random(1).sample(keys, min(len(keys), 24))
     latency = {parts: record_latency(store, lone, parts) for parts in (1, 4, 8)}
 
-    def open_(slots: list[int], staging: int, read_pieces: int = READ_PIECES) -> Any:
+    def open_(slots: list[int], staging: int, read_pieces: int = READ_PIECES, native_reads: bool = True) -> Any:
         return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
-                              warm=False, read_pieces=read_pieces, allow_buffered=allow_buffered)
+                              warm=False, read_pieces=read_pieces, allow_buffered=allow_buffered,
+                              native_reads=native_reads)
 
     return open_, rate, latency, ram / len(keys)
 
@@ -416,6 +420,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             result["ahead2_effect"] = paired_ratio(rows, "nvme-exact-ahead2", "nvme-exact")
         if "nvme-exact" in modes and "nvme-exact-waitfirst" in modes:
             result["copy_first_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-waitfirst")
+        if "nvme-exact" in modes and "nvme-exact-pyparts" in modes:
+            result["native_parts_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-pyparts")
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
@@ -474,7 +480,11 @@ def report(res: dict, moe_layers: int | None) -> str:
         if "copy_first_effect" in res:
             lines.append(f"  nvme-exact / nvme-exact-waitfirst (RAM misses cross PCIe while the store reads land / "
                          f"after): {res['copy_first_effect']:.3f}, median of paired windows")
-        for mode in ("nvme-exact", "nvme", "nvme-exact-whole", "nvme-exact-ahead2", "nvme-exact-waitfirst"):
+        if "native_parts_effect" in res:
+            lines.append(f"  nvme-exact / nvme-exact-pyparts (a record's parts read in one native call / on Python "
+                         f"threads): {res['native_parts_effect']:.3f}, median of paired windows")
+        for mode in ("nvme-exact", "nvme", "nvme-exact-whole", "nvme-exact-ahead2", "nvme-exact-waitfirst",
+                     "nvme-exact-pyparts"):
             if mode in res["modes"]:
                 sh = res["modes"][mode]["pick_shares"]
                 m = res["modes"][mode]

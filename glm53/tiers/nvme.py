@@ -640,13 +640,16 @@ def open_nvme_tier(
     vram_storage: Sequence[torch.Tensor] | None = None,
     staging_slots: int = 2,
     read_pieces: int = READ_PIECES,
+    native_reads: bool = True,
 ) -> NvmeTier:
     """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
     statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
     store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
     slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
-    without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one pread,
+    without admission (the engine's P). native_reads: False reads a record's parts on the reader's Python threads
+    even where the native parallel pread is built (the bench's paired comparison). read_pieces: each record is read
+    as that many parallel parts (1: one pread,
     the previous behaviour, kept for the bench's paired comparison)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
@@ -661,7 +664,7 @@ def open_nvme_tier(
     if set(per_layer.values()) != {num_experts}:
         raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
     reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
-                         verify=True, header=header, pieces=read_pieces)
+                         verify=True, header=header, pieces=read_pieces, native=native_reads)
     try:
         counts, why = (None, "no routing statistics path given (cold start)")
         if stats_path is not None:
