@@ -583,3 +583,61 @@ def test_nvme_overlap_never_drops_a_ram_expert_a_copy_still_reads(packed, tmp_pa
                 assert got[: len(want)] == want, f"step {step}: expert {e} -> slot {s}"
             tier.check_invariants()
         assert held_seen > 0
+
+
+def test_a_store_read_failing_after_the_lane_started_cancels_the_lane_job(packed, monkeypatch):
+    """nvme with the CPU lane, misses crossing PCIe before the store reads land: the lane's job is submitted before
+    the step waits for its staged store misses. When one of those reads fails the step raises and nobody collects
+    the lane's ticket, so it must be cancelled: left running, the lane would go on reading RAM rows that the
+    following steps' store reads may reuse, and the next lane job would queue behind it."""
+    import errno
+    import threading
+    import types
+
+    import store.reader as R
+    from glm53.tiers.nvme import NvmeTier
+    from store.errors import StoreError
+    from store.reader import StoreReader
+
+    ck, store = packed
+    started, cancelled = threading.Event(), threading.Event()
+
+    def compute(jobs, outs, done, cancel):  # a lane job that runs until it is told to stop
+        started.set()
+        for _ in range(500):
+            if cancel[0]:
+                cancelled.set()
+                return
+            threading.Event().wait(0.01)
+
+    with NvmeTier(StoreReader(store, threads=2, verify=True, allow_buffered=True, retries=0), 16, [1, 1], 17,
+                  layers=[1, 2], copier=GpuLikeCopier(), staging_slots=16) as tier, \
+            CpuLane(tier.layout, threads=1, compute=compute) as lane:
+        t = tier.tiers
+        tier.warm(None)
+        stepper = MoeStepper(t, [1, 1], 16, nvme=tier, lane=lane, fit=lane_fit(), recompute=lambda *a: None)
+        to_lane: list[int] = []
+
+        def plan_lane(li, ids, misses):  # the lane takes what the test says (first nothing), the rest cross PCIe
+            stepper.last_assignment = types.SimpleNamespace(cpu=list(to_lane), cpu_seconds=1.0)
+            return list(to_lane), len(to_lane)
+
+        monkeypatch.setattr(stepper, "_plan_lane", plan_lane)
+        stepper.resolve(0, np.array([[3, 4]]), True)
+        stepper.after_launch()
+        ram = next(e for e in range(16) if t.where[0, e] == Where.RAM)
+        bad = next(e for e in range(16) if t.where[0, e] == Where.STORE)
+        to_lane.append(ram)
+        real, offset = R.pread_into, tier.reader.header.entry(1, bad).offset
+
+        def fail_bad(fd, view, off):
+            if off == offset:
+                started.wait(5)  # fails once the lane job runs
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, view, off)
+
+        monkeypatch.setattr(R, "pread_into", fail_bad)
+        with pytest.raises(StoreError):
+            stepper.resolve(0, np.array([[ram, bad]]), True, np.zeros((1, 256), np.float32),
+                            np.ones((1, 2), np.float32))
+        assert started.is_set() and cancelled.wait(2), "the failed step's lane job was left running"

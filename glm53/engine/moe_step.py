@@ -368,6 +368,8 @@ class MoeStepper:
             except BaseException:
                 if last is not None:  # its RAM sources must not be dropped under the copy
                     last.wait()
+                if step.ticket is not None:  # nobody collects it now: stop the lane reading this step's RAM rows
+                    step.ticket.cancel[0] = 1
                 raise
             store_wait += time.perf_counter() - t0
             late = [(tiers.staging_slot(i), tiers.bytes_of(li, e)) for i, e in enumerate(step.staged) if e in pending]
