@@ -7,7 +7,6 @@
 // call per record, with the GIL released (ctypes), and the parts run on short-lived threads.
 #include <cerrno>
 #include <cstdint>
-#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -45,15 +44,23 @@ GLM53_API int64_t glm53_pread_parts(int fd, void* buf, int64_t length, int64_t o
     char* base = static_cast<char*>(buf);
     int64_t size = parts > 1 && align > 0 ? length / parts / align * align : 0;
     if (size <= 0) return read_all(fd, base, length, offset, err);
-    std::vector<int64_t> got(parts, 0);
-    std::vector<int32_t> errs(parts, 0);
+    // No exception may leave this function (it is called from C through ctypes: one would abort the process), and
+    // none may leave it with a thread still joinable (std::terminate).
+    std::vector<int64_t> got;
+    std::vector<int32_t> errs;
     std::vector<std::thread> threads;
-    threads.reserve(parts - 1);
+    try {
+        got.assign(parts, 0);
+        errs.assign(parts, 0);
+        threads.reserve(parts - 1);
+    } catch (...) {  // no memory for the bookkeeping: one plain read
+        return read_all(fd, base, length, offset, err);
+    }
     for (int32_t i = 1; i < parts; ++i) {
         int64_t start = i * size, n = i < parts - 1 ? size : length - start;
-        try {
+        try {  // after reserve() a failed emplace_back leaves `threads` as it was
             threads.emplace_back([=, &got, &errs] { got[i] = read_all(fd, base + start, n, offset + start, &errs[i]); });
-        } catch (const std::system_error&) {  // no thread to be had: this one reads the part
+        } catch (...) {  // no thread to be had (std::system_error, or std::bad_alloc for its state): this one reads it
             got[i] = read_all(fd, base + start, n, offset + start, &errs[i]);
         }
     }
