@@ -496,7 +496,7 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
                             f"({ram.what}) minus a {gib(ram.margin)} margin and {staging} NVMe staging records; the "
                             "rest are read from the store")
     readers = NVME_READERS_SMALL if ram.small else NVME_READERS
-    reasons["nvme_threads"] = (f"{readers}: outstanding O_DIRECT reads of one record each"
+    reasons["nvme_threads"] = (f"{readers}: records read at once, each as 4 parallel O_DIRECT parts"
                                + (" (small-host budget: half the readers and staging)" if ram.small else ""))
     st = facts.store
     reasons["store"] = f"{st.path} ({gib(st.size or 0)}) on {st.fstype} at {st.mount_point}; {st.odirect_how}"
