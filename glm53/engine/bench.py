@@ -269,7 +269,7 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
 
     from glm53.plan import Plan
     from glm53.tiers.nvme import READ_PIECES, open_nvme_tier
-    from glm53.tiers.nvme_bench import raw_pass, record_latency
+    from glm53.tiers.nvme_bench import record_latency
     from store.format import read_header
 
     head = read_header(store)
@@ -281,7 +281,7 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     plan = Plan(mode="nvme", device="cuda:0", gpu_index=0, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
                 vram_slots_per_layer=0, ram_slots=ram, ram_tier_bytes=ram * head.max_extent, cpu_threads=0,
                 nvme_threads=threads, kv_tokens=0, budget="normal", store=str(store))
-    rate = raw_pass(store, random.Random(0).sample(keys, min(len(keys), 288)), threads)
+    rate = _disk_probe(store, records=288, threads=threads)()  # the same pass as beside each window
     lone = random.Random(1).sample(keys, min(len(keys), 24))
     latency = {parts: record_latency(store, lone, parts) for parts in (1, 4, 8)}
 
