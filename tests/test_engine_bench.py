@@ -22,16 +22,15 @@ def mode_doc(tok: float, nvme: bool = False) -> dict:
 def test_report_has_a_line_per_mode_and_the_targets():
     res = {"h2d_GBps": 50.0, "stock_decode_tok_s": 100.0, "stock_prefill_tok_s": 2000.0, "bound_decode_tok_s": 80.0,
            "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "disk_GBps": 6.5,
-           "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run", "pieces_effect": 1.25,
+           "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
            "record_ms_by_pieces": {"1": 7.27, "4": 3.95}, "warmup_tokens": 192,
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
                      "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
-    res["ahead2_effect"] = 1.2
-    res["copy_first_effect"] = 1.31
-    res["native_parts_effect"] = 1.07
-    res["modes"]["nvme-exact-pyparts"] = mode_doc(15.0, nvme=True)
-    res["modes"]["nvme-exact-waitfirst"] = mode_doc(15.0, nvme=True)
+    res["nvme_exact_over"] = {"nvme-exact-whole": 1.25, "nvme-exact-ahead2": 0.83, "nvme-exact-waitfirst": 1.31,
+                              "nvme-exact-pyparts": 1.07, "nvme-exact-shareddisk": 1.2}
+    for v in ("nvme-exact-pyparts", "nvme-exact-waitfirst", "nvme-exact-shareddisk"):
+        res["modes"][v] = mode_doc(15.0, nvme=True)
     res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
                                                             "cpu_share": 0.039}}}
@@ -46,11 +45,17 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "nvme picks per tier: vram_hit 0.600",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
                  "each tiered mode decoded 192 tokens before the windows",
-                 "(each record read in parallel parts / in one pread): 1.250", "nvme-exact-whole picks per tier",
-                 "(store reads started two layers ahead too / one): 1.200, median of paired windows; recall two layers "
-                 "ahead 0.41", "nvme-exact-ahead2 picks per tier", "nvme-exact-waitfirst picks per tier",
-                 "(RAM misses cross PCIe while the store reads land / after): 1.310, median of paired windows",
-                 "(a record's parts read in one native call / on Python threads): 1.070, median of paired windows",
+                 "nvme-exact / nvme-exact-whole (each record read in parallel parts / each record read in one "
+                 "pread): 1.250", "nvme-exact-whole picks per tier",
+                 "nvme-exact / nvme-exact-ahead2 (store reads started one layer ahead / store reads started two layers "
+                 "ahead as well): "
+                 "0.830, median of paired windows; recall two layers ahead 0.41", "nvme-exact-ahead2 picks per tier",
+                 "nvme-exact-waitfirst picks per tier",
+                 "(RAM misses cross PCIe while the store reads land / a step's RAM misses wait for its store reads): "
+                 "1.310, median of paired windows",
+                 "(a record's parts read in one native call / the parts read on Python threads): 1.070, median",
+                 "nvme-exact / nvme-exact-shareddisk (no prefetch read starts while a demand read is under way / "
+                 "prefetch reads share the disk with demand reads): 1.200", "nvme-exact-shareddisk picks per tier",
                  "nvme-exact-pyparts picks per tier", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what

@@ -364,12 +364,12 @@ def test_the_engine_can_fix_vram_slots_and_hand_in_its_slot_tensors(packed):
         check_bytes(tier, store)
 
 
-def test_the_tier_reads_a_records_parts_natively_unless_told_not_to(packed):
+def test_the_tier_reads_a_records_parts_natively_and_demand_first_unless_told_not_to(packed):
     from store.reader import _native
 
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=2)
-    with open_nvme_tier(store, ck, plan, native_reads=False) as tier:
-        assert tier.reader.pieces == 4 and not tier.reader.native
+    with open_nvme_tier(store, ck, plan, reader_options={"native": False, "demand_first": False}) as tier:
+        assert tier.reader.pieces == 4 and not tier.reader.native and not tier.reader.demand_first
     with open_nvme_tier(store, ck, plan) as tier:
-        assert tier.reader.native == (_native() is not None)
+        assert tier.reader.native == (_native() is not None) and tier.reader.demand_first

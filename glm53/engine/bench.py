@@ -24,6 +24,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,8 @@ def register_bench(bench_sub: Any) -> None:
                    "reuse them from there on the next run of the same shape (a warm GPU machine keeps /tmp)")
     p.add_argument("--modes", default="exact,exact-eager,exact-serial,fast",
                    help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
-                        "exact-prestage, nvme-exact, nvme, and for paired comparisons nvme-exact-whole: each "
-                        "record read in one piece, as before; nvme-exact-ahead2: store reads started two layers "
-                        "ahead as well; nvme-exact-waitfirst: a decode step's RAM misses wait for its store reads "
-                        "before crossing PCIe, as before; nvme-exact-pyparts: a record's parts read on the reader's "
-                        "Python threads, as before the native parallel pread)")
+                        "exact-prestage, nvme-exact, nvme, and for paired comparisons with nvme-exact: "
+                        + "; ".join(f"{name}: {v.before}" for name, v in VARIANTS.items()) + ")")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -68,8 +66,34 @@ def register_bench(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_decode)
 
 
-MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", "nvme-exact-whole",
-         "nvme-exact-ahead2", "nvme-exact-waitfirst", "nvme-exact-pyparts")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """nvme-exact with one of its parts as it was before a change: run next to nvme-exact, they give the change's
+    effect as nvme-exact / variant, the median of paired windows."""
+    now: str                      # what nvme-exact does
+    before: str                   # what the variant does instead
+    read_pieces: int | None = None
+    reader: tuple = ()            # StoreReader options, as (name, value) pairs
+    stepper: tuple = ()           # attributes set on the decode stepper after load
+    lookahead_depth: int = 1
+
+
+VARIANTS = {
+    "nvme-exact-whole": Variant("each record read in parallel parts", "each record read in one pread", read_pieces=1),
+    "nvme-exact-ahead2": Variant("store reads started one layer ahead", "store reads started two layers ahead as well",
+                                 lookahead_depth=2),
+    "nvme-exact-waitfirst": Variant("RAM misses cross PCIe while the store reads land",
+                                    "a step's RAM misses wait for its store reads",
+                                    stepper=(("copy_before_store_wait", False),)),
+    "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
+                                  reader=(("native", False),)),
+    "nvme-exact-shareddisk": Variant("no prefetch read starts while a demand read is under way",
+                                     "prefetch reads share the disk with demand reads",
+                                     reader=(("demand_first", False),)),
+}
+MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -180,21 +204,22 @@ class _Runner:
         self.tiered = None
         if slots is not None:
             prestage = mode == "exact-prestage"
-            if mode == "nvme-exact-whole":  # the previous reader: each record one pread (paired comparison)
-                nvme_open = functools.partial(nvme_open, read_pieces=1)
-            if mode == "nvme-exact-pyparts":  # a record's parts read on the reader's Python threads, as before
-                nvme_open = functools.partial(nvme_open, native_reads=False)
+            variant = VARIANTS.get(mode, Variant("", ""))
+            if variant.read_pieces is not None:
+                nvme_open = functools.partial(nvme_open, read_pieces=variant.read_pieces)
+            if variant.reader:
+                nvme_open = functools.partial(nvme_open, reader_options=dict(variant.reader))
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
                                     prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
                                     overlap_copies=mode != "exact-serial",
-                                    lookahead_depth=2 if mode == "nvme-exact-ahead2" else 1,
+                                    lookahead_depth=variant.lookahead_depth,
                                     admit_after_launch=mode not in ("exact-eager", "exact-serial"))
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:
             self.tiered.populate()
-            if mode == "nvme-exact-waitfirst":  # the step before: every store read lands before any copy starts
-                self.tiered.stepper.copy_before_store_wait = False
+            for name, value in variant.stepper:
+                setattr(self.tiered.stepper, name, value)
             if mode in ("fast", "nvme"):
                 from glm53.cpu_lane.calibrate import default_threads
 
@@ -285,10 +310,10 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     lone = random.Random(1).sample(keys, min(len(keys), 24))
     latency = {parts: record_latency(store, lone, parts) for parts in (1, 4, 8)}
 
-    def open_(slots: list[int], staging: int, read_pieces: int = READ_PIECES, native_reads: bool = True) -> Any:
+    def open_(slots: list[int], staging: int, read_pieces: int = READ_PIECES, reader_options: Any = None) -> Any:
         return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
                               warm=False, read_pieces=read_pieces, allow_buffered=allow_buffered,
-                              native_reads=native_reads)
+                              reader_options=reader_options)
 
     return open_, rate, latency, ram / len(keys)
 
@@ -414,14 +439,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 m["over_own_bound_start_rate"] = m["decode_tok_s"] * max(gpu_s, disk_s)
                 m.update(own_bound_beside(rows, mode, rate))
         exact_like = [m for m in modes if m.startswith(("exact", "nvme-exact"))]
-        if "nvme-exact" in modes and "nvme-exact-whole" in modes:
-            result["pieces_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-whole")
-        if "nvme-exact" in modes and "nvme-exact-ahead2" in modes:
-            result["ahead2_effect"] = paired_ratio(rows, "nvme-exact-ahead2", "nvme-exact")
-        if "nvme-exact" in modes and "nvme-exact-waitfirst" in modes:
-            result["copy_first_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-waitfirst")
-        if "nvme-exact" in modes and "nvme-exact-pyparts" in modes:
-            result["native_parts_effect"] = paired_ratio(rows, "nvme-exact", "nvme-exact-pyparts")
+        if "nvme-exact" in modes:
+            result["nvme_exact_over"] = {v: paired_ratio(rows, "nvme-exact", v) for v in modes if v in VARIANTS}
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
@@ -469,22 +488,12 @@ def report(res: dict, moe_layers: int | None) -> str:
         lines.append(f"  store: raw {res.get('store_reads', 'O_DIRECT')} {res['disk_GBps']:.2f} GB/s at the start; RAM tier {res['ram_fraction']:.3f} of the "
                      f"experts; one record alone: " + ", ".join(f"{t:.2f} ms in {n} piece(s)" for n, t in
                                                                 res.get("record_ms_by_pieces", {}).items()))
-        if "pieces_effect" in res:
-            lines.append(f"  nvme-exact / nvme-exact-whole (each record read in parallel parts / in one pread): "
-                         f"{res['pieces_effect']:.3f}, median of paired windows")
-        if "ahead2_effect" in res:
-            far = res["modes"]["nvme-exact-ahead2"].get("two_ahead_recall", float("nan"))
-            lines.append(f"  nvme-exact-ahead2 / nvme-exact (store reads started two layers ahead too / one): "
-                         f"{res['ahead2_effect']:.3f}, median of paired windows; recall two layers ahead "
-                         + ("-" if far != far else f"{far:.2f}"))
-        if "copy_first_effect" in res:
-            lines.append(f"  nvme-exact / nvme-exact-waitfirst (RAM misses cross PCIe while the store reads land / "
-                         f"after): {res['copy_first_effect']:.3f}, median of paired windows")
-        if "native_parts_effect" in res:
-            lines.append(f"  nvme-exact / nvme-exact-pyparts (a record's parts read in one native call / on Python "
-                         f"threads): {res['native_parts_effect']:.3f}, median of paired windows")
-        for mode in ("nvme-exact", "nvme", "nvme-exact-whole", "nvme-exact-ahead2", "nvme-exact-waitfirst",
-                     "nvme-exact-pyparts"):
+        for name, ratio in res.get("nvme_exact_over", {}).items():
+            v = VARIANTS[name]
+            far = res["modes"][name].get("two_ahead_recall", float("nan"))
+            lines.append(f"  nvme-exact / {name} ({v.now} / {v.before}): {ratio:.3f}, median of paired windows"
+                         + (f"; recall two layers ahead {far:.2f}" if far == far else ""))
+        for mode in ("nvme-exact", "nvme", *VARIANTS):
             if mode in res["modes"]:
                 sh = res["modes"][mode]["pick_shares"]
                 m = res["modes"][mode]

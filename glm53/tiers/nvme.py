@@ -33,6 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -640,17 +641,17 @@ def open_nvme_tier(
     vram_storage: Sequence[torch.Tensor] | None = None,
     staging_slots: int = 2,
     read_pieces: int = READ_PIECES,
-    native_reads: bool = True,
+    reader_options: Mapping[str, Any] | None = None,
 ) -> NvmeTier:
     """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
     statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
     store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
     slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
-    without admission (the engine's P). native_reads: False reads a record's parts on the reader's Python threads
-    even where the native parallel pread is built (the bench's paired comparison). read_pieces: each record is read
-    as that many parallel parts (1: one pread,
-    the previous behaviour, kept for the bench's paired comparison)."""
+    without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
+    pread). reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
+    (native=False: the parts on Python threads; demand_first=False: prefetch reads share the disk with demand
+    reads)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
     store_path, model_dir = Path(store_path), Path(model_dir)
@@ -664,7 +665,7 @@ def open_nvme_tier(
     if set(per_layer.values()) != {num_experts}:
         raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
     reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
-                         verify=True, header=header, pieces=read_pieces, native=native_reads)
+                         verify=True, header=header, pieces=read_pieces, **(reader_options or {}))
     try:
         counts, why = (None, "no routing statistics path given (cold start)")
         if stats_path is not None:
