@@ -2,8 +2,6 @@
 
 A pool of threads serves one priority queue: demand reads (a token is waiting) before prefetch reads (a
 guess), first come first served within a priority. Re-asking for a queued prefetch as a demand promotes it.
-While a demand read is under way no prefetch read starts: a guess would share the disk with a read a token waits
-on (and every queued read would be in flight at once, so the queue's order alone would not keep it out).
 Every request returns a concurrent.futures.Future; cancelling a prefetch that is still queued drops it.
 os.preadv releases the GIL, so a few Python threads keep an NVMe queue full. With pieces > 1 a record is read
 as that many aligned parts at once: in one call to glm53's compiled parallel pread where it is built (no GIL
@@ -120,7 +118,7 @@ def pread_parts(fd: int, buf: np.ndarray, offset: int, parts: int) -> int:
 class StoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
-                 min_piece: int = 1 << 20, native: bool = True, demand_first: bool = True):
+                 min_piece: int = 1 << 20, native: bool = True):
         """Open a store for reading. Raises StoreFormatError for a bad header and DirectIOUnsupported when the
         filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads).
 
@@ -131,9 +129,7 @@ class StoreReader:
         glm53's compiled parallel pread when it is built (False: always on the reader's own threads). Its parts
         never take the GIL; reader threads reading parts take it back after each one, and on a busy host each
         such hand-off can hold up the engine's main thread, which plans every MoE layer step while the GPU
-        waits. demand_first: start no prefetch read while a demand read is under way (False: a prefetch starts
-        whenever a thread is free, sharing the disk with the reads a step waits on; the bench's paired
-        comparison)."""
+        waits."""
         self.path = Path(path)
         self.header = header or read_header(self.path)
         self.verify = verify
@@ -141,8 +137,6 @@ class StoreReader:
         self.pieces = max(1, pieces)
         self.min_piece = align_up(max(1, min_piece))
         self.native = native and self.pieces > 1 and _native() is not None
-        self.demand_first = demand_first
-        self._demand_running = 0  # demand reads started and not yet resolved (the prefetch gate)
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
         self._heap: list[tuple[int, int, _Task]] = []
         self._queued: dict[tuple, _Task] = {}
@@ -257,9 +251,6 @@ class StoreReader:
                 if task.taken:
                     heapq.heappop(self._heap)
                     continue                # a stale heap item left behind by a promotion, cancel or failure
-                if self._demand_running and task.priority > Priority.DEMAND and self.demand_first:
-                    self._cv.wait()         # woken when the demand reads have landed, or by a new read
-                    continue
                 if task.parts is not None:
                     part = self._take_part(task)
                     if part is None:
@@ -268,31 +259,17 @@ class StoreReader:
                     heapq.heappop(self._heap)
                     task.taken = True
                     self._unqueue(task)
-                    if not task.future.set_running_or_notify_cancel():
-                        self._stats["cancelled"] += 1
-                        continue
-                    self._started(task)
             if task.parts is not None:
                 self._read_part(task, part)
+                continue
+            if not task.future.set_running_or_notify_cancel():
+                self._count("cancelled")
                 continue
             try:
                 task.future.set_result(self._read(task))
             except BaseException as exc:   # the caller gets every failure through its future
                 self._count("errors")
                 task.future.set_exception(exc)
-
-    def _started(self, task: _Task) -> None:
-        """A read's first bytes are being asked for (the caller holds the lock): a demand read holds the prefetch
-        gate until its future resolves, however it resolves."""
-        if task.priority == Priority.DEMAND:
-            self._demand_running += 1
-            task.future.add_done_callback(self._demand_done)
-
-    def _demand_done(self, _fut: Future) -> None:
-        with self._cv:
-            self._demand_running -= 1
-            if not self._demand_running:
-                self._cv.notify_all()
 
     def _unqueue(self, task: _Task) -> None:
         """Forget a task's key (the caller holds the lock), unless a newer read of the same key replaced it (a read
@@ -357,7 +334,6 @@ class StoreReader:
                 self._stats["cancelled"] += 1
                 return None
             task.t0 = time.perf_counter()
-            self._started(task)
         task.running += 1
         if not task.taken:
             self._cv.notify()               # more parts of it wait: another idle thread takes the next

@@ -78,7 +78,8 @@ def test_tiered_through_the_store_equals_direct(packed, direct, seed):
         snap = tier.stats.snapshot()
         json.dumps(snap)
         nvme = snap["nvme"]
-        landed = nvme["reads"] + nvme["prefetch_reads"] + nvme["warm_reads"] - nvme["failed_reads"]
+        landed = (nvme["reads"] + nvme["prefetch_reads"] + nvme["warm_reads"] - nvme["failed_reads"]
+                  - nvme["cancelled_prefetches"])
         assert snap["bytes"]["store_to_ram"] == landed * tier.layout.nbytes
         assert tier.health() is None
 
@@ -148,11 +149,12 @@ def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
         gate = Gate(monkeypatch)
         tier.prefetch([(1, e) for e in (0, 1, 2)])
         assert gate.entered.wait(10)  # the only reader thread holds the first prefetch
-        tier.demand(1, np.array([9]))
+        tier.demand(0, np.array([9]))  # layer 0 runs before the guesses' layer 1
         gate.release.set()
         settle_reads(tier)
-        head = tier.reader.header
-        assert gate.order == [head.entry(2, e).offset for e in (0, 9, 1, 2)]
+        head, (l0, l1) = tier.reader.header, tier.store_layers
+        assert gate.order == [head.entry(l1, 0).offset, head.entry(l0, 9).offset,
+                              head.entry(l1, 1).offset, head.entry(l1, 2).offset]
 
 
 def test_a_queued_prefetch_a_step_comes_to_need_goes_ahead_of_the_other_guesses(packed, monkeypatch):
@@ -162,13 +164,37 @@ def test_a_queued_prefetch_a_step_comes_to_need_goes_ahead_of_the_other_guesses(
         gate = Gate(monkeypatch)
         tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
         assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
-        tier.demand(1, np.array([3]))  # the step needs the last guess: it is read next, and only once
+        tier.demand(1, np.array([0, 3]))  # the step needs the last guess: it is read next, and only once
         gate.release.set()
         settle_reads(tier)
         head = tier.reader.header
-        assert gate.order == [head.entry(2, e).offset for e in (0, 3, 1, 2)]
+        assert gate.order == [head.entry(2, e).offset for e in (0, 3)]  # the wrong guesses 1, 2: dropped unread
         snap = tier.stats.snapshot()
-        assert snap["nvme"]["promoted"] == 1 and tier.reader.stats()["reads"] == 4
+        assert snap["nvme"]["promoted"] == 1 and tier.reader.stats()["reads"] == 2
+
+
+def test_wrong_guesses_still_queued_when_their_layer_runs_are_dropped_unread(packed, monkeypatch):
+    ck, store = packed
+    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
+    with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
+        gate = Gate(monkeypatch)
+        tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
+        assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
+        in_use = tier.tiers.ram.in_use()
+        tier.demand(1, np.array([0, 3]))  # the layer runs: 1 and 2 were wrong
+        assert [Where(tier.tiers.where[1, e]) for e in (1, 2)] == [Where.STORE] * 2
+        assert tier.tiers.ram.in_use() == in_use - 2  # their RAM slots are free again
+        gate.release.set()
+        settle_reads(tier)
+        head = tier.reader.header
+        assert gate.order == [head.entry(2, e).offset for e in (0, 3)] and tier.reader.stats()["reads"] == 2
+        snap = tier.stats.snapshot()
+        assert snap["nvme"]["cancelled_prefetches"] == 2 and snap["nvme"]["failed_reads"] == 0
+        assert snap["prefetch"]["wasted"] == 2
+        tier.check_invariants()
+        for e in (1, 2):  # read again later, they land as any other read
+            tier.wait(1, e)
+            assert Where(tier.tiers.where[1, e]) == Where.RAM
 
 
 def test_promote_moves_a_queued_read_but_never_starts_one(packed, monkeypatch):
@@ -364,12 +390,12 @@ def test_the_engine_can_fix_vram_slots_and_hand_in_its_slot_tensors(packed):
         check_bytes(tier, store)
 
 
-def test_the_tier_reads_a_records_parts_natively_and_demand_first_unless_told_not_to(packed):
+def test_the_tier_reads_a_records_parts_natively_unless_told_not_to(packed):
     from store.reader import _native
 
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=2)
-    with open_nvme_tier(store, ck, plan, reader_options={"native": False, "demand_first": False}) as tier:
-        assert tier.reader.pieces == 4 and not tier.reader.native and not tier.reader.demand_first
+    with open_nvme_tier(store, ck, plan, reader_options={"native": False}) as tier:
+        assert tier.reader.pieces == 4 and not tier.reader.native
     with open_nvme_tier(store, ck, plan) as tier:
-        assert tier.reader.native == (_native() is not None) and tier.reader.demand_first
+        assert tier.reader.native == (_native() is not None)

@@ -81,6 +81,8 @@ class DeferredReader:
 
     def complete(self, f: LazyRead) -> None:
         self.pending.remove(f)
+        if not f.set_running_or_notify_cancel():  # cancelled while queued: a real reader never reads it
+            return
         e = self.header.entry(*f.key)
         if f.key in self.broken or f.timed_out:
             f.out[:e.extent] = 0xEE  # what a failed or given-up read leaves behind is anyone's guess

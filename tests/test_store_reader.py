@@ -83,47 +83,6 @@ def test_a_cancelled_prefetch_is_never_read(store, monkeypatch):
         assert r.header.entry(1, 1).offset not in gate.order
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-@pytest.mark.parametrize("demand_first", [True, False], ids=["gated", "shared"])
-def test_no_prefetch_starts_while_a_demand_read_is_under_way(store, monkeypatch, demand_first, split):
-    gate = Gate(monkeypatch)
-    opts = SPLIT if split else {}
-    with StoreReader(store, threads=3, demand_first=demand_first, **opts) as r:
-        arena = alloc_slots(3, r.max_extent)
-        dem = r.read(2, 7, arena[0], priority=Priority.DEMAND)
-        assert gate.entered.wait(10)                        # held in its first pread
-        pre = r.read_many([(1, 1, arena[1]), (1, 2, arena[2])], priority=Priority.PREFETCH)
-        time.sleep(0.2)                                     # two threads are free all along
-        started = set(gate.order) - {r.header.entry(2, 7).offset}
-        pre_offsets = {r.header.entry(1, e).offset for e in (1, 2)}
-        if demand_first:
-            assert not started & pre_offsets and not any(f.running() or f.done() for f in pre)
-        else:
-            assert started & pre_offsets
-        gate.release.set()
-        for f, k in [(dem, (2, 7)), (pre[0], (1, 1)), (pre[1], (1, 2))]:
-            assert f.result(10).data.tobytes() == reference(store, *k)
-
-
-def test_a_failed_demand_read_opens_the_prefetch_gate_too(store, monkeypatch):
-    bad = read_header(store).entry(2, 7).offset
-    real = R.pread_into
-
-    def broken(fd, view, offset):
-        if offset == bad:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, view, offset)
-
-    monkeypatch.setattr(R, "pread_into", broken)
-    with StoreReader(store, threads=2, retries=0) as r:
-        arena = alloc_slots(2, r.max_extent)
-        dem = r.read(2, 7, arena[0], priority=Priority.DEMAND)
-        pre = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
-        with pytest.raises(StoreReadError):
-            dem.result(10)
-        assert pre.result(10).data.tobytes() == reference(store, 1, 1)
-
-
 def test_reads_fill_the_callers_buffer_and_return_views(store):
     with StoreReader(store, threads=2, verify=True) as r:
         arena = alloc_slots(16, r.max_extent)

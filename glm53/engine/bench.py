@@ -89,9 +89,6 @@ VARIANTS = {
                                     stepper=(("copy_before_store_wait", False),)),
     "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
                                   reader=(("native", False),)),
-    "nvme-exact-shareddisk": Variant("no prefetch read starts while a demand read is under way",
-                                     "prefetch reads share the disk with demand reads",
-                                     reader=(("demand_first", False),)),
 }
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)

@@ -13,6 +13,7 @@ becomes RAM only when the reader says its bytes are there and pass their xxh3 ch
   prefetch  predicted (layer, expert) picks (router lookahead for the next layer; every expert of prefill's
             upcoming layers) at prefetch priority, which demand reads overtake in the reader's queue. Prefetched
             experts are guarded (dropped last) until their layer next runs, and at most `window` are outstanding.
+            When their layer runs, the wrong guesses whose reads are still queued are dropped unread.
   victims   when RAM is full the weakest RAM expert by its layer's policy score is dropped (the store has it).
   faults    the reader retries I/O errors, short reads and checksum failures; a demanded read that is still not
             back after `timeout_s` is retried into a fresh slot (its old slot is retired until the slow read
@@ -497,7 +498,7 @@ class NvmeTier:
     def _account_prefetch(self, layer: int, experts: list[int], codes: list[int]) -> None:
         """The layer runs: settle what was read ahead for it (hit, late, wasted) and count the store misses no
         prefetch covered (codes: the experts' tier states). Its guards end here either way."""
-        hits = late = wasted = 0
+        hits = late = wasted = cancelled = 0
         mine = [k for k in self._prefetched if k[0] == layer] if self._prefetched else ()
         if mine:
             used = set(experts)
@@ -510,6 +511,8 @@ class NvmeTier:
                     self.tiers.unguard(layer, e)
                 if e not in used:
                     wasted += 1
+                    if w == FROM_STORE:
+                        cancelled += self._cancel_queued(key)
                 elif w in _READABLE:
                     hits += 1
                 elif w == FROM_STORE:
@@ -517,6 +520,19 @@ class NvmeTier:
         misses = codes.count(STORE)
         if hits or late or wasted or misses:  # most layer steps have nothing to count: no lock taken for it
             self.stats.add_prefetch(hits=hits, late=late, wasted=wasted, demand_misses=misses)
+        if cancelled:
+            self.stats.add_nvme("cancelled_prefetches", cancelled)
+
+    def _cancel_queued(self, key: tuple[int, int]) -> int:
+        """A wrong guess whose layer has run and whose read has not started: drop it from the reader's queue and
+        free its RAM slot (a queued guess would still cost the disk a record). 1 if cancelled."""
+        r = self._reads.get(key)
+        if r is None or r.demanded or not r.future.cancel():
+            return 0
+        with self._lock:
+            del self._reads[key]
+        self.tiers.abort_read(*key)
+        return 1
 
     def _prune_prefetched(self) -> None:
         """Prefetched experts dropped again before their layer ran no longer count against the window."""
@@ -650,8 +666,7 @@ def open_nvme_tier(
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
     without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
     pread). reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
-    (native=False: the parts on Python threads; demand_first=False: prefetch reads share the disk with demand
-    reads)."""
+    (native=False: the parts on Python threads)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
     store_path, model_dir = Path(store_path), Path(model_dir)

@@ -13,8 +13,7 @@
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
 #             machine's ~100 s first-prefill penalty, so give it a call of its own). bench, nvme and nvme16
 #             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
-#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction,
-#             and nvme-exact-shareddisk (prefetch reads sharing the disk with demand reads, as before the gate);
+#   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction;
 #             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
 #             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvme16: the same at the 16 GiB
 #             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
@@ -69,7 +68,7 @@ step_bench() {
 }
 step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp \
-    --keep --modes exact,fast,nvme-exact,nvme,nvme-exact-shareddisk \
+    --keep --modes exact,fast,nvme-exact,nvme \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 }
