@@ -159,12 +159,15 @@ def test_lookahead_admits_predictions_and_scores_them():
     tiers.settle_all()
     assert sum(tiers.where[1, e] == Where.VRAM for e in cold) == 2
     stepper.resolve(1, np.array([[cold[0], cold[1], 15, 14]]), decode=True)
+    assert stepper.snapshot()["lookahead"]["steps"] == 0  # scored after launch, off the kernels' path
+    stepper.after_launch()
     la = stepper.snapshot()["lookahead"]
     assert la["steps"] == 1 and la["picks"] == 4 and la["hits"] == 2 and la["recall"] == 0.5
     assert la["expert_recall"] == 0.5 and la["prefetched"] == 2
     stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # no prediction for this step: not scored
     stepper.ahead(1, np.array([[0, 1], [2, 3]]))
     stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # a guess for 2 rows, a step of 1: not scored
+    stepper.after_launch()
     assert stepper.lookahead.snapshot()["steps"] == 1
     assert stepper.ahead(2, np.array([[0]])) == 0  # past the last layer: nothing to do
 
@@ -212,6 +215,7 @@ def test_prestaging_learns_which_guess_ranks_are_worth_their_pcie_time():
         stepper.ahead(1, guess)
         wrong_prestaged.append(15 in stepper._prestaged[1][0])
         stepper.resolve(1, np.array([[*real, 14]]), decode=True)  # the 4th real pick is one nobody guessed
+        stepper.after_launch()  # as the engine does once the kernels are queued: the guess is scored there
     precision = stepper.rank_precision()
     assert precision[3] < 0.5 < min(precision[:3])
     assert wrong_prestaged[0] and not any(wrong_prestaged[5:]), "the wrong rank kept being prestaged"
@@ -441,6 +445,7 @@ def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
             others = [e for e in range(16) if e not in guess]
             real = np.array([[guess[0], guess[1], others[0], others[1]]])
             stepper.resolve(1, real, True)
+            stepper.after_launch()
             tier.check_invariants()
         assert [round(p, 1) for p in stepper.rank_precision()][:2] == [0.9, 0.9]
         assert max(stepper.rank_precision()[2:]) < 0.5
@@ -467,6 +472,7 @@ def test_nvme_reads_two_layers_ahead_scored_apart(packed):
             stepper.ahead(1, np.array([[real[0], *others[:3]]]), distance=2)  # two ahead: rank 0 right only
             stepper.ahead(1, real[None, :])  # one ahead: all right
             stepper.resolve(1, real[None, :], True)
+            stepper.after_launch()
             tier.check_invariants()
         la = stepper.snapshot()["lookahead"]
         assert la["recall"] == 1.0 and la["two_ahead"]["recall"] == pytest.approx(0.25)
@@ -528,6 +534,8 @@ def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp
             stepper.ahead(2, far, busy=busy, distance=2)
 
         stepper.resolve(0, np.array([[0, 1, 2, 3]]), True, read_ahead=read_ahead)
+        assert stepper.prefetched_far == 0, "no store read to wait for: the reads ahead start after launch"
+        stepper.after_launch()
         assert stepper.prefetched_far > 0, "the far guess was read (dropping other layer-1 experts)"
         assert all(t.where[1, e] == Where.RAM for e in range(4)), "the near guess's experts were dropped"
         tier.check_invariants()

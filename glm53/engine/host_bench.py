@@ -298,6 +298,9 @@ def _print_nvme(run: dict, log) -> None:
     if "after_launch" in run:
         al = run["after_launch"]
         log(f"  after launch (deferred admissions) median {al['median_us']:.1f} us, p90 {al['p90_us']:.1f}")
+    if "before_launch" in run:
+        bl = run["before_launch"]
+        log(f"  before launch (what the GPU waits for) median {bl['median_us']:.1f} us, p90 {bl['p90_us']:.1f}")
     log(f"  per layer step: {s['demand_reads_per_step']:.2f} demand and {s['prefetch_reads_per_step']:.2f} prefetch "
         f"reads, {s['store_picks_per_step']:.2f} picks from the store; lookahead recall {recall}; "
         f"{'O_DIRECT' if run['direct_io'] else 'buffered'} reads")
@@ -329,6 +332,9 @@ def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
             r = run["median_us"] / b["median_us"]
             log(f"ratio bsz {run['bsz']}: this / baseline = {run['median_us']:.1f} / {b['median_us']:.1f} us "
                 f"= {r:.3f} ({1 / r:.2f}x fewer us per layer step)")
+            if "before_launch" in run and "before_launch" in b:
+                now, was = run["before_launch"]["median_us"], b["before_launch"]["median_us"]
+                log(f"  before launch (what the GPU waits for): {now:.1f} / {was:.1f} us = {now / was:.3f}")
 
 
 def _ints(spec: str) -> tuple[int, ...]:

@@ -15,7 +15,8 @@ that only run while copies are in flight (held RAM experts, moves landing in pol
 
 The time per layer step is resolve() plus ahead() plus the deferred admissions (`after_launch`, where the stepper has
 it) minus the time resolve() spent blocked on store reads (`MoeStepper.host_seconds["store_wait"]`), reported
-separately, as is resolve()'s own accounting (what the GPU bench's "host us / layer step" measures).
+separately, as is resolve()'s own accounting (what the GPU bench's "host us / layer step" measures). The part
+before launch (resolve() with what it runs inside) is what the GPU waits for; the rest runs while its kernels do.
 """
 
 from __future__ import annotations
@@ -174,8 +175,9 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
 def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = None) -> None:
     """Decode steps in model order as the engine runs each: resolve() and the next layer's lookahead at the seam,
     then, once the expert kernels are queued, the stepper's `after_launch` where it has one (the deferred
-    admissions). times: per layer step, appended to "host" (all three, less store_wait), "resolve" (its plan
-    seconds), "ahead", "after_launch" and "store_wait"."""
+    admissions). times: per layer step, appended to "host" (all three, less store_wait), "before_launch" (what
+    the GPU waits for: resolve() with whatever it ran inside, less store_wait), "resolve" (its plan seconds, less
+    the lookahead it ran inside), "ahead" (wherever it ran), "after_launch" and "store_wait"."""
     clock = time.perf_counter
     stepper, copier = rig.stepper, rig.copier
     after_launch = getattr(stepper, "after_launch", None)  # a stepper from before deferred admissions has none
@@ -184,18 +186,22 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
     inside = "read_ahead" in inspect.signature(stepper.resolve).parameters
     spent = stepper.host_seconds
     last = len(rig.traces) - 1
+    during_resolve = [False]
     for t in steps:
         for li, trace in enumerate(rig.traces):
             copier.step_begins()  # the engine synchronised its stream: the copies of the steps before have landed
             plan0, wait0 = spent["plan"], spent["store_wait"]
-            ahead_s = 0.0
+            ahead_s = ahead_inside = 0.0
 
             def read_ahead(busy: Any, li: int = li, t: int = t) -> None:
-                nonlocal ahead_s
+                nonlocal ahead_s, ahead_inside
                 a0 = clock()
                 stepper.ahead(li + 1, rig.guesses[li + 1][t], busy=busy)
                 ahead_s += clock() - a0
+                if during_resolve[0]:
+                    ahead_inside += clock() - a0
 
+            during_resolve[0] = True
             t0 = clock()
             if inside and li < last:
                 step = stepper.resolve(li, trace[t], decode=True, read_ahead=read_ahead)
@@ -204,14 +210,16 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
                 if li < last:
                     read_ahead(step.cpu)
             t2 = clock()
+            during_resolve[0] = False  # a stepper may start the reads ahead after launch (no store read to wait for)
             if after_launch is not None:
                 after_launch()
             t3 = clock()
             if times is not None:
                 waited = spent["store_wait"] - wait0
                 times["host"].append(t3 - t0 - waited)
+                times["before_launch"].append(t2 - t0 - waited)
                 # resolve()'s own accounting includes the lookahead when it runs inside: report it apart.
-                times["resolve"].append(spent["plan"] - plan0 - (ahead_s if inside else 0.0))
+                times["resolve"].append(spent["plan"] - plan0 - ahead_inside)
                 times["ahead"].append(ahead_s)
                 times["after_launch"].append(t3 - t2)
                 times["store_wait"].append(waited)
@@ -240,7 +248,8 @@ def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     try:
         replay(rig, range(opts.warmup))
         snap0, la0 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
-        times: dict[str, list[float]] = {"host": [], "resolve": [], "ahead": [], "after_launch": [], "store_wait": []}
+        times: dict[str, list[float]] = {"host": [], "before_launch": [], "resolve": [], "ahead": [],
+                                         "after_launch": [], "store_wait": []}
         replay(rig, range(opts.warmup, opts.warmup + opts.steps), times)
         snap1, la1 = rig.tier.stats.snapshot(), rig.stepper.snapshot()["lookahead"]
         direct = bool(rig.tier.reader.direct)
@@ -255,7 +264,7 @@ def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
         rig.close()
     n = len(times["host"])
     run = {"bsz": bsz, "layer_steps": n, **_us(times["host"]), "hit_rate": _delta_rate(snap0, snap1),
-           "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]),
+           "before_launch": _us(times["before_launch"]), "resolve": _us(times["resolve"]), "ahead": _us(times["ahead"]),
            "store_wait": {**_us(times["store_wait"]), "steps_waiting": sum(1 for w in times["store_wait"] if w > 0)},
            "store": _store_figures(snap0, snap1, n), "lookahead_recall": _recall(la0, la1), "direct_io": direct,
            "breakdown": breakdown(prof, blocked)}

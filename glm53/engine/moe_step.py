@@ -171,7 +171,8 @@ class MoeStepper:
         self.nvme = nvme
         self.overlap = overlap
         self.admit_after_launch = admit_after_launch
-        self._deferred: tuple | None = None  # (layer, ids, uniq, pcie misses, staged) awaiting after_launch
+        # (layer, ids, uniq, pcie misses, staged, the next layers' reads held back or None, their busy experts)
+        self._deferred: tuple | None = None  # awaiting after_launch
         self.num_experts = tiers.num_experts
         # Prestaging: two regions above the decode step's own rows, one per layer parity, so the copies for layer
         # l+1 never land in rows layer l's kernels are about to read (layer l-1's, in the other region, finished
@@ -201,7 +202,8 @@ class MoeStepper:
         self._vram_code, self._ram_code, self._store_code = VRAM, RAM, STORE
 
     def after_launch(self) -> None:
-        """The last decode step's bookkeeping the GPU need not wait for (admit_after_launch): the layer's policy
+        """The last decode step's bookkeeping the GPU need not wait for (admit_after_launch): the lookahead's guess
+        for it is scored, the next layers' store reads start if the step held them back, the layer's policy
         learns the step's picks and admits the streamed misses it wants, each copied on the device from its
         staging row (no second PCIe crossing). exllamav3's combine calls this once the step's expert kernels
         are queued; the copy stream orders each admission after them, and a fill into a victim's slot after the
@@ -210,7 +212,10 @@ class MoeStepper:
         if d is None:
             return
         t0 = time.perf_counter()
-        li, ids, uniq, pcie, staged = d
+        li, ids, uniq, pcie, staged, read_ahead, busy = d
+        self._count_lookahead(li, ids, True)
+        if read_ahead is not None:  # the next layer's reads, held back by a step with no store read to wait for
+            read_ahead(busy)
         tiers = self.tiers
         tiers.observe(li, ids)
         if self.admit and staged:
@@ -267,7 +272,9 @@ class MoeStepper:
         picks = ids.ravel().tolist()
         uniq_l = sorted(set(picks))
         uniq = np.array(uniq_l, np.int64)
-        self._count_lookahead(li, ids, decode)
+        defer = decode and self.admit_after_launch
+        if not defer:  # else scored after launch: the guesses' counts need not hold up the kernels
+            self._count_lookahead(li, ids, decode)
         pre = self._prestaged.pop(li, None) if decode else None
         if not decode:
             self._prestaged.clear()  # a prompt chunk stages into every row, the prestaged ones included
@@ -278,6 +285,7 @@ class MoeStepper:
         # each miss's staging row before its store reads land: the RAM-resident misses cross PCIe while the store
         # reads finish, and only the store's records wait for them. The rows and bytes are the same either way.
         reading: list[int] = []
+        ahead_later: Callable[[list[int]], Any] | None = None
         copy_early = decode and self.copy_before_store_wait and self.admit_after_launch and pre is None
         if tiers.store is None and tiers.keep_all:  # the all-RAM modes never enter STORE
             w = tiers.settle_each(li, uniq_l)
@@ -287,9 +295,13 @@ class MoeStepper:
             tiers.demand_reads(li, uniq)  # nvme: every store miss of the step in flight before the first wait
             # The next layers' reads go in behind them (demand reads overtake prefetch in the reader's queue): a
             # record read takes several layers' GPU time, and waiting for this step's reads first would leave the
-            # disk with one read at a time.
+            # disk with one read at a time. A step with no store read to wait for starts them after launch
+            # instead, while the GPU runs its kernels.
             if read_ahead is not None and decode:
-                read_ahead(uniq_l)
+                if defer and not any(where[e] >= STORE for e in uniq_l):
+                    ahead_later = read_ahead
+                else:
+                    read_ahead(uniq_l)
             elif not decode and self.nvme is not None and li + 1 < len(self.cache_slots):
                 # Start reading the next layer's experts now, so the store works while this layer's are read and
                 # run: the ones the router run ahead names, else (no guess) the whole layer, as a long chunk
@@ -314,7 +326,6 @@ class MoeStepper:
         hits = {e for e, c in zip(uniq_l, codes, strict=True) if c == VRAM}
         misses = [e for e, c in zip(uniq_l, codes, strict=True) if c != VRAM]
         step = Step(slots=_NO_SLOTS)
-        defer = decode and self.admit_after_launch
         if decode:
             if not defer:
                 tiers.observe(li, ids)
@@ -385,7 +396,7 @@ class MoeStepper:
             if crossed:
                 tiers.stats.add_bytes("ram_to_staging", crossed * tiers.layout.nbytes)
         if defer:
-            self._deferred = (li, ids, uniq, pcie, step.staged)
+            self._deferred = (li, ids, uniq, pcie, step.staged, ahead_later, uniq_l)
         t0 = time.perf_counter()
         overlap = self.overlap and decode
         pre_ticket = pre[1] if step.prestaged else None
