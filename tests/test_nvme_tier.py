@@ -253,6 +253,31 @@ def test_a_prefetch_drops_the_weakest_expert_that_is_neither_its_own_pick_nor_pr
         tier.check_invariants()
 
 
+def test_keep_free_drops_the_weakest_experts_not_kept_guarded_or_held(packed):
+    ck, store = packed
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
+        t = tier.tiers
+        t.demand_reads(0, np.arange(EXPERTS))
+        t.demand_reads(1, np.array([0]))
+        settle_reads(tier)
+        assert t.ram.free_count() == 0
+        t.observe(0, np.arange(5, EXPERTS)[None, :])  # experts 0-4 of layer 0 are the weakest
+        t.observe(1, np.array([[0]]))
+        t.guard(0, 0)
+
+        class Busy:
+            def done(self):
+                return False
+
+        t.hold(0, [1], Busy())  # a copy in flight still reads expert 1
+        assert tier.keep_free(2, {0: {2}}) == 2, "no victim search"
+        assert t.ram.free_count() == 2
+        assert {e for e in range(EXPERTS) if t.where[0, e] == Where.STORE} == {3, 4}
+        assert tier.keep_free(2) == 0  # already free: nothing more goes
+        t.unguard(0, 0)  # guards are the prefetch's; this test set one by hand
+        tier.check_invariants()
+
+
 def test_prefill_prefetch_reads_upcoming_layers_without_touching_the_hot_set(packed):
     ck, store = packed
     stats = ck.parent / "routing-prefill.json"

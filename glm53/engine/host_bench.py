@@ -333,8 +333,10 @@ def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
             log(f"ratio bsz {run['bsz']}: this / baseline = {run['median_us']:.1f} / {b['median_us']:.1f} us "
                 f"= {r:.3f} ({1 / r:.2f}x fewer us per layer step)")
             if "before_launch" in run and "before_launch" in b:
-                now, was = run["before_launch"]["median_us"], b["before_launch"]["median_us"]
-                log(f"  before launch (what the GPU waits for): {now:.1f} / {was:.1f} us = {now / was:.3f}")
+                now, was = run["before_launch"], b["before_launch"]
+                log(f"  before launch (what the GPU waits for): median {now['median_us']:.1f} / "
+                    f"{was['median_us']:.1f} us = {now['median_us'] / was['median_us']:.3f}, mean "
+                    f"{now['mean_us']:.1f} / {was['mean_us']:.1f} us = {now['mean_us'] / was['mean_us']:.3f}")
 
 
 def _ints(spec: str) -> tuple[int, ...]:

@@ -98,6 +98,9 @@ class Step:
 # recompute(layer, expert, x_rows float32 (rows, hidden)) -> (rows, hidden): the exact path for a lane job it
 # could not finish (deadline, dead worker).
 Recompute = Callable[[int, int, np.ndarray], Any]
+# nvme modes: RAM slots kept free after each decode step's launch, so that the next step's store reads need no victim
+# search while the GPU waits (a batch-1 step reads 0.5-0.8 records from the store on the H200 bench).
+FREE_RAM_SLOTS = 4
 
 
 class Guesses:
@@ -205,7 +208,8 @@ class MoeStepper:
         """The last decode step's bookkeeping the GPU need not wait for (admit_after_launch): the lookahead's guess
         for it is scored, the next layers' store reads start if the step held them back, the layer's policy
         learns the step's picks and admits the streamed misses it wants, each copied on the device from its
-        staging row (no second PCIe crossing). exllamav3's combine calls this once the step's expert kernels
+        staging row (no second PCIe crossing), and in the nvme modes a few RAM slots are freed for the next
+        step's reads. exllamav3's combine calls this once the step's expert kernels
         are queued; the copy stream orders each admission after them, and a fill into a victim's slot after the
         victim's write-back. The next resolve() runs it first if nobody did."""
         d, self._deferred = self._deferred, None
@@ -227,6 +231,8 @@ class MoeStepper:
             if candidates:
                 tiers.try_admit(li, np.array(candidates, np.int64), uniq,
                                 source=lambda e: tiers.staging_slot(row[e]))
+        if self.nvme is not None:  # never one the guesses for the coming layers named
+            self.nvme.keep_free(FREE_RAM_SLOTS, {la: self._likely(g) for la, g in self._near.pending.items()})
         self.host_seconds["after_launch"] += time.perf_counter() - t0
 
     def lane_in_use(self) -> bool:

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -533,6 +533,19 @@ class NvmeTier:
             del self._reads[key]
         self.tiers.abort_read(*key)
         return 1
+
+    def keep_free(self, n: int, keep: Mapping[int, Collection[int]] | None = None) -> int:
+        """Drop the weakest droppable RAM experts (neither guarded, nor read by a copy in flight, nor in `keep`,
+        {layer: experts}; the store has them) until n RAM slots are free, so that a decode step's demand reads claim
+        slots without a victim search while the GPU waits. Returns the number dropped."""
+        t, dropped = self.tiers, 0
+        while t.ram.free_count() < n:
+            victim = t.weakest_droppable(keep)
+            if victim is None:
+                break
+            t.drop_ram(*victim)
+            dropped += 1
+        return dropped
 
     def _prune_prefetched(self) -> None:
         """Prefetched experts dropped again before their layer ran no longer count against the window."""
