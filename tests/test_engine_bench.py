@@ -28,8 +28,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
                      "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
     res["nvme_exact_over"] = {"nvme-exact-whole": 1.25, "nvme-exact-ahead2": 0.83, "nvme-exact-waitfirst": 1.31,
-                              "nvme-exact-pyparts": 1.07}
-    for v in ("nvme-exact-pyparts", "nvme-exact-waitfirst"):
+                              "nvme-exact-pyparts": 1.07, "nvme-exact-readsfirst": 1.04}
+    for v in ("nvme-exact-pyparts", "nvme-exact-waitfirst", "nvme-exact-readsfirst"):
         res["modes"][v] = mode_doc(15.0, nvme=True)
     res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
@@ -55,7 +55,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "1.310, median of paired windows",
                  "(a record's parts read in one native call / the parts read on Python threads): 1.070, median",
 
-                 "nvme-exact-pyparts picks per tier", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
+                 "nvme-exact-pyparts picks per tier", "nvme-exact-readsfirst picks per tier",
+                 "and frees RAM for the next step's, after launch / both before launch): 1.040, median", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what
 

@@ -13,7 +13,7 @@ from test_nvme_tier_support import make_store, nvme_plan, record
 
 from glm53.cpu_lane.lane import CpuLane
 from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
-from glm53.engine.moe_step import MoeStepper, StepError, translate
+from glm53.engine.moe_step import FREE_RAM_SLOTS, MoeStepper, StepError, translate
 from glm53.tiers import ExpertTiers, SlotLayout, Where
 
 MAX_BSZN = 8  # exllamav3's decode row limit (checked by the adapter's contract)
@@ -511,7 +511,8 @@ def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packe
         tier.check_invariants()
 
 
-def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp_path):
+@pytest.mark.parametrize("reads_after_launch", [True, False])
+def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp_path, reads_after_launch):
     """RAM full: the far guess's reads need room, and must not take it from the layer in between's experts that
     the (likelier) near guess just named."""
     from glm53.tiers.nvme import open_nvme_tier
@@ -526,6 +527,7 @@ def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp
             t.fetch_to_ram(1, e)  # RAM now full (17 records)
         assert t.ram.free_count() == 0
         stepper = MoeStepper(t, [1, 1, 1], 16, nvme=tier)
+        stepper.reads_after_launch = reads_after_launch
         near = np.array([[0, 1, 2, 3]])  # layer 1's guess: all in RAM already
         far = np.array([[0, 1, 2, 3]])  # layer 2's guess: all in the store
 
@@ -534,8 +536,15 @@ def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp
             stepper.ahead(2, far, busy=busy, distance=2)
 
         stepper.resolve(0, np.array([[0, 1, 2, 3]]), True, read_ahead=read_ahead)
-        assert stepper.prefetched_far == 0, "no store read to wait for: the reads ahead start after launch"
-        stepper.after_launch()
+        if reads_after_launch:
+            assert stepper.prefetched_far == 0, "no store read to wait for: the reads ahead start after launch"
+            stepper.after_launch()
+            assert t.ram.free_count() == FREE_RAM_SLOTS, "room made for the next step's reads"
+        else:
+            assert stepper.prefetched_far > 0, "read before launch, as before"
+            assert t.ram.free_count() == 0
+            stepper.after_launch()
+            assert t.ram.free_count() == 0, "no RAM room made after launch either"
         assert stepper.prefetched_far > 0, "the far guess was read (dropping other layer-1 experts)"
         assert all(t.where[1, e] == Where.RAM for e in range(4)), "the near guess's experts were dropped"
         tier.check_invariants()

@@ -89,6 +89,9 @@ VARIANTS = {
                                     stepper=(("copy_before_store_wait", False),)),
     "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
                                   reader=(("native", False),)),
+    "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
+                                     "for the next step's, after launch", "both before launch",
+                                     stepper=(("reads_after_launch", False),)),
 }
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)

@@ -199,6 +199,9 @@ class MoeStepper:
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0}
         self.copied_before_store_wait = 0  # RAM misses sent over PCIe while the step's store reads finished
         self.copy_before_store_wait = True  # False: wait for the store first, as before (bench's paired comparison)
+        # False: a step's reads ahead and the RAM room for the next step's reads are made before launch, as before
+        # (the bench's paired comparison).
+        self.reads_after_launch = True
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
 
@@ -231,7 +234,7 @@ class MoeStepper:
             if candidates:
                 tiers.try_admit(li, np.array(candidates, np.int64), uniq,
                                 source=lambda e: tiers.staging_slot(row[e]))
-        if self.nvme is not None:  # never one the guesses for the coming layers named
+        if self.nvme is not None and self.reads_after_launch:  # never one the guesses for the coming layers named
             self.nvme.keep_free(FREE_RAM_SLOTS, {la: self._likely(g) for la, g in self._near.pending.items()})
         self.host_seconds["after_launch"] += time.perf_counter() - t0
 
@@ -304,7 +307,7 @@ class MoeStepper:
             # disk with one read at a time. A step with no store read to wait for starts them after launch
             # instead, while the GPU runs its kernels.
             if read_ahead is not None and decode:
-                if defer and not any(where[e] >= STORE for e in uniq_l):
+                if defer and self.reads_after_launch and not any(where[e] >= STORE for e in uniq_l):
                     ahead_later = read_ahead
                 else:
                     read_ahead(uniq_l)
