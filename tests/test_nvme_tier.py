@@ -157,23 +157,7 @@ def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
                               head.entry(l1, 1).offset, head.entry(l1, 2).offset]
 
 
-def test_a_queued_prefetch_a_step_comes_to_need_goes_ahead_of_the_other_guesses(packed, monkeypatch):
-    ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
-    with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
-        gate = Gate(monkeypatch)
-        tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
-        assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
-        tier.demand(1, np.array([0, 3]))  # the step needs the last guess: it is read next, and only once
-        gate.release.set()
-        settle_reads(tier)
-        head = tier.reader.header
-        assert gate.order == [head.entry(2, e).offset for e in (0, 3)]  # the wrong guesses 1, 2: dropped unread
-        snap = tier.stats.snapshot()
-        assert snap["nvme"]["promoted"] == 1 and tier.reader.stats()["reads"] == 2
-
-
-def test_wrong_guesses_still_queued_when_their_layer_runs_are_dropped_unread(packed, monkeypatch):
+def test_when_its_layer_runs_a_needed_queued_guess_goes_first_and_wrong_ones_are_dropped_unread(packed, monkeypatch):
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
     with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
@@ -181,7 +165,7 @@ def test_wrong_guesses_still_queued_when_their_layer_runs_are_dropped_unread(pac
         tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
         assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
         in_use = tier.tiers.ram.in_use()
-        tier.demand(1, np.array([0, 3]))  # the layer runs: 1 and 2 were wrong
+        tier.demand(1, np.array([0, 3]))  # the step needs the last guess: read next, and only once; 1, 2 were wrong
         assert [Where(tier.tiers.where[1, e]) for e in (1, 2)] == [Where.STORE] * 2
         assert tier.tiers.ram.in_use() == in_use - 2  # their RAM slots are free again
         gate.release.set()
@@ -189,8 +173,8 @@ def test_wrong_guesses_still_queued_when_their_layer_runs_are_dropped_unread(pac
         head = tier.reader.header
         assert gate.order == [head.entry(2, e).offset for e in (0, 3)] and tier.reader.stats()["reads"] == 2
         snap = tier.stats.snapshot()
-        assert snap["nvme"]["cancelled_prefetches"] == 2 and snap["nvme"]["failed_reads"] == 0
-        assert snap["prefetch"]["wasted"] == 2
+        assert snap["nvme"]["promoted"] == 1 and snap["nvme"]["cancelled_prefetches"] == 2
+        assert snap["nvme"]["failed_reads"] == 0 and snap["prefetch"]["wasted"] == 2
         tier.check_invariants()
         for e in (1, 2):  # read again later, they land as any other read
             tier.wait(1, e)
@@ -233,16 +217,22 @@ def test_prefetch_respects_window_guards_and_protection(packed):
         tier.check_invariants()
 
 
+def fill_ram(tier):
+    """RAM (EXPERTS + 1 records) full of unguarded experts: all of layer 0's and layer 1's expert 0."""
+    t = tier.tiers
+    t.demand_reads(0, np.arange(EXPERTS))
+    t.demand_reads(1, np.array([0]))
+    settle_reads(tier)
+    assert t.ram.free_count() == 0 and not t.ram_guard.any()
+    return t
+
+
 def test_a_prefetch_drops_the_weakest_expert_that_is_neither_its_own_pick_nor_protected(packed):
     """RAM full of unguarded experts, the weakest of them this prefetch's own picks and one a lane is reading: each
     read drops the weakest of the others (ties: the lowest layer, then the lowest id)."""
     ck, store = packed
     with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
-        t = tier.tiers
-        t.demand_reads(0, np.arange(EXPERTS))
-        t.demand_reads(1, np.array([0]))
-        settle_reads(tier)
-        assert t.ram.free_count() == 0 and not t.ram_guard.any()
+        t = fill_ram(tier)
         t.observe(0, np.arange(4, EXPERTS)[None, :])  # experts 0-3 of layer 0 stay the weakest
         t.observe(1, np.array([[0]]))  # as strong as layer 0's 4-15
         assert tier.prefetch([(1, 9), (0, 0), (1, 10), (0, 2)], protect={0: [1]}) == 2
@@ -256,11 +246,7 @@ def test_a_prefetch_drops_the_weakest_expert_that_is_neither_its_own_pick_nor_pr
 def test_keep_free_drops_the_weakest_experts_not_kept_guarded_or_held(packed):
     ck, store = packed
     with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
-        t = tier.tiers
-        t.demand_reads(0, np.arange(EXPERTS))
-        t.demand_reads(1, np.array([0]))
-        settle_reads(tier)
-        assert t.ram.free_count() == 0
+        t = fill_ram(tier)
         t.observe(0, np.arange(5, EXPERTS)[None, :])  # experts 0-4 of layer 0 are the weakest
         t.observe(1, np.array([[0]]))
         t.guard(0, 0)
@@ -270,7 +256,7 @@ def test_keep_free_drops_the_weakest_experts_not_kept_guarded_or_held(packed):
                 return False
 
         t.hold(0, [1], Busy())  # a copy in flight still reads expert 1
-        assert tier.keep_free(2, {0: {2}}) == 2, "no victim search"
+        assert tier.keep_free(2, {0: {2}}) == 2
         assert t.ram.free_count() == 2
         assert {e for e in range(EXPERTS) if t.where[0, e] == Where.STORE} == {3, 4}
         assert tier.keep_free(2) == 0  # already free: nothing more goes
