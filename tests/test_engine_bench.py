@@ -56,7 +56,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "(a record's parts read in one native call / the parts read on Python threads): 1.070, median",
 
                  "nvme-exact-pyparts picks per tier", "nvme-exact-readsfirst picks per tier",
-                 "and frees RAM for the next step's, after launch / both before launch): 1.040, median", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
+                 "and frees RAM for the next step's, after launch / reads ahead before launch, RAM room found by each "
+                 "read): 1.040, median", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what
 

@@ -511,6 +511,30 @@ def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packe
         tier.check_invariants()
 
 
+def test_after_launch_frees_ram_for_the_next_reads_but_never_the_steps_own_experts(tmp_path):
+    """The step's experts may still be read from RAM after launch (the CPU lane's, or a lane job recomputed on
+    the GPU): the weakest of them survives the RAM room made for the next step."""
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = make_store(tmp_path, layers=3, experts=16)  # 2 MoE layers
+    plan = nvme_plan(store, ram_records=17, vram_slots=2, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1], staging_slots=16, warm=False) as tier:
+        t = tier.tiers
+        for e in range(16):
+            t.fetch_to_ram(0, e)
+        t.fetch_to_ram(1, 0)
+        assert t.ram.free_count() == 0
+        for _ in range(4):  # expert 0 of layer 0 is the weakest RAM expert
+            t.observe(0, np.array([list(range(1, 9)), list(range(8, 16))]))
+            t.observe(1, np.array([[0]]))
+        stepper = MoeStepper(t, [1, 1], 16, nvme=tier, admit=False)
+        stepper.resolve(0, np.array([[0]]), True)
+        stepper.after_launch()
+        assert t.ram.free_count() == FREE_RAM_SLOTS
+        assert t.where[0, 0] == Where.RAM, "the step's own expert was dropped"
+        tier.check_invariants()
+
+
 @pytest.mark.parametrize("reads_after_launch", [True, False])
 def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp_path, reads_after_launch):
     """RAM full: the far guess's reads need room, and must not take it from the layer in between's experts that

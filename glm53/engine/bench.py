@@ -90,7 +90,7 @@ VARIANTS = {
     "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
                                   reader=(("native", False),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
-                                     "for the next step's, after launch", "both before launch",
+                                     "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
 }
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)

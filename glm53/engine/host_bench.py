@@ -300,7 +300,8 @@ def _print_nvme(run: dict, log) -> None:
         log(f"  after launch (deferred admissions) median {al['median_us']:.1f} us, p90 {al['p90_us']:.1f}")
     if "before_launch" in run:
         bl = run["before_launch"]
-        log(f"  before launch (what the GPU waits for) median {bl['median_us']:.1f} us, p90 {bl['p90_us']:.1f}")
+        log(f"  host work before launch (the GPU waits for it; store waits not counted) median "
+            f"{bl['median_us']:.1f} us, p90 {bl['p90_us']:.1f}")
     log(f"  per layer step: {s['demand_reads_per_step']:.2f} demand and {s['prefetch_reads_per_step']:.2f} prefetch "
         f"reads, {s['store_picks_per_step']:.2f} picks from the store; lookahead recall {recall}; "
         f"{'O_DIRECT' if run['direct_io'] else 'buffered'} reads")
@@ -334,7 +335,7 @@ def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
                 f"= {r:.3f} ({1 / r:.2f}x fewer us per layer step)")
             if "before_launch" in run and "before_launch" in b:
                 now, was = run["before_launch"], b["before_launch"]
-                log(f"  before launch (what the GPU waits for): median {now['median_us']:.1f} / "
+                log(f"  host work before launch (store waits not counted): median {now['median_us']:.1f} / "
                     f"{was['median_us']:.1f} us = {now['median_us'] / was['median_us']:.3f}, mean "
                     f"{now['mean_us']:.1f} / {was['mean_us']:.1f} us = {now['mean_us'] / was['mean_us']:.3f}")
 

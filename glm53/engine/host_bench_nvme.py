@@ -207,6 +207,7 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
                 step = stepper.resolve(li, trace[t], decode=True, read_ahead=read_ahead)
             else:
                 step = stepper.resolve(li, trace[t], decode=True)
+                during_resolve[0] = False  # an older stepper's lookahead, called after resolve() returned
                 if li < last:
                     read_ahead(step.cpu)
             t2 = clock()
@@ -285,7 +286,8 @@ def _store_figures(snap0: dict, snap1: dict, layer_steps: int) -> dict:
     pf0, pf1 = snap0["prefetch"], snap1["prefetch"]
     per = max(1, layer_steps)
     return {"demand_reads_per_step": (nv1["reads"] - nv0["reads"]) / per,
-            "prefetch_reads_per_step": (nv1["prefetch_reads"] - nv0["prefetch_reads"]) / per,
+            "prefetch_reads_per_step": (nv1["prefetch_reads"] - nv0["prefetch_reads"]
+                                        - nv1["cancelled_prefetches"] + nv0["cancelled_prefetches"]) / per,
             "store_picks_per_step": (snap1["picks"]["nvme"] - snap0["picks"]["nvme"]) / per,
             "prefetch": {k: pf1[k] - pf0[k] for k in ("issued", "hits", "late", "wasted", "demand_misses")}}
 

@@ -234,8 +234,12 @@ class MoeStepper:
             if candidates:
                 tiers.try_admit(li, np.array(candidates, np.int64), uniq,
                                 source=lambda e: tiers.staging_slot(row[e]))
-        if self.nvme is not None and self.reads_after_launch:  # never one the guesses for the coming layers named
-            self.nvme.keep_free(FREE_RAM_SLOTS, {la: self._likely(g) for la, g in self._near.pending.items()})
+        if self.nvme is not None and self.reads_after_launch:
+            # Never one of this step's experts (the CPU lane may still be reading one, or recompute it from RAM if
+            # it misses its deadline) nor one the guesses for the coming layers named.
+            keep = {la: set(self._likely(g)) for la, g in self._near.pending.items()}
+            keep[li] = keep.get(li, set()) | set(busy)
+            self.nvme.keep_free(FREE_RAM_SLOTS, keep)
         self.host_seconds["after_launch"] += time.perf_counter() - t0
 
     def lane_in_use(self) -> bool:

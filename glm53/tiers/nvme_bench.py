@@ -328,8 +328,9 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
         keys, read = [], tier.reader.read
 
         def logged(layer, e, out, **kw):  # the window's reads, for the raw replay (warm-up reads are done by now)
-            keys.append((layer, e))
-            return read(layer, e, out, **kw)
+            fut = read(layer, e, out, **kw)
+            keys.append(((layer, e), fut))
+            return fut
 
         tier.reader.read = logged
         if mode.endswith("-after"):  # the engine before 2026-11-30 also left a needed guess in its queue place
@@ -356,9 +357,11 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
                 slept += time.perf_counter() - t1
         dt = time.perf_counter() - t0
         snap = tier.stats.snapshot()
-        nvme_bytes = (snap["nvme"]["reads"] + snap["nvme"]["prefetch_reads"]) * tier.stride
+        nv = snap["nvme"]  # a guess cancelled before its read started cost the disk nothing
+        nvme_bytes = (nv["reads"] + nv["prefetch_reads"] - nv["cancelled_prefetches"]) * tier.stride
+        ran = [key for key, fut in keys if not fut.cancelled()]
         return Window(mode, dt, tokens, snap["picks"], nvme_bytes, snap["wait_seconds"]["nvme"], snap["prefetch"],
-                      slept, keys)
+                      slept, ran)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
