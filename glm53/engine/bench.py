@@ -268,9 +268,11 @@ class _Runner:
                        host_us_per_layer_step=1e6 * (snap1["host_seconds"]["plan"] - snap0["host_seconds"]["plan"])
                        / max(1, snap1["layer_steps"] - snap0["layer_steps"]),
                        # Where a decoded token's host time went (the GPU idles through all of it but the lane's):
-                       # planning, waiting for the routing ids, for copies, for store reads.
+                       # planning (and three of its parts: the store's reads, the copies, the slot ids), waiting
+                       # for the routing ids, for copies, for store reads, and the work after launch.
                        host_ms_per_token={k: 1e3 * (snap1["host_seconds"][k] - snap0["host_seconds"].get(k, 0.0)) / n
-                                          for k in ("plan", "sync", "copy_wait", "store_wait", "after_launch")
+                                          for k in ("plan", "plan_reads", "plan_copies", "plan_slots", "sync",
+                                                    "copy_wait", "store_wait", "after_launch")
                                           if k in snap1["host_seconds"]})
         return out
 

@@ -196,7 +196,10 @@ class MoeStepper:
         self.lane_judge = lane_judge
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
         self.prefetched_far = 0
-        self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0}
+        # plan_reads, plan_copies, plan_slots: parts of plan (the store's reads queued and settled; the copies
+        # queued and ordered; the slot ids), so a profile-free run says where a step's host time goes.
+        self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0,
+                             "plan_reads": 0.0, "plan_copies": 0.0, "plan_slots": 0.0}
         self.copied_before_store_wait = 0  # RAM misses sent over PCIe while the step's store reads finished
         self.copy_before_store_wait = True  # False: wait for the store first, as before (bench's paired comparison)
         # False: a step's reads ahead and the RAM room for the next step's reads are made before launch, as before
@@ -299,6 +302,7 @@ class MoeStepper:
         # reads finish, and only the store's records wait for them. The rows and bytes are the same either way.
         reading: list[int] = []
         ahead_later: Callable[[list[int]], Any] | None = None
+        t_reads = time.perf_counter()
         copy_early = decode and self.copy_before_store_wait and self.admit_after_launch and pre is None
         if tiers.store is None and tiers.keep_all:  # the all-RAM modes never enter STORE
             w = tiers.settle_each(li, uniq_l)
@@ -333,6 +337,7 @@ class MoeStepper:
                     t0 = time.perf_counter()
                     tiers.fetch_to_ram(li, e, protect=uniq)
                     store_wait += time.perf_counter() - t0
+        self.host_seconds["plan_reads"] += time.perf_counter() - t_reads - store_wait
         # Indexing, not take(): take releases the GIL, and with store reads landing a reader thread then holds it
         # for a while (seen as ~5 us a take in the nvme bench, against 0.2 us alone).
         codes = where[uniq].tolist()
@@ -377,6 +382,7 @@ class MoeStepper:
         if step.cpu:
             step.ticket = self._submit_lane(li, ids, x, weights, step.cpu)
         t_copy = time.perf_counter()
+        wait_before_copies = store_wait
         last = None
         crossed = sum(1 for e in step.staged if e not in hits) if hits else len(step.staged)  # else device-local
         if reading:
@@ -425,7 +431,9 @@ class MoeStepper:
                 last.wait()
             if pre_ticket is not None:
                 pre_ticket.wait()
-        waited = time.perf_counter() - t0
+        t_ordered = time.perf_counter()
+        waited = t_ordered - t0
+        self.host_seconds["plan_copies"] += t_ordered - t_copy - waited - (store_wait - wait_before_copies)
         if step.admitted or step.staged:
             tiers.stats.add_wait("pcie", waited)
             self.host_seconds["copy_wait"] += waited
@@ -433,6 +441,7 @@ class MoeStepper:
                 counts = Counter(picks)
                 on_cpu = set(step.cpu)
                 self.fit.add_pcie([counts[e] for e in misses if e not in on_cpu], time.perf_counter() - t_copy)
+        t_slots = time.perf_counter()
         if decode:
             slot_of = tiers.vram[li].slot_of
             if (overlap and step.admitted) or step.prestaged:
@@ -446,7 +455,9 @@ class MoeStepper:
         else:
             step.slots = translate(ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
                                    step.cpu, self.masked_id(li))
-        self.host_seconds["plan"] += time.perf_counter() - t_start - waited - store_wait
+        t_end = time.perf_counter()
+        self.host_seconds["plan_slots"] += t_end - t_slots
+        self.host_seconds["plan"] += t_end - t_start - waited - store_wait
         return step
 
     def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = (), distance: int = 1) -> int:
