@@ -384,12 +384,17 @@ def packed(tmp_path_factory):
     return make_store(tmp_path_factory.mktemp("moe-step"), layers=3, experts=16)
 
 
-def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
+def small_nvme_tier(packed):
+    """The packed store's 2 MoE layers behind a 17-record RAM tier, 2 VRAM slots per layer and 16 staging rows."""
     from glm53.tiers.nvme import open_nvme_tier
 
     ck, store = packed
     plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+    return open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False)
+
+
+def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
+    with small_nvme_tier(packed) as tier:
         tier.warm(None)
         tiers = tier.tiers
         stepper = MoeStepper(tiers, [2, 2], 16, nvme=tier)
@@ -401,7 +406,7 @@ def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
             decode = rows <= MAX_BSZN
             slots = stepper.resolve(li, ids, decode).slots
             for e, s in zip(ids.ravel().tolist(), slots.ravel().tolist(), strict=True):
-                want = record(store, tier.store_layers[li], e)
+                want = record(packed[1], tier.store_layers[li], e)
                 got = slot_bytes(tiers, stepper, li, s).numpy().tobytes()
                 assert got[: len(want)] == want, f"step {step}: expert {e} -> slot {s} holds other bytes"
             if decode and li == 0:  # guess layer 1's picks from nothing better than a coin: recall is scored
@@ -431,11 +436,7 @@ def recording_prefetch(tier) -> list[list[tuple[int, int]]]:
 def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
     """Store prefetch spends disk time, the nvme modes' bottleneck: once the live precision says ranks 2 and 3
     of the guess are usually wrong, only ranks 0 and 1 are read ahead, most likely first."""
-    from glm53.tiers.nvme import open_nvme_tier
-
-    ck, store = packed
-    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+    with small_nvme_tier(packed) as tier:
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
         asked = recording_prefetch(tier)
         rng = np.random.default_rng(3)
@@ -458,11 +459,7 @@ def test_nvme_reads_two_layers_ahead_scored_apart(packed):
     """Guesses two layers ahead are read at their own ranks' live precision, not the next layer's: here the near
     guess is always right and the far guess right only at rank 0, so after a while the far guess's rank 0 alone
     is read, and the two meters keep their own scores."""
-    from glm53.tiers.nvme import open_nvme_tier
-
-    ck, store = packed
-    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+    with small_nvme_tier(packed) as tier:
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
         asked = recording_prefetch(tier)
         rng = np.random.default_rng(5)
