@@ -47,6 +47,8 @@ def predict_topk(
 
 
 def _rows(x: Any) -> list[list[int]]:
+    if isinstance(x, list) and x and isinstance(x[0], list):
+        return x  # already rows of ids (the stepper's per-step path): no round trip through numpy
     rows = np.asarray(x, np.int64)
     return np.atleast_2d(rows).tolist()  # a 1-D list is one row
 
