@@ -109,16 +109,44 @@ def _native():
     return _NATIVE[0]
 
 
-def pread_parts(fd: int, buf: np.ndarray, offset: int, parts: int) -> int:
+def pread_parts(fd: int, buf: np.ndarray, offset: int, parts: int, hashes: np.ndarray | None = None):
     """Fill buf from offset as `parts` ALIGN-sized pieces (the last takes the rest) read at once in native code;
-    returns the bytes read (fewer only at EOF), raises OSError."""
-    return _native()(fd, buf, offset, parts, ALIGN)
+    returns the bytes read (fewer only at EOF), raises OSError. hashes (uint64, `parts` entries): each part read
+    whole is xxh3-64 hashed by the thread that read it into hashes[i]; the return is then (bytes, parts used)."""
+    if hashes is None:
+        return _native()(fd, buf, offset, parts, ALIGN)
+    return _native()(fd, buf, offset, parts, ALIGN, _part_hash(), hashes)
+
+
+_PART_HASH: list = []  # [the address of xxhash's C XXH3_64bits, or 0], looked up once
+
+
+def _part_hash() -> int:
+    """The address of the xxhash library's own C XXH3_64bits (the one the xxhash package wraps), for the native
+    reader's per-part hashes; 0 where the package does not export it or it disagrees with the package's own
+    result on a test buffer (then records are checked whole, as always)."""
+    if not _PART_HASH:
+        address = 0
+        try:
+            import ctypes
+
+            from xxhash import _xxhash
+
+            fn = ctypes.CDLL(_xxhash.__file__).XXH3_64bits
+            fn.restype, fn.argtypes = ctypes.c_uint64, [ctypes.c_void_p, ctypes.c_size_t]
+            probe = np.frombuffer(b"glm53 part hash probe" * 300, np.uint8)
+            if fn(probe.ctypes.data, probe.nbytes) == xxhash.xxh3_64_intdigest(probe):
+                address = ctypes.cast(fn, ctypes.c_void_p).value or 0
+        except (ImportError, OSError, AttributeError):
+            pass
+        _PART_HASH.append(address)
+    return _PART_HASH[0]
 
 
 class StoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
-                 min_piece: int = 1 << 20, native: bool = True):
+                 min_piece: int = 1 << 20, native: bool = True, part_hashes: bool = True):
         """Open a store for reading. Raises StoreFormatError for a bad header and DirectIOUnsupported when the
         filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads).
 
@@ -129,7 +157,8 @@ class StoreReader:
         glm53's compiled parallel pread when it is built (False: always on the reader's own threads). Its parts
         never take the GIL; reader threads reading parts take it back after each one, and on a busy host each
         such hand-off can hold up the engine's main thread, which plans every MoE layer step while the GPU
-        waits."""
+        waits. part_hashes: with native split reads, check a record read again by its parts' hashes (see
+        _read); False: always by the whole record's xxh3 after the read."""
         self.path = Path(path)
         self.header = header or read_header(self.path)
         self.verify = verify
@@ -137,13 +166,18 @@ class StoreReader:
         self.pieces = max(1, pieces)
         self.min_piece = align_up(max(1, min_piece))
         self.native = native and self.pieces > 1 and _native() is not None
+        # A record's part hashes, kept from its first read that passed the whole-record xxh3: a later read of it
+        # is checked part by part, each hashed on the native thread that read it (parallel, and in cache), and
+        # one that fails is read again and checked whole. {(layer, expert): uint64 hashes, parts as _split}.
+        self.part_hashes = part_hashes and self.native and _part_hash() != 0
+        self._parts_known: dict[tuple[int, int], np.ndarray] = {}
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
         self._heap: list[tuple[int, int, _Task]] = []
         self._queued: dict[tuple, _Task] = {}
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._closed = False
-        self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0}
+        self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0, "checked_by_parts": 0}
         self._threads = [threading.Thread(target=self._worker, name=f"glm53-store-reader-{i}", daemon=True)
                          for i in range(max(1, threads))]
         for t in self._threads:
@@ -289,22 +323,39 @@ class StoreReader:
         view = task.out[:e.extent]
         parts = len(self._split(e.extent) or ()) if self.native else 0
         t0 = time.perf_counter() if t0 is None else t0
+        by_parts = parts > 1 and task.verify and self.part_hashes
         for attempt in range(first, self.retries + 2):
             if attempt > 1:
                 self._count("retries")
                 time.sleep(0.005 * attempt)
+            hashes = known = None
             try:
-                got = (pread_parts(self.fd, view, e.offset, parts) if parts > 1
-                       else pread_into(self.fd, memoryview(view), e.offset))
+                if by_parts:
+                    hashes = np.zeros(parts, np.uint64)
+                    got, used = pread_parts(self.fd, view, e.offset, parts, hashes)
+                    # Only a read that never failed a check trusts the parts: a retry is checked whole.
+                    known = self._parts_known.get((e.layer, e.expert)) if attempt == 1 and used == parts else None
+                elif parts > 1:
+                    got = pread_parts(self.fd, view, e.offset, parts)
+                else:
+                    got = pread_into(self.fd, memoryview(view), e.offset)
             except OSError as exc:
                 problem, corrupt = f"I/O error: {exc.strerror or exc}", False
                 continue
             if got < e.extent:
                 problem, corrupt = f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
                 continue
-            if task.verify and xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
-                problem, corrupt = "the bytes fail the record's xxh3 check", True
-                continue
+            if known is not None:
+                if not np.array_equal(hashes, known):
+                    problem, corrupt = "the bytes fail the record's xxh3 check (by parts)", True
+                    continue
+                self._count("checked_by_parts")
+            elif task.verify:
+                if xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
+                    problem, corrupt = "the bytes fail the record's xxh3 check", True
+                    continue
+                if hashes is not None and used == parts:  # these bytes are the record's: so are their parts' hashes
+                    self._parts_known[(e.layer, e.expert)] = hashes
             with self._cv:
                 self._stats["reads"] += 1
                 self._stats["bytes"] += got

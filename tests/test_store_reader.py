@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import threading
 import time
 
@@ -493,9 +494,9 @@ def test_the_native_parallel_pread_reads_whole_ranges_stops_at_eof_and_names_err
 def test_native_split_reads_land_the_same_bytes_one_call_per_record(store, monkeypatch):
     calls, real = [], R.pread_parts
 
-    def spy(fd, buf, offset, parts):
+    def spy(fd, buf, offset, parts, hashes=None):
         calls.append((offset, len(buf), parts))
-        return real(fd, buf, offset, parts)
+        return real(fd, buf, offset, parts, hashes)
 
     def no_python_parts(fd, view, offset):
         raise AssertionError(f"a Python-level pread at {offset}: the parts should have been read natively")
@@ -528,15 +529,15 @@ def test_native_split_read_faults_are_retried_then_named(store, monkeypatch, fau
     with StoreReader(store, threads=2, verify=True, retries=2, **NATIVE) as r:
         e = r.header.entry(2, 5)
 
-        def fake(fd, buf, offset, parts):
+        def fake(fd, buf, offset, parts, hashes=None):
             if offset != e.offset or (first_only and seen):
-                return real(fd, buf, offset, parts)
+                return real(fd, buf, offset, parts, hashes)
             seen.append(parts)
             if fault == "eio":
                 raise OSError(errno.EIO, "Input/output error")
-            got = real(fd, buf, offset, parts)
+            got = real(fd, buf, offset, parts, hashes)
             if fault == "short":
-                return got - 4096
+                return (got[0] - 4096, got[1]) if hashes is not None else got - 4096
             buf[3000] ^= 0xFF  # the disk returned a wrong byte
             return got
 
@@ -554,3 +555,69 @@ def test_native_split_read_faults_are_retried_then_named(store, monkeypatch, fau
         assert words in ei.value.problem and "(layer 2, expert 5)" in ei.value.problem
         assert "after 3 attempts" in ei.value.problem and seen == [4, 4, 4]
         assert r.stats()["errors"] == 1 and r.stats()["retries"] == 2
+
+
+def _corrupt(path, offset: int) -> bytes:
+    """Flip one byte of the file at offset; returns the byte that was there."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        was = f.read(1)
+        f.seek(offset)
+        f.write(bytes([was[0] ^ 0xFF]))
+    return was
+
+
+def _restore(path, offset: int, was: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(was)
+
+
+@needs_native
+@pytest.mark.skipif(not R._part_hash(), reason="the xxhash package does not export XXH3_64bits")
+def test_a_record_read_again_is_checked_by_its_parts_hashes_and_a_bad_part_is_caught(store, tmp_path):
+    path = tmp_path / "s.glm53"
+    shutil.copyfile(store, path)
+    with StoreReader(path, threads=2, verify=True, retries=1, **NATIVE) as r:
+        assert r.part_hashes
+        e = r.header.entry(1, 3)
+        buf = alloc_aligned(r.max_extent)
+        for n in (1, 2):  # the first read is checked whole and keeps its parts' hashes; the second by them
+            done = r.read(1, 3, buf).result(10)
+            assert done.data.tobytes() == reference(store, 1, 3) and done.attempts == 1
+            assert r.stats()["checked_by_parts"] == n - 1
+        _corrupt(path, e.offset + e.extent - 100)  # in the record's last part, which its own thread hashes
+        with pytest.raises(StoreCorruptError) as ei:
+            r.read(1, 3, buf, priority=Priority.DEMAND).result(10)
+        assert "xxh3" in ei.value.problem and "(layer 1, expert 3)" in ei.value.problem
+        assert r.stats()["checked_by_parts"] == 1 and r.stats()["retries"] == 1
+    with StoreReader(path, threads=2, verify=True, part_hashes=False, **NATIVE) as r:
+        assert not r.part_hashes
+
+
+@needs_native
+@pytest.mark.skipif(not R._part_hash(), reason="the xxhash package does not export XXH3_64bits")
+def test_a_transient_bad_part_on_a_read_checked_by_parts_is_read_again_and_checked_whole(store, tmp_path, monkeypatch):
+    path = tmp_path / "s.glm53"
+    shutil.copyfile(store, path)
+    real, seen = R.pread_parts, []
+    with StoreReader(path, threads=2, verify=True, retries=2, **NATIVE) as r:
+        e = r.header.entry(2, 6)
+        buf = alloc_aligned(r.max_extent)
+        r.read(2, 6, buf).result(10)  # its parts' hashes are known from here on
+
+        def flaky(fd, b, offset, parts, hashes=None):
+            if seen:
+                return real(fd, b, offset, parts, hashes)
+            seen.append(hashes is not None)
+            was = _corrupt(path, e.offset + 5000)  # the disk gives one wrong byte, once
+            try:
+                return real(fd, b, offset, parts, hashes)
+            finally:
+                _restore(path, e.offset + 5000, was)
+
+        monkeypatch.setattr(R, "pread_parts", flaky)
+        buf[:] = 0
+        done = r.read(2, 6, buf, priority=Priority.DEMAND).result(10)
+        assert done.data.tobytes() == reference(store, 2, 6) and done.attempts == 2 and seen == [True]
+        assert r.stats()["retries"] == 1 and r.stats()["errors"] == 0 and r.stats()["checked_by_parts"] == 0

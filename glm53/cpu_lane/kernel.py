@@ -87,7 +87,7 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     if pread_parts is not None:
         pread_parts.restype = ctypes.c_int64
         pread_parts.argtypes = [i32, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                ctypes.POINTER(ctypes.c_int32)]
+                                ctypes.POINTER(ctypes.c_int32), vp, vp, ctypes.POINTER(ctypes.c_int32)]
     return lib, None
 
 
@@ -127,21 +127,30 @@ def unavailable_reason() -> str | None:
     return _WHY
 
 
-def parallel_pread() -> Callable[[int, np.ndarray, int, int, int], int] | None:
+def parallel_pread() -> Callable[..., int] | None:
     """The library's parallel pread, or None where the library is unavailable: read(fd, buf, offset, parts, align)
     fills the uint8 array `buf` from `offset` as `parts` pieces (parts-1 of an `align`-multiple size, the last
     takes the rest) read at once on native threads, with the GIL released for the whole call (store.reader's
-    split reads), and returns the bytes read (fewer only at EOF); raises OSError with a failing part's errno."""
+    split reads), and returns the bytes read (fewer only at EOF); raises OSError with a failing part's errno.
+    hash (a C function address, uint64 hash(const void*, size_t)) and hashes (a uint64 array of `parts` entries):
+    each part read whole is hashed by the thread that read it into hashes[i]. Returns (bytes, parts used) then: a
+    range too short to split is read (and hashed) as one part."""
     if _LIB is None or getattr(_LIB, "glm53_pread_parts", None) is None:
         return None
     fn = _LIB.glm53_pread_parts
 
-    def read(fd: int, buf: np.ndarray, offset: int, parts: int, align: int) -> int:
-        err = ctypes.c_int32(0)
-        got = fn(fd, buf.ctypes.data, buf.nbytes, offset, parts, align, ctypes.byref(err))
+    def read(fd: int, buf: np.ndarray, offset: int, parts: int, align: int, hash: int | None = None,
+             hashes: np.ndarray | None = None) -> Any:
+        err, used = ctypes.c_int32(0), ctypes.c_int32(0)
+        if hashes is not None and (hashes.dtype != np.uint64 or hashes.size < max(1, parts)
+                                   or not hashes.flags.c_contiguous):
+            raise ValueError(f"hashes must be a contiguous uint64 array of at least {parts} entries")
+        got = fn(fd, buf.ctypes.data, buf.nbytes, offset, parts, align, ctypes.byref(err),
+                 hash if hashes is not None else None, hashes.ctypes.data if hashes is not None else None,
+                 ctypes.byref(used))
         if got < 0:
             raise OSError(err.value, os.strerror(err.value))
-        return got
+        return got if hashes is None else (got, used.value)
 
     return read
 

@@ -89,6 +89,9 @@ VARIANTS = {
                                     stepper=(("copy_before_store_wait", False),)),
     "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
                                   reader=(("native", False),)),
+    "nvme-exact-wholehash": Variant("a record read again is checked by its parts' hashes, each taken by the thread "
+                                    "that read the part", "every read checked by one hash of the whole record",
+                                    reader=(("part_hashes", False),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),

@@ -223,9 +223,9 @@ class MoeStepper:
             return
         t0 = time.perf_counter()
         li, ids, uniq, pcie, staged, read_ahead, busy = d
-        self._count_lookahead(li, ids, True)
         if read_ahead is not None:  # the next layer's reads, held back by a step with no store read to wait for
-            read_ahead(busy)
+            read_ahead(busy)  # first: every microsecond before it delays the disk
+        self._count_lookahead(li, ids, True)
         tiers = self.tiers
         tiers.observe(li, ids)
         if self.admit and staged:

@@ -17,7 +17,8 @@
 #             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
 #             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvme16: the same at the 16 GiB
 #             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
-#             the machine's virtual disk, nvme-exact paired with nvme-exact-readsfirst (reads ahead and RAM room
+#             the machine's virtual disk, nvme-exact paired with nvme-exact-wholehash (every read checked by one
+#             hash of the whole record) and nvme-exact-readsfirst (reads ahead and RAM room
 #             made before launch, as before the seventh session), and a cProfile
 #             of one nvme-exact window (on 2026-11-30 a fresh machine spent 200 s before its first window: give it a
 #             call of its own); disk: that disk's raw rate by reads in flight (after nvme)
@@ -74,7 +75,7 @@ step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 5
 }
 step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what nvme gives when the disk keeps up
   timeout 500 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 128 --work /tmp \
-    --keep --store-dir /dev/shm --modes fast,nvme,nvme-exact,nvme-exact-readsfirst \
+    --keep --store-dir /dev/shm --modes "${NVMESHM_MODES:-fast,nvme,nvme-exact,nvme-exact-wholehash,nvme-exact-readsfirst}" \
     --profile nvme-exact \
     --json "$OUT/bench-nvmeshm.json" > "$OUT/bench-nvmeshm.log" 2>&1
   stamp "nvme, store in RAM, rc=$?"
