@@ -491,6 +491,60 @@ def test_the_native_parallel_pread_reads_whole_ranges_stops_at_eof_and_names_err
 
 
 @needs_native
+@pytest.mark.parametrize("hashed", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not R._part_hash(), reason="the xxhash package does not export XXH3_64bits"))])
+def test_the_native_parallel_pread_serves_many_python_threads_at_once_then_still_names_errors(tmp_path, hashed):
+    import xxhash  # the store's own hash, for the parts' expected values
+
+    data = os.urandom(64 * 4096 + 777)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    failures = []
+
+    def reader(t: int) -> None:
+        rng = np.random.default_rng(t)
+        try:
+            for k in range(50):  # every thread's calls overlap the others' in the shared native worker pool
+                parts = (t + k) % 8 + 1
+                offset = int(rng.integers(0, 8 * 4096))
+                length = int(rng.integers(1, len(data) - offset + 1))
+                buf = np.zeros(length, np.uint8)
+                want = data[offset:offset + length]
+                if not hashed:
+                    got = R.pread_parts(fd, buf, offset, parts)
+                    if got != length or buf.tobytes() != want:
+                        failures.append((t, k, parts, offset, length, got))
+                    continue
+                hashes = np.zeros(parts, np.uint64)
+                got, used = R.pread_parts(fd, buf, offset, parts, hashes)
+                size = length // parts // R.ALIGN * R.ALIGN if parts > 1 else 0
+                expect = parts if size else 1  # a range too short to split is read (and hashed) as one part
+                pieces = [want[i * size:(i + 1) * size if i < used - 1 else length] for i in range(used)]
+                if got != length or buf.tobytes() != want or used != expect \
+                        or [int(x) for x in hashes[:used]] != [xxhash.xxh3_64_intdigest(b) for b in pieces]:
+                    failures.append((t, k, parts, offset, length, got, used))
+        except Exception as exc:  # noqa: BLE001 - reported below with the thread it came from
+            failures.append((t, repr(exc)))
+
+    try:
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not any(th.is_alive() for th in threads) and failures == []
+        tail = np.zeros(8 * 4096, np.uint8)  # past the end of the file, with the pool running: the bytes there are
+        assert R.pread_parts(fd, tail, len(data) - 5000, 8) == 5000 and tail[:5000].tobytes() == data[-5000:]
+    finally:
+        os.close(fd)
+    for parts in (2, 4, 8):  # closed: every part fails, on the pool's threads as on the caller's
+        with pytest.raises(OSError) as ei:
+            R.pread_parts(fd, np.zeros(8 * 4096, np.uint8), 0, parts)
+        assert ei.value.errno == errno.EBADF
+
+
+@needs_native
 def test_native_split_reads_land_the_same_bytes_one_call_per_record(store, monkeypatch):
     calls, real = [], R.pread_parts
 
