@@ -143,6 +143,47 @@ def _part_hash() -> int:
     return _PART_HASH[0]
 
 
+def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8), *, allow_buffered: bool = False,
+                rounds: int = 2, min_piece: int = 1 << 20) -> dict[int, float]:
+    """Median seconds one record read alone takes in each number of parallel parts (of `choices`, those its extent
+    allows at `min_piece`), as the reader reads it: glm53's native pread, each part hashed by its thread. The rounds
+    interleave the choices over `keys`, so a disk whose rate drifts favours none. {} where the native pread is not
+    built (the parts would then run on Python threads, a path with costs of its own)."""
+    if _native() is None or not keys:
+        return {}
+    extent = max(header.entry(*k).extent for k in keys)
+    choices = sorted({1, *(n for n in choices if n >= 1 and extent // align_up(max(1, min_piece)) >= n)})
+    from store.directio import alloc_aligned
+
+    buf = alloc_aligned(header.max_extent)
+    hashes = np.zeros(max(choices), np.uint64)
+    fd, _ = open_for_read(path, allow_buffered)
+    times: dict[int, list[float]] = {n: [] for n in choices}
+    try:
+        for _ in range(rounds):
+            for k in keys:
+                e = header.entry(*k)
+                for n in choices:
+                    t0 = time.perf_counter()
+                    if _part_hash():
+                        pread_parts(fd, buf[:e.extent], e.offset, n, hashes)
+                    else:
+                        pread_parts(fd, buf[:e.extent], e.offset, n)
+                    times[n].append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+    return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
+
+
+def pick_pieces(times: dict[int, float], slack: float = 0.05) -> int:
+    """The fewest parts whose time is within `slack` of the fastest (fewer parts: fewer requests for the same
+    bytes, and the threads free for other reads); 1 when nothing was timed."""
+    if not times:
+        return 1
+    best = min(times.values())
+    return min(n for n, t in times.items() if t <= best * (1 + slack))
+
+
 class StoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,

@@ -24,6 +24,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
            "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "disk_GBps": 6.5,
            "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
            "record_ms_by_pieces": {"1": 7.27, "4": 3.95}, "warmup_tokens": 192,
+           "read_parts": 4, "read_ms_by_parts": {"1": 7.5, "2": 5.1, "4": 4.02},
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
                      "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
@@ -43,6 +44,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
         assert f"  {mode} " in text, mode
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s at the start", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600",
+                 "reads each record in 4 part(s), timed as it opens (native pread, parts hashed): 7.50 ms in 1, 5.10 ms in 2, 4.02 ms in 4",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
                  "each tiered mode decoded 192 tokens before the windows",
                  "nvme-exact / nvme-exact-whole (each record read in parallel parts / each record read in one "
@@ -64,11 +66,12 @@ def test_report_has_a_line_per_mode_and_the_targets():
 
 def test_nvme_opener_measures_the_disk(tmp_path):
     ck, store = make_store(tmp_path, layers=3, experts=16)
-    opener, rate, latency, share = B.nvme_opener(ck, store, 0.75, threads=2)
+    opener, rate, latency, share, (parts, timing) = B.nvme_opener(ck, store, 0.75, threads=2)
     assert share == 0.75  # 24 of the 2 MoE layers x 16 experts
     assert B.nvme_opener(ck, store, 0.1, threads=2)[3] == 17 / 32  # one layer's 16 experts plus one
     assert callable(opener) and rate > 0
     assert set(latency) == {1, 4, 8} and all(t > 0 for t in latency.values())
+    assert parts == 1 and all(t > 0 for t in timing.values())  # records under 1 MiB: one part
 
 
 def test_paired_ratio_cancels_drift_between_windows():

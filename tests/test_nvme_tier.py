@@ -406,7 +406,32 @@ def test_the_tier_reads_a_records_parts_natively_unless_told_not_to(packed):
 
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=2)
-    with open_nvme_tier(store, ck, plan, reader_options={"native": False}) as tier:
+    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={"native": False}) as tier:
         assert tier.reader.pieces == 4 and not tier.reader.native
-    with open_nvme_tier(store, ck, plan) as tier:
+    with open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
         assert tier.reader.native == (_native() is not None)
+
+
+def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed, monkeypatch, caplog):
+    import glm53.tiers.nvme as nvme_mod
+    from store import reader as reader_mod
+
+    ck, store = packed
+    plan = nvme_plan(store, 2 * EXPERTS, 0)
+    with open_nvme_tier(store, ck, plan) as tier:  # records under 1 MiB here: one part is all there is to time
+        if reader_mod._native() is not None:
+            assert list(tier.read_timing) == [1]
+        assert tier.reader.pieces == 1
+    seen = []
+
+    def timed(path, header, keys, choices, allow_buffered=False):
+        seen.append((len(keys), tuple(choices)))
+        return {1: 8.8e-3, 2: 6.0e-3, 4: 4.4e-3, 8: 8.7e-3}
+
+    monkeypatch.setattr(nvme_mod, "time_pieces", timed)
+    with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
+        assert tier.reader.pieces == 4 and tier.read_timing[4] == 4.4e-3
+        assert seen == [(nvme_mod.PIECE_SAMPLE, nvme_mod.PIECE_CHOICES)]
+    assert "4 parallel part(s) per record" in caplog.text and "4: 4.40 ms" in caplog.text
+    with open_nvme_tier(store, ck, plan, read_pieces=2) as tier:  # told: nothing timed
+        assert tier.reader.pieces == 2 and tier.read_timing == {} and len(seen) == 1

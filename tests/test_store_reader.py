@@ -675,3 +675,20 @@ def test_a_transient_bad_part_on_a_read_checked_by_parts_is_read_again_and_check
         done = r.read(2, 6, buf, priority=Priority.DEMAND).result(10)
         assert done.data.tobytes() == reference(store, 2, 6) and done.attempts == 2 and seen == [True]
         assert r.stats()["retries"] == 1 and r.stats()["errors"] == 0 and r.stats()["checked_by_parts"] == 0
+
+
+def test_pick_pieces_takes_the_fewest_parts_about_as_fast_as_the_fastest():
+    assert R.pick_pieces({1: 8.8e-3, 4: 4.4e-3, 8: 8.7e-3}) == 4  # the machine's virtual disk
+    assert R.pick_pieces({1: 1.9e-3, 2: 1.0e-3, 4: 0.40e-3, 8: 0.39e-3}) == 4  # 8 is not 5% faster
+    assert R.pick_pieces({1: 1.9e-3, 2: 1.0e-3, 4: 0.60e-3, 8: 0.39e-3}) == 8
+    assert R.pick_pieces({}) == 1
+
+
+@needs_native
+def test_time_pieces_times_each_part_count_a_record_allows(store):
+    head = read_header(store)
+    keys = sorted(head.index)[:3]
+    tiny = R.time_pieces(store, head, keys, (1, 2, 4, 8))  # records under 1 MiB: no part count but 1
+    assert list(tiny) == [1] and tiny[1] > 0
+    timing = R.time_pieces(store, head, keys, (1, 2, 4, 8), min_piece=4096)
+    assert sorted(timing) == [1, 2, 4, 8] and all(t > 0 for t in timing.values())

@@ -89,6 +89,8 @@ VARIANTS = {
                                     stepper=(("copy_before_store_wait", False),)),
     "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
                                   reader=(("native", False),)),
+    "nvme-exact-4parts": Variant("each record read in the part count that read one fastest as the tier opened",
+                                 "each record read in 4 parts, as before", read_pieces=4),
     "nvme-exact-wholehash": Variant("a record read again is checked by its parts' hashes, each taken by the thread "
                                     "that read the part", "every read checked by one hash of the whole record",
                                     reader=(("part_hashes", False),)),
@@ -291,14 +293,15 @@ class _Runner:
 
 
 def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int = 8,
-                allow_buffered: bool = False) -> tuple[Any, float, dict, float]:
+                allow_buffered: bool = False) -> tuple[Any, float, dict, float, tuple[int, dict]]:
     """TieredMoE's nvme_open for a RAM tier of `ram_fraction` of all experts, the store's raw O_DIRECT
     random-read rate (bytes/s) measured now over a layer's worth of its records, and the median seconds one record
-    read alone takes, by how many parallel pieces it is read in, and the RAM tier's share it gave."""
+    read alone takes, by how many parallel pieces it is read in (Python threads, no check: the disk's own figure),
+    the RAM tier's share it gave, and the tier's own choice of parts with its timings (calibrate_pieces)."""
     import random
 
     from glm53.plan import Plan
-    from glm53.tiers.nvme import READ_PIECES, open_nvme_tier
+    from glm53.tiers.nvme import calibrate_pieces, open_nvme_tier
     from glm53.tiers.nvme_bench import record_latency
     from store.format import read_header
 
@@ -314,13 +317,15 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     rate = _disk_probe(store, records=288, threads=threads)()  # the same pass as beside each window
     lone = random.Random(1).sample(keys, min(len(keys), 24))
     latency = {parts: record_latency(store, lone, parts) for parts in (1, 4, 8)}
+    # What the tier does when it opens (each mode's open times it again): through the native pread, parts hashed.
+    read_parts = calibrate_pieces(store, head, allow_buffered)
 
-    def open_(slots: list[int], staging: int, read_pieces: int = READ_PIECES, reader_options: Any = None) -> Any:
+    def open_(slots: list[int], staging: int, read_pieces: int | None = None, reader_options: Any = None) -> Any:
         return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
                               warm=False, read_pieces=read_pieces, allow_buffered=allow_buffered,
                               reader_options=reader_options)
 
-    return open_, rate, latency, ram / len(keys)
+    return open_, rate, latency, ram / len(keys), read_parts
 
 
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
@@ -331,10 +336,10 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
 
     rate = h2d_rate()
     log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
-    nvme_open, disk_rate, latency, disk_probe = None, None, {}, None
+    nvme_open, disk_rate, latency, disk_probe, engine_parts = None, None, {}, None, (None, {})
     if any(m.startswith("nvme") for m in modes):
-        nvme_open, disk_rate, latency, ram_fraction = nvme_opener(model_dir, store, ram_fraction,
-                                                                  allow_buffered=buffered_store)
+        nvme_open, disk_rate, latency, ram_fraction, engine_parts = nvme_opener(model_dir, store, ram_fraction,
+                                                                                allow_buffered=buffered_store)
         disk_probe = _disk_probe(store)
         log(f"store {store}: raw random {'buffered' if buffered_store else 'O_DIRECT'} reads {disk_rate / 1e9:.2f} GB/s; RAM tier {ram_fraction:.3f} of "
             f"the experts; one record alone: " + ", ".join(f"{t * 1e3:.2f} ms in {n} piece(s)"
@@ -406,6 +411,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             "disk_GBps": None if disk_rate is None else disk_rate / 1e9,
             "store_reads": None if disk_rate is None else ("buffered" if buffered_store else "O_DIRECT"),
             "record_ms_by_pieces": {str(n): t * 1e3 for n, t in latency.items()},
+            "read_parts": engine_parts[0],
+            "read_ms_by_parts": {str(n): t * 1e3 for n, t in engine_parts[1].items()},
             "ram_fraction": ram_fraction if nvme_open is not None else None,
         }
         for mode in modes:
@@ -493,6 +500,10 @@ def report(res: dict, moe_layers: int | None) -> str:
         lines.append(f"  store: raw {res.get('store_reads', 'O_DIRECT')} {res['disk_GBps']:.2f} GB/s at the start; RAM tier {res['ram_fraction']:.3f} of the "
                      f"experts; one record alone: " + ", ".join(f"{t:.2f} ms in {n} piece(s)" for n, t in
                                                                 res.get("record_ms_by_pieces", {}).items()))
+        if res.get("read_ms_by_parts"):
+            lines.append(f"  the tier reads each record in {res['read_parts']} part(s), timed as it opens (native pread, "
+                         "parts hashed): " + ", ".join(f"{t:.2f} ms in {n}" for n, t in
+                                                        res["read_ms_by_parts"].items()))
         for name, ratio in res.get("nvme_exact_over", {}).items():
             v = VARIANTS[name]
             far = res["modes"][name].get("two_ahead_recall", float("nan"))

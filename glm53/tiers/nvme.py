@@ -46,7 +46,7 @@ import torch
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
 from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up, read_header
-from store.reader import Priority, StoreReader
+from store.reader import Priority, StoreReader, pick_pieces, time_pieces
 from store.verify import pack_command, quick_verify
 
 from .copier import Copier
@@ -59,8 +59,12 @@ log = logging.getLogger("glm53.tiers.nvme")
 
 # A demand read is on the decode's critical path, usually alone: on the H200 machine's virtual disk (2026-11-30) one
 # 9 MiB record read alone took 7.27 ms as one pread, 3.95 ms as 4 parallel parts and 8.45 ms as 8, against
-# 1.93 GB/s (4.9 ms a record) with 8 whole reads in flight. Parts of at least 1 MiB stay large reads on any disk.
+# 1.93 GB/s (4.9 ms a record) with 8 whole reads in flight; from a RAM-backed store, more parts keep helping. So the
+# tier times a few records alone in each of these part counts when it opens, and reads in the fastest (parts of at
+# least 1 MiB stay large reads on any disk). READ_PIECES: where nothing can be timed (no native pread).
 READ_PIECES = 4
+PIECE_CHOICES = (1, 2, 4, 8)
+PIECE_SAMPLE = 4  # records timed (twice, in each part count): about 0.2 s on a 1.5 GB/s disk
 DEFAULT_TIMEOUT_S = 5.0  # a 9 MiB O_DIRECT read takes milliseconds; seconds means a stalled or failing disk
 TORCH_DTYPES = {"int16": torch.int16, "float16": torch.float16}
 READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
@@ -125,6 +129,7 @@ class NvmeTier:
         outstanding at most (default two layers' worth of top-8 picks, as the plan's staging). vram_storage:
         per-layer (slots, nbytes) device tensors to adopt (the engine's slot arenas under exllamav3)."""
         self.reader = reader
+        self.read_timing: dict[int, float] = {}  # open_nvme_tier: seconds a record alone took by parts, when timed
         header = reader.header
         self.store_layers = list(layers) if layers is not None else sorted({e.layer for e in header.entries})
         self.layout = slot_layout(header, self.store_layers)
@@ -669,7 +674,7 @@ def open_nvme_tier(
     vram_slots: Sequence[int] | None = None,
     vram_storage: Sequence[torch.Tensor] | None = None,
     staging_slots: int = 2,
-    read_pieces: int = READ_PIECES,
+    read_pieces: int | None = None,
     reader_options: Mapping[str, Any] | None = None,
 ) -> NvmeTier:
     """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
@@ -678,7 +683,7 @@ def open_nvme_tier(
     slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
     without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
-    pread). reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
+    pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`). reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
     (native=False: the parts on Python threads)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
@@ -692,6 +697,9 @@ def open_nvme_tier(
     num_experts = per_layer[layers[0]]
     if set(per_layer.values()) != {num_experts}:
         raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
+    timing: dict[int, float] = {}
+    if read_pieces is None:
+        read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered)
     reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
                          verify=True, header=header, pieces=read_pieces, **(reader_options or {}))
     try:
@@ -709,11 +717,29 @@ def open_nvme_tier(
     except BaseException:
         reader.close()
         raise
+    tier.read_timing = timing
     if warm:
         report = tier.warm(counts)
         log.info("nvme tier: warmed %d VRAM and %d RAM experts in %.1f s (%d unreadable)", report["vram"],
                  report["ram"], report["seconds"], report["failed"])
     return tier
+
+
+def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool) -> tuple[int, dict[int, float]]:
+    """How many parallel parts to read each record in: the fewest that read a few records alone about as fast as
+    any count of PIECE_CHOICES, timed now on this store (READ_PIECES where that cannot be timed); and the timings."""
+    import random
+
+    keys = random.Random(0).sample(sorted(header.index), min(PIECE_SAMPLE, len(header.index)))
+    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered)
+    if not timing:
+        log.info("store reads: %d parallel parts per record (the native pread is not built: nothing timed)",
+                 READ_PIECES)
+        return READ_PIECES, {}
+    pieces = pick_pieces(timing)
+    log.info("store reads: %d parallel part(s) per record, the fastest for a record read alone here (%s)", pieces,
+             ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in sorted(timing.items())))
+    return pieces, timing
 
 
 def _refusal(rep, store_path: Path, model_dir: Path) -> StoreRefused:
