@@ -196,6 +196,8 @@ def test_nvme_exact_mode_equals_stock_from_the_store(stock, ck, store):
         tiers = engine.stats()["tiers"]
         assert tiers["mode"] == "nvme-exact" and tiers["picks"]["nvme"] > 0 and tiers["nvme_fault"] is None
         assert "lookahead" in tiers
+        reads = tiers["store_reads"]  # how the store is read, in /stats
+        assert reads["parts"] >= 1 and reads["reads"] > 0 and reads["errors"] == 0
         nvme = engine.tiered.nvme
     assert nvme.tiers.store is None  # the store reader closed with the engine
 

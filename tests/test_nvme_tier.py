@@ -433,5 +433,8 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
         assert tier.reader.pieces == 4 and tier.read_timing[4] == 4.4e-3
         assert seen == [(nvme_mod.PIECE_SAMPLE, nvme_mod.PIECE_CHOICES)]
     assert "4 parallel part(s) per record" in caplog.text and "4: 4.40 ms" in caplog.text
+    summary = tier.read_summary()
+    assert summary["parts"] == 4 and summary["timed_ms_by_parts"] == {"1": 8.8, "2": 6.0, "4": 4.4, "8": 8.7}
+    assert {"reads", "retries", "errors", "checked_by_parts"} <= set(summary)
     with open_nvme_tier(store, ck, plan, read_pieces=2) as tier:  # told: nothing timed
         assert tier.reader.pieces == 2 and tier.read_timing == {} and len(seen) == 1

@@ -748,6 +748,7 @@ class TieredMoE:
             doc["host_seconds"].update({k: round(v, 4) for k, v in self.step_time.items()})
         if self.nvme is not None:
             doc["nvme_fault"] = self.nvme.health()
+            doc["store_reads"] = self.nvme.read_summary()
         return doc
 
     def routing_counts(self) -> np.ndarray:

@@ -359,6 +359,14 @@ class NvmeTier:
         return {"state": "fault" if faults else "degraded", "store": str(self.path), "faults": faults,
                 "stalled_reads": stalled, "retired_slots": retired}
 
+    def read_summary(self) -> dict:
+        """How the store is read, for /stats: parts per record, the timings that chose it (ms by parts, when the
+        tier timed them as it opened), and the reader's counts (reads, bytes, retries, errors, cancelled, reads
+        checked by their parts' hashes, queued)."""
+        return {"parts": getattr(self.reader, "pieces", 1),
+                "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
+                **self.reader.stats()}
+
     # ---- lifetime ---------------------------------------------------------------------------------------------
 
     def close(self) -> None:
