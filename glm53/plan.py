@@ -496,7 +496,8 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
                             f"({ram.what}) minus a {gib(ram.margin)} margin and {staging} NVMe staging records; the "
                             "rest are read from the store")
     readers = NVME_READERS_SMALL if ram.small else NVME_READERS
-    reasons["nvme_threads"] = (f"{readers}: records read at once, each as 4 parallel O_DIRECT parts"
+    reasons["nvme_threads"] = (f"{readers}: records read at once, each in the 1, 2, 4 or 8 parallel O_DIRECT parts "
+                               "that read one fastest when the store opens"
                                + (" (small-host budget: half the readers and staging)" if ram.small else ""))
     st = facts.store
     reasons["store"] = f"{st.path} ({gib(st.size or 0)}) on {st.fstype} at {st.mount_point}; {st.odirect_how}"
