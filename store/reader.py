@@ -115,6 +115,8 @@ def pread_parts(fd: int, buf: np.ndarray, offset: int, parts: int, hashes: np.nd
     whole is xxh3-64 hashed by the thread that read it into hashes[i]; the return is then (bytes, parts used)."""
     if hashes is None:
         return _native()(fd, buf, offset, parts, ALIGN)
+    if not _part_hash():
+        raise RuntimeError("per-part hashes asked for, but the xxhash package exports no XXH3_64bits (see _part_hash)")
     return _native()(fd, buf, offset, parts, ALIGN, _part_hash(), hashes)
 
 
@@ -144,35 +146,45 @@ def _part_hash() -> int:
 
 
 def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8), *, allow_buffered: bool = False,
-                rounds: int = 2, min_piece: int = 1 << 20) -> dict[int, float]:
+                min_piece: int = 1 << 20, hashed: bool = True) -> dict[int, float]:
     """Median seconds one record read alone takes in each number of parallel parts (of `choices`, those its extent
-    allows at `min_piece`), as the reader reads it: glm53's native pread, each part hashed by its thread. The rounds
-    interleave the choices over `keys`, so a disk whose rate drifts favours none. {} where the native pread is not
-    built (the parts would then run on Python threads, a path with costs of its own)."""
+    allows at `min_piece`), as the reader reads it: glm53's native pread, each part hashed by its thread (`hashed`).
+    Each record of `keys` is read once, by one part count, the counts taking turns: a record read twice would come
+    the second time from whatever cache the first read filled (the page cache of a buffered fd, a virtual disk's
+    host), and time the cache. On a buffered fd the record's cached pages are dropped first, for the same reason
+    (tmpfs has nothing to drop: its pages are the store). A read that fails or comes back short is left out; {}
+    where nothing was timed, or the native pread is not built (the parts would then run on Python threads, a path
+    with costs of its own)."""
     if _native() is None or not keys:
         return {}
     extent = max(header.entry(*k).extent for k in keys)
-    choices = sorted({1, *(n for n in choices if n >= 1 and extent // align_up(max(1, min_piece)) >= n)})
+    counts = sorted({1, *(n for n in choices if n >= 1 and extent // align_up(max(1, min_piece)) >= n)})
     from store.directio import alloc_aligned
 
     buf = alloc_aligned(header.max_extent)
-    hashes = np.zeros(max(choices), np.uint64)
-    fd, _ = open_for_read(path, allow_buffered)
-    times: dict[int, list[float]] = {n: [] for n in choices}
+    hashes = np.zeros(max(counts), np.uint64) if hashed and _part_hash() else None
+    times: dict[int, list[float]] = {n: [] for n in counts}
     try:
-        for _ in range(rounds):
-            for k in keys:
-                e = header.entry(*k)
-                for n in choices:
-                    t0 = time.perf_counter()
-                    if _part_hash():
-                        pread_parts(fd, buf[:e.extent], e.offset, n, hashes)
-                    else:
-                        pread_parts(fd, buf[:e.extent], e.offset, n)
-                    times[n].append(time.perf_counter() - t0)
+        fd, direct = open_for_read(path, allow_buffered)
+    except OSError as exc:
+        log.warning("store %s: cannot time its reads (%s)", path, exc)
+        return {}
+    try:
+        for i, k in enumerate(keys):
+            e, n = header.entry(*k), counts[i % len(counts)]
+            if not direct:
+                os.posix_fadvise(fd, e.offset, e.extent, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            try:
+                got = pread_parts(fd, buf[:e.extent], e.offset, n, hashes)
+            except OSError as exc:
+                log.warning("store %s: %s failed while timing reads (%s)", path, e.where(), exc)
+                continue
+            if (got[0] if hashes is not None else got) == e.extent:
+                times[n].append(time.perf_counter() - t0)
     finally:
         os.close(fd)
-    return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items()}
+    return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items() if ts}
 
 
 def pick_pieces(times: dict[int, float], slack: float = 0.05) -> int:
@@ -212,6 +224,7 @@ class StoreReader:
         # one that fails is read again and checked whole. {(layer, expert): uint64 hashes, parts as _split}.
         self.part_hashes = part_hashes and self.native and _part_hash() != 0
         self._parts_known: dict[tuple[int, int], np.ndarray] = {}
+        self._into: dict[int, list[int]] = {}  # buffer address -> [reads into it now, reads into it since]
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
         self._heap: list[tuple[int, int, _Task]] = []
         self._queued: dict[tuple, _Task] = {}
@@ -365,43 +378,82 @@ class StoreReader:
         parts = len(self._split(e.extent) or ()) if self.native else 0
         t0 = time.perf_counter() if t0 is None else t0
         by_parts = parts > 1 and task.verify and self.part_hashes
+        if by_parts:
+            return self._read_by_parts(task, parts, first, problem, corrupt, t0)
         for attempt in range(first, self.retries + 2):
             if attempt > 1:
                 self._count("retries")
                 time.sleep(0.005 * attempt)
-            hashes = known = None
             try:
-                if by_parts:
-                    hashes = np.zeros(parts, np.uint64)
-                    got, used = pread_parts(self.fd, view, e.offset, parts, hashes)
-                    # Only a read that never failed a check trusts the parts: a retry is checked whole.
-                    known = self._parts_known.get((e.layer, e.expert)) if attempt == 1 and used == parts else None
-                elif parts > 1:
-                    got = pread_parts(self.fd, view, e.offset, parts)
-                else:
-                    got = pread_into(self.fd, memoryview(view), e.offset)
+                got = (pread_parts(self.fd, view, e.offset, parts) if parts > 1
+                       else pread_into(self.fd, memoryview(view), e.offset))
             except OSError as exc:
                 problem, corrupt = f"I/O error: {exc.strerror or exc}", False
                 continue
             if got < e.extent:
                 problem, corrupt = f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
                 continue
-            if known is not None:
-                if not np.array_equal(hashes, known):
-                    problem, corrupt = "the bytes fail the record's xxh3 check (by parts)", True
-                    continue
-                self._count("checked_by_parts")
-            elif task.verify:
-                if xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
-                    problem, corrupt = "the bytes fail the record's xxh3 check", True
-                    continue
-                if hashes is not None and used == parts:  # these bytes are the record's: so are their parts' hashes
-                    self._parts_known[(e.layer, e.expert)] = hashes
+            if task.verify and xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
+                problem, corrupt = "the bytes fail the record's xxh3 check", True
+                continue
             with self._cv:
                 self._stats["reads"] += 1
                 self._stats["bytes"] += got
             return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
         raise self._error(e, problem, corrupt)
+
+    def _read_by_parts(self, task: _Task, parts: int, first: int, problem: str, corrupt: bool,
+                       t0: float) -> ReadDone:
+        """_read for native split reads with part hashes: a record read before is checked by its parts' hashes;
+        a first read, or a retry, is checked whole, and its parts' hashes kept when it passes. Kept only from a read
+        that had its buffer to itself from start to check: a second read into the same buffer (the reader runs one
+        whenever asked while another is under way) could land the right bytes over wrong ones between the parts'
+        hashing and the whole check."""
+        e = task.entry
+        view = task.out[:e.extent]
+        key, address = (e.layer, e.expert), task.key[2]
+        with self._cv:
+            mine = self._into.setdefault(address, [0, 0])  # [reads into it now, reads into it ever]
+            alone = mine[0] == 0
+            mine[0] += 1
+            mine[1] += 1
+            epoch = mine[1]
+        try:
+            for attempt in range(first, self.retries + 2):
+                if attempt > 1:
+                    self._count("retries")
+                    time.sleep(0.005 * attempt)
+                hashes = np.zeros(parts, np.uint64)
+                try:
+                    got, used = pread_parts(self.fd, view, e.offset, parts, hashes)
+                except OSError as exc:
+                    problem, corrupt = f"I/O error: {exc.strerror or exc}", False
+                    continue
+                if got < e.extent:
+                    problem, corrupt = f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
+                    continue
+                # Only a read that never failed a check trusts the parts: a retry is checked whole.
+                known = self._parts_known.get(key) if attempt == 1 and used == parts else None
+                if known is not None:
+                    if not np.array_equal(hashes, known):
+                        problem, corrupt = "the bytes fail the record's xxh3 check (by parts)", True
+                        continue
+                elif xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
+                    problem, corrupt = "the bytes fail the record's xxh3 check", True
+                    continue
+                with self._cv:
+                    if known is None and used == parts and alone and self._into[address][1] == epoch:
+                        self._parts_known[key] = hashes  # the checked bytes are the ones the parts' hashes saw
+                    self._stats["reads"] += 1
+                    self._stats["bytes"] += got
+                    self._stats["checked_by_parts"] += known is not None
+                return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
+            raise self._error(e, problem, corrupt)
+        finally:
+            with self._cv:
+                mine[0] -= 1
+                if mine[0] == 0 and self._into.get(address) is mine:
+                    del self._into[address]
 
     def _error(self, e: RecordEntry, problem: str, corrupt: bool) -> Exception:
         cls = StoreCorruptError if corrupt else StoreReadError

@@ -420,21 +420,29 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
     plan = nvme_plan(store, 2 * EXPERTS, 0)
     with open_nvme_tier(store, ck, plan) as tier:  # records under 1 MiB here: one part is all there is to time
         if reader_mod._native() is not None:
-            assert list(tier.read_timing) == [1]
-        assert tier.reader.pieces == 1
+            assert list(tier.read_timing) == [1] and tier.reader.pieces == 1
+        else:  # nothing timed: the parts would run on Python threads
+            assert tier.read_timing == {} and tier.reader.pieces == nvme_mod.READ_PIECES
     seen = []
 
-    def timed(path, header, keys, choices, allow_buffered=False):
-        seen.append((len(keys), tuple(choices)))
+    def timed(path, header, keys, choices, allow_buffered=False, min_piece=1 << 20, hashed=True):
+        seen.append((len(set(keys)), len(keys), tuple(choices), min_piece, hashed))
         return {1: 8.8e-3, 2: 6.0e-3, 4: 4.4e-3, 8: 8.7e-3}
 
     monkeypatch.setattr(nvme_mod, "time_pieces", timed)
     with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
         assert tier.reader.pieces == 4 and tier.read_timing[4] == 4.4e-3
-        assert seen == [(nvme_mod.PIECE_SAMPLE, nvme_mod.PIECE_CHOICES)]
+        n = min(nvme_mod.PIECE_SAMPLE * len(nvme_mod.PIECE_CHOICES), len(tier.reader.header.index))
+        assert seen == [(n, n, nvme_mod.PIECE_CHOICES, 1 << 20, True)]  # distinct records, each read once
     assert "4 parallel part(s) per record" in caplog.text and "4: 4.40 ms" in caplog.text
+    with open_nvme_tier(store, ck, plan, reader_options={"part_hashes": False, "min_piece": 4096}):
+        assert seen[-1][3:] == (4096, False)  # timed the way the reader will read
     summary = tier.read_summary()
     assert summary["parts"] == 4 and summary["timed_ms_by_parts"] == {"1": 8.8, "2": 6.0, "4": 4.4, "8": 8.7}
     assert {"reads", "retries", "errors", "checked_by_parts"} <= set(summary)
     with open_nvme_tier(store, ck, plan, read_pieces=2) as tier:  # told: nothing timed
-        assert tier.reader.pieces == 2 and tier.read_timing == {} and len(seen) == 1
+        assert tier.reader.pieces == 2 and tier.read_timing == {} and len(seen) == 2
+    monkeypatch.setattr(nvme_mod, "time_pieces", lambda *a, **k: {})  # no read came back while timing
+    with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
+        assert tier.reader.pieces == nvme_mod.READ_PIECES and tier.read_timing == {}
+    assert "nothing timed" in caplog.text

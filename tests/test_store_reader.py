@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 
@@ -685,10 +686,107 @@ def test_pick_pieces_takes_the_fewest_parts_about_as_fast_as_the_fastest():
 
 
 @needs_native
-def test_time_pieces_times_each_part_count_a_record_allows(store):
+def test_time_pieces_times_each_part_count_a_record_allows_on_records_read_once(store, monkeypatch):
     head = read_header(store)
-    keys = sorted(head.index)[:3]
+    keys = sorted(head.index)[:8]
     tiny = R.time_pieces(store, head, keys, (1, 2, 4, 8))  # records under 1 MiB: no part count but 1
     assert list(tiny) == [1] and tiny[1] > 0
+    real, reads = R.pread_parts, []
+
+    def spy(fd, buf, offset, parts, hashes=None):
+        reads.append((offset, parts))
+        if offset == head.entry(*keys[1]).offset:
+            raise OSError(errno.EIO, "Input/output error")  # a bad record: left out, the rest still timed
+        return real(fd, buf, offset, parts, hashes)
+
+    monkeypatch.setattr(R, "pread_parts", spy)
     timing = R.time_pieces(store, head, keys, (1, 2, 4, 8), min_piece=4096)
     assert sorted(timing) == [1, 2, 4, 8] and all(t > 0 for t in timing.values())
+    assert len({o for o, _ in reads}) == len(reads) == 8  # each record read once
+    assert [n for _, n in reads] == [1, 2, 4, 8] * 2  # the counts take turns
+
+
+@needs_native
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Python 3.12 warns of fork() with threads running
+def test_a_child_forked_while_the_read_pool_is_busy_reads_with_its_own_pool(tmp_path):
+    # The parent's pool threads do not exist in a child and may hold its lock at the fork: a child that used the
+    # parent's pool could hang forever (it did, half the time, before the child made its own).
+    data = os.urandom(16 * 4096)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    stop = threading.Event()
+
+    def hammer():
+        buf = np.zeros(len(data), np.uint8)
+        while not stop.is_set():
+            R.pread_parts(fd, buf, 0, 8)
+
+    threads = [threading.Thread(target=hammer, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        hung = 0
+        for _ in range(30):
+            pid = os.fork()
+            if pid == 0:  # the child: a few reads under an alarm, then out without running any cleanup
+                signal.alarm(5)
+                buf = np.zeros(len(data), np.uint8)
+                ok = all(R.pread_parts(fd, buf, 0, 8) == len(data) and buf.tobytes() == data for _ in range(5))
+                os._exit(0 if ok else 3)
+            _, status = os.waitpid(pid, 0)
+            assert not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 3), "a child read wrong bytes"
+            hung += os.WIFSIGNALED(status)
+        assert hung == 0, f"{hung} of 30 forked children hung in the read pool"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        os.close(fd)
+
+
+@needs_native
+@pytest.mark.skipif(not R._part_hash(), reason="the xxhash package does not export XXH3_64bits")
+def test_parts_hashes_are_kept_only_from_a_read_that_had_its_buffer_to_itself(store, tmp_path, monkeypatch):
+    # Read A's parts are hashed over bytes the disk got wrong; read B, into the same buffer, then lands the right
+    # bytes before A's whole check, which passes. A's parts' hashes must not be kept: they are of the wrong bytes,
+    # and would pass those same wrong bytes on a later read.
+    path = tmp_path / "s.glm53"
+    shutil.copyfile(store, path)
+    real, state = R.pread_parts, {}
+    with StoreReader(path, threads=2, verify=True, retries=1, **NATIVE) as r:
+        e = r.header.entry(1, 4)
+        buf = alloc_aligned(r.max_extent)
+
+        def wrong_once(fd, b, offset, parts, hashes=None):
+            if offset != e.offset or state.get("a"):
+                return real(fd, b, offset, parts, hashes)
+            state["a"] = True
+            was = _corrupt(path, e.offset + 100)
+            try:
+                got = real(fd, b, offset, parts, hashes)
+            finally:
+                _restore(path, e.offset + 100, was)
+            state["b"] = r.read(1, 4, buf).result(10)  # B: the right bytes, over A's wrong ones
+            return got
+
+        monkeypatch.setattr(R, "pread_parts", wrong_once)
+        a = r.read(1, 4, buf).result(10)
+        assert a.data.tobytes() == reference(store, 1, 4) and state["b"].attempts == 1
+        assert (1, 4) not in r._parts_known and r._into == {}
+        state.clear()  # the disk gets the same byte wrong once more: the read is checked whole, and read again
+        monkeypatch.setattr(R, "pread_parts", lambda fd, b, offset, parts, hashes=None: (
+            real(fd, b, offset, parts, hashes) if offset != e.offset or state.get("c")
+            else _flaky(state, path, e.offset + 100, lambda: real(fd, b, offset, parts, hashes))))
+        c = r.read(1, 4, alloc_aligned(r.max_extent)).result(10)
+        assert c.data.tobytes() == reference(store, 1, 4) and c.attempts == 2
+        assert (1, 4) in r._parts_known  # that read had its buffer to itself
+
+
+def _flaky(state, path, offset, read):
+    state["c"] = True
+    was = _corrupt(path, offset)
+    try:
+        return read()
+    finally:
+        _restore(path, offset, was)

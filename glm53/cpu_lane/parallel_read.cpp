@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <pthread.h>
 #include <thread>
 #include <vector>
 
@@ -104,25 +105,48 @@ struct Pool {
     }
 };
 
-// The pool, made on first use; null when not even its bookkeeping could be had. Threads that could not be made
-// leave it smaller (or with none: then every caller reads all its parts itself).
+Pool* make_pool() {
+    Pool* p;
+    try {
+        p = new Pool;
+    } catch (...) {  // std::bad_alloc: the deque allocates as it is made, not only `new`
+        return nullptr;
+    }
+    unsigned n = std::thread::hardware_concurrency();
+    n = n == 0 ? 4 : std::min(std::max(n, 2u), 32u);
+    try {
+        for (; p->threads < static_cast<int>(n); ++p->threads) std::thread(&Pool::serve, p).detach();
+    } catch (...) {  // std::system_error (no thread to be had) or std::bad_alloc (its state)
+    }
+    return p;
+}
+
+std::atomic<Pool*> made{nullptr};
+std::atomic<int> state{0};  // 0: no pool yet, 1: one is being made, 2: made (`made` may still be null)
+std::atomic<bool> fork_handler{false};
+
+// A child of fork() has none of the pool's threads, and may have its mutex held by one of them: it forgets the
+// pool (leaked, never touched again) and makes its own on its first call. Only atomics here: the child runs this
+// in its one thread, right after the fork.
+void forget_pool_after_fork() {
+    made.store(nullptr, std::memory_order_relaxed);
+    state.store(0, std::memory_order_relaxed);
+}
+
+// The pool, made on first use (the first caller makes it, any other waits); null when not even its bookkeeping
+// could be had. Threads that could not be made leave it smaller (or with none: then every caller reads all its
+// parts itself). No lock of its own: a lock inherited held across a fork would hang the child here.
 Pool* pool() {
-    static Pool* const made = []() -> Pool* {
-        Pool* p;
-        try {
-            p = new Pool;
-        } catch (...) {  // std::bad_alloc: the deque allocates as it is made, not only `new`
-            return nullptr;
-        }
-        unsigned n = std::thread::hardware_concurrency();
-        n = n == 0 ? 4 : std::min(std::max(n, 2u), 32u);
-        try {
-            for (; p->threads < static_cast<int>(n); ++p->threads) std::thread(&Pool::serve, p).detach();
-        } catch (...) {  // std::system_error (no thread to be had) or std::bad_alloc (its state)
-        }
-        return p;
-    }();
-    return made;
+    if (state.load(std::memory_order_acquire) == 2) return made.load(std::memory_order_acquire);
+    int none = 0;
+    if (state.compare_exchange_strong(none, 1, std::memory_order_acq_rel)) {
+        if (!fork_handler.exchange(true)) pthread_atfork(nullptr, nullptr, forget_pool_after_fork);
+        made.store(make_pool(), std::memory_order_release);
+        state.store(2, std::memory_order_release);
+    } else {
+        while (state.load(std::memory_order_acquire) != 2) std::this_thread::yield();
+    }
+    return made.load(std::memory_order_acquire);
 }
 
 }  // namespace

@@ -501,9 +501,12 @@ def report(res: dict, moe_layers: int | None) -> str:
                      f"experts; one record alone: " + ", ".join(f"{t:.2f} ms in {n} piece(s)" for n, t in
                                                                 res.get("record_ms_by_pieces", {}).items()))
         if res.get("read_ms_by_parts"):
+            used = {m: d["tiers"]["store_reads"]["parts"] for m, d in res["modes"].items()
+                    if "store_reads" in d.get("tiers", {})}  # each mode's open timed them again
             lines.append(f"  the tier reads each record in {res['read_parts']} part(s), timed as it opens (native pread, "
                          "parts hashed): " + ", ".join(f"{t:.2f} ms in {n}" for n, t in
-                                                        res["read_ms_by_parts"].items()))
+                                                        res["read_ms_by_parts"].items())
+                         + ("; the modes read in " + ", ".join(f"{m} {n}" for m, n in used.items()) if used else ""))
         for name, ratio in res.get("nvme_exact_over", {}).items():
             v = VARIANTS[name]
             far = res["modes"][name].get("two_ahead_recall", float("nan"))

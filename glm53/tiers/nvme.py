@@ -64,7 +64,7 @@ log = logging.getLogger("glm53.tiers.nvme")
 # least 1 MiB stay large reads on any disk). READ_PIECES: where nothing can be timed (no native pread).
 READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
-PIECE_SAMPLE = 4  # records timed (twice, in each part count): about 0.2 s on a 1.5 GB/s disk
+PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
 DEFAULT_TIMEOUT_S = 5.0  # a 9 MiB O_DIRECT read takes milliseconds; seconds means a stalled or failing disk
 TORCH_DTYPES = {"int16": torch.int16, "float16": torch.float16}
 READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
@@ -707,7 +707,10 @@ def open_nvme_tier(
         raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
     timing: dict[int, float] = {}
     if read_pieces is None:
-        read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered)
+        opts = reader_options or {}
+        read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
+                                               min_piece=opts.get("min_piece", 1 << 20),
+                                               hashed=opts.get("part_hashes", True))
     reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
                          verify=True, header=header, pieces=read_pieces, **(reader_options or {}))
     try:
@@ -733,16 +736,19 @@ def open_nvme_tier(
     return tier
 
 
-def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool) -> tuple[int, dict[int, float]]:
-    """How many parallel parts to read each record in: the fewest that read a few records alone about as fast as
-    any count of PIECE_CHOICES, timed now on this store (READ_PIECES where that cannot be timed); and the timings."""
+def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool, *, min_piece: int = 1 << 20,
+                     hashed: bool = True) -> tuple[int, dict[int, float]]:
+    """How many parallel parts to read each record in: the fewest that read a record alone about as fast as any
+    count of PIECE_CHOICES, timed now on this store, each on different records (READ_PIECES where nothing could be
+    timed); and the timings."""
     import random
 
-    keys = random.Random(0).sample(sorted(header.index), min(PIECE_SAMPLE, len(header.index)))
-    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered)
+    keys = random.Random().sample(sorted(header.index), min(PIECE_SAMPLE * len(PIECE_CHOICES), len(header.index)))
+    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered,
+                         min_piece=min_piece, hashed=hashed)
     if not timing:
-        log.info("store reads: %d parallel parts per record (the native pread is not built: nothing timed)",
-                 READ_PIECES)
+        log.info("store reads: %d parallel parts per record (nothing timed: the native pread is not built, or no "
+                 "read came back)", READ_PIECES)
         return READ_PIECES, {}
     pieces = pick_pieces(timing)
     log.info("store reads: %d parallel part(s) per record, the fastest for a record read alone here (%s)", pieces,
