@@ -24,6 +24,7 @@
 #include <deque>
 #include <mutex>
 #include <pthread.h>
+#include <sched.h>
 #include <thread>
 #include <vector>
 
@@ -112,7 +113,10 @@ Pool* make_pool() {
     } catch (...) {  // std::bad_alloc: the deque allocates as it is made, not only `new`
         return nullptr;
     }
-    unsigned n = std::thread::hardware_concurrency();
+    // The CPUs this process may run on (a container's cpuset), not the machine's: threads beyond them only queue.
+    cpu_set_t allowed;
+    unsigned n = sched_getaffinity(0, sizeof allowed, &allowed) == 0 ? static_cast<unsigned>(CPU_COUNT(&allowed))
+                                                                     : std::thread::hardware_concurrency();
     n = n == 0 ? 4 : std::min(std::max(n, 2u), 32u);
     try {
         for (; p->threads < static_cast<int>(n); ++p->threads) std::thread(&Pool::serve, p).detach();
