@@ -151,8 +151,8 @@ def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8
     allows at `min_piece`), as the reader reads it: glm53's native pread, each part hashed by its thread (`hashed`).
     Each record of `keys` is read once, by one part count, the counts taking turns: a record read twice would come
     the second time from whatever cache the first read filled (the page cache of a buffered fd, a virtual disk's
-    host), and time the cache. On a buffered fd the record's cached pages are dropped first, for the same reason
-    (tmpfs has nothing to drop: its pages are the store). A read that fails or comes back short is left out; {}
+    host), and time the cache. On a buffered fd the record's cached pages are dropped before the read, for the
+    same reason, and after it (tmpfs has nothing to drop: its pages are the store). A read that fails or comes back short is left out; {}
     where nothing was timed, or the native pread is not built (the parts would then run on Python threads, a path
     with costs of its own)."""
     if _native() is None or not keys:
@@ -182,6 +182,8 @@ def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8
                 continue
             if (got[0] if hashes is not None else got) == e.extent:
                 times[n].append(time.perf_counter() - t0)
+            if not direct:  # and leave nothing in it: under a memory cap the page cache counts against the process
+                os.posix_fadvise(fd, e.offset, e.extent, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
     return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items() if ts}
