@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import IntEnum
@@ -196,6 +197,14 @@ def pick_pieces(times: dict[int, float], slack: float = 0.05) -> int:
         return 1
     best = min(times.values())
     return min(n for n, t in times.items() if t <= best * (1 + slack))
+
+
+def _io_problem(exc: OSError) -> tuple[str, bool]:
+    return f"I/O error: {exc.strerror or exc}", False
+
+
+def _short(got: int, e: RecordEntry) -> tuple[str, bool]:
+    return f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
 
 
 class StoreReader:
@@ -379,32 +388,41 @@ class StoreReader:
         view = task.out[:e.extent]
         parts = len(self._split(e.extent) or ()) if self.native else 0
         t0 = time.perf_counter() if t0 is None else t0
-        by_parts = parts > 1 and task.verify and self.part_hashes
-        if by_parts:
-            return self._read_by_parts(task, parts, first, problem, corrupt, t0)
-        for attempt in range(first, self.retries + 2):
-            if attempt > 1:
-                self._count("retries")
-                time.sleep(0.005 * attempt)
+        if parts > 1 and task.verify and self.part_hashes:
+            return self._read_by_parts(task, view, parts, first, problem, corrupt, t0)
+
+        def once(attempt: int) -> tuple[str, bool] | None:
             try:
                 got = (pread_parts(self.fd, view, e.offset, parts) if parts > 1
                        else pread_into(self.fd, memoryview(view), e.offset))
             except OSError as exc:
-                problem, corrupt = f"I/O error: {exc.strerror or exc}", False
-                continue
+                return _io_problem(exc)
             if got < e.extent:
-                problem, corrupt = f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
-                continue
+                return _short(got, e)
             if task.verify and xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
-                problem, corrupt = "the bytes fail the record's xxh3 check", True
-                continue
+                return "the bytes fail the record's xxh3 check", True
             with self._cv:
                 self._stats["reads"] += 1
                 self._stats["bytes"] += got
-            return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
+            return None
+
+        return self._attempts(e, view, first, problem, corrupt, t0, once)
+
+    def _attempts(self, e: RecordEntry, view: np.ndarray, first: int, problem: str, corrupt: bool, t0: float,
+                  once: Callable[[int], tuple[str, bool] | None]) -> ReadDone:
+        """Run `once(attempt)` (None: read and checked; else (problem, corrupt)) until it succeeds or the retries
+        are spent, then raise the last problem naming the record."""
+        for attempt in range(first, self.retries + 2):
+            if attempt > 1:
+                self._count("retries")
+                time.sleep(0.005 * attempt)
+            failed = once(attempt)
+            if failed is None:
+                return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
+            problem, corrupt = failed
         raise self._error(e, problem, corrupt)
 
-    def _read_by_parts(self, task: _Task, parts: int, first: int, problem: str, corrupt: bool,
+    def _read_by_parts(self, task: _Task, view: np.ndarray, parts: int, first: int, problem: str, corrupt: bool,
                        t0: float) -> ReadDone:
         """_read for native split reads with part hashes: a record read before is checked by its parts' hashes;
         a first read, or a retry, is checked whole, and its parts' hashes kept when it passes. Kept only from a read
@@ -412,7 +430,6 @@ class StoreReader:
         whenever asked while another is under way) could land the right bytes over wrong ones between the parts'
         hashing and the whole check."""
         e = task.entry
-        view = task.out[:e.extent]
         key, address = (e.layer, e.expert), task.key[2]
         with self._cv:
             mine = self._into.setdefault(address, [0, 0])  # [reads into it now, reads into it ever]
@@ -420,37 +437,32 @@ class StoreReader:
             mine[0] += 1
             mine[1] += 1
             epoch = mine[1]
+
+        def once(attempt: int) -> tuple[str, bool] | None:
+            hashes = np.zeros(parts, np.uint64)
+            try:
+                got, used = pread_parts(self.fd, view, e.offset, parts, hashes)
+            except OSError as exc:
+                return _io_problem(exc)
+            if got < e.extent:
+                return _short(got, e)
+            # Only a read that never failed a check trusts the parts: a retry is checked whole.
+            known = self._parts_known.get(key) if attempt == 1 and used == parts else None
+            if known is not None:
+                if not np.array_equal(hashes, known):
+                    return "the bytes fail the record's xxh3 check (by parts)", True
+            elif xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
+                return "the bytes fail the record's xxh3 check", True
+            with self._cv:
+                if known is None and used == parts and alone and self._into[address][1] == epoch:
+                    self._parts_known[key] = hashes  # the checked bytes are the ones the parts' hashes saw
+                self._stats["reads"] += 1
+                self._stats["bytes"] += got
+                self._stats["checked_by_parts"] += known is not None
+            return None
+
         try:
-            for attempt in range(first, self.retries + 2):
-                if attempt > 1:
-                    self._count("retries")
-                    time.sleep(0.005 * attempt)
-                hashes = np.zeros(parts, np.uint64)
-                try:
-                    got, used = pread_parts(self.fd, view, e.offset, parts, hashes)
-                except OSError as exc:
-                    problem, corrupt = f"I/O error: {exc.strerror or exc}", False
-                    continue
-                if got < e.extent:
-                    problem, corrupt = f"short read ({got} of {e.extent} bytes; the file may be truncated)", False
-                    continue
-                # Only a read that never failed a check trusts the parts: a retry is checked whole.
-                known = self._parts_known.get(key) if attempt == 1 and used == parts else None
-                if known is not None:
-                    if not np.array_equal(hashes, known):
-                        problem, corrupt = "the bytes fail the record's xxh3 check (by parts)", True
-                        continue
-                elif xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
-                    problem, corrupt = "the bytes fail the record's xxh3 check", True
-                    continue
-                with self._cv:
-                    if known is None and used == parts and alone and self._into[address][1] == epoch:
-                        self._parts_known[key] = hashes  # the checked bytes are the ones the parts' hashes saw
-                    self._stats["reads"] += 1
-                    self._stats["bytes"] += got
-                    self._stats["checked_by_parts"] += known is not None
-                return ReadDone(e.layer, e.expert, view, attempt, time.perf_counter() - t0)
-            raise self._error(e, problem, corrupt)
+            return self._attempts(e, view, first, problem, corrupt, t0, once)
         finally:
             with self._cv:
                 mine[0] -= 1
