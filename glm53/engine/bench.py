@@ -266,6 +266,11 @@ class _Runner:
             f0, f1 = la0.get("two_ahead", {}), la1.get("two_ahead", {})
             far_hits, far_actual = f1.get("hits", 0) - f0.get("hits", 0), f1.get("picks", 0) - f0.get("picks", 0)
             store = snap1["bytes"]["store_to_ram"] - snap0["bytes"]["store_to_ram"]
+            if getattr(self.tiered, "nvme", None) is not None:  # the decode's own store picks, not the prompt's
+                out["store_picks_by_layer"] = [b["lanes"]["nvme"] - a["lanes"]["nvme"]
+                                               for a, b in zip(snap0["layers"], snap1["layers"], strict=True)]
+                out["guesses"] = {k: snap1["prefetch"][k] - snap0["prefetch"][k]
+                                  for k in ("issued", "hits", "late", "wasted", "demand_misses")}
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
@@ -440,6 +445,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 "load_s": runners[mode].load_s,
                 "tiers": runners[mode].tiered.snapshot(),
             }
+            if all("guesses" in x for x in m_rows):  # nvme modes: per decoded token, the windows pooled
+                n_tok = sum(len(x["tokens"]) - 1 for x in m_rows)
+                result["modes"][mode]["decode_store"] = {
+                    "picks_by_layer": [sum(col) / n_tok for col in zip(*(x["store_picks_by_layer"] for x in m_rows),
+                                                                       strict=True)],
+                    **{k: sum(x["guesses"][k] for x in m_rows) / n_tok for k in m_rows[0]["guesses"]}}
         for mode in modes:
             if mode.startswith("nvme") and disk_rate:
                 m = result["modes"][mode]
@@ -522,6 +533,13 @@ def report(res: dict, moe_layers: int | None) -> str:
                              f"({m['disk_GBps_beside']:.2f} GB/s mean) {m['bound_beside_tok_s']:.1f} tok/s, x bound "
                              f"{m['over_own_bound']:.3f}, median of windows (target >= 0.8); at the start's rate "
                              f"{m['bound_decode_tok_s']:.1f} tok/s, x {m['over_own_bound_start_rate']:.3f}")
+                ds = m.get("decode_store")
+                if ds:
+                    lines.append("    per decoded token: store picks by layer "
+                                 + " ".join(f"{v:.2f}" for v in ds["picks_by_layer"])
+                                 + f"; reads a step waited for but no guess started {ds['demand_misses']:.2f}, "
+                                 f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f}, "
+                                 f"wrong {ds['wasted']:.2f})")
         if "nvme" in res["modes"] and "fast" in res["modes"]:
             lines.append(f"  nvme / fast: {res['modes']['nvme']['decode_tok_s'] / res['modes']['fast']['decode_tok_s']:.3f}"
                          f" (target >= 0.7 at the 55 GiB fraction)")
