@@ -153,9 +153,9 @@ def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8
     Each record of `keys` is read once, by one part count, the counts taking turns: a record read twice would come
     the second time from whatever cache the first read filled (the page cache of a buffered fd, a virtual disk's
     host), and time the cache. On a buffered fd the record's cached pages are dropped before the read, for the
-    same reason, and after it (tmpfs has nothing to drop: its pages are the store). A read that fails or comes back short is left out; {}
-    where nothing was timed, or the native pread is not built (the parts would then run on Python threads, a path
-    with costs of its own)."""
+    same reason, and after it (tmpfs has nothing to drop: its pages are the store). A read that fails or comes back
+    short is left out; {} where nothing was timed, or the native pread is not built (the parts would then run on
+    Python threads, a path with costs of its own)."""
     if _native() is None or not keys:
         return {}
     extent = max(header.entry(*k).extent for k in keys)
