@@ -38,6 +38,9 @@ from store.verify import pack_command
 log = logging.getLogger("glm53.store")
 
 
+MIN_PIECE = 1 << 20  # a record's parts are at least this large: large reads on any disk
+
+
 class Priority(IntEnum):
     DEMAND = 0
     PREFETCH = 1
@@ -147,7 +150,7 @@ def _part_hash() -> int:
 
 
 def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8), *, allow_buffered: bool = False,
-                min_piece: int = 1 << 20, hashed: bool = True) -> dict[int, float]:
+                min_piece: int = MIN_PIECE, hashed: bool = True) -> dict[int, float]:
     """Median seconds one record read alone takes in each number of parallel parts (of `choices`, those its extent
     allows at `min_piece`), as the reader reads it: glm53's native pread, each part hashed by its thread (`hashed`).
     Each record of `keys` is read once, by one part count, the counts taking turns: a record read twice would come
@@ -210,7 +213,7 @@ def _short(got: int, e: RecordEntry) -> tuple[str, bool]:
 class StoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
-                 min_piece: int = 1 << 20, native: bool = True, part_hashes: bool = True):
+                 min_piece: int = MIN_PIECE, native: bool = True, part_hashes: bool = True):
         """Open a store for reading. Raises StoreFormatError for a bad header and DirectIOUnsupported when the
         filesystem refuses O_DIRECT and allow_buffered is False (pass settings.allow_buffered_reads).
 

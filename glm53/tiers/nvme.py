@@ -46,7 +46,7 @@ import torch
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
 from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up, read_header
-from store.reader import Priority, StoreReader, pick_pieces, time_pieces
+from store.reader import MIN_PIECE, Priority, StoreReader, pick_pieces, time_pieces
 from store.verify import pack_command, quick_verify
 
 from .copier import Copier
@@ -691,7 +691,8 @@ def open_nvme_tier(
     slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
     without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
-    pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`). reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
+    pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`).
+    reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
     (native=False: the parts on Python threads)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
@@ -709,7 +710,7 @@ def open_nvme_tier(
     if read_pieces is None:
         opts = reader_options or {}
         read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
-                                               min_piece=opts.get("min_piece", 1 << 20),
+                                               min_piece=opts.get("min_piece", MIN_PIECE),
                                                hashed=opts.get("part_hashes", True))
     reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
                          verify=True, header=header, pieces=read_pieces, **(reader_options or {}))
@@ -736,7 +737,7 @@ def open_nvme_tier(
     return tier
 
 
-def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool, *, min_piece: int = 1 << 20,
+def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool, *, min_piece: int = MIN_PIECE,
                      hashed: bool = True) -> tuple[int, dict[int, float]]:
     """How many parallel parts to read each record in: the fewest that read a record alone about as fast as any
     count of PIECE_CHOICES, timed now on this store, each on different records (READ_PIECES where nothing could be
