@@ -235,9 +235,9 @@ class StoreReader:
         self.native = native and self.pieces > 1 and _native() is not None
         # A record's part hashes, kept from its first read that passed the whole-record xxh3: a later read of it
         # is checked part by part, each hashed on the native thread that read it (parallel, and in cache), and
-        # one that fails is read again and checked whole. {(layer, expert): uint64 hashes, parts as _split}.
+        # one that fails is read again and checked whole. {(layer, expert): the uint64 hashes as bytes, parts as _split}.
         self.part_hashes = part_hashes and self.native and _part_hash() != 0
-        self._parts_known: dict[tuple[int, int], np.ndarray] = {}
+        self._parts_known: dict[tuple[int, int], bytes] = {}  # bytes: compared in well under a microsecond
         self._into: dict[int, list[int]] = {}  # buffer address -> [reads into it now, reads into it since]
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
         self._heap: list[tuple[int, int, _Task]] = []
@@ -246,6 +246,11 @@ class StoreReader:
         self._cv = threading.Condition()
         self._closed = False
         self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0, "checked_by_parts": 0}
+        # The busy clock: wall time with at least one read (or part) under way, so a caller can tell a store that
+        # keeps up (idle most of the time: a guess costs little) from one that is the bottleneck.
+        self._active = 0
+        self._busy = 0.0
+        self._busy_from = 0.0
         self._threads = [threading.Thread(target=self._worker, name=f"glm53-store-reader-{i}", daemon=True)
                          for i in range(max(1, threads))]
         for t in self._threads:
@@ -361,17 +366,39 @@ class StoreReader:
                     heapq.heappop(self._heap)
                     task.taken = True
                     self._unqueue(task)
+                    self._began()
             if task.parts is not None:
                 self._read_part(task, part)
                 continue
-            if not task.future.set_running_or_notify_cancel():
-                self._count("cancelled")
-                continue
             try:
-                task.future.set_result(self._read(task))
-            except BaseException as exc:   # the caller gets every failure through its future
-                self._count("errors")
-                task.future.set_exception(exc)
+                if not task.future.set_running_or_notify_cancel():
+                    self._count("cancelled")
+                    continue
+                try:
+                    task.future.set_result(self._read(task))
+                except BaseException as exc:   # the caller gets every failure through its future
+                    self._count("errors")
+                    task.future.set_exception(exc)
+            finally:
+                with self._cv:
+                    self._ended()
+
+    def _began(self) -> None:
+        """A read or part starts (the caller holds the lock)."""
+        if not self._active:
+            self._busy_from = time.perf_counter()
+        self._active += 1
+
+    def _ended(self) -> None:
+        """A read or part is over (the caller holds the lock)."""
+        self._active -= 1
+        if not self._active:
+            self._busy += time.perf_counter() - self._busy_from
+
+    def busy_seconds(self) -> float:
+        """Wall seconds so far with at least one read under way (reads overlapping each other count once)."""
+        with self._cv:
+            return self._busy + (time.perf_counter() - self._busy_from if self._active else 0.0)
 
     def _unqueue(self, task: _Task) -> None:
         """Forget a task's key (the caller holds the lock), unless a newer read of the same key replaced it (a read
@@ -452,13 +479,13 @@ class StoreReader:
             # Only a read that never failed a check trusts the parts: a retry is checked whole.
             known = self._parts_known.get(key) if attempt == 1 and used == parts else None
             if known is not None:
-                if not np.array_equal(hashes, known):
+                if hashes.tobytes() != known:
                     return "the bytes fail the record's xxh3 check (by parts)", True
             elif xxhash.xxh3_64_intdigest(memoryview(view)) != e.xxh3:
                 return "the bytes fail the record's xxh3 check", True
             with self._cv:
                 if known is None and used == parts and alone and self._into[address][1] == epoch:
-                    self._parts_known[key] = hashes  # the checked bytes are the ones the parts' hashes saw
+                    self._parts_known[key] = hashes.tobytes()  # the checked bytes are the ones the parts' hashes saw
                 self._stats["reads"] += 1
                 self._stats["bytes"] += got
                 self._stats["checked_by_parts"] += known is not None
@@ -496,6 +523,7 @@ class StoreReader:
                 return None
             task.t0 = time.perf_counter()
         task.running += 1
+        self._began()
         if not task.taken:
             self._cv.notify()               # more parts of it wait: another idle thread takes the next
         return part
@@ -508,6 +536,7 @@ class StoreReader:
         finally:
             with self._cv:
                 task.running -= 1
+                self._ended()
                 fail = task.failed and task.running == 0 and task.error is not None
                 error, task.error = (task.error, None) if fail else (None, task.error)
             if error is not None:

@@ -434,22 +434,30 @@ def recording_prefetch(tier) -> list[list[tuple[int, int]]]:
 
 
 def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
-    """Store prefetch spends disk time, the nvme modes' bottleneck: once the live precision says ranks 2 and 3
-    of the guess are usually wrong, only ranks 0 and 1 are read ahead, most likely first."""
+    """On a store that is the bottleneck (busy all the time), prefetch spends the time needed reads wait for: once
+    the live precision says ranks 2 and 3 of the guess are usually wrong, only ranks 0 and 1 are read ahead, most
+    likely first. The less busy the store, the lower the precision a rank needs: load / (1 + load)."""
     with small_nvme_tier(packed) as tier:
+        load = [1.0]
+        tier.load = lambda: load[0]
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
         asked = recording_prefetch(tier)
         rng = np.random.default_rng(3)
-        for _ in range(12):  # ranks 0, 1 always right; ranks 2, 3 never
+        for step in range(12):  # ranks 0, 1 always right; rank 2 every third step; rank 3 never
             guess = rng.choice(16, 4, replace=False)
             stepper.ahead(1, guess[None, :])
             others = [e for e in range(16) if e not in guess]
-            real = np.array([[guess[0], guess[1], others[0], others[1]]])
+            real = np.array([[guess[0], guess[1], guess[2] if step % 3 == 0 else others[0], others[1]]])
             stepper.resolve(1, real, True)
             stepper.after_launch()
             tier.check_invariants()
-        assert [round(p, 1) for p in stepper.rank_precision()][:2] == [0.9, 0.9]
-        assert max(stepper.rank_precision()[2:]) < 0.5
+        assert [round(p, 2) for p in stepper.rank_precision()] == [0.93, 0.93, 0.36, 0.07]
+        for load[0], ranks in ((1.0, 2), (0.25, 3), (0.0, 4)):
+            asked.clear()
+            stepper.ahead(1, np.array([[9, 4, 7, 2]]))
+            assert asked == [[(1, e) for e in (9, 4, 7, 2)[:ranks]]], f"store load {load[0]}"
+            assert stepper.snapshot()["lookahead"]["guess_floor"] == pytest.approx(load[0] / (1 + load[0]), abs=1e-3)
+        stepper.guess_by_load = False  # the old rule, whatever the load
         asked.clear()
         stepper.ahead(1, np.array([[9, 4, 7, 2]]))
         assert asked == [[(1, 9), (1, 4)]]
@@ -458,8 +466,9 @@ def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
 def test_nvme_reads_two_layers_ahead_scored_apart(packed):
     """Guesses two layers ahead are read at their own ranks' live precision, not the next layer's: here the near
     guess is always right and the far guess right only at rank 0, so after a while the far guess's rank 0 alone
-    is read, and the two meters keep their own scores."""
+    is read (on a busy store), and the two meters keep their own scores."""
     with small_nvme_tier(packed) as tier:
+        tier.load = lambda: 1.0
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
         asked = recording_prefetch(tier)
         rng = np.random.default_rng(5)

@@ -446,3 +446,35 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
     with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
         assert tier.reader.pieces == nvme_mod.READ_PIECES and tier.read_timing == {}
     assert "nothing timed" in caplog.text
+
+
+def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monkeypatch):
+    """load(): 1 until measured; then, each span of at least LOAD_SPAN_S, smoothed toward the share of the span
+    the reader was busy; a span longer than LOAD_IDLE_S (an idle server) leaves it as it was. The real reader's
+    busy clock moves it too, and /stats shows both."""
+    import glm53.tiers.nvme as nvme_mod
+
+    ck, store = packed
+    plan = nvme_plan(store, 2 * EXPERTS, 0)
+    with open_nvme_tier(store, ck, plan) as tier:
+        assert tier.load() == 1.0
+        busy = [0.0]
+        monkeypatch.setattr(tier.reader, "busy_seconds", lambda: busy[0])
+
+        def span(share, seconds=nvme_mod.LOAD_SPAN_S * 1.2):
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            busy[0] += share * (time.perf_counter() - t0)
+            return tier.load()
+
+        assert tier.load() == 1.0  # the first call only marks the start
+        assert span(0.0) == pytest.approx(0.5, abs=0.02)
+        assert span(0.0) == pytest.approx(0.25, abs=0.02)
+        assert span(1.0) == pytest.approx(0.625, abs=0.03)
+        monkeypatch.setattr(nvme_mod, "LOAD_IDLE_S", nvme_mod.LOAD_SPAN_S * 2)
+        assert span(0.0, nvme_mod.LOAD_SPAN_S * 3) == pytest.approx(0.625, abs=0.03), "an idle gap is skipped"
+        monkeypatch.undo()
+        before = tier.reader.busy_seconds()
+        tier.tiers.fetch_to_ram(0, 3)  # a real read moves the real clock
+        assert tier.reader.busy_seconds() > before
+        assert tier.read_summary()["busy_s"] >= 0 and 0 <= tier.read_summary()["load"] <= 1

@@ -790,3 +790,25 @@ def _flaky(state, path, offset, read):
         return read()
     finally:
         _restore(path, offset, was)
+
+
+@pytest.mark.parametrize("options", [{}, SPLIT], ids=["whole", "split"])
+def test_the_busy_clock_counts_time_with_a_read_under_way_once(store, monkeypatch, options):
+    """busy_seconds: wall time with at least one read (or part) under way; idle time and overlapping reads add
+    nothing. Here one read is held 0.2 s while a second runs beside it, then the reader idles 0.2 s."""
+    gate = Gate(monkeypatch)
+    with StoreReader(store, threads=2, **options) as r:
+        assert r.busy_seconds() == 0.0
+        arena = alloc_slots(2, r.max_extent)
+        t0 = time.perf_counter()
+        held = r.read(1, 0, arena[0])
+        assert gate.entered.wait(10)
+        r.read(1, 1, arena[1]).result(10)  # beside the held one: no extra busy time
+        time.sleep(0.2)
+        gate.release.set()
+        held.result(10)
+        held_for = time.perf_counter() - t0
+        busy = r.busy_seconds()
+        assert 0.2 <= busy <= held_for + 0.01
+        time.sleep(0.2)
+        assert r.busy_seconds() == busy, "an idle reader's clock stands still"

@@ -94,6 +94,9 @@ VARIANTS = {
     "nvme-exact-wholehash": Variant("a record read again is checked by its parts' hashes, each taken by the thread "
                                     "that read the part", "every read checked by one hash of the whole record",
                                     reader=(("part_hashes", False),)),
+    "nvme-exact-guesshalf": Variant("guesses read at ranks right more often than the store's load makes worth it",
+                                    "guesses read only at ranks right more often than not",
+                                    stepper=(("guess_by_load", False),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
@@ -271,6 +274,10 @@ class _Runner:
                                                for a, b in zip(snap0["layers"], snap1["layers"], strict=True)]
                 out["guesses"] = {k: snap1["prefetch"][k] - snap0["prefetch"][k]
                                   for k in ("issued", "hits", "late", "wasted", "demand_misses")}
+                r0, r1 = snap0.get("store_reads", {}), snap1.get("store_reads", {})
+                if r1.get("busy_s") is not None:  # the share of the decode the store spent reading
+                    out["store_busy"] = (r1["busy_s"] - r0["busy_s"]) / (last - first)
+                out["guess_floor"] = snap1["lookahead"].get("guess_floor")
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
@@ -450,7 +457,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 result["modes"][mode]["decode_store"] = {
                     "picks_by_layer": [sum(col) / n_tok for col in zip(*(x["store_picks_by_layer"] for x in m_rows),
                                                                        strict=True)],
-                    **{k: sum(x["guesses"][k] for x in m_rows) / n_tok for k in m_rows[0]["guesses"]}}
+                    **{k: sum(x["guesses"][k] for x in m_rows) / n_tok for k in m_rows[0]["guesses"]},
+                    "store_busy": mean(mode, "store_busy"), "guess_floor": mean(mode, "guess_floor")}
         for mode in modes:
             if mode.startswith("nvme") and disk_rate:
                 m = result["modes"][mode]
@@ -539,7 +547,8 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  + " ".join(f"{v:.2f}" for v in ds["picks_by_layer"])
                                  + f"; reads a step waited for but no guess started {ds['demand_misses']:.2f}, "
                                  f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f}, "
-                                 f"wrong {ds['wasted']:.2f})")
+                                 f"wrong {ds['wasted']:.2f}); store busy {ds['store_busy']:.2f} of the decode, guess "
+                                 f"floor {ds['guess_floor']:.2f}")
         if "nvme" in res["modes"] and "fast" in res["modes"]:
             lines.append(f"  nvme / fast: {res['modes']['nvme']['decode_tok_s'] / res['modes']['fast']['decode_tok_s']:.3f}"
                          f" (target >= 0.7 at the 55 GiB fraction)")

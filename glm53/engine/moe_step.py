@@ -205,6 +205,13 @@ class MoeStepper:
         # False: a step's reads ahead and the RAM room for the next step's reads are made before launch, as before
         # (the bench's paired comparison).
         self.reads_after_launch = True
+        # nvme modes: a guess is read ahead only at ranks whose precision p beats the floor load / (1 + load), the
+        # store's load being the share of time it is reading (NvmeTier.load). A wasted read costs a needed read its
+        # time only when the store is busy (probability ~ load), and a right one saves about a read's wait: read
+        # when p > (1 - p) * load. A disk that is the bottleneck (load ~1) keeps the old rule (p > 0.5); a store
+        # that keeps up reads nearly every guess. False: always 0.5 (the bench's paired comparison).
+        self.guess_by_load = True
+        self.guess_floor = 0.5
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
 
@@ -469,6 +476,9 @@ class MoeStepper:
         if not 0 <= li < len(self.cache_slots):
             return 0
         predicted = np.atleast_2d(np.array(predicted, np.int64))  # a copy: the caller's buffer is reused
+        if self.nvme is not None:
+            load = self.nvme.load() if self.guess_by_load else 1.0
+            self.guess_floor = load / (1.0 + load)
         if distance == 2:
             if self.nvme is None:
                 return 0
@@ -487,8 +497,9 @@ class MoeStepper:
         started = 0
         if self.nvme is not None:
             protect = {li - 1: list(busy)} if li > 0 and len(busy) else None
-            # Most likely first (the read window may fill), and only guess ranks right more often than not: on a
-            # disk-bound host a wrong guess costs a whole record's read (H200 bench: half the reads were wasted).
+            # Most likely first (the read window may fill), and only ranks right often enough for the store's load:
+            # on a disk-bound host a wrong guess costs a whole record's read (H200 bench: half the reads were
+            # wasted when every rank was read).
             started = self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
             if self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
                 ram = [e for e in self._likely(predicted) if tiers.where[li, e] == self._ram_code]
@@ -520,11 +531,12 @@ class MoeStepper:
 
     def _likely(self, predicted: np.ndarray, among: set[int] | None = None,
                 precision: list[float] | None = None) -> list[int]:
-        """The predicted experts (of `among`, if given) guessed at a rank right more often than not (live
+        """The predicted experts (of `among`, if given) guessed at a rank right more often than `guess_floor` (live
         precision, one layer ahead unless given; a rank not yet scored counts as right), best rank first, each
         once."""
         precision = self._near.precision if precision is None else precision
-        ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > 0.5]
+        floor = self.guess_floor
+        ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > floor]
         rows = predicted.tolist()  # one conversion, not a column slice and a list per rank
         out, seen = [], set()
         for r in ranks:
@@ -614,6 +626,7 @@ class MoeStepper:
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
                                    "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
+                                   "guess_floor": round(self.guess_floor, 3),
                                    "two_ahead": {**self._far.meter.snapshot(), "prefetched": self.prefetched_far,
                                                  "rank_precision": [round(p, 3) for p in self._far.precision]}}}
         if self.lane is not None:

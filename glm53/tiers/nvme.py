@@ -65,6 +65,10 @@ log = logging.getLogger("glm53.tiers.nvme")
 READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
 PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
+# The store's load: the share of wall time it had a read under way, measured over spans of at least LOAD_SPAN_S and
+# smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
+LOAD_SPAN_S = 0.05
+LOAD_IDLE_S = 1.0
 DEFAULT_TIMEOUT_S = 5.0  # a 9 MiB O_DIRECT read takes milliseconds; seconds means a stalled or failing disk
 TORCH_DTYPES = {"int16": torch.int16, "float16": torch.float16}
 READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
@@ -156,6 +160,8 @@ class NvmeTier:
         self._faults: dict[tuple[int, int], dict] = {}
         self._lock = threading.Lock()  # health() runs on the server's thread; the rest on the tiers' owner
         self._bounce: np.ndarray | None = None
+        self._load = 1.0  # until measured, as if the store were always busy
+        self._load_mark: tuple[float, float] | None = None  # (perf_counter, reader busy seconds) at the span's start
 
     # ---- geometry -------------------------------------------------------------------------------------------
 
@@ -359,11 +365,32 @@ class NvmeTier:
         return {"state": "fault" if faults else "degraded", "store": str(self.path), "faults": faults,
                 "stalled_reads": stalled, "retired_slots": retired}
 
+    def load(self) -> float:
+        """The share of recent wall time the store had a read under way, 0..1 (1 until measured, or for a reader
+        without a busy clock). A store that keeps up sits well under 1, and a guess read ahead then costs it little;
+        a disk that is the decode's bottleneck sits near 1, where every wasted read delays one that is needed."""
+        busy_seconds = getattr(self.reader, "busy_seconds", None)
+        if busy_seconds is None:
+            return self._load
+        now, busy = time.perf_counter(), busy_seconds()
+        if self._load_mark is None:
+            self._load_mark = (now, busy)
+            return self._load
+        t0, b0 = self._load_mark
+        span = now - t0
+        if span >= LOAD_SPAN_S:
+            if span <= LOAD_IDLE_S:
+                self._load = 0.5 * self._load + 0.5 * min(1.0, (busy - b0) / span)
+            self._load_mark = (now, busy)
+        return self._load
+
     def read_summary(self) -> dict:
         """How the store is read, for /stats: parts per record, the timings that chose it (ms by parts, when the
-        tier timed them as it opened), and the reader's counts (reads, bytes, retries, errors, cancelled, reads
+        tier timed them as it opened), the store's load (see `load`) and its busy seconds so far, and the reader's counts (reads, bytes, retries, errors, cancelled, reads
         checked by their parts' hashes, queued)."""
-        return {"parts": getattr(self.reader, "pieces", 1),
+        busy = getattr(self.reader, "busy_seconds", None)
+        return {"parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
+                "busy_s": None if busy is None else round(busy(), 4),
                 "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
                 **self.reader.stats()}
 
