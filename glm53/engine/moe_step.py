@@ -17,8 +17,9 @@ Nothing here imports exllamav3, so the decisions run on the CPU in tests with CP
   admitted one layer ahead (reads and copies overlap this layer's experts and the next layer's attention), and
   how many of them the next layer really picks is counted (recall). In the nvme modes it may also hand in the
   layer after next's router on the same input (two ahead): a store read takes several layers' GPU time, so a
-  guess one layer ahead often lands late. Those guesses are scored apart and read only at ranks right more often
-  than not, so where they are poor they cost nothing but the router's few microseconds.
+  guess one layer ahead often lands late. Those guesses are scored apart and read only at ranks right often
+  enough for the store's load (see guess_floor), so where they are poor they cost nothing but the router's few
+  microseconds.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ FREE_RAM_SLOTS = 4
 class Guesses:
     """Guesses of one distance (one layer ahead, or two): each layer's guess until its step comes, and how often the
     guess at each rank (best first) was among the real picks, pooled over layers. A guess acted on costs its bytes
-    whether or not it is picked and saves them only when it is, so only ranks right more often than not are acted
-    on: calibrated live, starting from "yes"."""
+    whether or not it is picked and saves them only when it is, so only ranks right often enough are acted on
+    (MoeStepper.guess_floor): calibrated live, starting from "yes"."""
 
     def __init__(self) -> None:
         self.meter = RecallMeter()
