@@ -403,6 +403,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             # glm53's own functions by time including what they call: where the host's step time goes by call
             stats.sort_stats("cumulative").print_stats(r"glm53|store/", 40)
             log(f"profile of one {profile} window ({tokens} tokens, prefill included):\n{buf.getvalue()}")
+        contention = None
+        if nvme_open is not None:  # what the store's reads cost the planning thread, for the next change to aim at
+            from glm53.tiers.read_contention import line, read_contention
+
+            contention = read_contention(store, engine_parts[0] or 1)
+            log(line(contention))
 
         def mean(name: str, key: str) -> float:
             vals = [x[key] for x in rows if x["name"] == name and x.get(key) is not None]
@@ -429,6 +435,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             "read_parts": engine_parts[0],
             "read_ms_by_parts": {str(n): t * 1e3 for n, t in engine_parts[1].items()},
             "ram_fraction": ram_fraction if nvme_open is not None else None,
+            "read_contention": contention,
         }
         for mode in modes:
             m_rows = [x for x in rows if x["name"] == mode]
@@ -552,6 +559,10 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f}, "
                                  f"wrong {ds['wasted']:.2f}); store busy {ds['store_busy']:.2f} of the decode, guess "
                                  f"floor {ds['guess_floor']:.2f}")
+        if res.get("read_contention"):
+            from glm53.tiers.read_contention import line
+
+            lines.append("  " + line(res["read_contention"]))
         if "nvme" in res["modes"] and "fast" in res["modes"]:
             lines.append(f"  nvme / fast: {res['modes']['nvme']['decode_tok_s'] / res['modes']['fast']['decode_tok_s']:.3f}"
                          f" (target >= 0.7 at the 55 GiB fraction)")
