@@ -409,7 +409,9 @@ def test_the_tier_reads_a_records_parts_natively_unless_told_not_to(packed):
     with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={"native": False}) as tier:
         assert tier.reader.pieces == 4 and not tier.reader.native
     with open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
-        assert tier.reader.native == (_native() is not None)
+        assert tier.reader.native == (_native() is not None) and len(tier.reader._threads) == 2  # the plan's
+    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={"threads": 1}) as tier:
+        assert len(tier.reader._threads) == 1  # the bench's fewer-readers variant
 
 
 def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed, monkeypatch, caplog):

@@ -97,6 +97,9 @@ VARIANTS = {
     "nvme-exact-guesshalf": Variant("guesses read at ranks right more often than the store's load makes worth it",
                                     "guesses read only at ranks right more often than not",
                                     stepper=(("guess_by_load", False),)),
+    "nvme-exact-2readers": Variant("records read by the plan's 8 reader threads", "by 2 reader threads (fewer "
+                                   "threads to take the GIL as reads land, fewer records at once)",
+                                   reader=(("threads", 2),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),

@@ -719,8 +719,8 @@ def open_nvme_tier(
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
     without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
     pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`).
-    reader_options: further StoreReader options, for the bench's paired comparisons with an earlier reader
-    (native=False: the parts on Python threads)."""
+    reader_options: further StoreReader options (over `threads`), for the bench's paired comparisons with an
+    earlier reader (native=False: the parts on Python threads; threads=2: fewer records read at once)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
     store_path, model_dir = Path(store_path), Path(model_dir)
@@ -739,8 +739,8 @@ def open_nvme_tier(
         read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
                                                min_piece=opts.get("min_piece", MIN_PIECE),
                                                hashed=opts.get("part_hashes", True))
-    reader = StoreReader(store_path, threads=threads or plan.nvme_threads or 4, allow_buffered=allow_buffered,
-                         verify=True, header=header, pieces=read_pieces, **(reader_options or {}))
+    reader = StoreReader(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
+                         **{"threads": threads or plan.nvme_threads or 4, **(reader_options or {})})
     try:
         counts, why = (None, "no routing statistics path given (cold start)")
         if stats_path is not None:
