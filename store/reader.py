@@ -370,18 +370,23 @@ class StoreReader:
             if task.parts is not None:
                 self._read_part(task, part)
                 continue
+            done = failed = None
             try:
                 if not task.future.set_running_or_notify_cancel():
                     self._count("cancelled")
                     continue
                 try:
-                    task.future.set_result(self._read(task))
+                    done = self._read(task)
                 except BaseException as exc:   # the caller gets every failure through its future
                     self._count("errors")
-                    task.future.set_exception(exc)
+                    failed = exc
             finally:
-                with self._cv:
+                with self._cv:  # before the future resolves: whoever it wakes sees the read over
                     self._ended()
+            if failed is not None:
+                task.future.set_exception(failed)
+            else:
+                task.future.set_result(done)
 
     def _began(self) -> None:
         """A read or part starts (the caller holds the lock)."""

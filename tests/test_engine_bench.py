@@ -58,7 +58,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
                  "per decoded token: store picks by layer 1.50 0.25; reads a step waited for but no guess started "
                  "1.25, guesses read 3.00 (in time 2.00, late 0.50, wrong 0.50); store busy 0.30 of the decode, guess "
-                 "floor 0.23",
+                 "floor 0.23 at the windows' ends",
                  "each tiered mode decoded 192 tokens before the windows",
                  "nvme-exact / nvme-exact-whole (each record read in parallel parts / each record read in one "
                  "pread): 1.250", "nvme-exact-whole picks per tier",

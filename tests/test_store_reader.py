@@ -808,7 +808,8 @@ def test_the_busy_clock_counts_time_with_a_read_under_way_once(store, monkeypatc
         gate.release.set()
         held.result(10)
         held_for = time.perf_counter() - t0
+        time.sleep(0.05)  # a split read's last part ends its clock just after its future resolves
         busy = r.busy_seconds()
-        assert 0.2 <= busy <= held_for + 0.01
+        assert 0.2 <= busy <= held_for + 0.05
         time.sleep(0.2)
         assert r.busy_seconds() == busy, "an idle reader's clock stands still"

@@ -209,6 +209,9 @@ def test_ties_between_victims_go_to_the_lowest_layer_then_id() -> None:
     assert tiers.weakest(ok) == (0, 5)
     ok[0, 5] = False
     assert tiers.weakest(ok) == (1, 0)
+    tiers._current_scores()[:] = np.inf  # every expert scored +inf (a policy that pins them): still one of `ok`
+    ok[1, 0] = False
+    assert tiers.weakest(ok) == (1, 2)
 
 
 def test_a_store_read_drops_unguarded_experts_first_and_never_a_protected_one() -> None:

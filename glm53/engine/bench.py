@@ -561,7 +561,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  + f"; reads a step waited for but no guess started {ds['demand_misses']:.2f}, "
                                  f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f}, "
                                  f"wrong {ds['wasted']:.2f}); store busy {ds['store_busy']:.2f} of the decode, guess "
-                                 f"floor {ds['guess_floor']:.2f}")
+                                 f"floor {ds['guess_floor']:.2f} at the windows' ends")
         if res.get("read_contention"):
             from glm53.tiers.read_contention import line
 

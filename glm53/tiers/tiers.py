@@ -407,8 +407,10 @@ class ExpertTiers:
 
     def weakest(self, ok: np.ndarray) -> tuple[int, int]:
         """The (layer, expert) with the lowest score where `ok` (num_layers, num_experts) holds, the first in layer
-        then expert order among equals; `ok` must hold somewhere."""
-        return divmod(int(np.where(ok, self._current_scores(), np.inf).argmin()), self.num_experts)
+        then expert order among equals; `ok` must hold somewhere. Searched among the `ok` ones only: where all of
+        them score +inf, an argmin over the masked scores would name the first expert, ok or not."""
+        flat = np.flatnonzero(ok)
+        return divmod(int(flat[self._current_scores().ravel()[flat].argmin()]), self.num_experts)
 
     def _current_scores(self) -> np.ndarray:
         """Every layer's scores, stacked once and then kept up to date in place: the policies learn only through
