@@ -156,3 +156,12 @@ def test_window_line_names_the_traffic_host_time_and_disk_share():
     assert line.startswith("window 2 nvme: prefill 512 tok in 0.600 s, decode 40.0 tok/s, hit rate 0.400")
     assert "345 MiB/token H2D" in line and "host 550 us/layer step; host ms/token plan 4.40 store_wait 8.00" in line
     assert line.endswith("(0.08 of the disk's time at the 25.00 GB/s it gave beside this window)")
+
+
+def test_a_variant_sets_attributes_of_the_stepper_and_of_what_it_holds():
+    from types import SimpleNamespace
+
+    stepper = SimpleNamespace(guess_by_load=True, tiers=SimpleNamespace(copier=SimpleNamespace(batched=True)))
+    for name, value in B.VARIANTS["nvme-exact-copyeach"].stepper + B.VARIANTS["nvme-exact-guesshalf"].stepper:
+        B.set_path(stepper, name, value)
+    assert stepper.tiers.copier.batched is False and stepper.guess_by_load is False

@@ -76,7 +76,7 @@ class Variant:
     before: str                   # what the variant does instead
     read_pieces: int | None = None
     reader: tuple = ()            # StoreReader options, as (name, value) pairs
-    stepper: tuple = ()           # attributes set on the decode stepper after load
+    stepper: tuple = ()           # attributes set on the decode stepper after load ("a.b": on what it holds)
     lookahead_depth: int = 1
 
 
@@ -100,12 +100,21 @@ VARIANTS = {
     "nvme-exact-2readers": Variant("records read by the plan's 8 reader threads", "by 2 reader threads (fewer "
                                    "threads to take the GIL as reads land, fewer records at once)",
                                    reader=(("threads", 2),)),
+    "nvme-exact-copyeach": Variant("a step's copies queued in one call into torch", "one copy_ call per copy",
+                                   stepper=(("tiers.copier.batched", False),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
 }
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
+
+
+def set_path(obj: Any, name: str, value: Any) -> None:
+    """setattr along a dotted name: "tiers.copier.batched" sets obj.tiers.copier.batched (a variant's attribute of
+    what the stepper holds)."""
+    *path, attr = name.split(".")
+    setattr(functools.reduce(getattr, path, obj), attr, value)
 
 
 def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -230,7 +239,7 @@ class _Runner:
         if self.tiered is not None:
             self.tiered.populate()
             for name, value in variant.stepper:
-                setattr(self.tiered.stepper, name, value)
+                set_path(self.tiered.stepper, name, value)
             if mode in ("fast", "nvme"):
                 from glm53.cpu_lane.calibrate import default_threads
 
