@@ -4,7 +4,9 @@
 #   STEPS=bench bash tests/gpu/session.sh               # a subset (default: all, what is owed first; one call runs
 #                                                        # at most 10 min, so give bench and nvme a call each)
 # First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
-#   tiny      fast/nvme KL + top-1 and nvme-exact bit-identity (tests/test_gpu_modes.py -k tiny), then exact mode
+#   tiny      the tier machinery on CUDA (tests/test_tiers_gpu.py, tests/test_nvme_tier_gpu.py: copy ordering,
+#             batched copies, pinned arenas), fast/nvme KL + top-1 and nvme-exact bit-identity
+#             (tests/test_gpu_modes.py -k tiny), then exact mode
 #             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
 #             tests/gpu/stage_extras.sh)
@@ -48,6 +50,7 @@ fi
 python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
 stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
 step_tiny() {
+  gpu_pytest tiers 120 tests/test_tiers_gpu.py tests/test_nvme_tier_gpu.py
   gpu_pytest modes-tiny 300 tests/test_gpu_modes.py -k tiny
   gpu_pytest exact-tiny 240 tests/test_gpu_engine.py -k "tiny or engine"
 }
