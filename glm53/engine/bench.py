@@ -70,14 +70,16 @@ def register_bench(bench_sub: Any) -> None:
 
 @dataclass(frozen=True)
 class Variant:
-    """nvme-exact with one of its parts as it was before a change: run next to nvme-exact, they give the change's
-    effect as nvme-exact / variant, the median of paired windows."""
+    """nvme-exact with one of its parts as it was before a change (or as it might be: `before` then says what the
+    variant tries): run next to nvme-exact, they give the change's effect as nvme-exact / variant, the median of
+    paired windows."""
     now: str                      # what nvme-exact does
     before: str                   # what the variant does instead
     read_pieces: int | None = None
     reader: tuple = ()            # StoreReader options, as (name, value) pairs
     stepper: tuple = ()           # attributes set on the decode stepper after load ("a.b": on what it holds)
     lookahead_depth: int = 1
+    prestage: bool = False        # TieredMoE(prestage=True): predicted RAM experts copied into staging ahead
 
 
 VARIANTS = {
@@ -102,6 +104,10 @@ VARIANTS = {
                                    reader=(("threads", 2),)),
     "nvme-exact-copyeach": Variant("a step's copies queued in one call into torch", "one copy_ call per copy",
                                    stepper=(("tiers.copier.batched", False),)),
+    "nvme-exact-prestage": Variant("a step's RAM misses copied once its router has run", "the next layer's likely "
+                                   "RAM experts also copied into staging ahead, while this layer runs (tried: in "
+                                   "the nvme modes the PCIe link has time to spare, the planning thread has not)",
+                                   prestage=True),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
@@ -223,8 +229,8 @@ class _Runner:
         self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = None
         if slots is not None:
-            prestage = mode == "exact-prestage"
             variant = VARIANTS.get(mode, Variant("", ""))
+            prestage = mode == "exact-prestage" or variant.prestage
             if variant.read_pieces is not None:
                 nvme_open = functools.partial(nvme_open, read_pieces=variant.read_pieces)
             if variant.reader:
