@@ -78,8 +78,9 @@ class Copier:
         self._fill = torch.cuda.Stream(self.device) if self.cuda else None
         self._write_back = torch.cuda.Stream(self.device) if self.cuda else None
         # copy_many queues a batch in one call into torch: each copy_ call lets go of the GIL, and in the nvme modes a
-        # store reader thread waiting for it then runs before the planning thread gets it back (H200: a step's copies
-        # cost 2.5x their fast-mode time). False: one copy_ per pair (the bench's paired comparison).
+        # store reader thread waiting for it may then run before the planning thread gets it back (on the H200 the
+        # nvme modes spent 2.5x fast mode's host time per copy queued). False: one copy_ per pair (the bench's
+        # paired comparison, owed a GPU run).
         self.batched = hasattr(torch, "_foreach_copy_")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Ticket | None = None) -> Ticket:

@@ -386,8 +386,8 @@ class NvmeTier:
 
     def read_summary(self) -> dict:
         """How the store is read, for /stats: parts per record, the timings that chose it (ms by parts, when the
-        tier timed them as it opened), the store's load (see `load`) and its busy seconds so far, and the reader's counts (reads, bytes, retries, errors, cancelled, reads
-        checked by their parts' hashes, queued)."""
+        tier timed them as it opened), the store's load (see `load`) and its busy seconds so far, and the reader's
+        counts (reads, bytes, retries, errors, cancelled, reads checked by their parts' hashes, queued)."""
         busy = getattr(self.reader, "busy_seconds", None)
         return {"parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
                 "busy_s": None if busy is None else round(busy(), 4),
