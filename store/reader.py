@@ -235,7 +235,8 @@ class StoreReader:
         self.native = native and self.pieces > 1 and _native() is not None
         # A record's part hashes, kept from its first read that passed the whole-record xxh3: a later read of it
         # is checked part by part, each hashed on the native thread that read it (parallel, and in cache), and
-        # one that fails is read again and checked whole. {(layer, expert): the uint64 hashes as bytes, parts as _split}.
+        # one that fails is read again and checked whole. {(layer, expert): the uint64 hashes as bytes, parts as
+        # _split}.
         self.part_hashes = part_hashes and self.native and _part_hash() != 0
         self._parts_known: dict[tuple[int, int], bytes] = {}  # bytes: compared in well under a microsecond
         self._into: dict[int, list[int]] = {}  # buffer address -> [reads into it now, reads into it since]
