@@ -59,6 +59,7 @@ def queue_library():
                 (held, "glm53_rq_new", vp, [i32]), (held, "glm53_rq_submit", i32, [vp, vp]),
                 (held, "glm53_rq_cancel", i32, [vp, vp]), (held, "glm53_rq_promote", i32, [vp, vp]),
                 (held, "glm53_rq_busy", ctypes.c_double, [vp]), (held, "glm53_rq_queued", i64, [vp]),
+                (held, "glm53_rq_state", i64, [vp]),
                 (lib, "glm53_rq_wait", i64, [vp, vp, i64]), (lib, "glm53_rq_close", i64, [vp]),
                 (lib, "glm53_rq_free", None, [vp]),
             ):
@@ -206,7 +207,9 @@ class NativeStoreReader:
                 fut.epoch = mine[1]
                 self._live[id(fut)] = fut
                 self._queued[key] = fut
-                self._held.glm53_rq_submit(self._q, fut.task.ctypes.data)  # open: close() needs this lock first
+                if self._held.glm53_rq_submit(self._q, fut.task.ctypes.data) != 0:  # open (close() takes the lock
+                    self._resolve(fut)                                              # first): out of memory
+                    raise MemoryError(f"store reader for {self.path}: no memory to queue {entry.where()}")
                 futures.append(fut)
             self._submitted += len(prepared)
             sweep = self._submitted % 256 < len(prepared)
@@ -233,7 +236,7 @@ class NativeStoreReader:
         with self._lock:
             if fut.final:
                 return True
-            state = int(fut.task[STATE])
+            state = self._held.glm53_rq_state(fut.task.ctypes.data)
             if state == CANCELLED:
                 fut.was_cancelled = True
                 self._resolve(fut)

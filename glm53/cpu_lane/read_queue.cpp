@@ -200,6 +200,10 @@ GLM53_API double glm53_rq_busy(void* queue) {
     return static_cast<double>(q->busy_ns + (q->active ? now_ns() - q->busy_from : 0)) * 1e-9;
 }
 
+// The task's state with acquire semantics: Python reads the result fields only after this says DONE, so those
+// reads see what the worker wrote before it (a plain numpy read is enough on x86, not on every CPU).
+GLM53_API int64_t glm53_rq_state(const int64_t* t) { return state_of(t); }
+
 GLM53_API int64_t glm53_rq_queued(void* queue) {
     Queue* q = static_cast<Queue*>(queue);
     std::lock_guard<std::mutex> lock(q->mu);
