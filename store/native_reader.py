@@ -74,13 +74,14 @@ class NativeRead:
     cancelled / running, as far as NvmeTier uses them. The task array lives here, and the reader keeps this object
     until the native side is done with it."""
 
-    __slots__ = ("reader", "entry", "out", "verify", "key", "task", "attempt", "known", "alone", "epoch",
+    __slots__ = ("reader", "entry", "out", "verify", "key", "task", "at", "attempt", "known", "alone", "epoch",
                  "final", "value", "error", "was_cancelled")
 
     def __init__(self, reader: NativeStoreReader, entry: RecordEntry, out: np.ndarray, verify: bool, level: int,
                  key: tuple[int, int, int], parts: int, known: bytes | None):
         self.reader, self.entry, self.out, self.verify, self.key = reader, entry, out, verify, key
         t = self.task = np.zeros(FIELDS + parts, np.int64)
+        self.at = t.ctypes.data  # the task's address, looked up once (each lookup costs about a microsecond)
         t[FD], t[BUF], t[LEN], t[OFF], t[PARTS], t[ALIGN_AT], t[LEVEL] = (
             reader.fd, key[2], entry.extent, entry.offset, parts, ALIGN, level)
         if verify and reader.hash:
@@ -194,7 +195,7 @@ class NativeStoreReader:
                 fut = self._queued.get(key)
                 if fut is not None and not fut.final and fut.attempt == 1 and int(fut.task[STATE]) == QUEUED:
                     if level == 0:
-                        self._held.glm53_rq_promote(self._q, fut.task.ctypes.data)
+                        self._held.glm53_rq_promote(self._q, fut.at)
                     futures.append(fut)
                     continue
                 parts = len(self._split(entry.extent) or ()) or 1
@@ -207,7 +208,7 @@ class NativeStoreReader:
                 fut.epoch = mine[1]
                 self._live[id(fut)] = fut
                 self._queued[key] = fut
-                if self._held.glm53_rq_submit(self._q, fut.task.ctypes.data) != 0:  # open (close() takes the lock
+                if self._held.glm53_rq_submit(self._q, fut.at) != 0:  # open (close() takes the lock
                     self._resolve(fut)                                              # first): out of memory
                     raise MemoryError(f"store reader for {self.path}: no memory to queue {entry.where()}")
                 futures.append(fut)
@@ -225,7 +226,7 @@ class NativeStoreReader:
             fut = self._queued.get((layer, expert, out.ctypes.data))
             if fut is None or fut.final or fut.attempt > 1:
                 return False
-            return bool(self._held.glm53_rq_promote(self._q, fut.task.ctypes.data))
+            return bool(self._held.glm53_rq_promote(self._q, fut.at))
 
     # -- looking at a read ----------------------------------------------------------------------------------
     def _look(self, fut: NativeRead) -> bool:
@@ -236,7 +237,7 @@ class NativeStoreReader:
         with self._lock:
             if fut.final:
                 return True
-            state = self._held.glm53_rq_state(fut.task.ctypes.data)
+            state = self._held.glm53_rq_state(fut.at)
             if state == CANCELLED:
                 fut.was_cancelled = True
                 self._resolve(fut)
@@ -293,7 +294,7 @@ class NativeStoreReader:
         fut.attempt += 1
         t[DELAY_NS] = RETRY_DELAY_NS * fut.attempt
         t[WANT_WHOLE] = 1
-        if self._closed or self._held.glm53_rq_submit(self._q, t.ctypes.data) != 0:
+        if self._closed or self._held.glm53_rq_submit(self._q, fut.at) != 0:
             fut.attempt -= 1  # not tried again: the error names the attempts made
             return False
         self._stats["retries"] += 1
@@ -315,7 +316,7 @@ class NativeStoreReader:
         if fut.done():
             return fut.was_cancelled
         with self._lock:
-            if fut.final or fut.attempt > 1 or not self._held.glm53_rq_cancel(self._q, fut.task.ctypes.data):
+            if fut.final or fut.attempt > 1 or not self._held.glm53_rq_cancel(self._q, fut.at):
                 return fut.final and fut.was_cancelled
             fut.was_cancelled = True
             self._stats["cancelled"] += 1
@@ -323,7 +324,7 @@ class NativeStoreReader:
             return True
 
     def _wait(self, fut: NativeRead, timeout_ns: int) -> None:
-        self._wait_native(self._q, fut.task.ctypes.data, timeout_ns)
+        self._wait_native(self._q, fut.at, timeout_ns)
 
     def _error(self, e: RecordEntry, problem: str, corrupt: bool, *, attempts: int) -> Exception:
         exc = StoreReader._error(self, e, problem, corrupt)
