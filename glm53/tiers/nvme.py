@@ -46,6 +46,7 @@ import torch
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
 from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up, read_header
+from store.native_reader import NativeStoreReader
 from store.reader import MIN_PIECE, Priority, StoreReader, pick_pieces, time_pieces
 from store.verify import pack_command, quick_verify
 
@@ -720,7 +721,8 @@ def open_nvme_tier(
     without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
     pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`).
     reader_options: further StoreReader options (over `threads`), for the bench's paired comparisons with an
-    earlier reader (native=False: the parts on Python threads; threads=2: fewer records read at once)."""
+    earlier reader (native=False: the parts on Python threads; threads=2: fewer records read at once);
+    native_queue=True: a NativeStoreReader, whose reads never land on a Python thread."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
     store_path, model_dir = Path(store_path), Path(model_dir)
@@ -739,8 +741,10 @@ def open_nvme_tier(
         read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
                                                min_piece=opts.get("min_piece", MIN_PIECE),
                                                hashed=opts.get("part_hashes", True))
-    reader = StoreReader(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
-                         **{"threads": threads or plan.nvme_threads or 4, **(reader_options or {})})
+    opts = dict(reader_options or {})
+    make = NativeStoreReader if opts.pop("native_queue", False) else StoreReader
+    reader = make(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
+                  **{"threads": threads or plan.nvme_threads or 4, **opts})
     try:
         counts, why = (None, "no routing statistics path given (cold start)")
         if stats_path is not None:

@@ -1,0 +1,360 @@
+"""NativeStoreReader: StoreReader's semantics with reads queued, read, hashed and finished by native threads."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+import pytest
+import torch
+from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, route, slot_forward
+
+import store.native_reader as N
+import store.reader as R
+from store.directio import alloc_aligned, alloc_slots
+from store.errors import StoreCorruptError, StoreReadError
+from store.format import read_header
+from store.pack import PackOptions, pack_store
+from store.reader import Priority
+from store.synth import write_expert_checkpoint
+
+pytestmark = pytest.mark.skipif(N.queue_library() is None, reason="glm53's native library is not built")
+needs_hash = pytest.mark.skipif(not R._part_hash(), reason="the xxhash package does not export XXH3_64bits")
+SPLIT = {"pieces": 4, "min_piece": 4096}  # the test store's records are 40 KiB: four parts each
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("native-reader")
+    ck = write_expert_checkpoint(root / "ck", layers=3, experts=8, mtp_layers=0)
+    out = root / "s.glm53"
+    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
+    return out
+
+
+def reference(store, layer, expert):
+    e = read_header(store).entry(layer, expert)
+    with open(store, "rb") as f:
+        f.seek(e.offset)
+        return f.read(e.extent)
+
+
+def copy(store, tmp_path):
+    path = tmp_path / "s.glm53"
+    shutil.copyfile(store, path)
+    return path
+
+
+def corrupt(path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        was = f.read(1)
+        f.seek(offset)
+        f.write(bytes([was[0] ^ 0xFF]))
+
+
+def slow_first(monkeypatch, seconds: float) -> None:
+    """The next read made sleeps `seconds` on its worker before reading: with one worker, what is queued after it
+    waits behind it."""
+    real = N.NativeRead.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        monkeypatch.setattr(N.NativeRead, "__init__", real)
+        self.task[N.DELAY_NS] = int(seconds * 1e9)
+
+    monkeypatch.setattr(N.NativeRead, "__init__", init)
+
+
+def under_way(fut) -> None:
+    deadline = time.monotonic() + 10
+    while not fut.running():
+        assert time.monotonic() < deadline, "the read never started"
+        time.sleep(0.001)
+
+
+def started(fut) -> int:
+    return int(fut.task[N.T_START])
+
+
+@pytest.mark.parametrize("options", [{}, SPLIT], ids=["whole", "split"])
+def test_reads_land_the_records_bytes_whole_or_in_parts(store, options):
+    with N.NativeStoreReader(store, threads=3, verify=True, **options) as r:
+        keys = r.keys()
+        arena = alloc_slots(len(keys), r.max_extent)
+        futs = r.read_many([(layer, e, arena[i]) for i, (layer, e) in enumerate(keys)])
+        for k, f in zip(keys, futs, strict=True):
+            done = f.result(10)
+            assert (done.layer, done.expert, done.attempts) == (*k, 1) and done.seconds >= 0
+            assert done.data.ctypes.data % 4096 == 0 and done.data.tobytes() == reference(store, *k)
+            assert f.done() and not f.running() and not f.cancelled() and f.exception() is None
+        h = r.header
+        assert r.stats()["reads"] == len(keys) and r.stats()["bytes"] == sum(h.entry(*k).extent for k in keys)
+        assert r.stats()["queued"] == 0 and not r._live and not r._into
+        if options:
+            assert int(futs[0].task[N.USED]) == 4
+        v = r.views(2, arena[-1])
+        seg = r.layout(2).segment("down.svh")
+        assert v.down.svh.tobytes() == arena[-1][seg.offset:seg.offset + seg.nbytes].tobytes()
+
+
+def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=1) as r:
+        arena = alloc_slots(4, r.max_extent)
+        slow_first(monkeypatch, 0.2)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        under_way(first)
+        pre = r.read_many([(1, 1, arena[1]), (1, 2, arena[2])], priority=Priority.PREFETCH)
+        dem = r.read(2, 7, arena[3], priority=Priority.DEMAND)
+        with pytest.raises(FutureTimeout):
+            dem.result(0.01)
+        for f in [first, *pre, dem]:
+            f.result(10)
+        assert started(first) < started(dem) < started(pre[0]) < started(pre[1])
+
+
+def test_asking_again_as_demand_or_promoting_moves_a_queued_prefetch_ahead(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=1) as r:
+        arena = alloc_slots(5, r.max_extent)
+        slow_first(monkeypatch, 0.2)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        under_way(first)
+        a, b, c = r.read_many([(1, 1, arena[1]), (1, 2, arena[2]), (1, 3, arena[3])], priority=Priority.PREFETCH)
+        assert r.read(1, 2, arena[2], priority=Priority.DEMAND) is b  # one read, not two
+        assert r.promote(1, 3, arena[3]) and not r.promote(1, 0, arena[0]) and not r.promote(2, 0, arena[4])
+        for f in (first, a, b, c):
+            f.result(10)
+        assert started(b) < started(c) < started(a)
+        assert not r.promote(1, 3, arena[3])  # done: nothing to promote
+        assert r.stats()["reads"] == 4
+
+
+def test_a_cancelled_queued_read_is_never_read(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=1) as r:
+        arena = alloc_slots(3, r.max_extent)
+        slow_first(monkeypatch, 0.2)
+        first = r.read(1, 0, arena[0])
+        under_way(first)
+        doomed = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        kept = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
+        assert not first.cancel()  # under way
+        assert doomed.cancel() and doomed.cancelled() and doomed.done() and doomed.cancel()
+        with pytest.raises(CancelledError):
+            doomed.result()
+        kept.result(10)
+        assert not kept.cancel() and started(doomed) == 0 and first.result().expert == 0
+        assert r.stats()["cancelled"] == 1 and r.stats()["reads"] == 2
+        again = r.read(1, 1, arena[1])  # asked again after its cancel: read anew
+        assert again is not doomed and again.result(10).data.tobytes() == reference(store, 1, 1)
+
+
+def test_close_cancels_what_is_queued_and_finishes_what_runs(store, monkeypatch):
+    r = N.NativeStoreReader(store, threads=1)
+    arena = alloc_slots(3, r.max_extent)
+    slow_first(monkeypatch, 0.1)
+    running = r.read(1, 0, arena[0])
+    under_way(running)
+    queued = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+    r.close()
+    assert running.done() and running.result(0).expert == 0 and queued.cancelled()
+    assert r.stats()["cancelled"] == 1 and r.stats()["reads"] == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        r.read(1, 2, arena[2])
+    r.close()  # twice is fine
+
+
+@pytest.mark.parametrize("options", [{}, SPLIT], ids=["whole", "split"])
+def test_a_truncated_store_gives_a_short_read_error_naming_the_record(store, tmp_path, options):
+    path = copy(store, tmp_path)
+    with N.NativeStoreReader(path, threads=1, retries=1, verify=True, **options) as r:
+        last = r.keys()[-1]
+        os.truncate(path, r.header.entry(*last).offset + 4096)
+        fut = r.read(*last, alloc_aligned(r.max_extent))
+        with pytest.raises(StoreReadError) as ei:
+            fut.result(10)
+        assert "short read" in ei.value.problem and f"(layer {last[0]}, expert {last[1]})" in ei.value.problem
+        assert str(path) in ei.value.problem and "after 2 attempts" in ei.value.problem
+        assert "glm53 verify-store" in ei.value.fix and fut.exception() is ei.value
+        assert r.stats()["retries"] == 1 and r.stats()["errors"] == 1
+
+
+def test_an_io_error_is_retried_then_named(store, tmp_path):
+    with N.NativeStoreReader(store, threads=1, retries=2) as r:
+        dirfd = os.open(tmp_path, os.O_RDONLY)
+        os.dup2(dirfd, r.fd)  # every pread now fails with EISDIR
+        os.close(dirfd)
+        with pytest.raises(StoreReadError) as ei:
+            r.read(2, 6, alloc_aligned(r.max_extent)).result(10)
+        assert "I/O error: Is a directory" in ei.value.problem and "(layer 2, expert 6)" in ei.value.problem
+        assert "after 3 attempts" in ei.value.problem and r.stats()["retries"] == 2
+
+
+@pytest.mark.parametrize("options", [{}, SPLIT], ids=["whole", "split"])
+def test_a_corrupted_record_is_a_corrupt_error_after_the_retries(store, tmp_path, options):
+    path = copy(store, tmp_path)
+    with N.NativeStoreReader(path, threads=2, verify=True, retries=2, **options) as r:
+        corrupt(path, r.header.entry(1, 3).offset + 5000)
+        bad, good = r.read_many([(1, 3, alloc_aligned(r.max_extent)), (1, 4, alloc_aligned(r.max_extent))])
+        with pytest.raises(StoreCorruptError) as ei:
+            bad.result(10)
+        assert "xxh3" in ei.value.problem and "(layer 1, expert 3)" in ei.value.problem
+        assert "after 3 attempts" in ei.value.problem
+        assert good.result(10).data.tobytes() == reference(store, 1, 4)
+        assert r.stats()["retries"] == 2 and r.stats()["errors"] == 1 and r.stats()["reads"] == 1
+
+
+def test_a_transient_fault_is_read_again(store, tmp_path):
+    path = copy(store, tmp_path)
+    e = read_header(path).entry(2, 2)
+    with N.NativeStoreReader(path, threads=1, verify=True, retries=2, **SPLIT) as r:
+        corrupt(path, e.offset + 100)
+        fut = r.read(2, 2, alloc_aligned(r.max_extent))
+        while int(fut.task[N.STATE]) != N.DONE:  # the native read is over; nobody has looked at it yet
+            time.sleep(0.001)
+        corrupt(path, e.offset + 100)  # the disk gives the right byte again
+        done = fut.result(10)
+        assert done.attempts == 2 and done.data.tobytes() == reference(store, 2, 2)
+        assert r.stats()["retries"] == 1 and r.stats()["errors"] == 0
+
+
+@needs_hash
+def test_a_record_read_again_is_checked_by_its_parts_hashes_and_a_bad_part_is_caught(store, tmp_path):
+    path = copy(store, tmp_path)
+    with N.NativeStoreReader(path, threads=2, verify=True, retries=1, **SPLIT) as r:
+        assert r.part_hashes
+        e = r.header.entry(1, 3)
+        buf = alloc_aligned(r.max_extent)
+        for n in (1, 2):  # the first read is checked whole (hashed natively) and keeps its parts' hashes
+            fut = r.read(1, 3, buf)
+            done = fut.result(10)
+            assert done.data.tobytes() == reference(store, 1, 3) and done.attempts == 1
+            assert r.stats()["checked_by_parts"] == n - 1 and bool(fut.task[N.WANT_WHOLE]) == (n == 1)
+        corrupt(path, e.offset + e.extent - 100)  # in the last part
+        with pytest.raises(StoreCorruptError) as ei:
+            r.read(1, 3, buf, priority=Priority.DEMAND).result(10)
+        assert "xxh3" in ei.value.problem and "(layer 1, expert 3)" in ei.value.problem
+        assert r.stats()["checked_by_parts"] == 1 and r.stats()["retries"] == 1
+    with N.NativeStoreReader(path, threads=2, verify=True, part_hashes=False, **SPLIT) as r:
+        assert not r.part_hashes
+
+
+@needs_hash
+def test_parts_hashes_are_kept_only_from_a_read_that_had_its_buffer_to_itself(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=1, verify=True, **SPLIT) as r:
+        buf = alloc_aligned(r.max_extent)
+        slow_first(monkeypatch, 0.05)
+        a = r.read(1, 5, buf)
+        b = r.read(1, 6, buf)  # into the same buffer while the first is under way
+        a.result(10), b.result(10)
+        assert (1, 5) not in r._parts_known and (1, 6) not in r._parts_known
+        r.read(1, 5, buf).result(10)
+        assert (1, 5) in r._parts_known
+
+
+def test_the_busy_clock_grows_while_reading_and_stands_still_idle(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=2) as r:
+        assert r.busy_seconds() == 0.0
+        arena = alloc_slots(2, r.max_extent)
+        t0 = time.perf_counter()
+        slow_first(monkeypatch, 0.2)
+        held = r.read(1, 0, arena[0])
+        under_way(held)
+        r.read(1, 1, arena[1]).result(10)  # beside the held one: no extra busy time
+        mid = r.busy_seconds()
+        assert 0 < mid < 0.2
+        held.result(10)
+        held_for = time.perf_counter() - t0
+        busy = r.busy_seconds()
+        assert 0.2 <= busy <= held_for
+        time.sleep(0.1)
+        assert r.busy_seconds() == busy, "an idle reader's clock stands still"
+
+
+def test_many_python_threads_submit_and_wait_at_once(store):
+    with N.NativeStoreReader(store, threads=4, verify=True, **SPLIT) as r:
+        keys, errors = r.keys(), []
+
+        def client(i):
+            try:
+                arena = alloc_slots(len(keys), r.max_extent)
+                for _ in range(3):
+                    prio = Priority.DEMAND if i % 2 else Priority.PREFETCH
+                    futs = r.read_many([(layer, e, arena[j]) for j, (layer, e) in enumerate(keys)], priority=prio)
+                    for k, f in zip(keys, futs, strict=True):
+                        assert f.result(10).data.tobytes() == reference(store, *k)
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+        s = r.stats()
+        assert s["reads"] == 8 * 3 * len(keys) and s["errors"] == 0 and s["queued"] == 0 and not r._live
+
+
+def test_a_dropped_future_still_has_its_read_settled(store):
+    with N.NativeStoreReader(store, threads=2, verify=True) as r:
+        arena = alloc_slots(300, r.max_extent)
+        for i in range(300):  # futures never looked at: the reader looks at them itself now and then
+            r.read(1, i % 8, arena[i])
+            if i == 254:
+                time.sleep(0.2)  # the reads so far land, and the next submit sweeps them
+        assert len(r._live) <= 300 - 250 and r.stats()["reads"] >= 250 and r.stats()["errors"] == 0
+
+
+# -- the nvme tier on the native reader (tests/test_nvme_tier.py's core equality test) ------------------------------
+
+LAYERS, EXPERTS, TOP_K = 3, 16, 4
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    return make_store(tmp_path_factory.mktemp("nvme-native"), layers=LAYERS, experts=EXPERTS)
+
+
+@pytest.mark.parametrize("seed, pieces", [(0, 1), (1, 4), (2, 1), (3, 4)])
+def test_the_tier_on_the_native_reader_equals_direct(packed, seed, pieces):
+    from glm53.tiers import save_routing_stats, tiered_moe
+    from glm53.tiers.nvme import model_key, open_nvme_tier
+
+    ck, store = packed
+    direct = Direct(ck)
+    rng = np.random.default_rng(seed)
+    plan = nvme_plan(store, int(rng.integers(EXPERTS + 1, EXPERTS + 6)), int(rng.integers(0, EXPERTS)))
+    stats = None
+    if seed % 2:
+        stats = ck.parent / f"routing-native-{seed}.json"
+        save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
+    options = {"native_queue": True, "min_piece": 4096}
+    with open_nvme_tier(store, ck, plan, stats_path=stats, read_pieces=pieces, reader_options=options) as tier:
+        assert isinstance(tier.reader, N.NativeStoreReader) and tier.reader.pieces == pieces
+        forward = slot_forward(tier.layout)
+        cpu_share = rng.random()
+        for _ in range(12):
+            layer = int(rng.integers(2))
+            ids, w = route(rng, int(rng.integers(1, 4)), EXPERTS, TOP_K)
+            x = torch.from_numpy(rng.standard_normal((len(ids), HIDDEN)).astype(np.float32))
+            got = tiered_moe(tier.tiers, layer, x, ids, w, forward, admit=bool(rng.random() < 0.7),
+                             lane_for=lambda lay, e: "cpu" if rng.random() < cpu_share else "pcie")
+            assert torch.equal(got.y, direct.moe(tier.store_layers[layer], x, ids, w))
+            tier.check_invariants()
+            guess = rng.choice(EXPERTS, TOP_K, replace=False)
+            tier.prefetch([(1 - layer, int(e)) for e in guess])
+            tier.check_invariants()
+        deadline = time.monotonic() + 10
+        while tier._reads:
+            assert time.monotonic() < deadline, "store reads did not land"
+            tier.poll()
+            time.sleep(0.001)
+        tier.check_invariants()
+        check_bytes(tier, store)
+        summary = tier.read_summary()
+        assert summary["errors"] == 0 and summary["reads"] > 0 and tier.health() is None
