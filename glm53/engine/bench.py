@@ -108,6 +108,9 @@ VARIANTS = {
                                    "RAM experts also copied into staging ahead, while this layer runs (tried: in "
                                    "the nvme modes the PCIe link has time to spare, the planning thread has not)",
                                    prestage=True),
+    "nvme-exact-nativequeue": Variant("reads landed on the reader's Python threads", "reads queued, read, hashed and "
+                                      "finished by native threads (store.native_reader), checked when the tier looks",
+                                      reader=(("native_queue", True),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),

@@ -6,7 +6,8 @@ Two suspects: the reader's Python threads taking the GIL each time a read lands,
 taking the cores and the memory bandwidth. This times one piece of the planning thread's kind of work (a step's
 copies of slot-sized pinned buffers to the device, queued through the tiers' Copier, and a little Python
 bookkeeping) alone, beside a StoreReader's reads (its queue, checks and bookkeeping on Python threads, the parts
-native; the copies queued in one call into torch, and one call per copy), and beside the same reads handed straight to the native pread by a plain thread pool (the cores and memory
+native; the copies queued in one call into torch, and one call per copy), beside them through the native read
+queue (store.native_reader: no Python thread per read), and beside the same reads handed straight to the native pread by a plain thread pool (the cores and memory
 as busy, the least Python a read can cost).
 """
 
@@ -45,6 +46,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
     from glm53.tiers.ram import pin_host
     from store.directio import alloc_slots, open_for_read
     from store.format import read_header
+    from store.native_reader import NativeStoreReader, queue_library
     from store.reader import Priority, StoreReader, _native, pread_parts
 
     head = read_header(store)
@@ -78,7 +80,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
         return t
 
     out: dict = {}
-    with StoreReader(store, threads=READS, pieces=parts, native=True) as reader:
+    with StoreReader(store, threads=READS, pieces=parts, native=True, verify=True) as reader:  # as the tier reads
         def reader_start():
             return reader.read_many([(*rng.choice(keys), arena[i]) for i in range(READS)], priority=Priority.DEMAND)
 
@@ -97,6 +99,14 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
             copier.batched = False  # one copy_ call (one GIL release) per copy, as before the batch
             times["reader_copyeach"].append(beside(reader_start, reader_finish))
             copier.batched = batched
+    if queue_library() is not None:  # the reads queued and finished by native threads: no Python thread per read
+        with NativeStoreReader(store, threads=READS, pieces=parts, verify=True) as queue:
+            def queue_start():
+                return queue.read_many([(*rng.choice(keys), arena[i]) for i in range(READS)],
+                                       priority=Priority.DEMAND)
+
+            beside(queue_start, reader_finish)
+            times["native_queue"] = [beside(queue_start, reader_finish) for _ in range(reps)]
     if _native() is not None and parts > 1:
         fd, _ = open_for_read(store, allow_buffered=True)
         hashes = [np.zeros(parts, np.uint64) for _ in range(READS)]
@@ -112,7 +122,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
             os.close(fd)
     for k, v in times.items():
         out[f"{k}_s"] = statistics.median(v)
-    for k in ("reader", "reader_copyeach", "native"):
+    for k in ("reader", "reader_copyeach", "native_queue", "native"):
         if f"{k}_s" in out:
             out[f"{k}_over_alone"] = out[f"{k}_s"] / out["alone_s"]
     out.update(copies=COPIES, reads=READS, parts=parts, reps=reps)
@@ -125,6 +135,9 @@ def line(res: dict) -> str:
             f"{res['alone_s'] * 1e6:.0f} us alone, {res['reader_s'] * 1e6:.0f} us beside {res['reads']} StoreReader "
             f"reads in {res['parts']} part(s) (x {res['reader_over_alone']:.2f}; "
             f"x {res['reader_copyeach_over_alone']:.2f} with one copy_ call per copy)")
+    if "native_queue_s" in res:
+        text += (f", {res['native_queue_s'] * 1e6:.0f} us beside them through the native read queue "
+                 f"(x {res['native_queue_over_alone']:.2f})")
     if "native_s" in res:
         text += (f", {res['native_s'] * 1e6:.0f} us beside the same reads through a plain thread pool "
                  f"(x {res['native_over_alone']:.2f})")
