@@ -15,6 +15,7 @@ Python thread first looks at a finished read, through its future's done() / resu
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import threading
@@ -38,6 +39,24 @@ IDLE, QUEUED, RUNNING, DONE, CANCELLED = range(5)
 RETRY_DELAY_NS = 5_000_000  # times the attempt number, as StoreReader sleeps before a retry
 
 _LIB: list = []  # [(held, released) ctypes handles, or None], bound once
+_READERS: weakref.WeakSet = weakref.WeakSet()  # the live readers, for the fork and exit hooks below
+
+
+def _close_all_at_exit() -> None:
+    """At interpreter exit, close (join the workers of) every live reader, but never free a queue: an exit hook that
+    runs later, or a daemon thread, may still call a reader, and a closed queue answers it."""
+    for reader in list(_READERS):
+        reader.close()
+
+
+def _forget_all_in_child() -> None:
+    """A child of fork() has the readers but not their worker threads: they answer as closed there."""
+    for reader in list(_READERS):
+        reader._forked()
+
+
+atexit.register(_close_all_at_exit)
+os.register_at_fork(after_in_child=_forget_all_in_child)
 
 
 def queue_library():
@@ -75,7 +94,7 @@ class NativeRead:
     until the native side is done with it."""
 
     __slots__ = ("reader", "entry", "out", "verify", "key", "task", "at", "attempt", "known", "alone", "epoch",
-                 "final", "value", "error", "was_cancelled")
+                 "final", "value", "error", "was_cancelled", "last_problem")
 
     def __init__(self, reader: NativeStoreReader, entry: RecordEntry, out: np.ndarray, verify: bool, level: int,
                  key: tuple[int, int, int], parts: int, known: bytes | None):
@@ -91,6 +110,7 @@ class NativeRead:
         self.final = self.was_cancelled = False
         self.value: ReadDone | None = None
         self.error: BaseException | None = None
+        self.last_problem: tuple[str, bool] | None = None  # what the attempt before a queued retry found
 
     def done(self) -> bool:
         return self.final or self.reader._look(self)
@@ -163,13 +183,16 @@ class NativeStoreReader:
             raise RuntimeError("the native store reader could not start a single thread")
         self._wait_native, self._close_native = released.glm53_rq_wait, released.glm53_rq_close
         # Freed only once neither the reader nor any of its futures is left: a future may still wait on the queue.
-        weakref.finalize(self, released.glm53_rq_free, self._q)
+        # Never at exit (atexit=False): the exit hook closes instead, and the queue stays valid for later callers.
+        self._finalizer = weakref.finalize(self, released.glm53_rq_free, self._q)
+        self._finalizer.atexit = False
         self._lock = threading.Lock()
         self._live: dict[int, NativeRead] = {}  # id -> read the native side may still touch, or not yet looked at
         self._queued: dict[tuple[int, int, int], NativeRead] = {}  # (layer, expert, address): the latest read
         self._submitted = 0
         self._closed = False
         self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0, "checked_by_parts": 0}
+        _READERS.add(self)
 
     # -- requests -------------------------------------------------------------------------------------------
     def read(self, layer: int, expert: int, out: np.ndarray, *, priority: Priority = Priority.DEMAND,
@@ -239,7 +262,11 @@ class NativeStoreReader:
                 return True
             state = self._held.glm53_rq_state(fut.at)
             if state == CANCELLED:
-                fut.was_cancelled = True
+                if fut.attempt > 1 and fut.last_problem is not None:  # a retry cut short by close(): the failure
+                    self._stats["errors"] += 1                         # it was retrying, as StoreReader raises it
+                    fut.error = self._error(fut.entry, *fut.last_problem, attempts=fut.attempt - 1)
+                else:
+                    fut.was_cancelled = True
                 self._resolve(fut)
                 return True
             if state != DONE:
@@ -249,7 +276,7 @@ class NativeStoreReader:
                 e, t = fut.entry, fut.task
                 fut.value = ReadDone(e.layer, e.expert, fut.out[:e.extent], fut.attempt,
                                      float(t[T_END] - t[T_START]) * 1e-9)
-            elif fut.attempt <= self.retries and self._retry(fut):
+            elif fut.attempt <= self.retries and self._retry(fut, failed):
                 return False
             else:
                 self._stats["errors"] += 1
@@ -288,9 +315,10 @@ class NativeStoreReader:
         self._stats["checked_by_parts"] += by_parts
         return None
 
-    def _retry(self, fut: NativeRead) -> bool:
+    def _retry(self, fut: NativeRead, failed: tuple[str, bool]) -> bool:
         """Queue the read again, checked whole, after a short native delay; False once the reader is closed."""
         t = fut.task
+        fut.last_problem = failed
         fut.attempt += 1
         t[DELAY_NS] = RETRY_DELAY_NS * fut.attempt
         t[WANT_WHOLE] = 1
@@ -352,6 +380,16 @@ class NativeStoreReader:
         with self._lock:
             self._stats["cancelled"] += cancelled
         os.close(self.fd)
+
+    def _forked(self) -> None:
+        """In a child of fork(): closed, its unfinished reads cancelled, its queue (the parent's) never freed here."""
+        self._finalizer.detach()
+        self._lock = threading.Lock()  # a parent thread may have held it at the fork
+        self._closed = True
+        for fut in list(self._live.values()):
+            if not fut.final:
+                fut.was_cancelled = True
+                self._resolve(fut)
 
     def __enter__(self) -> NativeStoreReader:
         return self

@@ -358,3 +358,83 @@ def test_the_tier_on_the_native_reader_equals_direct(packed, seed, pieces):
         check_bytes(tier, store)
         summary = tier.read_summary()
         assert summary["errors"] == 0 and summary["reads"] > 0 and tier.health() is None
+
+
+def test_a_retry_cut_short_by_close_fails_with_what_it_was_retrying(store, tmp_path):
+    """A read whose first attempt failed its check has its retry queued when close() comes: the future raises the
+    check's failure (as StoreReader's would), not CancelledError."""
+    path = copy(store, tmp_path)
+    e = read_header(path).entry(1, 3)
+    corrupt(path, e.offset + 100)
+    r = N.NativeStoreReader(path, threads=1, allow_buffered=True, verify=True)
+    fut = r.read(1, 3, alloc_slots(1, r.max_extent)[0])
+    deadline = time.monotonic() + 10
+    while int(fut.task[N.STATE]) < N.DONE:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert not fut.done()  # the first attempt checked: its retry is queued, behind a 10 ms native delay
+    r.close()
+    with pytest.raises(StoreCorruptError, match=r"layer 1, expert 3.*after 1 attempts"):
+        fut.result(5)
+
+
+def _run(script: str, tmp_path) -> None:
+    """Run a script in a fresh interpreter with a 60 s limit: a hang fails the test instead of the suite."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "script.py"
+    src.write_text(script)
+    done = subprocess.run([sys.executable, str(src)], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_a_forked_child_sees_the_reader_closed_and_exits(store, tmp_path):
+    """A child of fork() has the reader but not its worker threads: reads there fail as on a closed reader, and the
+    child exits (the queue it inherited is never destroyed there: that would wait on the parent's threads)."""
+    out = _run(f"""
+import os, warnings
+warnings.simplefilter("ignore")
+from store.native_reader import NativeStoreReader
+from store.directio import alloc_slots
+r = NativeStoreReader({str(store)!r}, threads=2, allow_buffered=True, verify=True)
+buf = alloc_slots(1, r.max_extent)[0]
+r.read(1, 0, buf).result(10)
+pid = os.fork()
+if pid == 0:
+    try:
+        r.read(1, 1, buf)
+        code = 3
+    except RuntimeError as exc:
+        code = 0 if "closed" in str(exc) else 4
+    r.close()
+    raise SystemExit(code)  # the exit hooks run: they must not hang
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+r.read(1, 2, buf).result(10)  # the parent's reader is untouched
+print("ok")
+""", tmp_path)
+    assert out.strip() == "ok"
+
+
+def test_a_reader_stays_answerable_after_the_exit_hook_closed_it(store, tmp_path):
+    """At exit the module's hook closes every live reader but frees none: an exit hook that runs after it (registered
+    before the module was imported) can still ask a reader for its stats and busy clock, and close it again."""
+    out = _run(f"""
+import atexit
+state = {{}}
+
+def late():
+    r = state["r"]
+    print(r.stats()["reads"], r.busy_seconds() >= 0)
+    r.close()
+
+atexit.register(late)  # before the import: runs after the module's own hook
+from store.native_reader import NativeStoreReader
+from store.directio import alloc_slots
+r = state["r"] = NativeStoreReader({str(store)!r}, threads=1, allow_buffered=True, verify=True)
+r.read(1, 0, alloc_slots(1, r.max_extent)[0]).result(10)
+""", tmp_path)
+    assert out.strip() == "1 True"

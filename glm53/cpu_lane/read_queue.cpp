@@ -19,6 +19,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #define GLM53_API extern "C" __attribute__((visibility("default")))
 
 // parallel_read.cpp, in this same library.
@@ -49,6 +51,10 @@ bool finished(const int64_t* t) {
 }
 
 struct Queue {
+    // A child of fork() inherits the queue without its worker threads, and with its mutex and condition variables
+    // as the parent's threads left them (destroying one the parent's workers wait on blocks forever): every call
+    // in another process answers at once as for a closed queue, and free leaks the copy.
+    const pid_t owner = getpid();
     std::mutex mu;
     std::condition_variable work, done;  // work: a task is queued (or closing); done: some task finished
     std::deque<int64_t*> level[2];       // 0: demand, 1: prefetch; FIFO within each
@@ -120,6 +126,7 @@ GLM53_API void* glm53_rq_new(int32_t threads) {
 // Queue a task at its LEVEL (0 demand, 1 prefetch); -1 once the queue is closed, or without memory to queue it.
 GLM53_API int32_t glm53_rq_submit(void* queue, int64_t* t) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return -1;
     {
         std::lock_guard<std::mutex> lock(q->mu);
         if (q->closed) return -1;
@@ -150,6 +157,7 @@ bool unqueue(Queue* q, int64_t* t) {  // under q->mu
 // Drop a task that is still queued (1); 0 when it is under way, finished or never queued.
 GLM53_API int32_t glm53_rq_cancel(void* queue, int64_t* t) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return 0;
     {
         std::lock_guard<std::mutex> lock(q->mu);
         if (state_of(t) != QUEUED || !unqueue(q, t)) return 0;
@@ -163,6 +171,7 @@ GLM53_API int32_t glm53_rq_cancel(void* queue, int64_t* t) {
 // it was queued, 0 when it is under way, finished or never queued.
 GLM53_API int32_t glm53_rq_promote(void* queue, int64_t* t) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return 0;
     std::lock_guard<std::mutex> lock(q->mu);
     if (state_of(t) != QUEUED) return 0;
     if (t[LEVEL] != 0) {
@@ -184,6 +193,7 @@ GLM53_API int32_t glm53_rq_promote(void* queue, int64_t* t) {
 // limit); returns its state.
 GLM53_API int64_t glm53_rq_wait(void* queue, int64_t* t, int64_t timeout_ns) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return state_of(t);  // nothing here will ever finish it
     std::unique_lock<std::mutex> lock(q->mu);
     auto over = [t] { return finished(t); };
     if (timeout_ns < 0)
@@ -196,6 +206,7 @@ GLM53_API int64_t glm53_rq_wait(void* queue, int64_t* t, int64_t timeout_ns) {
 // Seconds so far with at least one read under way (overlapping reads count once).
 GLM53_API double glm53_rq_busy(void* queue) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return 0.0;
     std::lock_guard<std::mutex> lock(q->mu);
     return static_cast<double>(q->busy_ns + (q->active ? now_ns() - q->busy_from : 0)) * 1e-9;
 }
@@ -206,6 +217,7 @@ GLM53_API int64_t glm53_rq_state(const int64_t* t) { return state_of(t); }
 
 GLM53_API int64_t glm53_rq_queued(void* queue) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return 0;
     std::lock_guard<std::mutex> lock(q->mu);
     return static_cast<int64_t>(q->level[0].size() + q->level[1].size());
 }
@@ -214,6 +226,7 @@ GLM53_API int64_t glm53_rq_queued(void* queue) {
 // queue itself stays valid (submit refuses, wait returns at once) until glm53_rq_free.
 GLM53_API int64_t glm53_rq_close(void* queue) {
     Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return 0;
     int64_t cancelled = 0;
     {
         std::lock_guard<std::mutex> lock(q->mu);
@@ -234,6 +247,8 @@ GLM53_API int64_t glm53_rq_close(void* queue) {
 
 // Close (if not yet) and free; no call may name the queue after this.
 GLM53_API void glm53_rq_free(void* queue) {
+    Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return;  // a fork()'s copy: leaked, never destroyed
     glm53_rq_close(queue);
-    delete static_cast<Queue*>(queue);
+    delete q;
 }
