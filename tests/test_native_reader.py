@@ -9,10 +9,7 @@ import time
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 
-import numpy as np
 import pytest
-import torch
-from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, route, slot_forward
 
 import store.native_reader as N
 import store.reader as R
@@ -310,54 +307,7 @@ def test_a_dropped_future_still_has_its_read_settled(store):
         assert len(r._live) <= 300 - 250 and r.stats()["reads"] >= 250 and r.stats()["errors"] == 0
 
 
-# -- the nvme tier on the native reader (tests/test_nvme_tier.py's core equality test) ------------------------------
-
-LAYERS, EXPERTS, TOP_K = 3, 16, 4
-
-
-@pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    return make_store(tmp_path_factory.mktemp("nvme-native"), layers=LAYERS, experts=EXPERTS)
-
-
-@pytest.mark.parametrize("seed, pieces", [(0, 1), (1, 4), (2, 1), (3, 4)])
-def test_the_tier_on_the_native_reader_equals_direct(packed, seed, pieces):
-    from glm53.tiers import save_routing_stats, tiered_moe
-    from glm53.tiers.nvme import model_key, open_nvme_tier
-
-    ck, store = packed
-    direct = Direct(ck)
-    rng = np.random.default_rng(seed)
-    plan = nvme_plan(store, int(rng.integers(EXPERTS + 1, EXPERTS + 6)), int(rng.integers(0, EXPERTS)))
-    stats = None
-    if seed % 2:
-        stats = ck.parent / f"routing-native-{seed}.json"
-        save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
-    options = {"native_queue": True, "min_piece": 4096}
-    with open_nvme_tier(store, ck, plan, stats_path=stats, read_pieces=pieces, reader_options=options) as tier:
-        assert isinstance(tier.reader, N.NativeStoreReader) and tier.reader.pieces == pieces
-        forward = slot_forward(tier.layout)
-        cpu_share = rng.random()
-        for _ in range(12):
-            layer = int(rng.integers(2))
-            ids, w = route(rng, int(rng.integers(1, 4)), EXPERTS, TOP_K)
-            x = torch.from_numpy(rng.standard_normal((len(ids), HIDDEN)).astype(np.float32))
-            got = tiered_moe(tier.tiers, layer, x, ids, w, forward, admit=bool(rng.random() < 0.7),
-                             lane_for=lambda lay, e: "cpu" if rng.random() < cpu_share else "pcie")
-            assert torch.equal(got.y, direct.moe(tier.store_layers[layer], x, ids, w))
-            tier.check_invariants()
-            guess = rng.choice(EXPERTS, TOP_K, replace=False)
-            tier.prefetch([(1 - layer, int(e)) for e in guess])
-            tier.check_invariants()
-        deadline = time.monotonic() + 10
-        while tier._reads:
-            assert time.monotonic() < deadline, "store reads did not land"
-            tier.poll()
-            time.sleep(0.001)
-        tier.check_invariants()
-        check_bytes(tier, store)
-        summary = tier.read_summary()
-        assert summary["errors"] == 0 and summary["reads"] > 0 and tier.health() is None
+# -- the nvme tier on the native reader: tests/test_nvme_tier.py's core equality test, parametrized ------------------
 
 
 def test_a_retry_cut_short_by_close_fails_with_what_it_was_retrying(store, tmp_path):

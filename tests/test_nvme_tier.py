@@ -40,11 +40,16 @@ def settle_reads(tier: NvmeTier, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_tiered_through_the_store_equals_direct(packed, direct, seed):
+@pytest.mark.parametrize("seed, native_parts", [(s, None) for s in range(6)] + [(0, 1), (1, 4), (2, 1), (3, 4)])
+def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_parts):
     """Random budgets (VRAM per layer, RAM records), warm or cold, random lanes, admissions, prefetches of
     predictions right or wrong: every layer output equals the direct computation bit for bit, every readable
-    expert holds its record's bytes, and the arena never grows past the plan."""
+    expert holds its record's bytes, and the arena never grows past the plan. native_parts: read through the
+    native read queue (store.native_reader), each record in that many parts."""
+    from store.native_reader import NativeStoreReader, queue_library
+
+    if native_parts is not None and queue_library() is None:
+        pytest.skip("glm53's native library is not built")
     ck, store = packed
     rng = np.random.default_rng(seed)
     ram = int(rng.integers(EXPERTS + 1, EXPERTS + 6))  # a RAM tier smaller than the experts VRAM leaves out
@@ -55,7 +60,10 @@ def test_tiered_through_the_store_equals_direct(packed, direct, seed):
         stats = ck.parent / f"routing-{seed}.json"
         from glm53.tiers import save_routing_stats
         save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
-    with open_nvme_tier(store, ck, plan, stats_path=stats) as tier:
+    native = {} if native_parts is None else {"read_pieces": native_parts,
+                                              "reader_options": {"native_queue": True, "min_piece": 4096}}
+    with open_nvme_tier(store, ck, plan, stats_path=stats, **native) as tier:
+        assert isinstance(tier.reader, NativeStoreReader) == (native_parts is not None)
         assert tier.budget_bytes <= plan.ram_tier_bytes
         tier.check_invariants()
         forward = slot_forward(tier.layout)
@@ -81,7 +89,7 @@ def test_tiered_through_the_store_equals_direct(packed, direct, seed):
         landed = (nvme["reads"] + nvme["prefetch_reads"] + nvme["warm_reads"] - nvme["failed_reads"]
                   - nvme["cancelled_prefetches"])
         assert snap["bytes"]["store_to_ram"] == landed * tier.layout.nbytes
-        assert tier.health() is None
+        assert tier.health() is None and tier.read_summary()["errors"] == 0
 
 
 def test_record_layout_is_the_vram_slot_image():
