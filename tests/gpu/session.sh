@@ -4,8 +4,9 @@
 #   STEPS=bench bash tests/gpu/session.sh               # a subset (default: all, what is owed first; one call runs
 #                                                        # at most 10 min, so give bench and nvme a call each)
 # First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
-#   tiny      the tier machinery on CUDA (tests/test_tiers_gpu.py, tests/test_nvme_tier_gpu.py: copy ordering,
-#             batched copies, pinned arenas), fast/nvme KL + top-1 and nvme-exact bit-identity
+#   tiers     the tier machinery on CUDA (tests/test_tiers_gpu.py, tests/test_nvme_tier_gpu.py: copy ordering,
+#             batched copies, pinned arenas; under a minute: STEPS=tiers,nvmeshm fits one call)
+#   tiny      tiers, then fast/nvme KL + top-1 and nvme-exact bit-identity
 #             (tests/test_gpu_modes.py -k tiny), then exact mode
 #             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
@@ -50,8 +51,11 @@ fi
 # The CPU-lane kernel is built per Python (the GPU machine's is 3.12); the working tree carries no build.
 python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
 stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
-step_tiny() {
+step_tiers() {
   gpu_pytest tiers 120 tests/test_tiers_gpu.py tests/test_nvme_tier_gpu.py
+}
+step_tiny() {
+  step_tiers
   gpu_pytest modes-tiny 300 tests/test_gpu_modes.py -k tiny
   gpu_pytest exact-tiny 240 tests/test_gpu_engine.py -k "tiny or engine"
 }
@@ -107,6 +111,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmeshm disk nvme16 tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmeshm disk nvme16 tiers tiny width server lane)"
   fi
 done
