@@ -29,7 +29,7 @@ import numpy as np
 import xxhash
 
 from store.directio import open_for_read
-from store.format import ALIGN, RecordEntry, StoreHeader, align_up, read_header
+from store.format import ALIGN, RecordEntry, StoreHeader
 from store.reader import MIN_PIECE, Priority, ReadDone, StoreReader, _io_problem, _part_hash, _short, log
 
 # A task's fields (read_queue.cpp's enum), then one uint64 per part for the parts' hashes.
@@ -153,7 +153,7 @@ class NativeStoreReader:
     # Geometry and buffer checks are StoreReader's own: they only read the header and these attributes.
     max_extent = StoreReader.max_extent
     extent, layout, views, keys = StoreReader.extent, StoreReader.layout, StoreReader.views, StoreReader.keys
-    _split, _check_buffer = StoreReader._split, StoreReader._check_buffer
+    _setup, _split, _check_buffer = StoreReader._setup, StoreReader._split, StoreReader._check_buffer
 
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
@@ -165,12 +165,7 @@ class NativeStoreReader:
             raise RuntimeError("the native store reader needs glm53's compiled library with its read queue "
                                "(pip install -e . rebuilds it)")
         self._held, released = bound
-        self.path = Path(path)
-        self.header = header or read_header(self.path)
-        self.verify = verify
-        self.retries = max(0, retries)
-        self.pieces = max(1, pieces)
-        self.min_piece = align_up(max(1, min_piece))
+        self._setup(path, header, verify, retries, pieces, min_piece)
         self.native = True
         self.hash = _part_hash()  # 0: every record is checked whole in Python after its read
         self.part_hashes = part_hashes and self.hash != 0

@@ -226,12 +226,7 @@ class StoreReader:
         such hand-off can hold up the engine's main thread, which plans every MoE layer step while the GPU
         waits. part_hashes: with native split reads, check a record read again by its parts' hashes (see
         _read); False: always by the whole record's xxh3 after the read."""
-        self.path = Path(path)
-        self.header = header or read_header(self.path)
-        self.verify = verify
-        self.retries = max(0, retries)
-        self.pieces = max(1, pieces)
-        self.min_piece = align_up(max(1, min_piece))
+        self._setup(path, header, verify, retries, pieces, min_piece)
         self.native = native and self.pieces > 1 and _native() is not None
         # A record's part hashes, kept from its first read that passed the whole-record xxh3: a later read of it
         # is checked part by part, each hashed on the native thread that read it (parallel, and in cache), and
@@ -256,6 +251,15 @@ class StoreReader:
                          for i in range(max(1, threads))]
         for t in self._threads:
             t.start()
+
+    def _setup(self, path, header, verify: bool, retries: int, pieces: int, min_piece: int) -> None:
+        """The options every reader of a store keeps (store.native_reader's too)."""
+        self.path = Path(path)
+        self.header = header or read_header(self.path)
+        self.verify = verify
+        self.retries = max(0, retries)
+        self.pieces = max(1, pieces)
+        self.min_piece = align_up(max(1, min_piece))
 
     # -- geometry -------------------------------------------------------------------------------------------
     @property
