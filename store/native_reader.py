@@ -172,7 +172,8 @@ class NativeStoreReader:
         self._parts_known: dict[tuple[int, int], bytes] = {}  # as StoreReader's
         self._into: dict[int, list[int]] = {}  # buffer address -> [live reads into it, reads into it since]
         self.fd, self.direct = open_for_read(self.path, allow_buffered, warn or log.warning)
-        self._q = self._held.glm53_rq_new(max(1, threads))
+        self.threads = max(1, threads)  # native worker threads reading
+        self._q = self._held.glm53_rq_new(self.threads)
         if not self._q:
             os.close(self.fd)
             raise RuntimeError("the native store reader could not start a single thread")

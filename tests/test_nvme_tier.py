@@ -10,7 +10,17 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_nvme_tier_support import HIDDEN, Direct, Gate, check_bytes, make_store, nvme_plan, route, slot_forward
+from test_nvme_tier_support import (
+    HIDDEN,
+    PYTHON_READS,
+    Direct,
+    Gate,
+    check_bytes,
+    make_store,
+    nvme_plan,
+    route,
+    slot_forward,
+)
 
 import store.reader as R
 from glm53.tiers import Where, exl3_expert_layout, tiered_moe
@@ -40,15 +50,17 @@ def settle_reads(tier: NvmeTier, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("seed, native_parts", [(s, None) for s in range(6)] + [(0, 1), (1, 4), (2, 1), (3, 4)])
-def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_parts):
+@pytest.mark.parametrize("seed, native_queue, parts", [(s, True, None) for s in range(6)]
+                         + [(0, False, None), (1, False, 4), (2, True, 1), (3, True, 4)])
+def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_queue, parts):
     """Random budgets (VRAM per layer, RAM records), warm or cold, random lanes, admissions, prefetches of
     predictions right or wrong: every layer output equals the direct computation bit for bit, every readable
-    expert holds its record's bytes, and the arena never grows past the plan. native_parts: read through the
-    native read queue (store.native_reader), each record in that many parts."""
+    expert holds its record's bytes, and the arena never grows past the plan. native_queue: read through the
+    native read queue (store.native_reader, the default) or a StoreReader; parts: each record in that many parts
+    (None: the count timed fastest at open)."""
     from store.native_reader import NativeStoreReader, queue_library
 
-    if native_parts is not None and queue_library() is None:
+    if native_queue and queue_library() is None:
         pytest.skip("glm53's native library is not built")
     ck, store = packed
     rng = np.random.default_rng(seed)
@@ -60,10 +72,9 @@ def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_par
         stats = ck.parent / f"routing-{seed}.json"
         from glm53.tiers import save_routing_stats
         save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
-    native = {} if native_parts is None else {"read_pieces": native_parts,
-                                              "reader_options": {"native_queue": True, "min_piece": 4096}}
-    with open_nvme_tier(store, ck, plan, stats_path=stats, **native) as tier:
-        assert isinstance(tier.reader, NativeStoreReader) == (native_parts is not None)
+    reading = {"read_pieces": parts, "reader_options": {"native_queue": native_queue, "min_piece": 4096}}
+    with open_nvme_tier(store, ck, plan, stats_path=stats, **reading) as tier:
+        assert isinstance(tier.reader, NativeStoreReader) == native_queue
         assert tier.budget_bytes <= plan.ram_tier_bytes
         tier.check_invariants()
         forward = slot_forward(tier.layout)
@@ -139,7 +150,7 @@ def test_a_prefetch_still_in_flight_is_waited_for_not_read_twice(packed, direct,
         assert gate.wait(10)
         return real(fd, view, offset)
 
-    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0), reader_options=PYTHON_READS) as tier:
         monkeypatch.setattr(R, "pread_into", held)
         tier.prefetch([(0, 6)])
         threading.Timer(0.05, gate.set).start()
@@ -153,7 +164,7 @@ def test_a_prefetch_still_in_flight_is_waited_for_not_read_twice(packed, direct,
 def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
-    with open_nvme_tier(store, ck, plan) as tier:
+    with open_nvme_tier(store, ck, plan, reader_options=PYTHON_READS) as tier:
         gate = Gate(monkeypatch)
         tier.prefetch([(1, e) for e in (0, 1, 2)])
         assert gate.entered.wait(10)  # the only reader thread holds the first prefetch
@@ -168,7 +179,7 @@ def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
 def test_when_its_layer_runs_a_needed_queued_guess_goes_first_and_wrong_ones_are_dropped_unread(packed, monkeypatch):
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
-    with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
+    with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options=PYTHON_READS) as tier:
         gate = Gate(monkeypatch)
         tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
         assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
@@ -409,17 +420,27 @@ def test_the_engine_can_fix_vram_slots_and_hand_in_its_slot_tensors(packed):
         check_bytes(tier, store)
 
 
-def test_the_tier_reads_a_records_parts_natively_unless_told_not_to(packed):
-    from store.reader import _native
+def test_the_tier_reads_through_the_native_queue_unless_told_not_to(packed, monkeypatch, caplog):
+    import store.native_reader as N
+    from store.reader import StoreReader, _native
 
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=2)
-    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={"native": False}) as tier:
-        assert tier.reader.pieces == 4 and not tier.reader.native
     with open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
-        assert tier.reader.native == (_native() is not None) and len(tier.reader._threads) == 2  # the plan's
-    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={"threads": 1}) as tier:
+        assert isinstance(tier.reader, N.NativeStoreReader) == (N.queue_library() is not None)
+        assert tier.reader.pieces == 4 and tier.reader.threads == 2  # the plan's
+    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={**PYTHON_READS, "native": False}) as tier:
+        assert type(tier.reader) is StoreReader and tier.reader.pieces == 4 and not tier.reader.native
+    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options=PYTHON_READS) as tier:
+        assert tier.reader.native == (_native() is not None) and len(tier.reader._threads) == 2
+    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={**PYTHON_READS, "threads": 1}) as tier:
         assert len(tier.reader._threads) == 1  # the bench's fewer-readers variant
+    import glm53.tiers.nvme as nvme_mod
+
+    monkeypatch.setattr(nvme_mod, "queue_library", lambda: None)  # a library without the queue: said, then served
+    with caplog.at_level("WARNING"), open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
+        assert type(tier.reader) is StoreReader
+    assert "no read queue" in caplog.text and "pip install -e ." in caplog.text
 
 
 def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed, monkeypatch, caplog):

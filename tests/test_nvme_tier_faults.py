@@ -1,4 +1,5 @@
-"""Faults under the nvme tier, injected under the real StoreReader: short reads, EIO, checksum mismatches, slow
+"""Faults under the nvme tier, injected under the real StoreReader (test_nvme_tier_native.py: under the native
+read queue, the default reader): short reads, EIO, checksum mismatches, slow
 reads. Each is retried, then raised as an error naming the store path and the record; nothing unverified is
 ever used; the tier reports the fault through health() and keeps serving every other record."""
 
@@ -11,7 +12,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, slot_forward
+from test_nvme_tier_support import HIDDEN, PYTHON_READS, Direct, check_bytes, make_store, nvme_plan, slot_forward
 
 import store.reader as R
 from glm53.tiers import Where, tiered_moe
@@ -35,7 +36,8 @@ def direct(packed):
 @pytest.fixture
 def tier(packed):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 2, 0, threads=3), timeout_s=0.2) as t:
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 2, 0, threads=3), timeout_s=0.2,
+                        reader_options=PYTHON_READS) as t:
         yield t
 
 
@@ -239,7 +241,8 @@ def test_a_record_that_fails_at_warm_up_is_a_fault_not_a_failed_start(packed, mo
     offset = read_header(store).entry(2, BAD[1]).offset
     monkeypatch.setattr(R, "pread_into", lambda fd, view, off: eio(0, real, fd, view, off) if off == offset
                         else real(fd, view, off))
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 4, 0), stats_path=stats) as tier:
+    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 4, 0), stats_path=stats,
+                        reader_options=PYTHON_READS) as tier:
         assert tier.tiers.where[BAD] == Where.STORE and (tier.tiers.where == Where.RAM).sum() == EXPERTS + 4 - 1
         assert tier.health()["faults"][0]["expert"] == BAD[1]
         tier.check_invariants()

@@ -97,6 +97,11 @@ def check_bytes(tier, store: Path) -> None:
                 assert got[: len(want)] == want, f"{layer}/{e} bytes differ from the store record"
 
 
+# Tests that steer reads through store.reader.pread_into (held, slowed, failed) open the tier on the reader whose
+# reads run there; the native read queue (the default) is steered by its own tests and test_nvme_tier_native.py.
+PYTHON_READS = {"native_queue": False}
+
+
 class Gate:
     """Wraps pread_into: records the order of reads and holds the first one until released."""
 

@@ -108,9 +108,10 @@ VARIANTS = {
                                    "RAM experts also copied into staging ahead, while this layer runs (tried: in "
                                    "the nvme modes the PCIe link has time to spare, the planning thread has not)",
                                    prestage=True),
-    "nvme-exact-nativequeue": Variant("reads landed on the reader's Python threads", "reads queued, read, hashed and "
-                                      "finished by native threads (store.native_reader), checked when the tier looks",
-                                      reader=(("native_queue", True),)),
+    "nvme-exact-pythonreads": Variant("reads queued, read, hashed and finished by native threads "
+                                      "(store.native_reader)", "reads landed on the reader's Python threads "
+                                      "(store.reader.StoreReader, the reader before the tenth session)",
+                                      reader=(("native_queue", False),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),

@@ -21,7 +21,7 @@
 #             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvme16: the same at the 16 GiB
 #             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
 #             the machine's virtual disk, nvme-exact paired with the variants the ninth session left owed
-#             (nativequeue, copyeach; also owed: 2readers, prestage; NVMESHM_MODES / NVME_MODES: other modes), a
+#             (pythonreads, prestage; also owed: 2readers; NVMESHM_MODES / NVME_MODES: other modes), a
 #             cProfile of one nvme-exact window and the read-contention probe (fresh machine: ~200 s before the
 #             first window, about 420 s in all with five modes: give it a call of its own); disk: that disk's raw
 #             rate by reads in flight (after nvme)
@@ -83,7 +83,7 @@ step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 5
 step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what nvme gives when the disk keeps up
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 128 --work /tmp \
     --keep --store-dir /dev/shm \
-    --modes "${NVMESHM_MODES:-fast,nvme,nvme-exact,nvme-exact-nativequeue,nvme-exact-copyeach}" \
+    --modes "${NVMESHM_MODES:-fast,nvme,nvme-exact,nvme-exact-pythonreads,nvme-exact-prestage}" \
     --profile nvme-exact \
     --json "$OUT/bench-nvmeshm.json" > "$OUT/bench-nvmeshm.log" 2>&1
   stamp "nvme, store in RAM, rc=$?"
