@@ -240,10 +240,10 @@ class NativeStoreReader:
 
     def promote(self, layer: int, expert: int, out: np.ndarray) -> bool:
         """A queued read of (layer, expert) into `out` goes ahead of every prefetch; never starts a read. False when
-        no such read waits in the queue."""
+        no such read waits in the queue. A retry waiting in the queue is promoted too: a step may wait for it."""
         with self._lock:
             fut = self._queued.get((layer, expert, out.ctypes.data))
-            if fut is None or fut.final or fut.attempt > 1:
+            if fut is None or fut.final:
                 return False
             return bool(self._held.glm53_rq_promote(self._q, fut.at))
 
