@@ -198,6 +198,7 @@ def test_nvme_exact_mode_equals_stock_from_the_store(stock, ck, store):
         assert "lookahead" in tiers
         reads = tiers["store_reads"]  # how the store is read, in /stats
         assert reads["parts"] >= 1 and reads["reads"] > 0 and reads["errors"] == 0
+        assert reads["reader"] == "native queue"  # the default reader, as /stats names it
         nvme = engine.tiered.nvme
     assert nvme.tiers.store is None  # the store reader closed with the engine
 

@@ -438,9 +438,10 @@ def test_the_tier_reads_through_the_native_queue_unless_told_not_to(packed, monk
     import glm53.tiers.nvme as nvme_mod
 
     monkeypatch.setattr(nvme_mod, "queue_library", lambda: None)  # a library without the queue: said, then served
-    with caplog.at_level("WARNING"), open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
-        assert type(tier.reader) is StoreReader
+    with caplog.at_level("INFO"), open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
+        assert type(tier.reader) is StoreReader and tier.read_summary()["reader"] == "python threads"
     assert "no read queue" in caplog.text and "pip install -e ." in caplog.text
+    assert "reading the store through Python reader threads" in caplog.text
 
 
 def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed, monkeypatch, caplog):

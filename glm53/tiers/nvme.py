@@ -386,11 +386,13 @@ class NvmeTier:
         return self._load
 
     def read_summary(self) -> dict:
-        """How the store is read, for /stats: parts per record, the timings that chose it (ms by parts, when the
+        """How the store is read, for /stats: which reader ("native queue": reads finished by native threads;
+        "python threads": StoreReader's), parts per record, the timings that chose it (ms by parts, when the
         tier timed them as it opened), the store's load (see `load`) and its busy seconds so far, and the reader's
         counts (reads, bytes, retries, errors, cancelled, reads checked by their parts' hashes, queued)."""
         busy = getattr(self.reader, "busy_seconds", None)
-        return {"parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
+        return {"reader": "native queue" if isinstance(self.reader, NativeStoreReader) else "python threads",
+                "parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
                 "busy_s": None if busy is None else round(busy(), 4),
                 "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
                 **self.reader.stats()}
@@ -752,6 +754,8 @@ def open_nvme_tier(
     make = NativeStoreReader if native_queue else StoreReader
     reader = make(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
                   **{"threads": threads or plan.nvme_threads or 4, **opts})
+    log.info("nvme tier: reading the store through %s", "the native read queue" if native_queue
+             else "Python reader threads")
     try:
         counts, why = (None, "no routing statistics path given (cold start)")
         if stats_path is not None:
