@@ -240,12 +240,18 @@ class NativeStoreReader:
 
     def promote(self, layer: int, expert: int, out: np.ndarray) -> bool:
         """A queued read of (layer, expert) into `out` goes ahead of every prefetch; never starts a read. False when
-        no such read waits in the queue. A retry waiting in the queue is promoted too: a step may wait for it."""
+        no such read waits in the queue. A retry waiting in the queue is promoted too: a step may wait for it; and
+        a read under way (or finished, not yet looked at) is marked so that a retry of it queues as demand
+        (StoreReader retries at once on the same thread: a step must not wait behind guesses for a retry)."""
         with self._lock:
             fut = self._queued.get((layer, expert, out.ctypes.data))
             if fut is None or fut.final:
                 return False
-            return bool(self._held.glm53_rq_promote(self._q, fut.at))
+            if self._held.glm53_rq_promote(self._q, fut.at):
+                return True
+            if int(self._held.glm53_rq_state(fut.at)) in (RUNNING, DONE):
+                fut.task[LEVEL] = 0  # read only when the task is submitted again, always under this lock
+            return False
 
     # -- looking at a read ----------------------------------------------------------------------------------
     def _look(self, fut: NativeRead) -> bool:
@@ -260,6 +266,7 @@ class NativeStoreReader:
             if state == CANCELLED:
                 if fut.attempt > 1 and fut.last_problem is not None:  # a retry cut short by close(): the failure
                     self._stats["errors"] += 1                         # it was retrying, as StoreReader raises it
+                    self._stats["cancelled"] -= 1  # close() counted it cancelled: one read, counted once
                     fut.error = self._error(fut.entry, *fut.last_problem, attempts=fut.attempt - 1)
                 else:
                     fut.was_cancelled = True

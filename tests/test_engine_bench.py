@@ -68,7 +68,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "nvme-exact-waitfirst picks per tier",
                  "(RAM misses cross PCIe while the store reads land / a step's RAM misses wait for its store reads): "
                  "1.310, median of paired windows",
-                 "(a record's parts read in one native call / the parts read on Python threads): 1.070, median",
+                 "(a record's parts read in one native call / StoreReader, the parts read on Python threads): 1.070, median",
 
                  "nvme-exact-pyparts picks per tier", "nvme-exact-readsfirst picks per tier",
                  "and frees RAM for the next step's, after launch / reads ahead before launch, RAM room found by each "

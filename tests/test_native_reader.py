@@ -388,3 +388,31 @@ r = state["r"] = NativeStoreReader({str(store)!r}, threads=1, allow_buffered=Tru
 r.read(1, 0, alloc_slots(1, r.max_extent)[0]).result(10)
 """, tmp_path)
     assert out.strip() == "1 True"
+
+
+def test_a_retry_cut_short_by_close_is_counted_once(store, tmp_path, monkeypatch):
+    """One read: its retry, queued behind a slow read when the reader closes, is an error, not also cancelled."""
+    dirfd = os.open(tmp_path, os.O_RDONLY)
+    real = N.NativeRead.__init__
+
+    def init(self, *a, **kw):  # the first read reads a directory: EISDIR
+        real(self, *a, **kw)
+        monkeypatch.setattr(N.NativeRead, "__init__", real)
+        self.task[N.FD] = dirfd
+
+    monkeypatch.setattr(N.NativeRead, "__init__", init)
+    try:
+        r = N.NativeStoreReader(store, threads=1, verify=True)
+        arena = alloc_slots(2, r.max_extent)
+        bad = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        while int(bad.task[N.STATE]) != N.DONE:
+            time.sleep(0.001)
+        slow = r.read(1, 1, arena[1])
+        slow.task[N.DELAY_NS] = int(0.3e9)
+        under_way(slow)
+        assert not bad.done()  # looked at: failed, its retry queued behind the slow read
+        r.close()
+        assert isinstance(bad.exception(1), StoreReadError)
+        assert r.stats()["errors"] == 1 and r.stats()["cancelled"] == 0 and slow.result(1).expert == 1
+    finally:
+        os.close(dirfd)

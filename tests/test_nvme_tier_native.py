@@ -439,3 +439,27 @@ def test_a_demanded_prefetch_being_retried_goes_ahead_of_queued_prefetches(site,
     settle_reads(tier)
     # Under way when the step came: (1, 0). Queued then, and a guess: (1, 1), (1, 2). The retry goes before them.
     assert int(first.task[N.T_END]) < started(pre[1]) < started(pre[2])
+
+
+@pytest.mark.parametrize("timeout_s", [5.0, 0.5], ids=["waits", "within-timeout"])
+def test_a_guess_demanded_while_under_way_is_retried_ahead_of_queued_guesses(site, monkeypatch, timeout_s):
+    """The guess's first attempt is still under way when its layer runs (nothing queued to promote), then fails
+    transiently: its retry is queued as demand, before the guesses still queued, so the step waits one retry's
+    time; with a 0.5 s timeout the transient error never becomes a timeout (a retired slot, /ready degraded)."""
+    tier = site.open(threads=1, ram=2 * EXPERTS, timeout_s=timeout_s)
+    steer = Steer(monkeypatch, (0, 4), lambda task, n: n == 1 and (task.__setitem__(N.FD, site.dirfd),
+                                                                   task.__setitem__(N.DELAY_NS, int(0.2e9))))
+    for e in (0, 1, 2):
+        Steer(monkeypatch, (1, e), delayed(0.2))
+    assert tier.prefetch([(0, 4)] + [(1, e) for e in (0, 1, 2)]) == 4
+    pre = [tier._reads[(1, e)].future for e in (0, 1, 2)]
+    (first,) = steer.reads
+    under_way(first)  # attempt 1 sleeps, then reads a directory
+    tier.demand(0, np.array([4]))  # layer 0 runs and needs it: under way, nothing to promote yet
+    finished(first)
+    first.task[N.FD] = tier.reader.fd  # the fault was transient
+    tier.wait(0, 4)
+    assert first.result(0).attempts == 2 and tier.tiers.where[0, 4] == Where.RAM
+    settle_reads(tier)
+    assert int(first.task[N.T_END]) < started(pre[1]) < started(pre[2])
+    assert tier.stats.snapshot()["nvme"]["timeouts"] == 0 and tier.health() is None

@@ -89,8 +89,8 @@ VARIANTS = {
     "nvme-exact-waitfirst": Variant("RAM misses cross PCIe while the store reads land",
                                     "a step's RAM misses wait for its store reads",
                                     stepper=(("copy_before_store_wait", False),)),
-    "nvme-exact-pyparts": Variant("a record's parts read in one native call", "the parts read on Python threads",
-                                  reader=(("native", False),)),
+    "nvme-exact-pyparts": Variant("a record's parts read in one native call", "StoreReader, the parts read on "
+                                  "Python threads", reader=(("native_queue", False), ("native", False))),
     "nvme-exact-4parts": Variant("each record read in the part count that read one fastest as the tier opened",
                                  "each record read in 4 parts, as before", read_pieces=4),
     "nvme-exact-wholehash": Variant("a record read again is checked by its parts' hashes, each taken by the thread "
@@ -100,7 +100,7 @@ VARIANTS = {
                                     "guesses read only at ranks right more often than not",
                                     stepper=(("guess_by_load", False),)),
     "nvme-exact-2readers": Variant("records read by the plan's 8 reader threads", "by 2 reader threads (fewer "
-                                   "threads to take the GIL as reads land, fewer records at once)",
+                                   "records at once)",
                                    reader=(("threads", 2),)),
     "nvme-exact-copyeach": Variant("a step's copies queued in one call into torch", "one copy_ call per copy",
                                    stepper=(("tiers.copier.batched", False),)),

@@ -149,6 +149,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
     from glm53.tiers.policy import zipf_trace
+    from store.native_reader import NativeStoreReader, queue_library
     from store.reader import StoreReader
 
     total = opts.layers * opts.experts
@@ -161,7 +162,9 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
     counts = np.stack([np.bincount(t[: max(1, opts.warmup)].ravel(), minlength=opts.experts) for t in traces])
     copier = _gpu_like_copier()
     # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
-    reader = StoreReader(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug)
+    # The tier's reader: the native read queue where the library has it (as open_nvme_tier picks).
+    make = NativeStoreReader if queue_library() is not None else StoreReader
+    reader = make(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug)
     tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
     try:
         tier.warm(counts)
