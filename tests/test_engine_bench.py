@@ -39,6 +39,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     res["modes"]["nvme"]["decode_store"] = {"picks_by_layer": [1.5, 0.25], "issued": 3.0, "hits": 2.0, "late": 0.5,
                                             "wasted": 0.5, "demand_misses": 1.25, "store_busy": 0.3,
                                             "guess_floor": 0.23}
+    res["modes"]["nvme"]["prefill_store"] = {"MiB": 1234.4, "busy": 0.61, "over_disk_bound": 0.705}
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
                                                             "cpu_share": 0.039}}}
     res["modes"]["nvme"]["tiers"] = {"cpu_lane": {"judge": {"kept": None, "ratio_on_over_off": None,
@@ -59,6 +60,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "per decoded token: store picks by layer 1.50 0.25; reads a step waited for but no guess started "
                  "1.25, guesses read 3.00 (in time 2.00, late 0.50, wrong 0.50); store busy 0.30 of the decode, guess "
                  "floor 0.23 at the windows' ends",
+                 "    per prompt: 1234 MiB from the store, store busy 0.61 of the prefill; prefill x the disk's bound "
+                 "0.705, median of windows",
                  "each tiered mode decoded 192 tokens before the windows",
                  "nvme-exact / nvme-exact-whole (each record read in parallel parts / each record read in one "
                  "pread): 1.250", "nvme-exact-whole picks per tier",
@@ -138,6 +141,20 @@ def test_own_bound_uses_the_disk_rate_beside_each_window():
     rows[2]["store_bytes_per_token"] = 1e6  # the GPU side bounds window 0 now: 20 ms
     assert abs(B.own_bound_beside(rows, "nvme", 1e9)["over_own_bound"] - (25 * 0.02 + 15 * 0.06) / 2) < 1e-9
     assert B.own_bound_beside(rows, "nvme-exact", 1e9)["over_own_bound"] != 0.0  # nan: no windows
+
+
+def test_prefill_is_judged_by_the_disk_time_its_store_bytes_take():
+    # Window 0: 1 GB from the store at 2 GB/s is 0.5 s of disk time, the prefill took 1 s: 0.5 of the bound.
+    # Window 1: 0.9 GB at 1 GB/s over a 1 s prefill: 0.9. Window 2 read nothing from the store: no ratio.
+    rows = [{"name": "nvme", "prefill_s": 1.0, "prefill_store_bytes": 1e9, "prefill_store_busy": 0.4, "disk_Bps": 2e9},
+            {"name": "nvme", "prefill_s": 1.0, "prefill_store_bytes": 0.9e9, "prefill_store_busy": 0.8,
+             "disk_Bps": 1e9},
+            {"name": "nvme", "prefill_s": 0.5, "prefill_store_bytes": 0, "prefill_store_busy": 0.0, "disk_Bps": 1e9},
+            {"name": "fast", "prefill_s": 0.3}]
+    got = B.prefill_store(rows, "nvme")
+    assert abs(got["over_disk_bound"] - 0.7) < 1e-12  # the median of 0.5 and 0.9
+    assert abs(got["MiB"] - 1.9e9 / 3 / 2**20) < 1e-9 and abs(got["busy"] - 0.4) < 1e-12
+    assert B.prefill_store(rows, "fast") == {}
 
 
 def test_disk_probe_reads_a_fresh_sample_each_time(tmp_path):

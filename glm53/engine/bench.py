@@ -192,6 +192,21 @@ def own_bound_beside(rows: list[dict], mode: str, h2d_Bps: float) -> dict:
     return {"over_own_bound": _median(ratios), "bound_beside_tok_s": mean(bounds), "disk_GBps_beside": mean(disks) / 1e9}
 
 
+def prefill_store(rows: list[dict], mode: str) -> dict:
+    """An nvme mode's prompts and the store, over its windows: MiB read from the store per prompt, the disk's busy
+    share of the prefill, and prefill tok/s over the bound the disk alone sets (the prompt's store bytes at the raw
+    rate measured beside the window), the median of windows. Near 1: the prompt is read as fast as the disk reads;
+    well under it with the disk idle much of the time: the reads wait on each other or on the GPU."""
+    got = [x for x in rows if x["name"] == mode and "prefill_store_bytes" in x]
+    if not got:
+        return {}
+    ratios = [x["prefill_store_bytes"] / x["disk_Bps"] / x["prefill_s"]  # the disk's time for the bytes / the time
+              for x in got if x.get("disk_Bps") and x["prefill_store_bytes"]]
+    return {"MiB": sum(x["prefill_store_bytes"] for x in got) / len(got) / 2**20,
+            "busy": sum(x["prefill_store_busy"] for x in got) / len(got),
+            "over_disk_bound": _median(ratios) if ratios else float("nan")}
+
+
 def _disk_probe(store: Path, records: int = 96, threads: int = 8):
     """A callable giving the store disk's raw random-read rate (bytes/s) now, over a fresh random sample of records
     each time (no pass re-reads what a disk cache may hold from the last)."""
@@ -265,6 +280,7 @@ class _Runner:
 
         job = Job(input_ids=torch.tensor([prompt], dtype=torch.long), max_new_tokens=tokens,
                   sampler=ComboSampler(temperature=1.0), seed=seed, stop_conditions=[])
+        before = self.tiered.snapshot() if self.tiered is not None else None  # the prompt's store reads
         t0 = time.perf_counter()
         self.gen.enqueue(job)
         first = last = None
@@ -299,6 +315,11 @@ class _Runner:
                 r0, r1 = snap0.get("store_reads", {}), snap1.get("store_reads", {})
                 if r1.get("busy_s") is not None:  # the share of the decode the store spent reading
                     out["store_busy"] = (r1["busy_s"] - r0["busy_s"]) / (last - first)
+                    # The prompt's: its store bytes (what a prefill's disk bound is made of) and the disk's busy
+                    # share of it (prefill reads most of every layer's experts not held in RAM or VRAM).
+                    rb = before.get("store_reads", {})
+                    out["prefill_store_bytes"] = snap0["bytes"]["store_to_ram"] - before["bytes"]["store_to_ram"]
+                    out["prefill_store_busy"] = (r0["busy_s"] - rb.get("busy_s", 0.0)) / (first - t0)
                 out["guess_floor"] = snap1["lookahead"].get("guess_floor")
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
@@ -491,6 +512,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                                                                        strict=True)],
                     **{k: sum(x["guesses"][k] for x in m_rows) / n_tok for k in m_rows[0]["guesses"]},
                     "store_busy": mean(mode, "store_busy"), "guess_floor": mean(mode, "guess_floor")}
+                result["modes"][mode]["prefill_store"] = prefill_store(rows, mode)
         for mode in modes:
             if mode.startswith("nvme") and disk_rate:
                 m = result["modes"][mode]
@@ -581,6 +603,11 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f}, "
                                  f"wrong {ds['wasted']:.2f}); store busy {ds['store_busy']:.2f} of the decode, guess "
                                  f"floor {ds['guess_floor']:.2f} at the windows' ends")
+                ps = m.get("prefill_store")
+                if ps:
+                    lines.append(f"    per prompt: {ps['MiB']:.0f} MiB from the store, store busy {ps['busy']:.2f} of "
+                                 f"the prefill; prefill x the disk's bound {ps['over_disk_bound']:.3f}, median of "
+                                 f"windows")
         if res.get("read_contention"):
             from glm53.tiers.read_contention import line
 
