@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from glm53.engine.lookahead import RecallMeter, predict_topk
+from glm53.engine.moe_step import Guesses
 
 ROUTERS = [
     ("glm5_next", "Glm5NextTextConfig", "Glm5NextTextTopkRouter"),
@@ -99,3 +101,28 @@ def test_bench_command(hf_model_dir: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["bench", "lookahead", "--model", str(hf_model_dir), "--tokens", "24", "--predict-k", "3"]) == 0
     out = capsys.readouterr().out
     assert "1 -> 2" in out and "chance 0.375" in out
+
+
+def test_the_stepper_scores_its_guesses_as_the_recall_meter_counts_them() -> None:
+    """The stepper counts the meter's sums in its own pass over a step's rows (Guesses.score): the same counts as
+    RecallMeter.update, and per-rank hits as a plain count of each guess among its row's picks, on random rows, rows
+    that name an expert twice included."""
+    rng = np.random.default_rng(0)
+    guesses, meter = Guesses(), RecallMeter()
+    hits, total = [0] * 4, [0] * 4
+    for step in range(300):
+        rows, layer = int(rng.integers(1, 9)), int(rng.integers(0, 3))
+        experts = int(rng.integers(4, 12))  # few experts: rows overlap, and with replace=True repeat themselves
+        twice = step % 3 == 0
+        pred = np.stack([rng.choice(experts, 4, replace=twice) for _ in range(rows)])
+        ids = np.stack([rng.choice(experts, 3, replace=twice and step % 2 == 0) for _ in range(rows)])
+        guesses.pending[layer] = pred
+        guesses.score(layer, ids, True)
+        meter.update(layer, pred, ids)
+        for guess, real in zip(pred.tolist(), ids.tolist(), strict=True):
+            for r, e in enumerate(guess):
+                total[r] += 1
+                hits[r] += e in real
+    assert guesses.meter.snapshot() == meter.snapshot()
+    assert (guesses.hits, guesses.total) == (hits, total)
+    assert guesses.precision == [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]

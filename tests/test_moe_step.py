@@ -53,6 +53,26 @@ def test_translate_of_a_fully_staged_prefill_is_monotonic():
     assert np.array_equal(order_in, order_out)
 
 
+def test_the_sets_keep_free_is_handed_are_made_only_when_looked_up():
+    from glm53.engine.moe_step import _LazySets
+
+    made = []
+
+    def maker(layer, experts):
+        def make():
+            made.append(layer)
+            return set(experts)
+        return make
+
+    sets = _LazySets({2: maker(2, [1, 5]), 7: maker(7, [])})
+    assert len(sets) == 2 and sorted(sets) == [2, 7] and bool(sets) and made == []
+    assert sets.get(3, ()) == () and sets.get(4) is None and made == []
+    assert sets.get(2, ()) == {1, 5} and sets[2] == {1, 5} and sets.get(7) == set() and made == [2, 7]
+    assert dict(sets) == {2: {1, 5}, 7: set()} and made == [2, 7]  # each made once
+    with pytest.raises(KeyError):
+        sets[3]
+
+
 # ---- all-RAM tiers, exact ---------------------------------------------------------------------------------------
 
 
@@ -542,6 +562,41 @@ def test_after_launch_frees_ram_for_the_next_reads_but_never_the_steps_own_exper
         assert t.ram.free_count() == FREE_RAM_SLOTS
         assert t.where[0, 0] == Where.RAM, "the step's own expert was dropped"
         tier.check_invariants()
+
+
+def test_after_launch_keeps_the_steps_experts_and_the_guessed_ones_for_the_coming_layers(tmp_path):
+    """The sets keep_free is handed after launch, each made as it is looked up, are what making them all at once
+    gives: each pending guess's likely experts, and the step's own experts. Nothing is handed (and no set made)
+    when the slots are already free."""
+    from glm53.tiers.nvme import open_nvme_tier
+
+    ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
+    plan = nvme_plan(store, ram_records=17, vram_slots=3, mode="nvme-exact")
+    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1, 1], staging_slots=16, warm=False) as tier:
+        t = tier.tiers
+        stepper = MoeStepper(t, [1, 1, 1], 16, nvme=tier, admit=False)
+        real_keep_free, step_experts, handed = tier.keep_free, {}, []
+
+        def keep_free(n, keep=None):
+            assert t.ram.free_count() < n, "asked to make room where there is room"
+            li, experts = step_experts["now"]
+            want = {la: set(stepper._likely(g)) for la, g in stepper._near.pending.items()}
+            want[li] = want.get(li, set()) | set(experts)
+            assert dict(keep) == want
+            handed.append(len(want))
+            return real_keep_free(n, keep)
+
+        tier.keep_free = keep_free
+        rng = np.random.default_rng(3)
+        for step in range(40):
+            li = step % 3
+            ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(2)])
+            step_experts["now"] = (li, np.unique(ids).tolist())
+            stepper.resolve(li, ids, True)
+            if li + 1 < 3:  # the lookahead for the next layer, as the engine runs it before the bookkeeping
+                stepper.ahead(li + 1, rng.choice(16, (2, 4)), busy=step_experts["now"][1])
+            stepper.after_launch()
+        assert 2 in handed  # the step's experts and a pending guess's
 
 
 @pytest.mark.parametrize("reads_after_launch", [True, False])

@@ -79,17 +79,24 @@ class RecallMeter:
         act_all: set[int] = set()
         for p, a in zip(pred, act, strict=True):
             ps = set(p)
-            row_hits += sum(1 for e in a if e in ps)
+            row_hits += sum(map(ps.__contains__, a))
             picks += len(a)
             pred_all |= ps
             act_all.update(a)
-        step_hits = len(act_all & pred_all)
+        self.add(layer, row_hits, picks, len(act_all & pred_all), len(act_all))
+
+    def add(self, layer: int, row_hits: int, picks: int, step_hits: int, experts: int) -> None:
+        """One step of `layer` already counted (as `update` counts it): for a caller that goes over the same rows
+        for counts of its own, and so counts these in the same pass."""
+        layer = int(layer)
         with self._lock:
-            c = self._layers.setdefault(int(layer), [0, 0, 0, 0, 0])
+            c = self._layers.get(layer)
+            if c is None:
+                c = self._layers[layer] = [0, 0, 0, 0, 0]
             c[0] += row_hits
             c[1] += picks
             c[2] += step_hits
-            c[3] += len(act_all)
+            c[3] += experts
             c[4] += 1
 
     def snapshot(self) -> dict:

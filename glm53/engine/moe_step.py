@@ -27,8 +27,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,31 @@ Recompute = Callable[[int, int, np.ndarray], Any]
 FREE_RAM_SLOTS = 4
 
 
+class _LazySets(Mapping[int, set[int]]):
+    """{layer: experts}, each layer's set made when first looked up (make[layer]()): keep_free looks up only the
+    layers of the victims it weighs, mostly none of the two or three named here, whose sets cost a few
+    microseconds each to make."""
+
+    def __init__(self, make: dict[int, Callable[[], set[int]]]):
+        self._make = make
+        self._made: dict[int, set[int]] = {}
+
+    def __getitem__(self, layer: int) -> set[int]:
+        got = self._made.get(layer)
+        if got is None:
+            got = self._made[layer] = self._make[layer]()
+        return got
+
+    def get(self, layer: int, default: Any = None) -> Any:  # the lookup the victim search makes: no KeyError raised
+        return self[layer] if layer in self._make else default
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)
+
+
 class Guesses:
     """Guesses of one distance (one layer ahead, or two): each layer's guess until its step comes, and how often the
     guess at each rank (best first) was among the real picks, pooled over layers. A guess acted on costs its bytes
@@ -123,17 +149,34 @@ class Guesses:
         if pred is None or not decode or pred.shape[0] != ids.shape[0]:
             return  # no guess, or not for this step's rows (another batch shape came between)
         guesses, reals = pred.tolist(), ids.tolist()
-        self.meter.update(li, guesses, reals)
         hits, total = self.hits, self.total
         k = len(guesses[0]) if guesses else 0
         if len(total) < k:
             hits.extend([0] * (k - len(hits)))
             total.extend([0] * (k - len(total)))
+        n = len(guesses)
+        for r in range(k):  # every row guesses k ranks (pred is one 2-D array)
+            total[r] += n
+        # The recall meter's counts (RecallMeter.update's) in the same pass over the rows.
+        row_hits = picks = 0
+        guessed: set[int] = set()
+        picked: set[int] = set()
         for guess, real in zip(guesses, reals, strict=True):
-            real_set = set(real)
+            real_set, guess_set = set(real), set(guess)
+            found = 0
             for r, e in enumerate(guess):
-                total[r] += 1
-                hits[r] += e in real_set
+                if e in real_set:
+                    hits[r] += 1
+                    found += 1
+            # The guesses found among the picks are the picks found among the guesses where neither row names an
+            # expert twice (a router never does); else counted per pick, as the meter counts.
+            if len(guess_set) != len(guess) or len(real_set) != len(real):
+                found = sum(map(guess_set.__contains__, real))
+            row_hits += found
+            picks += len(real)
+            guessed |= guess_set
+            picked |= real_set
+        self.meter.add(li, row_hits, picks, len(picked & guessed), len(picked))
         self.precision = [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
 
 
@@ -245,12 +288,15 @@ class MoeStepper:
             if candidates:
                 tiers.try_admit(li, np.array(candidates, np.int64), uniq,
                                 source=lambda e: tiers.staging_slot(row[e]))
-        if self.nvme is not None and self.reads_after_launch:
+        if self.nvme is not None and self.reads_after_launch and tiers.ram.free_count() < FREE_RAM_SLOTS:
             # Never one of this step's experts (the CPU lane may still be reading one, or recompute it from RAM if
-            # it misses its deadline) nor one the guesses for the coming layers named.
-            keep = {la: set(self._likely(g)) for la, g in self._near.pending.items()}
-            keep[li] = keep.get(li, set()) | set(busy)
-            self.nvme.keep_free(FREE_RAM_SLOTS, keep)
+            # it misses its deadline) nor one the guesses for the coming layers named. (With the slots already
+            # free, keep_free drops nothing: the sets are not made.)
+            pending = self._near.pending
+            make: dict[int, Callable[[], set[int]]] = {la: partial(self._likely_set, g) for la, g in pending.items()}
+            guess = pending.get(li)
+            make[li] = lambda: (set() if guess is None else self._likely_set(guess)) | set(busy)
+            self.nvme.keep_free(FREE_RAM_SLOTS, _LazySets(make))
         self.host_seconds["after_launch"] += time.perf_counter() - t0
 
     def lane_in_use(self) -> bool:
@@ -309,6 +355,7 @@ class MoeStepper:
         # each miss's staging row before its store reads land: the RAM-resident misses cross PCIe while the store
         # reads finish, and only the store's records wait for them. The rows and bytes are the same either way.
         reading: list[int] = []
+        codes: list[int] | None = None  # the step's experts' tier states, where one look serves to the end
         ahead_later: Callable[[list[int]], Any] | None = None
         t_reads = time.perf_counter()
         copy_early = decode and self.copy_before_store_wait and self.admit_after_launch and pre is None
@@ -323,7 +370,7 @@ class MoeStepper:
             # disk with one read at a time. A step with no store read to wait for starts them after launch
             # instead, while the GPU runs its kernels.
             if read_ahead is not None and decode:
-                if defer and self.reads_after_launch and not any(where[e] >= STORE for e in uniq_l):
+                if defer and self.reads_after_launch and max(where[uniq].tolist(), default=VRAM) < STORE:
                     ahead_later = read_ahead
                 else:
                     read_ahead(uniq_l)
@@ -333,22 +380,30 @@ class MoeStepper:
                 # picks nearly all.
                 named = None if next_guess is None else {li + 1: next_guess}
                 self.prefetched += self.nvme.prefetch_prefill([li + 1], named, protect={li: uniq_l})
-            for e in uniq_l:
-                w = tiers.settle(li, e)
+            if copy_early:
+                # Nothing here waits for the store, and a move landing never makes an expert STORE or FROM_STORE:
+                # one look at the states once the moves have settled names the store misses and, below, the hits.
+                w = tiers.settle_each(li, uniq_l)
                 if w:
                     tiers.stats.add_wait("pcie", w)
-                if where[e] >= STORE:  # STORE or FROM_STORE
-                    from_store.add(e)
-                    if copy_early:
-                        reading.append(e)
-                        continue
-                    t0 = time.perf_counter()
-                    tiers.fetch_to_ram(li, e, protect=uniq)
-                    store_wait += time.perf_counter() - t0
+                codes = where[uniq].tolist()
+                reading = [e for e, c in zip(uniq_l, codes, strict=True) if c >= STORE]  # STORE or FROM_STORE
+                from_store.update(reading)
+            else:
+                for e in uniq_l:
+                    w = tiers.settle(li, e)
+                    if w:
+                        tiers.stats.add_wait("pcie", w)
+                    if where[e] >= STORE:  # read again each time: waiting for one read may land another
+                        from_store.add(e)
+                        t0 = time.perf_counter()
+                        tiers.fetch_to_ram(li, e, protect=uniq)
+                        store_wait += time.perf_counter() - t0
         self.host_seconds["plan_reads"] += time.perf_counter() - t_reads - store_wait
         # Indexing, not take(): take releases the GIL, and with store reads landing a reader thread then holds it
         # for a while (seen as ~5 us a take in the nvme bench, against 0.2 us alone).
-        codes = where[uniq].tolist()
+        if codes is None:
+            codes = where[uniq].tolist()
         hits = {e for e, c in zip(uniq_l, codes, strict=True) if c == VRAM}
         misses = [e for e, c in zip(uniq_l, codes, strict=True) if c != VRAM]
         step = Step(slots=_NO_SLOTS)
@@ -392,7 +447,8 @@ class MoeStepper:
         t_copy = time.perf_counter()
         wait_before_copies = store_wait
         last = None
-        crossed = sum(1 for e in step.staged if e not in hits) if hits else len(step.staged)  # else device-local
+        # The staged experts not resident (each staged once); a resident one is copied on the device (prefill).
+        crossed = len(step.staged) - len(hits.intersection(step.staged)) if hits else len(step.staged)
         if reading:
             pending = set(reading)
             early = [(tiers.staging_slot(i), tiers.bytes_of(li, e)) for i, e in enumerate(step.staged)
@@ -476,7 +532,7 @@ class MoeStepper:
         when called from inside resolve), never dropped for a prefetch. Returns the reads or admissions started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
-        predicted = np.atleast_2d(np.array(predicted, np.int64))  # a copy: the caller's buffer is reused
+        predicted = np.array(predicted, np.int64, ndmin=2)  # a copy: the caller's buffer is reused
         if self.nvme is not None:
             load = self.nvme.load() if self.guess_by_load else 1.0
             self.guess_floor = load / (1.0 + load)
@@ -547,6 +603,9 @@ class MoeStepper:
                     seen.add(e)
                     out.append(e)
         return out
+
+    def _likely_set(self, predicted: np.ndarray) -> set[int]:
+        return set(self._likely(predicted))
 
     def _prestage(self, li: int, experts: list[int]) -> int:
         """Copy predicted RAM experts of layer li into its parity's staging rows now; its step reads them there.

@@ -199,9 +199,14 @@ class NvmeTier:
         experts = np.asarray(experts, np.int64)
         where = self.tiers.where[layer]
         es = experts.tolist()
-        self._account_prefetch(layer, es, where[experts].tolist() if es else [])
+        codes = where[experts].tolist() if es else []
+        self._account_prefetch(layer, es, codes)
         now = self.clock()
-        for e in es:
+        for e, c in zip(es, codes, strict=True):
+            # Only an expert in (or being read from) the store may need a read: issuing one never drops this step's
+            # experts (they are its protect) and only reads in flight land or fail, so the others stay as they are.
+            if c < STORE:
+                continue
             w = int(where[e])  # read again each time: a read issued for one expert may land or drop others
             if w == STORE:
                 self._issue(layer, e, experts, Priority.DEMAND, demanded=True)
@@ -257,7 +262,7 @@ class NvmeTier:
         when `window` prefetched experts are outstanding or RAM has nothing it may drop."""
         self.poll()
         window = self.window if window is None else window
-        picks = [(int(layer), int(e)) for layer, e in picks]
+        picks = picks if isinstance(picks, list) else list(picks)
         self._prune_prefetched()
         where, ram = self.tiers.where, self.tiers.ram
         keep: dict[int, set[int]] | None = None  # made when RAM is first found full: most calls never need it
@@ -265,6 +270,7 @@ class NvmeTier:
         for layer, e in picks:
             if where[layer, e] != STORE:
                 continue
+            layer, e = int(layer), int(e)  # plain ints from here (numpy ones would reach the reads and /stats)
             if len(self._prefetched) >= window:
                 break
             if not ram.free_count():
@@ -283,11 +289,19 @@ class NvmeTier:
     @staticmethod
     def _keep(picks: list[tuple[int, int]], protect: Mapping[int, Iterable[int]] | None) -> dict[int, set[int]]:
         """{layer: experts} a prefetch may not drop: its own picks and `protect`."""
+        # Only looked up (a numpy integer finds the equal int): no conversions, and no set made per pick.
         keep: dict[int, set[int]] = {}
         for layer, e in picks:
-            keep.setdefault(layer, set()).add(e)
+            mine = keep.get(layer)
+            if mine is None:
+                mine = keep[layer] = set()
+            mine.add(e)
         for layer, es in (protect or {}).items():
-            keep.setdefault(int(layer), set()).update(int(e) for e in es)
+            mine = keep.get(layer)
+            if mine is None:
+                keep[layer] = set(es)
+            else:
+                mine.update(es)
         return keep
 
     def prefetch_prefill(self, layers: Sequence[int], picks: Mapping[int, Iterable[int]] | None = None, *,
@@ -373,11 +387,15 @@ class NvmeTier:
         busy_seconds = getattr(self.reader, "busy_seconds", None)
         if busy_seconds is None:
             return self._load
-        now, busy = time.perf_counter(), busy_seconds()
-        if self._load_mark is None:
+        now = time.perf_counter()
+        mark = self._load_mark
+        if mark is not None and now - mark[0] < LOAD_SPAN_S:
+            return self._load  # asked every layer step: the reader's clock only once a span is over
+        busy = busy_seconds()
+        if mark is None:
             self._load_mark = (now, busy)
             return self._load
-        t0, b0 = self._load_mark
+        t0, b0 = mark
         span = now - t0
         if span >= LOAD_SPAN_S:
             if span <= LOAD_IDLE_S:
