@@ -4,8 +4,10 @@ asserted: the benchmark's numbers are the machine's, not the code's."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +168,30 @@ def test_nvme_baseline_with_this_driver_prints_the_ratio(capsys):
     ratios = [m.groups() for m in map(RATIO.match, lines) if m]
     assert len(ratios) == 1 and ratios[0][0] == "1"
     assert _git("worktree", "list") == before
+
+
+@needs_git
+def test_a_baseline_worktree_gets_the_compiled_library_of_its_sources(tmp_path):
+    """Git ignores the compiled library: a baseline without it would read the store on Python threads. Same kernel
+    sources: this tree's library is copied in, and the baseline's kernel module loads it."""
+    from glm53.cpu_lane import buildinfo
+    from glm53.engine.host_bench import _baseline_library
+
+    libs = sorted((REPO / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))
+    if not libs:
+        pytest.skip("glm53's library is not built here")
+    head = _git("rev-parse", "HEAD")
+    tree = tmp_path / "tree"
+    _git("worktree", "add", "--detach", str(tree), head)
+    try:
+        if buildinfo.source_hash(tree / "glm53" / "cpu_lane") != buildinfo.source_hash():
+            pytest.skip("the working tree's kernel sources differ from HEAD's")
+        assert _baseline_library(REPO, tree) is None
+        assert [p.name for p in sorted((tree / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))] == \
+            [p.name for p in libs]
+        probe = subprocess.run([sys.executable, "-c", "from store.native_reader import queue_library; "
+                                "print(queue_library() is not None)"], cwd=tree, capture_output=True, text=True,
+                               env={**os.environ, "PYTHONPATH": str(tree)})
+        assert probe.stdout.strip() == "True", probe.stderr
+    finally:
+        _git("worktree", "remove", "--force", str(tree))

@@ -253,6 +253,9 @@ def run_baseline(rev: str, opts: HostBenchOptions, nvme: Any = None, driver: str
         if driver == "this":
             for rel in DRIVER_FILES:
                 shutil.copyfile(root / rel, tree / rel)
+        built = _baseline_library(root, tree)
+        if built:
+            return None, f"{who}: {built}"
         # `-m` puts the worktree first on sys.path, ahead of the installed (editable) glm53.
         env = dict(os.environ, PYTHONPATH=str(tree))
         proc = subprocess.run([sys.executable, "-m", "glm53", "bench", "host-step", "--json", "--baseline", "none",
@@ -264,6 +267,38 @@ def run_baseline(rev: str, opts: HostBenchOptions, nvme: Any = None, driver: str
         _git("worktree", "remove", "--force", str(tree), cwd=root)
         shutil.rmtree(tmp, ignore_errors=True)
         _git("worktree", "prune", cwd=root)
+
+
+def _baseline_library(root: Path, tree: Path) -> str | None:
+    """Give the baseline worktree its compiled library (git ignores it): without it the baseline would run its
+    pure-Python fallbacks (the store read on Python threads) and compare unlike with like. This tree's library
+    where the kernel's sources are the same (their hash is compiled in and checked at load), else one built from the
+    baseline's own sources. None when it has one, else why not."""
+    import importlib.util
+
+    here = sorted((root / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))
+    if not here:
+        return None  # this tree has none either: both run the same fallbacks
+    info = tree / "glm53" / "cpu_lane" / "buildinfo.py"
+    same = False
+    if info.exists():
+        spec = importlib.util.spec_from_file_location("_glm53_baseline_buildinfo", info)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        from glm53.cpu_lane import buildinfo
+
+        same = mod.source_hash(info.parent) == buildinfo.source_hash()
+    if same:
+        for lib in here:
+            shutil.copyfile(lib, tree / "glm53" / "cpu_lane" / lib.name)
+        return None
+    print("building the baseline's compiled library from its own sources (a minute or more)", file=sys.stderr,
+          flush=True)
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        return f"its compiled library did not build: {proc.stderr.strip()[-1000:]}"
+    return None
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------
