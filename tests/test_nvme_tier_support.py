@@ -14,7 +14,7 @@ import torch
 import store.reader as R
 from glm53.exl3ref import Exl3Linear, expert_forward, read_exl3_linear
 from glm53.plan import Plan
-from glm53.tiers import SlotLayout, combine, group_picks
+from glm53.tiers import SlotLayout, Where, combine, group_picks
 from store.format import read_header
 from store.pack import PackOptions, pack_store
 from store.synth import write_expert_checkpoint
@@ -116,3 +116,15 @@ class Gate:
             self.entered.set()
             assert self.release.wait(10)
         return self.real(fd, view, offset)
+
+
+def check_wrong_guesses_dropped(tier) -> None:
+    """After a step of layer 1 needed guesses 0 and 3 of four queued (0..3): one promoted, two cancelled unread and
+    counted wasted, nothing failed; the dropped two (1, 2) read later like any other read."""
+    snap = tier.stats.snapshot()
+    assert snap["nvme"]["promoted"] == 1 and snap["nvme"]["cancelled_prefetches"] == 2
+    assert snap["nvme"]["failed_reads"] == 0 and snap["prefetch"]["wasted"] == 2
+    tier.check_invariants()
+    for e in (1, 2):
+        tier.wait(1, e)
+        assert Where(tier.tiers.where[1, e]) == Where.RAM
