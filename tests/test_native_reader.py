@@ -10,15 +10,14 @@ from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import pytest
+from test_nvme_tier_support import reference, small_store
 
 import store.native_reader as N
 import store.reader as R
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreCorruptError, StoreReadError
 from store.format import read_header
-from store.pack import PackOptions, pack_store
 from store.reader import Priority
-from store.synth import write_expert_checkpoint
 
 pytestmark = pytest.mark.skipif(N.queue_library() is None, reason="glm53's native library is not built")
 needs_hash = pytest.mark.skipif(not R._part_hash(), reason="the xxhash package does not export XXH3_64bits")
@@ -27,18 +26,7 @@ SPLIT = {"pieces": 4, "min_piece": 4096}  # the test store's records are 40 KiB:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("native-reader")
-    ck = write_expert_checkpoint(root / "ck", layers=3, experts=8, mtp_layers=0)
-    out = root / "s.glm53"
-    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
-    return out
-
-
-def reference(store, layer, expert):
-    e = read_header(store).entry(layer, expert)
-    with open(store, "rb") as f:
-        f.seek(e.offset)
-        return f.read(e.extent)
+    return small_store(tmp_path_factory.mktemp("native-reader"))
 
 
 def copy(store, tmp_path):

@@ -128,3 +128,19 @@ def check_wrong_guesses_dropped(tier) -> None:
     for e in (1, 2):
         tier.wait(1, e)
         assert Where(tier.tiers.where[1, e]) == Where.RAM
+
+
+def small_store(root: Path) -> Path:
+    """The readers' test store: 3 layers x 8 small experts, packed unverified under root."""
+    ck = write_expert_checkpoint(root / "ck", layers=3, experts=8, mtp_layers=0)
+    out = root / "s.glm53"
+    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
+    return out
+
+
+def reference(store: Path, layer: int, expert: int) -> bytes:
+    """A record's bytes as the file holds them (read plainly, for comparing with what a reader landed)."""
+    e = read_header(store).entry(layer, expert)
+    with open(store, "rb") as f:
+        f.seek(e.offset)
+        return f.read(e.extent)

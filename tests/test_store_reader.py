@@ -12,31 +12,18 @@ import time
 
 import numpy as np
 import pytest
-from test_nvme_tier_support import Gate
+from test_nvme_tier_support import Gate, reference, small_store
 
 import store.reader as R
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import DirectIOUnsupported, StoreCorruptError, StoreReadError
 from store.format import read_header
-from store.pack import PackOptions, pack_store
 from store.reader import Priority, StoreReader
-from store.synth import write_expert_checkpoint
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reader")
-    ck = write_expert_checkpoint(root / "ck", layers=3, experts=8, mtp_layers=0)
-    out = root / "s.glm53"
-    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
-    return out
-
-
-def reference(store, layer, expert):
-    e = read_header(store).entry(layer, expert)
-    with open(store, "rb") as f:
-        f.seek(e.offset)
-        return f.read(e.extent)
+    return small_store(tmp_path_factory.mktemp("reader"))
 
 
 def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
