@@ -78,7 +78,7 @@ def queue_library():
                 (held, "glm53_rq_new", vp, [i32]), (held, "glm53_rq_submit", i32, [vp, vp]),
                 (held, "glm53_rq_cancel", i32, [vp, vp]), (held, "glm53_rq_promote", i32, [vp, vp]),
                 (held, "glm53_rq_busy", ctypes.c_double, [vp]), (held, "glm53_rq_queued", i64, [vp]),
-                (held, "glm53_rq_state", i64, [vp]),
+                (held, "glm53_rq_state", i64, [vp]), (held, "glm53_rq_set_prefetch_cap", i32, [vp, i32]),
                 (lib, "glm53_rq_wait", i64, [vp, vp, i64]), (lib, "glm53_rq_close", i64, [vp]),
                 (lib, "glm53_rq_free", None, [vp]),
             ):
@@ -157,9 +157,12 @@ class NativeStoreReader:
 
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
-                 min_piece: int = MIN_PIECE, native: bool = True, part_hashes: bool = True):
+                 min_piece: int = MIN_PIECE, native: bool = True, part_hashes: bool = True,
+                 prefetch_at_once: int | None = None):
         """StoreReader's options; `native` is accepted for the same call and ignored (reads here are always
-        native). Raises RuntimeError where glm53's library is not built with the read queue."""
+        native). prefetch_at_once: at most that many prefetch reads under way at once (None: as many as there are
+        threads); demand reads are never held back. Raises RuntimeError where glm53's library is not built with
+        the read queue."""
         bound = queue_library()
         if bound is None:
             raise RuntimeError("the native store reader needs glm53's compiled library with its read queue "
@@ -178,6 +181,9 @@ class NativeStoreReader:
             os.close(self.fd)
             raise RuntimeError("the native store reader could not start a single thread")
         self._wait_native, self._close_native = released.glm53_rq_wait, released.glm53_rq_close
+        self.prefetch_at_once = self.threads if prefetch_at_once is None else max(1, min(self.threads,
+                                                                                         int(prefetch_at_once)))
+        self._held.glm53_rq_set_prefetch_cap(self._q, self.prefetch_at_once)
         # Freed only once neither the reader nor any of its futures is left: a future may still wait on the queue.
         # Never at exit (atexit=False): the exit hook closes instead, and the queue stays valid for later callers.
         self._finalizer = weakref.finalize(self, released.glm53_rq_free, self._q)
@@ -367,7 +373,8 @@ class NativeStoreReader:
     # -- state ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
         with self._lock:
-            return dict(self._stats, queued=int(self._held.glm53_rq_queued(self._q)))
+            return dict(self._stats, queued=int(self._held.glm53_rq_queued(self._q)),
+                        prefetch_at_once=self.prefetch_at_once)
 
     def busy_seconds(self) -> float:
         """Wall seconds so far with at least one read under way (overlapping reads count once)."""

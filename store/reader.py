@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -191,6 +191,69 @@ def time_pieces(path: str | Path, header: StoreHeader, keys, choices=(1, 2, 4, 8
     finally:
         os.close(fd)
     return {n: sorted(ts)[len(ts) // 2] for n, ts in times.items() if ts}
+
+
+def time_two_at_once(path: str | Path, header: StoreHeader, keys, pieces: int, *, allow_buffered: bool = False,
+                     hashed: bool = True) -> float | None:
+    """How much faster two records come in read at once than one after the other, each in `pieces` parallel parts
+    as the reader reads them: the median over pairs of (time for two, one after the other) / (time for two at
+    once). Near 1: one record's parts already keep the store busy, and a second read beside it only takes a share
+    of the same rate. Each record of `keys` (4 per pair) is read once, the two ways taking turns, for the reason
+    time_pieces gives. None where nothing was timed or the native pread is not built."""
+    if _native() is None or len(keys) < 4:
+        return None
+    from store.directio import alloc_aligned
+
+    bufs = [alloc_aligned(header.max_extent) for _ in range(2)]
+    hashes = [np.zeros(max(1, pieces), np.uint64) if hashed and _part_hash() else None for _ in range(2)]
+    try:
+        fd, direct = open_for_read(path, allow_buffered)
+    except OSError as exc:
+        log.warning("store %s: cannot time its reads (%s)", path, exc)
+        return None
+
+    def read(i: int, k) -> None:
+        e = header.entry(*k)
+        if not direct:
+            os.posix_fadvise(fd, e.offset, e.extent, os.POSIX_FADV_DONTNEED)
+        pread_parts(fd, bufs[i][:e.extent], e.offset, pieces, hashes[i])
+
+    gains = []
+    try:
+        with ThreadPoolExecutor(1) as other:
+            for j in range(len(keys) // 4):
+                a, b, c, d = keys[4 * j:4 * j + 4]
+                try:
+                    t0 = time.perf_counter()
+                    read(0, a)
+                    read(0, b)
+                    t1 = time.perf_counter()
+                    beside = other.submit(read, 1, d)
+                    read(0, c)
+                    beside.result()
+                    t2 = time.perf_counter()
+                except OSError as exc:
+                    log.warning("store %s: a read failed while timing reads at once (%s)", path, exc)
+                    continue
+                gains.append((t1 - t0) / max(t2 - t1, 1e-9))
+    finally:
+        if not direct:
+            for k in keys:
+                e = header.entry(*k)
+                os.posix_fadvise(fd, e.offset, e.extent, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    return sorted(gains)[len(gains) // 2] if gains else None
+
+
+def pick_prefetch_at_once(gain: float | None, threads: int, enough: float = 1.25) -> int:
+    """How many prefetch (guess) reads a reader of `threads` workers may run at once: one where two records read
+    at once come in less than `enough` times as fast as one after the other (the store is kept busy by one; each
+    further guess read would take its share of the rate from a demand read arriving beside it), else all workers
+    but one, which stays free for a demand read. All but one too where nothing was timed."""
+    threads = max(1, threads)
+    if gain is not None and gain < enough:
+        return 1
+    return max(1, threads - 1)
 
 
 def pick_pieces(times: dict[int, float], slack: float = 0.05) -> int:

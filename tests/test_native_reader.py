@@ -103,6 +103,74 @@ def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
         assert started(first) < started(dem) < started(pre[0]) < started(pre[1])
 
 
+def slow_all(monkeypatch, seconds: float) -> None:
+    """Every read made from now on sleeps `seconds` on its worker before reading."""
+    real = N.NativeRead.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        self.task[N.DELAY_NS] = int(seconds * 1e9)
+
+    monkeypatch.setattr(N.NativeRead, "__init__", init)
+
+
+def spans(futs) -> list[tuple[int, int]]:
+    return [(int(f.task[N.T_START]), int(f.task[N.T_END])) for f in futs]
+
+
+def most_at_once(intervals) -> int:
+    edges = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals], key=lambda x: (x[0], x[1]))
+    now = most = 0
+    for _, d in edges:
+        now += d
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_prefetches_read_at_most_their_cap_at_once_and_a_demand_read_never_waits_for_them(store, monkeypatch, cap):
+    with N.NativeStoreReader(store, threads=3, prefetch_at_once=cap) as r:
+        assert r.prefetch_at_once == cap and r.stats()["prefetch_at_once"] == cap
+        arena = alloc_slots(7, r.max_extent)
+        slow_all(monkeypatch, 0.05)
+        pre = r.read_many([(1, e, arena[e]) for e in range(6)], priority=Priority.PREFETCH)
+        for f in pre[:cap]:
+            under_way(f)
+        dem = r.read(2, 7, arena[6], priority=Priority.DEMAND)
+        dem.result(10)
+        for f in pre:
+            f.result(10)
+        assert most_at_once(spans(pre)) == cap
+        # A free worker took the demand read at once, beside the prefetches under way (not after one of them).
+        running_then = sum(a <= started(dem) < b for a, b in spans(pre))
+        assert running_then == cap and started(dem) < min(b for _, b in spans(pre))
+        assert r.stats()["reads"] == 7
+
+
+def test_without_a_cap_every_worker_takes_prefetches(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=3) as r:
+        assert r.prefetch_at_once == 3
+        arena = alloc_slots(6, r.max_extent)
+        slow_all(monkeypatch, 0.05)
+        pre = r.read_many([(1, e, arena[e]) for e in range(6)], priority=Priority.PREFETCH)
+        for f in pre:
+            f.result(10)
+        assert most_at_once(spans(pre)) == 3
+
+
+def test_a_promoted_running_prefetch_still_frees_its_place_under_the_cap(store, monkeypatch):
+    with N.NativeStoreReader(store, threads=2, prefetch_at_once=1) as r:
+        arena = alloc_slots(3, r.max_extent)
+        slow_first(monkeypatch, 0.1)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        under_way(first)
+        r.promote(1, 0, arena[0])  # under way: marked demand for a retry, but it was taken as a prefetch
+        rest = r.read_many([(1, 1, arena[1]), (1, 2, arena[2])], priority=Priority.PREFETCH)
+        for f in (first, *rest):
+            f.result(10)
+        assert most_at_once(spans([first, *rest])) == 1
+
+
 def test_asking_again_as_demand_or_promoting_moves_a_queued_prefetch_ahead(store, monkeypatch):
     with N.NativeStoreReader(store, threads=1) as r:
         arena = alloc_slots(5, r.max_extent)

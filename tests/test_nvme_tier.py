@@ -477,6 +477,29 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
     assert "nothing timed" in caplog.text
 
 
+def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when_it_opened(packed, monkeypatch,
+                                                                                             caplog):
+    import glm53.tiers.nvme as nvme_mod
+    import store.native_reader as N
+
+    if N.queue_library() is None:
+        pytest.skip("glm53's library is built without the read queue")
+    ck, store = packed
+    plan = nvme_plan(store, 2 * EXPERTS, 0)
+    with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:  # timed for real on this store's records
+        gain = tier.two_at_once_gain
+        assert gain is None or gain > 0
+        assert tier.reader.prefetch_at_once == R.pick_prefetch_at_once(gain, tier.reader.threads)
+        assert tier.read_summary()["prefetch_at_once"] == tier.reader.prefetch_at_once
+    for timed, want in ((1.05, 1), (1.8, plan.nvme_threads - 1)):
+        monkeypatch.setattr(nvme_mod, "time_two_at_once", lambda *a, timed=timed, **k: timed)
+        with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
+            assert tier.reader.prefetch_at_once == want and tier.read_summary()["two_at_once_gain"] == timed
+        assert f"up to {want} guess read(s) at once" in caplog.text and f"{timed:.2f}x" in caplog.text
+    with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options={"prefetch_at_once": 2}) as tier:
+        assert tier.reader.prefetch_at_once == 2 and tier.two_at_once_gain is None  # told: nothing timed
+
+
 def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monkeypatch):
     """load(): 1 until measured; then, each span of at least LOAD_SPAN_S, smoothed toward the share of the span
     the reader was busy; a span longer than LOAD_IDLE_S (an idle server) leaves it as it was. The real reader's

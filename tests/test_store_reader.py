@@ -693,6 +693,31 @@ def test_time_pieces_times_each_part_count_a_record_allows_on_records_read_once(
     assert [n for _, n in reads] == [1, 2, 4, 8] * 2  # the counts take turns
 
 
+def test_guesses_read_one_at_a_time_where_a_second_read_at_once_adds_little():
+    assert R.pick_prefetch_at_once(1.02, 8) == 1  # one record's parts keep the disk busy
+    assert R.pick_prefetch_at_once(1.24, 8) == 1
+    assert R.pick_prefetch_at_once(1.9, 8) == 7  # reads at once add up: all workers but one, kept for demand
+    assert R.pick_prefetch_at_once(None, 8) == 7 and R.pick_prefetch_at_once(3.0, 1) == 1
+
+
+@needs_native
+def test_time_two_at_once_reads_each_record_once_both_ways(store, monkeypatch):
+    head = read_header(store)
+    keys = sorted(head.index)[:9]
+    real, reads = R.pread_parts, []
+
+    def spy(fd, buf, offset, parts, hashes=None):
+        reads.append((offset, parts, threading.current_thread() is threading.main_thread()))
+        return real(fd, buf, offset, parts, hashes)
+
+    monkeypatch.setattr(R, "pread_parts", spy)
+    gain = R.time_two_at_once(store, head, keys, 2)
+    assert gain is not None and gain > 0
+    assert len(reads) == 8 and len({o for o, _, _ in reads}) == 8  # two pairs of 4 records, each read once
+    assert {n for _, n, _ in reads} == {2} and [m for _, _, m in reads].count(False) == 2  # one beside, per pair
+    assert R.time_two_at_once(store, head, keys[:3], 2) is None  # not one pair's records
+
+
 @needs_native
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Python 3.12 warns of fork() with threads running
 def test_a_child_forked_while_the_read_pool_is_busy_reads_with_its_own_pool(tmp_path):

@@ -61,25 +61,36 @@ struct Queue {
     std::vector<std::thread> threads;
     bool closed = false;
     int active = 0;                      // tasks being read: the busy clock runs while > 0
+    // Prefetch tasks being read, and how many may be at once. On a disk that one record's parts already keep
+    // busy, every guess read beside a demand read takes a share of the disk's rate from it; capped, a demand read
+    // that arrives finds a free worker and few guesses to share the disk with.
+    int active_prefetch = 0;
+    int prefetch_cap = 1 << 30;
     int64_t busy_ns = 0, busy_from = 0;
+
+    bool may_take() const { return !level[0].empty() || (!level[1].empty() && active_prefetch < prefetch_cap); }
 
     void serve() {
         std::unique_lock<std::mutex> lock(mu);
         for (;;) {
-            work.wait(lock, [this] { return closed || !level[0].empty() || !level[1].empty(); });
+            work.wait(lock, [this] { return closed || may_take(); });
             if (closed) return;  // close() cancelled whatever was queued
-            std::deque<int64_t*>& from = level[0].empty() ? level[1] : level[0];
+            // The level it was taken from, not the task's LEVEL: a running prefetch may be promoted meanwhile.
+            const bool prefetch = level[0].empty();
+            std::deque<int64_t*>& from = prefetch ? level[1] : level[0];
             int64_t* t = from.front();
             from.pop_front();
             if (t[T_START] == 0) t[T_START] = now_ns();  // a retry keeps its first start
             set_state(t, RUNNING);
             if (active++ == 0) busy_from = now_ns();
+            active_prefetch += prefetch;
             lock.unlock();
             read(t);
             lock.lock();
             if (--active == 0) busy_ns += now_ns() - busy_from;
+            active_prefetch -= prefetch;
             set_state(t, DONE);  // under the lock: wait() checks the state under it too, so misses no wake-up
-            done.notify_all();
+            done.notify_all();  // and round again: this worker takes the next prefetch a cap held back
         }
     }
 
@@ -201,6 +212,18 @@ GLM53_API int64_t glm53_rq_wait(void* queue, int64_t* t, int64_t timeout_ns) {
     else
         q->done.wait_for(lock, std::chrono::nanoseconds(timeout_ns), over);
     return state_of(t);
+}
+
+// At most `cap` (>= 1) prefetch tasks read at once; demand tasks are never held back. Returns the cap set.
+GLM53_API int32_t glm53_rq_set_prefetch_cap(void* queue, int32_t cap) {
+    Queue* q = static_cast<Queue*>(queue);
+    if (q->owner != getpid()) return 0;
+    {
+        std::lock_guard<std::mutex> lock(q->mu);
+        q->prefetch_cap = std::max(1, cap);
+    }
+    q->work.notify_all();  // a raised cap may free held-back workers
+    return std::max(1, cap);
 }
 
 // Seconds so far with at least one read under way (overlapping reads count once).

@@ -115,6 +115,10 @@ VARIANTS = {
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
+    "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
+                                     "the tier opened (one on a disk that one read keeps busy)", "every reader "
+                                     "thread may read a guess (the reader before the eleventh session)",
+                                     reader=(("prefetch_at_once", 1 << 10),)),
 }
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)

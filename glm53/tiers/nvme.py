@@ -47,7 +47,15 @@ from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
 from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up, read_header
 from store.native_reader import NativeStoreReader, queue_library
-from store.reader import MIN_PIECE, Priority, StoreReader, pick_pieces, time_pieces
+from store.reader import (
+    MIN_PIECE,
+    Priority,
+    StoreReader,
+    pick_pieces,
+    pick_prefetch_at_once,
+    time_pieces,
+    time_two_at_once,
+)
 from store.verify import pack_command, quick_verify
 
 from .copier import Copier
@@ -66,6 +74,7 @@ log = logging.getLogger("glm53.tiers.nvme")
 READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
 PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
+AT_ONCE_PAIRS = 4  # pairs timed read at once and one after the other: 16 records, about 0.1 s on such a disk
 # The store's load: the share of wall time it had a read under way, measured over spans of at least LOAD_SPAN_S and
 # smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
 LOAD_SPAN_S = 0.05
@@ -135,6 +144,7 @@ class NvmeTier:
         per-layer (slots, nbytes) device tensors to adopt (the engine's slot arenas under exllamav3)."""
         self.reader = reader
         self.read_timing: dict[int, float] = {}  # open_nvme_tier: seconds a record alone took by parts, when timed
+        self.two_at_once_gain: float | None = None  # open_nvme_tier: two records at once over one after the other
         header = reader.header
         self.store_layers = list(layers) if layers is not None else sorted({e.layer for e in header.entries})
         self.layout = slot_layout(header, self.store_layers)
@@ -406,13 +416,16 @@ class NvmeTier:
     def read_summary(self) -> dict:
         """How the store is read, for /stats: which reader ("native queue": reads finished by native threads;
         "python threads": StoreReader's), parts per record, the timings that chose it (ms by parts, when the
-        tier timed them as it opened), the store's load (see `load`) and its busy seconds so far, and the reader's
-        counts (reads, bytes, retries, errors, cancelled, reads checked by their parts' hashes, queued)."""
+        tier timed them as it opened), how much faster two records came in read at once than one after the other
+        (timed as it opened; it sets the guess reads allowed at once), the store's load (see `load`) and its busy
+        seconds so far, and the reader's counts (reads, bytes, retries, errors, cancelled, reads checked by their
+        parts' hashes, queued; the native queue's guess reads allowed at once)."""
         busy = getattr(self.reader, "busy_seconds", None)
         return {"reader": "native queue" if isinstance(self.reader, NativeStoreReader) else "python threads",
                 "parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
                 "busy_s": None if busy is None else round(busy(), 4),
                 "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
+                "two_at_once_gain": None if self.two_at_once_gain is None else round(self.two_at_once_gain, 3),
                 **self.reader.stats()}
 
     # ---- lifetime ---------------------------------------------------------------------------------------------
@@ -770,8 +783,13 @@ def open_nvme_tier(
                     "reading the store on Python threads instead, which slows decode")
         native_queue = False
     make = NativeStoreReader if native_queue else StoreReader
+    n_threads = opts.pop("threads", None) or threads or plan.nvme_threads or 4
+    at_once_gain = None
+    if native_queue and "prefetch_at_once" not in opts:
+        opts["prefetch_at_once"], at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces,
+                                                                    n_threads, hashed=opts.get("part_hashes", True))
     reader = make(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
-                  **{"threads": threads or plan.nvme_threads or 4, **opts})
+                  threads=n_threads, **opts)
     log.info("nvme tier: reading the store through %s", "the native read queue" if native_queue
              else "Python reader threads")
     try:
@@ -790,6 +808,7 @@ def open_nvme_tier(
         reader.close()
         raise
     tier.read_timing = timing
+    tier.two_at_once_gain = at_once_gain
     if warm:
         report = tier.warm(counts)
         log.info("nvme tier: warmed %d VRAM and %d RAM experts in %.1f s (%d unreadable)", report["vram"],
@@ -815,6 +834,25 @@ def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool
     log.info("store reads: %d parallel part(s) per record, the fastest for a record read alone here (%s)", pieces,
              ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in sorted(timing.items())))
     return pieces, timing
+
+
+def calibrate_prefetch(store_path: Path, header: StoreHeader, allow_buffered: bool, pieces: int, threads: int, *,
+                       hashed: bool = True) -> tuple[int, float | None]:
+    """How many guess reads may be under way at once (see pick_prefetch_at_once), from two records read at once
+    against one after the other, timed now on this store; and that gain (None where nothing was timed)."""
+    import random
+
+    keys = random.Random().sample(sorted(header.index), min(4 * AT_ONCE_PAIRS, len(header.index)))
+    gain = time_two_at_once(store_path, header, keys, pieces, allow_buffered=allow_buffered, hashed=hashed)
+    at_once = pick_prefetch_at_once(gain, threads)
+    if gain is None:
+        log.info("store reads: up to %d guess reads at once (nothing timed)", at_once)
+    else:
+        log.info("store reads: up to %d guess read(s) at once, of %d readers: two records read at once came in "
+                 "%.2fx as fast as one after the other%s", at_once, threads, gain,
+                 " (one read keeps this store busy: a guess beside a needed read would slow it)" if at_once == 1
+                 else "")
+    return at_once, gain
 
 
 def _refusal(rep, store_path: Path, model_dir: Path) -> StoreRefused:
