@@ -158,6 +158,25 @@ def test_without_a_cap_every_worker_takes_prefetches(store, monkeypatch):
         assert most_at_once(spans(pre)) == 3
 
 
+@pytest.mark.parametrize("how", ["promote", "ask again"])
+def test_a_prefetch_held_back_by_the_cap_starts_at_once_when_promoted(store, monkeypatch, how):
+    with N.NativeStoreReader(store, threads=2, prefetch_at_once=1) as r:
+        arena = alloc_slots(2, r.max_extent)
+        slow_first(monkeypatch, 1.0)
+        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
+        under_way(first)
+        held = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        time.sleep(0.05)
+        assert not held.running()  # behind the cap, a worker idle
+        if how == "promote":
+            assert r.promote(1, 1, arena[1])
+        else:
+            assert r.read(1, 1, arena[1], priority=Priority.DEMAND) is held
+        held.result(0.5)  # the idle worker took it: it did not wait for the slow read to end
+        assert not first.done()
+        first.result(10)
+
+
 def test_a_promoted_running_prefetch_still_frees_its_place_under_the_cap(store, monkeypatch):
     with N.NativeStoreReader(store, threads=2, prefetch_at_once=1) as r:
         arena = alloc_slots(3, r.max_extent)

@@ -485,7 +485,7 @@ def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when
     if N.queue_library() is None:
         pytest.skip("glm53's library is built without the read queue")
     ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0)
+    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=4)
     with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:  # timed for real on this store's records
         gain = tier.two_at_once_gain
         assert gain is None or gain > 0
@@ -498,6 +498,9 @@ def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when
         assert f"up to {want} guess read(s) at once" in caplog.text and f"{timed:.2f}x" in caplog.text
     with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options={"prefetch_at_once": 2}) as tier:
         assert tier.reader.prefetch_at_once == 2 and tier.two_at_once_gain is None  # told: nothing timed
+    monkeypatch.setattr(nvme_mod, "queue_library", lambda: None)  # the fallback reader has no cap: the option goes
+    with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options={"prefetch_at_once": 1 << 10}) as tier:
+        assert type(tier.reader) is StoreReader and tier.two_at_once_gain is None
 
 
 def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monkeypatch):

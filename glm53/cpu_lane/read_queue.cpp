@@ -183,9 +183,10 @@ GLM53_API int32_t glm53_rq_cancel(void* queue, int64_t* t) {
 GLM53_API int32_t glm53_rq_promote(void* queue, int64_t* t) {
     Queue* q = static_cast<Queue*>(queue);
     if (q->owner != getpid()) return 0;
-    std::lock_guard<std::mutex> lock(q->mu);
-    if (state_of(t) != QUEUED) return 0;
-    if (t[LEVEL] != 0) {
+    {
+        std::lock_guard<std::mutex> lock(q->mu);
+        if (state_of(t) != QUEUED) return 0;
+        if (t[LEVEL] == 0) return 1;
         auto& pre = q->level[1];
         auto it = std::find(pre.begin(), pre.end(), t);
         if (it == pre.end()) return 0;
@@ -197,6 +198,7 @@ GLM53_API int32_t glm53_rq_promote(void* queue, int64_t* t) {
         pre.erase(it);
         t[LEVEL] = 0;
     }
+    q->work.notify_one();  // a worker idle under the prefetch cap takes it now
     return 1;
 }
 

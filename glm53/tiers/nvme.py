@@ -783,6 +783,8 @@ def open_nvme_tier(
                     "reading the store on Python threads instead, which slows decode")
         native_queue = False
     make = NativeStoreReader if native_queue else StoreReader
+    if not native_queue:
+        opts.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
     n_threads = opts.pop("threads", None) or threads or plan.nvme_threads or 4
     at_once_gain = None
     if native_queue and "prefetch_at_once" not in opts:
