@@ -16,11 +16,12 @@ with that reason.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.machinery
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,9 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
         pread_parts.restype = ctypes.c_int64
         pread_parts.argtypes = [i32, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
                                 ctypes.POINTER(ctypes.c_int32), vp, vp, ctypes.POINTER(ctypes.c_int32)]
+    emulate = getattr(lib, "glm53_emulate_disk", None)  # optional too: a bench baseline's build may lack it
+    if emulate is not None:
+        emulate.restype, emulate.argtypes = ctypes.c_double, [ctypes.c_double]
     return lib, None
 
 
@@ -153,6 +157,35 @@ def parallel_pread() -> Callable[..., int] | None:
         return got if hashes is None else (got, used.value)
 
     return read
+
+
+def set_emulated_disk(seconds_per_byte: float) -> float:
+    """Turn the library's emulated disk on at `seconds_per_byte` (0: off) and return the rate it had before. While
+    on, every part read by the parallel pread (store.reader's native reads, the native read queue's) books its
+    bytes on one timeline shared by the process and sleeps until its booking ends, so reads in flight share one
+    fixed rate, as on a rate-capped disk (parallel_read.cpp says more). For benches and tests on a machine whose
+    store comes from a fast disk or the page cache; prefer `emulated_disk`, which puts the rate back. Reads through
+    Python's own preads (store.reader.pread_into) are not slowed. Raises KernelUnavailable where the library is
+    not built (or predates the emulation)."""
+    fn = getattr(_lib(), "glm53_emulate_disk", None)
+    if fn is None:
+        raise KernelUnavailable(f"the CPU kernel library has no emulated disk (an older build); rebuild with {REBUILD}")
+    return float(fn(float(seconds_per_byte)))
+
+
+@contextlib.contextmanager
+def emulated_disk(seconds_per_byte: float) -> Iterator[float]:
+    """The emulated disk on at `seconds_per_byte` inside the block (0: off), the rate before put back after it;
+    yields the rate set. See set_emulated_disk.
+
+        with emulated_disk(6e-3 / record_bytes):   # one record takes ~6 ms, two at once ~12 ms
+            ...
+    """
+    before = set_emulated_disk(seconds_per_byte)
+    try:
+        yield max(0.0, float(seconds_per_byte))
+    finally:
+        set_emulated_disk(before)
 
 
 def _lib() -> ctypes.CDLL:

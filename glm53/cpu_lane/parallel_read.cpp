@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -34,6 +35,34 @@
 
 namespace {
 
+// An emulated disk, off unless glm53_emulate_disk turned it on: for benches and tests on a machine whose store
+// reads come from a fast disk or the page cache, to study how reads are scheduled on a disk that is the bottleneck
+// (the H200 machine's virtual disk: ~1.5 GB/s whatever the reads in flight). Each part read, once its real pread
+// is in, books its bytes on one timeline shared by the whole process and sleeps until its booking ends: reads in
+// flight share one fixed rate (two records read at once take about twice one alone), and a read books behind
+// those that booked before it. The timeline is one atomic (a compare-and-swap loop, not a mutex: a lock inherited
+// held across a fork would hang the child, see pool()).
+std::atomic<double> disk_seconds_per_byte{0.0};
+std::atomic<int64_t> disk_free_at{0};  // steady_clock ns when the last booking ends
+
+int64_t steady_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void emulate_disk(int64_t bytes) {
+    double spb = disk_seconds_per_byte.load(std::memory_order_relaxed);
+    if (spb <= 0.0 || bytes <= 0) return;
+    int64_t took = static_cast<int64_t>(static_cast<double>(bytes) * spb * 1e9);
+    int64_t now = steady_ns(), free_at = disk_free_at.load(std::memory_order_relaxed), end;
+    do {
+        end = std::max(now, free_at) + took;  // start = max(now, free_at)
+    } while (!disk_free_at.compare_exchange_weak(free_at, end, std::memory_order_relaxed));
+    using Clock = std::chrono::steady_clock;
+    std::this_thread::sleep_until(Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+        std::chrono::nanoseconds(end))));
+}
+
 // Reads until `len` bytes are in or EOF; returns the bytes read, or -1 with *err set.
 int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
     int64_t done = 0;
@@ -47,6 +76,7 @@ int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
         if (n == 0) break;
         done += n;
     }
+    emulate_disk(done);
     return done;
 }
 
@@ -204,4 +234,10 @@ GLM53_API int64_t glm53_pread_parts(int fd, void* buf, int64_t length, int64_t o
         total += job.got[i];
     }
     return total;
+}
+
+// Turns the emulated disk (see emulate_disk) on at `seconds_per_byte`, or off (0, or anything not above 0);
+// returns the rate it had before. For benches and tests only: every part read of this process is slowed.
+GLM53_API double glm53_emulate_disk(double seconds_per_byte) {
+    return disk_seconds_per_byte.exchange(seconds_per_byte > 0.0 ? seconds_per_byte : 0.0);
 }
