@@ -111,6 +111,8 @@ def test_nvme_report_and_json(capsys, tmp_path):
     assert len(nvme_lines) == 2 and all(int(steps) == 24 for *_, steps in nvme_lines)
     doc = json.loads(out.read_text())
     assert doc["nvme"] == {"ram_share": 0.47, "recall": 0.575, "store_threads": 2}
+    assert "emulation" not in doc and not any("emulated" in r for r in doc["runs"])  # only when asked for
+    assert not any(line.startswith("emulated") for line in lines)
     for r in doc["runs"]:
         assert r["layer_steps"] == 24 and 0 < r["median_us"] <= r["p90_us"]
         # Each layer step is what runs before launch (resolve(), with the lookahead when it runs inside) and after
@@ -127,6 +129,58 @@ def test_nvme_report_and_json(capsys, tmp_path):
         assert "resolve (own time)" in names and any(n.startswith("ahead > ") for n in names)
         # The rows add up to the whole, up to how the profiler's and the stepper's clocks differ on the blocked time.
         assert 0.5 < sum(row["share"] for row in r["breakdown"]["by_call"]) < 1.05
+
+
+EMULATED = ["--disk-ms-per-record", "2", "--gpu-ms-per-layer", "0.5", "--emulated-runs", "2"]
+READER_LINE = re.compile(r"^  bsz 1 (cap|no_cap) \((\d+) guess reads at once[^)]*\): ([\d.]+) ms per token \(store waits "
+                         r"([\d.]+), host before launch ([\d.]+), GPU ([\d.]+)\); store busy ([\d.]+), load ([\d.]+)$")
+GUESS_LINE = re.compile(r"^    per token: ([\d.]+) demand and ([\d.]+) guess reads; guesses issued ([\d.]+), in time "
+                        r"([\d.]+), late ([\d.]+), wasted ([\d.]+); demand misses ([\d.]+)$")
+EMU_RATIO = re.compile(r"^  bsz 1 ratio cap / no cap per token: ([\d.]+) \(median of ([\d.]+), ([\d.]+); totals ([\d.]+)\)$")
+
+
+def test_nvme_on_an_emulated_disk_and_gpu_compares_the_capped_reader_with_no_cap(capsys, tmp_path):
+    from glm53.cpu_lane import kernel
+
+    if getattr(kernel._LIB, "glm53_emulate_disk", None) is None:
+        pytest.skip("glm53's library (with its emulated disk) is not built")
+    out = tmp_path / "emulated.json"
+    lines = _bench(capsys, *NVME, *EMULATED, "--bsz", "1", "--baseline", "none", "--json", str(out))
+    assert kernel.set_emulated_disk(0.0) == 0.0  # left off
+    assert [m.group(1) for m in map(RUN.match, lines) if m] == ["this"]  # the host figures as before, then these
+    assert any(line.startswith("emulated disk and GPU: a record (") for line in lines)
+    readers = [m.groups() for m in map(READER_LINE.match, lines) if m]
+    assert [(name, int(at_once)) for name, at_once, *_ in readers] == [("cap", 1), ("no_cap", 2)]
+    assert len([m for m in map(GUESS_LINE.match, lines) if m]) == 2
+    ratio = [m.groups() for m in map(EMU_RATIO.match, lines) if m]
+    assert len(ratio) == 1
+    doc = json.loads(out.read_text())
+    assert doc["emulation"] == {"disk_ms_per_record": 2.0, "gpu_ms_per_layer": 0.5, "runs": 2}
+    (run,) = doc["runs"]
+    em = run["emulated"]
+    assert em["runs"] == 2 and em["steps"] == 12 and em["record_bytes"] > 0
+    assert em["seconds_per_byte"] == pytest.approx(2e-3 / em["record_bytes"])
+    for name, r in em["readers"].items():
+        assert len(r["token_ms_runs"]) == 2
+        assert r["gpu_ms"] == pytest.approx(2 * 0.5)  # two layers a token
+        # A token's wall time holds its GPU time (slept), its store waits and its host work before launch.
+        assert r["token_ms"] >= r["gpu_ms"] + r["store_wait_ms"] + r["host_ms"] - 1e-6
+        assert 0 < r["store_busy"] <= 1.01 and 0 <= r["store_load"] <= 1
+        assert r["demand_reads"] + r["prefetch_reads"] > 0
+        assert set(r["guesses"]) == {"issued", "hits", "late", "wasted", "demand_misses"}
+        assert all(v >= 0 for v in r["guesses"].values()) and r["guesses"]["issued"] > 0
+        assert (r["two_at_once_gain"] is not None) == (name == "cap")
+    assert em["readers"]["cap"]["prefetch_at_once"] == 1 and em["readers"]["no_cap"]["prefetch_at_once"] == 2
+    rounds = [a / b for a, b in zip(em["readers"]["cap"]["token_ms_runs"], em["readers"]["no_cap"]["token_ms_runs"],
+                                    strict=True)]
+    assert em["ratio"]["rounds"] == pytest.approx(rounds)
+    assert em["ratio"]["median"] == pytest.approx(float(np.median(rounds)))
+    assert float(ratio[0][0]) == pytest.approx(em["ratio"]["median"], abs=1e-3)
+
+
+def test_the_emulated_disk_and_gpu_need_nvme(capsys):
+    assert main(["bench", "host-step", *TINY, *EMULATED, "--baseline", "none"]) == 2
+    assert "need --nvme" in capsys.readouterr().err
 
 
 def test_guesses_keep_about_the_recall_and_name_distinct_experts():

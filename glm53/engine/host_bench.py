@@ -13,7 +13,9 @@ benchmark from a git worktree of REV in the same run, so the ratio compares like
 `--baseline-driver this` runs this version's benchmark there instead of REV's own (REV's code, this driver).
 
 `--nvme` measures the nvme modes' path instead (glm53.engine.host_bench_nvme): a record store packed for the run,
-the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them.
+the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them. With
+`--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU, the
+default store reader against one with no cap on its guess reads (host_bench_nvme.emulate).
 """
 
 from __future__ import annotations
@@ -181,9 +183,12 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
     return doc
 
 
-def run_bench(opts: HostBenchOptions, nvme: Any = None) -> dict:
+def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -> dict:
     """nvme: glm53.engine.host_bench_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
-    packed for the run); its options are then under "nvme" and each run carries the nvme figures."""
+    packed for the run); its options are then under "nvme" and each run carries the nvme figures. emulation (with
+    nvme): host_bench_nvme.EmulationOptions, an emulated disk and GPU to decode against after the host figures;
+    its options are then under "emulation" and each run carries `host_bench_nvme.emulate`'s figures as
+    "emulated"."""
     if nvme is None:
         return {"format": JSON_FORMAT, "options": asdict(opts), "runs": [measure(opts, b) for b in opts.bsz]}
     from glm53.engine import host_bench_nvme
@@ -191,9 +196,16 @@ def run_bench(opts: HostBenchOptions, nvme: Any = None) -> dict:
     def breakdown(prof: cProfile.Profile, blocked: float) -> dict:
         return profile_rows(prof, opts.top, ("resolve", "ahead", "after_launch"), blocked)
 
+    emulated = emulation is not None and emulation.on
     with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
         runs = [host_bench_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
-    return {"format": JSON_FORMAT, "options": asdict(opts), "nvme": asdict(nvme), "runs": runs}
+        if emulated:
+            for run in runs:
+                run["emulated"] = host_bench_nvme.emulate(opts, nvme, emulation, fx.store, run["bsz"])
+    doc = {"format": JSON_FORMAT, "options": asdict(opts), "nvme": asdict(nvme), "runs": runs}
+    if emulated:
+        doc["emulation"] = asdict(emulation)
+    return doc
 
 
 # ---- the baseline, from a worktree of another revision ---------------------------------------------------------------
@@ -342,6 +354,30 @@ def _print_nvme(run: dict, log) -> None:
         f"{'O_DIRECT' if run['direct_io'] else 'buffered'} reads")
 
 
+def _print_emulated(runs: list[dict], log) -> None:
+    """The emulated disk and GPU's figures per batch size: each reader's, then the ratio of their token times."""
+    first = runs[0]["emulated"]
+    log(f"emulated disk and GPU: a record ({first['record_bytes']} B) takes {first['disk_ms_per_record']:g} ms read "
+        f"alone, reads in flight sharing that rate; the GPU busy {first['gpu_ms_per_layer']:g} ms per layer step; "
+        f"{first['runs']} timed runs of each reader, alternating, {first['steps']} decode steps each")
+    for run in runs:
+        em = run["emulated"]
+        for name, r in em["readers"].items():
+            g = r["guesses"]
+            gain = "" if r["two_at_once_gain"] is None else f", two at once {r['two_at_once_gain']:.2f}x as fast"
+            at_once = "n/a" if r["prefetch_at_once"] is None else f"{r['prefetch_at_once']:g}"
+            busy = "n/a" if r["store_busy"] is None else f"{r['store_busy']:.2f}"
+            log(f"  bsz {run['bsz']} {name} ({at_once} guess reads at once{gain}): {r['token_ms']:.2f} ms per token "
+                f"(store waits {r['store_wait_ms']:.2f}, host before launch {r['host_ms']:.2f}, GPU {r['gpu_ms']:.2f}); "
+                f"store busy {busy}, load {r['store_load']:.2f}")
+            log(f"    per token: {r['demand_reads']:.2f} demand and {r['prefetch_reads']:.2f} guess reads; guesses "
+                f"issued {g['issued']:.2f}, in time {g['hits']:.2f}, late {g['late']:.2f}, wasted {g['wasted']:.2f}; "
+                f"demand misses {g['demand_misses']:.2f}")
+        ratio = em["ratio"]
+        log(f"  bsz {run['bsz']} ratio cap / no cap per token: {ratio['median']:.3f} (median of "
+            f"{', '.join(f'{x:.3f}' for x in ratio['rounds'])}; totals {ratio['total']:.3f})")
+
+
 def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
     o = doc["options"]
     log(f"glm53 bench host-step: {o['layers']} MoE layers x {o['experts']} experts, top-k {o['top_k']}, "
@@ -354,6 +390,8 @@ def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
             "launch, less the time blocked on store reads")
     for run in doc["runs"]:
         _print_run(run, "this", log)
+    if any("emulated" in run for run in doc["runs"]):
+        _print_emulated([run for run in doc["runs"] if "emulated" in run], log)
     if base is not None:
         for run in base["runs"]:
             _print_run(run, "baseline", log)
@@ -383,7 +421,7 @@ def _ints(spec: str) -> tuple[int, ...]:
 
 
 def register_bench(bench_sub: Any) -> None:
-    from glm53.engine.host_bench_nvme import NvmeBenchOptions
+    from glm53.engine.host_bench_nvme import EmulationOptions, NvmeBenchOptions
 
     d, dn = HostBenchOptions(), NvmeBenchOptions()
     p = bench_sub.add_parser("host-step", help="host microseconds per decoded MoE layer step (MoeStepper.resolve on "
@@ -416,6 +454,16 @@ def register_bench(bench_sub: Any) -> None:
                    help=f"--nvme: share of the next layer's picks the lookahead guesses (default {dn.recall})")
     p.add_argument("--store-threads", type=int, default=dn.store_threads,
                    help=f"--nvme: store reader threads (default {dn.store_threads})")
+    de = EmulationOptions()
+    p.add_argument("--disk-ms-per-record", type=float, default=de.disk_ms_per_record, metavar="MS",
+                   help="--nvme: then also decode against an emulated disk on which one of the bench store's records "
+                        "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6), the default "
+                        "reader (guess reads capped as calibrated) against no cap")
+    p.add_argument("--gpu-ms-per-layer", type=float, default=de.gpu_ms_per_layer, metavar="MS",
+                   help="--nvme: ... and an emulated GPU, busy MS ms from each layer step's launch to the next "
+                        "router output (GPU machine: ~0.6)")
+    p.add_argument("--emulated-runs", type=int, default=de.runs, metavar="N",
+                   help=f"timed runs of each reader on the emulated disk, alternating (default {de.runs})")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the results as JSON to FILE (bare --json: to stdout, instead of the report)")
     p.set_defaults(func=cmd_bench_host_step)
@@ -430,6 +478,15 @@ def _nvme_options(args: argparse.Namespace) -> Any:
     return NvmeBenchOptions(args.ram_share, args.recall, args.store_threads)
 
 
+def _emulation_options(args: argparse.Namespace) -> Any:
+    """The emulated disk and GPU's options, or None where neither is asked for."""
+    from glm53.engine.host_bench_nvme import EmulationOptions
+
+    if not (args.disk_ms_per_record or args.gpu_ms_per_layer):
+        return None
+    return EmulationOptions(args.disk_ms_per_record, args.gpu_ms_per_layer, args.emulated_runs)
+
+
 def cmd_bench_host_step(args: argparse.Namespace) -> int:
     opts = HostBenchOptions(args.layers, args.experts, args.top_k, args.slots, args.staging, tuple(args.bsz),
                             args.steps, args.warmup, args.zipf, args.locality, args.seed, args.top)
@@ -441,7 +498,13 @@ def cmd_bench_host_step(args: argparse.Namespace) -> int:
         print("glm53 bench host-step --nvme: need 0 < --ram-share <= 1, 0 <= --recall <= 1 and --store-threads >= 1",
               file=sys.stderr)
         return 2
-    doc = run_bench(opts, nvme)
+    emulation = _emulation_options(args)
+    if emulation is not None and (nvme is None or min(emulation.disk_ms_per_record, emulation.gpu_ms_per_layer) < 0
+                                  or emulation.runs < 1):
+        print("glm53 bench host-step: --disk-ms-per-record and --gpu-ms-per-layer need --nvme, take ms >= 0, and "
+              "--emulated-runs >= 1", file=sys.stderr)
+        return 2
+    doc = run_bench(opts, nvme, emulation)
     base, note = ((None, None) if args.baseline.lower() == "none"
                   else run_baseline(args.baseline, opts, nvme, args.baseline_driver))
     if base is not None:

@@ -17,6 +17,16 @@ The time per layer step is resolve() plus ahead() plus the deferred admissions (
 it) minus the time resolve() spent blocked on store reads (`MoeStepper.host_seconds["store_wait"]`), reported
 separately, as is resolve()'s own accounting (what the GPU bench's "host us / layer step" measures). The part
 before launch (resolve() with what it runs inside) is what the GPU waits for; the rest runs while its kernels do.
+
+With `--disk-ms-per-record` / `--gpu-ms-per-layer` (EmulationOptions) it also replays decode against an emulated
+disk and GPU (`emulate`), to study store read scheduling on a machine whose store comes from the page cache: the
+library's emulated disk (glm53.cpu_lane.kernel.emulated_disk) gives every read in flight a share of one fixed rate,
+set so that one of the bench store's (tiny) records takes the given ms, as a 9 MiB record takes ~6 ms on the GPU
+machine's rate-capped disk; and after each layer step's launch the emulated GPU is busy for the given ms before the
+next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
+it reports is wall time per decoded token, store waits and GPU sleeps included, the store's busy share and the
+guesses' fate, for the default reader (its guess reads capped as the tier calibrates the cap on opening) against one
+with no cap, runs of the two alternating, and the ratio of their token times.
 """
 
 from __future__ import annotations
@@ -44,6 +54,25 @@ class NvmeBenchOptions:
     ram_share: float = 0.47  # RAM tier records as a share of all experts (55 GiB of the real model's 117 GiB)
     recall: float = 0.575  # mean share of a row's real picks the lookahead guessed (H200: 0.55-0.6)
     store_threads: int = 4  # the store reader's threads (the plan's default)
+
+
+@dataclass(frozen=True)
+class EmulationOptions:
+    """The emulated disk and GPU of `emulate` (0: not emulated)."""
+
+    disk_ms_per_record: float = 0.0  # one record read alone takes this long (GPU machine: ~6 ms for 9 MiB)
+    gpu_ms_per_layer: float = 0.0  # the GPU's time from a layer step's launch to the next router output (~0.6 ms)
+    runs: int = 3  # timed runs of each reader, alternating
+
+    @property
+    def on(self) -> bool:
+        return self.disk_ms_per_record > 0 or self.gpu_ms_per_layer > 0
+
+
+# The readers `emulate` compares: the default (guess reads capped as open_nvme_tier calibrates the cap) and one
+# with no cap (bench.py's nvme-exact-guessesall).
+EMULATED_READERS = {"cap": None, "no_cap": {"prefetch_at_once": 1 << 10}}
+SETTLE_STEPS = 10  # warm-up steps run emulated, after the rest at the page cache's speed
 
 
 class StoreFixture:
@@ -143,9 +172,11 @@ class NvmeRig:
         self.tier.close()
 
 
-def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
+def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
+          reader_options: dict | None = None) -> NvmeRig:
     """The nvme tier on `store` warmed from the routing of a first stretch of the trace (as saved statistics warm a
-    real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay."""
+    real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay.
+    reader_options: further options of the store reader (prefetch_at_once)."""
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
     from glm53.tiers.policy import zipf_trace
@@ -164,7 +195,10 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
     # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
     # The tier's reader: the native read queue where the library has it (as open_nvme_tier picks).
     make = NativeStoreReader if queue_library() is not None else StoreReader
-    reader = make(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug)
+    extra = dict(reader_options or {})
+    if make is StoreReader:
+        extra.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
+    reader = make(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug, **extra)
     tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
     try:
         tier.warm(counts)
@@ -175,12 +209,14 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int) -> NvmeRig:
     return NvmeRig(tier, stepper, copier, traces, guessed)
 
 
-def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = None) -> None:
+def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = None, gpu_s: float = 0.0) -> None:
     """Decode steps in model order as the engine runs each: resolve() and the next layer's lookahead at the seam,
     then, once the expert kernels are queued, the stepper's `after_launch` where it has one (the deferred
     admissions). times: per layer step, appended to "host" (all three, less store_wait), "before_launch" (what
     the GPU waits for: resolve() with whatever it ran inside, less store_wait), "resolve" (its plan seconds, less
-    the lookahead it ran inside), "ahead" (wherever it ran), "after_launch" and "store_wait"."""
+    the lookahead it ran inside), "ahead" (wherever it ran), "after_launch" and "store_wait". gpu_s: an emulated
+    GPU, busy that long from each launch (the end of resolve()) until the next layer's router output exists: the
+    next step waits for it (the work after launch runs meanwhile)."""
     clock = time.perf_counter
     stepper, copier = rig.stepper, rig.copier
     after_launch = getattr(stepper, "after_launch", None)  # a stepper from before deferred admissions has none
@@ -218,6 +254,8 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
             if after_launch is not None:
                 after_launch()
             t3 = clock()
+            if gpu_s > 0:
+                _busy_until(t2 + gpu_s)
             if times is not None:
                 waited = spent["store_wait"] - wait0
                 times["host"].append(t3 - t0 - waited)
@@ -227,6 +265,15 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
                 times["ahead"].append(ahead_s)
                 times["after_launch"].append(t3 - t2)
                 times["store_wait"].append(waited)
+
+
+def _busy_until(deadline: float) -> None:
+    """Wait for perf_counter() to reach `deadline`: a sleep (which overshoots by ~0.1 ms), then a short spin."""
+    left = deadline - time.perf_counter()
+    if left > 3e-4:
+        time.sleep(left - 2e-4)
+    while time.perf_counter() < deadline:
+        pass
 
 
 def profile(rig: NvmeRig, steps: range) -> tuple[cProfile.Profile, float]:
@@ -298,3 +345,99 @@ def _store_figures(snap0: dict, snap1: dict, layer_steps: int) -> dict:
 def _recall(la0: dict, la1: dict) -> float | None:
     picks = la1["picks"] - la0["picks"]
     return (la1["hits"] - la0["hits"]) / picks if picks else None
+
+
+# ---- an emulated disk and GPU ------------------------------------------------------------------------------------
+
+
+def emulated_rate(store: Path, disk_ms_per_record: float) -> tuple[float, int]:
+    """(seconds per byte, record bytes): the emulated disk's rate that makes one of the store's records (their mean
+    extent: the bench's are all one size) take `disk_ms_per_record` ms read alone; 0 for 0."""
+    from store.format import read_header
+
+    extents = [e.extent for e in read_header(store).entries]
+    record = round(sum(extents) / len(extents))
+    return (disk_ms_per_record * 1e-3 / record if disk_ms_per_record > 0 else 0.0), record
+
+
+def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int,
+                 reader_options: dict | None) -> dict:
+    """One timed replay on the emulated disk and GPU with one reader: reader_options None calibrates the guess
+    reads' cap as open_nvme_tier does (on the emulated disk), else they are the reader's options. Warm-up at the
+    page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load settles to the disk's); then the
+    timed steps, emulated."""
+    from glm53.cpu_lane.kernel import emulated_disk
+    from glm53.tiers.nvme import calibrate_prefetch
+    from store.format import read_header
+
+    rate, _ = emulated_rate(store, emu.disk_ms_per_record)
+    gpu_s = emu.gpu_ms_per_layer * 1e-3
+    gain = None
+    if reader_options is None:
+        with emulated_disk(rate):
+            at_once, gain = calibrate_prefetch(store, read_header(store), True, 1, nopts.store_threads)
+        reader_options = {"prefetch_at_once": at_once}
+    rig = build(opts, nopts, store, bsz, reader_options)
+    try:
+        settle = min(SETTLE_STEPS, opts.warmup)
+        replay(rig, range(opts.warmup - settle))
+        busy = getattr(rig.tier.reader, "busy_seconds", None)
+        with emulated_disk(rate):
+            replay(rig, range(opts.warmup - settle, opts.warmup), gpu_s=gpu_s)
+            snap0, busy0 = rig.tier.stats.snapshot(), busy() if busy else None
+            times: dict[str, list[float]] = {"host": [], "before_launch": [], "resolve": [], "ahead": [],
+                                             "after_launch": [], "store_wait": []}
+            t0 = time.perf_counter()
+            replay(rig, range(opts.warmup, opts.warmup + opts.steps), times, gpu_s=gpu_s)
+            wall = time.perf_counter() - t0
+            snap1, busy1, load = rig.tier.stats.snapshot(), busy() if busy else None, rig.tier.load()
+            at_once = getattr(rig.tier.reader, "prefetch_at_once", None)
+    finally:
+        rig.close()
+    n = opts.steps
+    store_figs = _store_figures(snap0, snap1, len(times["host"]))
+    layers = len(times["host"]) / max(1, n)
+    return {"token_ms": wall / n * 1e3, "store_wait_ms": sum(times["store_wait"]) / n * 1e3,
+            "host_ms": sum(times["before_launch"]) / n * 1e3, "gpu_ms": gpu_s * layers * 1e3,
+            "store_busy": None if busy is None else (busy1 - busy0) / wall, "store_load": load,
+            "prefetch_at_once": at_once, "two_at_once_gain": gain,
+            "demand_reads": store_figs["demand_reads_per_step"] * layers,
+            "prefetch_reads": store_figs["prefetch_reads_per_step"] * layers,
+            "guesses": {k: v / n for k, v in store_figs["prefetch"].items()}}
+
+
+def emulate(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
+    """The default reader (its guess reads capped as calibrated) against no cap on the emulated disk and GPU:
+    `emu.runs` runs of each, alternating (cap first, then no cap first, ...), so that a drift of the machine
+    touches both alike. Per reader the runs' mean figures (token_ms: wall ms per decoded token, store waits and
+    GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not
+    counted: the work after launch overlaps the GPU's) and gpu_ms (the emulated GPU's, as set); store_busy: the
+    share of the token time the store had a read under way; store_load: the tier's own measure of it, as the
+    lookahead sees it at the end; demand and guess reads per token; guesses per token:
+    issued, in time (hits), late, wasted, and demand misses), and the ratio of token times cap / no cap, the
+    median of each round's and of the totals."""
+    rate, record = emulated_rate(store, emu.disk_ms_per_record)
+    names = list(EMULATED_READERS)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for i in range(max(1, emu.runs)):
+        for name in names if i % 2 == 0 else names[::-1]:
+            runs[name].append(emulated_run(opts, nopts, emu, store, bsz, EMULATED_READERS[name]))
+    readers = {name: _mean_run(rs) for name, rs in runs.items()}
+    rounds = [a["token_ms"] / b["token_ms"] for a, b in zip(runs["cap"], runs["no_cap"], strict=True)]
+    return {"disk_ms_per_record": emu.disk_ms_per_record, "gpu_ms_per_layer": emu.gpu_ms_per_layer,
+            "record_bytes": record, "seconds_per_byte": rate, "runs": len(rounds), "steps": opts.steps,
+            "readers": readers,
+            "ratio": {"median": float(np.median(rounds)), "rounds": rounds,
+                      "total": sum(r["token_ms"] for r in runs["cap"]) / sum(r["token_ms"] for r in runs["no_cap"])}}
+
+
+def _mean_run(runs: list[dict]) -> dict:
+    """The mean of each figure over runs (None where a run has none), guesses by key."""
+
+    def mean(xs: list) -> Any:
+        return None if any(x is None for x in xs) else float(np.mean(xs))
+
+    out = {k: mean([r[k] for r in runs]) for k in runs[0] if k != "guesses"}
+    out["guesses"] = {k: mean([r["guesses"][k] for r in runs]) for k in runs[0]["guesses"]}
+    out["token_ms_runs"] = [r["token_ms"] for r in runs]
+    return out
