@@ -132,11 +132,13 @@ def test_nvme_report_and_json(capsys, tmp_path):
 
 
 EMULATED = ["--disk-ms-per-record", "2", "--gpu-ms-per-layer", "0.5", "--emulated-runs", "2"]
-READER_LINE = re.compile(r"^  bsz 1 (cap|no_cap) \((\d+) guess reads at once[^)]*\): ([\d.]+) ms per token \(store waits "
-                         r"([\d.]+), host before launch ([\d.]+), GPU ([\d.]+)\); store busy ([\d.]+), load ([\d.]+)$")
-GUESS_LINE = re.compile(r"^    per token: ([\d.]+) demand and ([\d.]+) guess reads; guesses issued ([\d.]+), in time "
+READER_LINE = re.compile(r"^  bsz 1 (cap|no_cap) \((\d+) guess reads at once[^)]*\): ([\d.]+) ms per step "
+                         r"\(store waits ([\d.]+), host before launch ([\d.]+), GPU ([\d.]+)\); store busy ([\d.]+), "
+                         r"load ([\d.]+)$")
+GUESS_LINE = re.compile(r"^    per step: ([\d.]+) demand and ([\d.]+) guess reads; guesses issued ([\d.]+), in time "
                         r"([\d.]+), late ([\d.]+), wasted ([\d.]+); demand misses ([\d.]+)$")
-EMU_RATIO = re.compile(r"^  bsz 1 ratio cap / no cap per token: ([\d.]+) \(median of ([\d.]+), ([\d.]+); totals ([\d.]+)\)$")
+EMU_RATIO = re.compile(r"^  bsz 1 ratio cap / no cap per step: ([\d.]+) \(median of ([\d.]+), ([\d.]+); totals "
+                       r"([\d.]+)\)$")
 
 
 def test_nvme_on_an_emulated_disk_and_gpu_compares_the_capped_reader_with_no_cap(capsys, tmp_path):
@@ -161,17 +163,17 @@ def test_nvme_on_an_emulated_disk_and_gpu_compares_the_capped_reader_with_no_cap
     assert em["runs"] == 2 and em["steps"] == 12 and em["record_bytes"] > 0
     assert em["seconds_per_byte"] == pytest.approx(2e-3 / em["record_bytes"])
     for name, r in em["readers"].items():
-        assert len(r["token_ms_runs"]) == 2
-        assert r["gpu_ms"] == pytest.approx(2 * 0.5)  # two layers a token
-        # A token's wall time holds its GPU time (slept), its store waits and its host work before launch.
-        assert r["token_ms"] >= r["gpu_ms"] + r["store_wait_ms"] + r["host_ms"] - 1e-6
+        assert len(r["step_ms_runs"]) == 2
+        assert r["gpu_ms"] == pytest.approx(2 * 0.5)  # two layers a step
+        # A step's wall time holds its GPU time (slept), its store waits and its host work before launch.
+        assert r["step_ms"] >= r["gpu_ms"] + r["store_wait_ms"] + r["host_ms"] - 1e-6
         assert 0 < r["store_busy"] <= 1.01 and 0 <= r["store_load"] <= 1
         assert r["demand_reads"] + r["prefetch_reads"] > 0
         assert set(r["guesses"]) == {"issued", "hits", "late", "wasted", "demand_misses"}
         assert all(v >= 0 for v in r["guesses"].values()) and r["guesses"]["issued"] > 0
         assert (r["two_at_once_gain"] is not None) == (name == "cap")
     assert em["readers"]["cap"]["prefetch_at_once"] == 1 and em["readers"]["no_cap"]["prefetch_at_once"] == 2
-    rounds = [a / b for a, b in zip(em["readers"]["cap"]["token_ms_runs"], em["readers"]["no_cap"]["token_ms_runs"],
+    rounds = [a / b for a, b in zip(em["readers"]["cap"]["step_ms_runs"], em["readers"]["no_cap"]["step_ms_runs"],
                                     strict=True)]
     assert em["ratio"]["rounds"] == pytest.approx(rounds)
     assert em["ratio"]["median"] == pytest.approx(float(np.median(rounds)))

@@ -355,7 +355,7 @@ def _print_nvme(run: dict, log) -> None:
 
 
 def _print_emulated(runs: list[dict], log) -> None:
-    """The emulated disk and GPU's figures per batch size: each reader's, then the ratio of their token times."""
+    """The emulated disk and GPU's figures per batch size: each reader's, then the ratio of their step times."""
     first = runs[0]["emulated"]
     log(f"emulated disk and GPU: a record ({first['record_bytes']} B) takes {first['disk_ms_per_record']:g} ms read "
         f"alone, reads in flight sharing that rate; the GPU busy {first['gpu_ms_per_layer']:g} ms per layer step; "
@@ -367,14 +367,14 @@ def _print_emulated(runs: list[dict], log) -> None:
             gain = "" if r["two_at_once_gain"] is None else f", two at once {r['two_at_once_gain']:.2f}x as fast"
             at_once = "n/a" if r["prefetch_at_once"] is None else f"{r['prefetch_at_once']:g}"
             busy = "n/a" if r["store_busy"] is None else f"{r['store_busy']:.2f}"
-            log(f"  bsz {run['bsz']} {name} ({at_once} guess reads at once{gain}): {r['token_ms']:.2f} ms per token "
-                f"(store waits {r['store_wait_ms']:.2f}, host before launch {r['host_ms']:.2f}, GPU {r['gpu_ms']:.2f}); "
-                f"store busy {busy}, load {r['store_load']:.2f}")
-            log(f"    per token: {r['demand_reads']:.2f} demand and {r['prefetch_reads']:.2f} guess reads; guesses "
+            log(f"  bsz {run['bsz']} {name} ({at_once} guess reads at once{gain}): {r['step_ms']:.2f} ms per step "
+                f"(store waits {r['store_wait_ms']:.2f}, host before launch {r['host_ms']:.2f}, GPU "
+                f"{r['gpu_ms']:.2f}); store busy {busy}, load {r['store_load']:.2f}")
+            log(f"    per step: {r['demand_reads']:.2f} demand and {r['prefetch_reads']:.2f} guess reads; guesses "
                 f"issued {g['issued']:.2f}, in time {g['hits']:.2f}, late {g['late']:.2f}, wasted {g['wasted']:.2f}; "
                 f"demand misses {g['demand_misses']:.2f}")
         ratio = em["ratio"]
-        log(f"  bsz {run['bsz']} ratio cap / no cap per token: {ratio['median']:.3f} (median of "
+        log(f"  bsz {run['bsz']} ratio cap / no cap per step: {ratio['median']:.3f} (median of "
             f"{', '.join(f'{x:.3f}' for x in ratio['rounds'])}; totals {ratio['total']:.3f})")
 
 
@@ -460,8 +460,8 @@ def register_bench(bench_sub: Any) -> None:
                         "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6), the default "
                         "reader (guess reads capped as calibrated) against no cap")
     p.add_argument("--gpu-ms-per-layer", type=float, default=de.gpu_ms_per_layer, metavar="MS",
-                   help="--nvme: ... and an emulated GPU, busy MS ms from each layer step's launch to the next "
-                        "router output (GPU machine: ~0.6)")
+                   help="--nvme: then also decode with an emulated GPU, busy MS ms from each layer step's launch to "
+                        "the next router output (GPU machine: ~0.6)")
     p.add_argument("--emulated-runs", type=int, default=de.runs, metavar="N",
                    help=f"timed runs of each reader on the emulated disk, alternating (default {de.runs})")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",

@@ -24,9 +24,9 @@ library's emulated disk (glm53.cpu_lane.kernel.emulated_disk) gives every read i
 set so that one of the bench store's (tiny) records takes the given ms, as a 9 MiB record takes ~6 ms on the GPU
 machine's rate-capped disk; and after each layer step's launch the emulated GPU is busy for the given ms before the
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
-it reports is wall time per decoded token, store waits and GPU sleeps included, the store's busy share and the
-guesses' fate, for the default reader (its guess reads capped as the tier calibrates the cap on opening) against one
-with no cap, runs of the two alternating, and the ratio of their token times.
+it reports is wall time per decode step (bsz tokens), store waits and GPU sleeps included, the store's busy share
+and the guesses' fate, for the default reader (its guess reads capped as the tier calibrates the cap on opening)
+against one with no cap, runs of the two alternating, and the ratio of their step times.
 """
 
 from __future__ import annotations
@@ -397,7 +397,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
     n = opts.steps
     store_figs = _store_figures(snap0, snap1, len(times["host"]))
     layers = len(times["host"]) / max(1, n)
-    return {"token_ms": wall / n * 1e3, "store_wait_ms": sum(times["store_wait"]) / n * 1e3,
+    return {"step_ms": wall / n * 1e3, "store_wait_ms": sum(times["store_wait"]) / n * 1e3,
             "host_ms": sum(times["before_launch"]) / n * 1e3, "gpu_ms": gpu_s * layers * 1e3,
             "store_busy": None if busy is None else (busy1 - busy0) / wall, "store_load": load,
             "prefetch_at_once": at_once, "two_at_once_gain": gain,
@@ -409,13 +409,13 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
 def emulate(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
     """The default reader (its guess reads capped as calibrated) against no cap on the emulated disk and GPU:
     `emu.runs` runs of each, alternating (cap first, then no cap first, ...), so that a drift of the machine
-    touches both alike. Per reader the runs' mean figures (token_ms: wall ms per decoded token, store waits and
-    GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not
+    touches both alike. Per reader the runs' mean figures (step_ms: wall ms per decode step of bsz tokens, store
+    waits and GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not
     counted: the work after launch overlaps the GPU's) and gpu_ms (the emulated GPU's, as set); store_busy: the
-    share of the token time the store had a read under way; store_load: the tier's own measure of it, as the
-    lookahead sees it at the end; demand and guess reads per token; guesses per token:
-    issued, in time (hits), late, wasted, and demand misses), and the ratio of token times cap / no cap, the
-    median of each round's and of the totals."""
+    share of the step time the store had a read under way; store_load: the tier's own measure of it, as the
+    lookahead sees it at the end; demand and guess reads per step; guesses per step: issued, in time (hits), late,
+    wasted, and demand misses), and the ratio of step times cap / no cap, the median of each round's and of the
+    totals."""
     rate, record = emulated_rate(store, emu.disk_ms_per_record)
     names = list(EMULATED_READERS)
     runs: dict[str, list[dict]] = {name: [] for name in names}
@@ -423,12 +423,12 @@ def emulate(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Pa
         for name in names if i % 2 == 0 else names[::-1]:
             runs[name].append(emulated_run(opts, nopts, emu, store, bsz, EMULATED_READERS[name]))
     readers = {name: _mean_run(rs) for name, rs in runs.items()}
-    rounds = [a["token_ms"] / b["token_ms"] for a, b in zip(runs["cap"], runs["no_cap"], strict=True)]
+    rounds = [a["step_ms"] / b["step_ms"] for a, b in zip(runs["cap"], runs["no_cap"], strict=True)]
     return {"disk_ms_per_record": emu.disk_ms_per_record, "gpu_ms_per_layer": emu.gpu_ms_per_layer,
             "record_bytes": record, "seconds_per_byte": rate, "runs": len(rounds), "steps": opts.steps,
             "readers": readers,
             "ratio": {"median": float(np.median(rounds)), "rounds": rounds,
-                      "total": sum(r["token_ms"] for r in runs["cap"]) / sum(r["token_ms"] for r in runs["no_cap"])}}
+                      "total": sum(r["step_ms"] for r in runs["cap"]) / sum(r["step_ms"] for r in runs["no_cap"])}}
 
 
 def _mean_run(runs: list[dict]) -> dict:
@@ -439,5 +439,5 @@ def _mean_run(runs: list[dict]) -> dict:
 
     out = {k: mean([r[k] for r in runs]) for k in runs[0] if k != "guesses"}
     out["guesses"] = {k: mean([r["guesses"][k] for r in runs]) for k in runs[0]["guesses"]}
-    out["token_ms_runs"] = [r["token_ms"] for r in runs]
+    out["step_ms_runs"] = [r["step_ms"] for r in runs]
     return out
