@@ -118,6 +118,19 @@ class NativeRead:
     def running(self) -> bool:
         return not self.done() and (self.attempt > 1 or int(self.task[STATE]) == RUNNING)
 
+    def share_done(self) -> float:
+        """About how much of the read is done, 0..1: 0 while queued, 1 once finished, and while under way the time
+        since it started over the reader's typical read (0.5 before any read has been timed)."""
+        state = int(self.task[STATE])
+        if self.final or state in (DONE, CANCELLED):
+            return 1.0
+        if state != RUNNING:
+            return 0.0
+        typical = self.reader.typical_read_s
+        if typical is None:
+            return 0.5
+        return min(1.0, (time.monotonic_ns() - int(self.task[T_START])) * 1e-9 / typical)
+
     def cancelled(self) -> bool:
         return self.done() and self.was_cancelled
 
@@ -193,6 +206,7 @@ class NativeStoreReader:
         self._queued: dict[tuple[int, int, int], NativeRead] = {}  # (layer, expert, address): the latest read
         self._submitted = 0
         self._closed = False
+        self.typical_read_s: float | None = None  # a read's time under way lately (first attempts that passed)
         self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0, "checked_by_parts": 0}
         _READERS.add(self)
 
@@ -285,6 +299,9 @@ class NativeStoreReader:
                 e, t = fut.entry, fut.task
                 fut.value = ReadDone(e.layer, e.expert, fut.out[:e.extent], fut.attempt,
                                      float(t[T_END] - t[T_START]) * 1e-9)
+                if fut.attempt == 1:
+                    took, typical = fut.value.seconds, self.typical_read_s
+                    self.typical_read_s = took if typical is None else 0.9 * typical + 0.1 * took
             elif fut.attempt <= self.retries and self._retry(fut, failed):
                 return False
             else:

@@ -147,6 +147,26 @@ def test_prefetches_read_at_most_their_cap_at_once_and_a_demand_read_never_waits
         assert r.stats()["reads"] == 7
 
 
+def test_a_reads_share_done_is_nothing_queued_its_time_over_a_typical_read_under_way_and_all_once_done(
+        store, monkeypatch):
+    with N.NativeStoreReader(store, threads=1) as r:
+        arena = alloc_slots(3, r.max_extent)
+        assert r.typical_read_s is None
+        r.read(1, 0, arena[0]).result(10)
+        assert r.typical_read_s is not None and r.typical_read_s > 0  # timed from reads that passed
+        r.typical_read_s = 1.0
+        slow_first(monkeypatch, 2.0)
+        first = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
+        under_way(first)
+        queued = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
+        assert queued.share_done() == 0.0
+        time.sleep(0.2)
+        assert 0.2 <= first.share_done() < 1.0  # 0.2 s (or a little more) of a typical 1 s: under way 2 s
+        first.result(10)
+        queued.result(10)
+        assert first.share_done() == queued.share_done() == 1.0
+
+
 def test_without_a_cap_every_worker_takes_prefetches(store, monkeypatch):
     with N.NativeStoreReader(store, threads=3) as r:
         assert r.prefetch_at_once == 3

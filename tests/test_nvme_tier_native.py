@@ -414,6 +414,32 @@ def test_when_its_layer_runs_a_needed_queued_guess_goes_first_and_wrong_ones_are
     check_bytes(tier, site.store)
 
 
+def test_a_right_guess_saves_its_whole_read_in_time_half_under_way_and_nothing_queued(site, monkeypatch):
+    import glm53.tiers.nvme as nvme_mod
+
+    tier = site.open(threads=1, ram=2 * EXPERTS, timeout_s=5.0)
+    assert tier.guess_saving() == 1.0  # unmeasured: as if every right guess were read in time
+    tier.prefetch([(1, 0)])
+    settle_reads(tier)
+    tier.demand(1, np.array([0]))  # read in time: a whole read saved
+    assert tier.guess_saving() == 1.0 and tier.stats.snapshot()["prefetch"]["hits"] == 1
+    slow_first(monkeypatch, 0.2)
+    tier.prefetch([(0, e) for e in (1, 2, 3)])
+    futs = [tier._reads[(0, e)].future for e in (1, 2, 3)]
+    under_way(futs[0])  # the only worker holds the first; 2 and 3 wait in the queue
+    assert [f.share_done() for f in futs[1:]] == [0.0, 0.0]  # queued: nothing of them read yet
+    monkeypatch.setattr(N.NativeRead, "share_done", lambda self: 0.25)  # the one under way: a quarter done
+    saved, right = tier._saving
+    tier.demand(0, np.array([1, 2, 3]))  # all three right, none in time: a quarter of one read saved, of three
+    d = nvme_mod.GUESS_SAVING_DECAY
+    assert tier._saving == pytest.approx([d * saved + 0.25, d * right + 3])
+    assert tier.guess_saving() == pytest.approx((d * saved + 0.25) / (d * right + 3)) and tier.guess_saving() < 1
+    pf = tier.stats.snapshot()["prefetch"]
+    assert (pf["late"], pf["late_under_way"]) == (3, 1)
+    settle_reads(tier)
+    check_bytes(tier, site.store)
+
+
 def test_a_demanded_prefetch_being_retried_goes_ahead_of_queued_prefetches(site, monkeypatch):
     """A guess of layer 0 fails its first attempt (transiently) while guesses of layer 1 wait in the queue; layer 0
     then runs and needs it: its retry is a read a step waits for, and goes before the guesses still queued."""

@@ -98,7 +98,7 @@ VARIANTS = {
                                     reader=(("part_hashes", False),)),
     "nvme-exact-guesshalf": Variant("guesses read at ranks right more often than the store's load makes worth it",
                                     "guesses read only at ranks right more often than not",
-                                    stepper=(("guess_by_load", False),)),
+                                    stepper=(("guess_by_load", False), ("guess_by_saving", False))),
     "nvme-exact-2readers": Variant("records read by the plan's 8 reader threads", "by 2 reader threads (fewer "
                                    "records at once)",
                                    reader=(("threads", 2),)),
@@ -115,6 +115,10 @@ VARIANTS = {
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
+    "nvme-exact-guessfull": Variant("guesses read at ranks right often enough for what a right guess has recently "
+                                    "saved (the share of its read done when its layer ran)", "as if every right "
+                                    "guess saved a whole read (the rule before the eleventh session)",
+                                    stepper=(("guess_by_saving", False),)),
     "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
                                      "the tier opened (one on a disk that one read keeps busy)", "every reader "
                                      "thread may read a guess (the reader before the eleventh session)",
@@ -315,7 +319,7 @@ class _Runner:
                 out["store_picks_by_layer"] = [b["lanes"]["nvme"] - a["lanes"]["nvme"]
                                                for a, b in zip(snap0["layers"], snap1["layers"], strict=True)]
                 out["guesses"] = {k: snap1["prefetch"][k] - snap0["prefetch"][k]
-                                  for k in ("issued", "hits", "late", "wasted", "demand_misses")}
+                                  for k in ("issued", "hits", "late", "late_under_way", "wasted", "demand_misses")}
                 r0, r1 = snap0.get("store_reads", {}), snap1.get("store_reads", {})
                 if r1.get("busy_s") is not None:  # the share of the decode the store spent reading
                     out["store_busy"] = (r1["busy_s"] - r0["busy_s"]) / (last - first)
@@ -325,6 +329,7 @@ class _Runner:
                     out["prefill_store_bytes"] = snap0["bytes"]["store_to_ram"] - before["bytes"]["store_to_ram"]
                     out["prefill_store_busy"] = (r0["busy_s"] - rb.get("busy_s", 0.0)) / (first - t0)
                 out["guess_floor"] = snap1["lookahead"].get("guess_floor")
+                out["guess_saving"] = snap1["lookahead"].get("guess_saving")
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
@@ -515,7 +520,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                     "picks_by_layer": [sum(col) / n_tok for col in zip(*(x["store_picks_by_layer"] for x in m_rows),
                                                                        strict=True)],
                     **{k: sum(x["guesses"][k] for x in m_rows) / n_tok for k in m_rows[0]["guesses"]},
-                    "store_busy": mean(mode, "store_busy"), "guess_floor": mean(mode, "guess_floor")}
+                    "store_busy": mean(mode, "store_busy"), "guess_floor": mean(mode, "guess_floor"),
+                    "guess_saving": mean(mode, "guess_saving")}
                 result["modes"][mode]["prefill_store"] = prefill_store(rows, mode)
         for mode in modes:
             if mode.startswith("nvme") and disk_rate:
@@ -604,9 +610,10 @@ def report(res: dict, moe_layers: int | None) -> str:
                     lines.append("    per decoded token: store picks by layer "
                                  + " ".join(f"{v:.2f}" for v in ds["picks_by_layer"])
                                  + f"; reads a step waited for but no guess started {ds['demand_misses']:.2f}, "
-                                 f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f}, "
-                                 f"wrong {ds['wasted']:.2f}); store busy {ds['store_busy']:.2f} of the decode, guess "
-                                 f"floor {ds['guess_floor']:.2f} at the windows' ends")
+                                 f"guesses read {ds['issued']:.2f} (in time {ds['hits']:.2f}, late {ds['late']:.2f} "
+                                 f"of which under way {ds['late_under_way']:.2f}, wrong {ds['wasted']:.2f}); store "
+                                 f"busy {ds['store_busy']:.2f} of the decode, guess floor {ds['guess_floor']:.2f} "
+                                 f"(a right guess saving {ds['guess_saving']:.2f} of a read) at the windows' ends")
                 ps = m.get("prefill_store")
                 if ps:
                     lines.append(f"    per prompt: {ps['MiB']:.0f} MiB from the store, store busy {ps['busy']:.2f} of "

@@ -255,6 +255,11 @@ class MoeStepper:
         # when p > (1 - p) * load. A disk that is the bottleneck (load ~1) keeps the old rule (p > 0.5); a store
         # that keeps up reads nearly every guess. False: always 0.5 (the bench's paired comparison).
         self.guess_by_load = True
+        # ... and a right guess saves not a whole read but the share of it done when its layer runs (the tier's
+        # guess_saving s, measured live): read when p * s > (1 - p) * load, p > load / (s + load). A store that keeps
+        # up (s ~1) keeps the rule above; a disk where guesses one layer ahead mostly land late reads only the
+        # surest ranks. False: s = 1 (the bench's paired comparison).
+        self.guess_by_saving = True
         self.guess_floor = 0.5
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
@@ -535,7 +540,8 @@ class MoeStepper:
         predicted = np.array(predicted, np.int64, ndmin=2)  # a copy: the caller's buffer is reused
         if self.nvme is not None:
             load = self.nvme.load() if self.guess_by_load else 1.0
-            self.guess_floor = load / (1.0 + load)
+            saving = self.nvme.guess_saving() if self.guess_by_saving else 1.0
+            self.guess_floor = load / (saving + load) if saving + load > 0 else 0.0
         if distance == 2:
             if self.nvme is None:
                 return 0
@@ -687,6 +693,8 @@ class MoeStepper:
                                    "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
                                    "guess_floor": round(self.guess_floor, 3),
+                                   "guess_saving": (round(self.nvme.guess_saving(), 3) if self.nvme is not None
+                                                    else None),
                                    "two_ahead": {**self._far.meter.snapshot(), "prefetched": self.prefetched_far,
                                                  "rank_precision": [round(p, 3) for p in self._far.precision]}}}
         if self.lane is not None:

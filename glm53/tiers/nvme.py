@@ -74,6 +74,8 @@ log = logging.getLogger("glm53.tiers.nvme")
 READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
 PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
+GUESS_SAVING_PRIOR = 4.0  # right guesses the starting value (all read in time) counts as
+GUESS_SAVING_DECAY = 0.99  # per layer step with right guesses: about the last hundred count
 AT_ONCE_PAIRS = 4  # pairs timed read at once and one after the other: 16 records, about 0.1 s on such a disk
 # The store's load: the share of wall time it had a read under way, measured over spans of at least LOAD_SPAN_S and
 # smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
@@ -145,6 +147,9 @@ class NvmeTier:
         self.reader = reader
         self.read_timing: dict[int, float] = {}  # open_nvme_tier: seconds a record alone took by parts, when timed
         self.two_at_once_gain: float | None = None  # open_nvme_tier: two records at once over one after the other
+        # A right guess's saving, decayed sums (saved, right guesses): see guess_saving. The prior counts as a few
+        # guesses all read in time, so a tier starts with the rule that held before it was measured.
+        self._saving = [GUESS_SAVING_PRIOR, GUESS_SAVING_PRIOR]
         header = reader.header
         self.store_layers = list(layers) if layers is not None else sorted({e.layer for e in header.entries})
         self.layout = slot_layout(header, self.store_layers)
@@ -413,6 +418,15 @@ class NvmeTier:
             self._load_mark = (now, busy)
         return self._load
 
+    def guess_saving(self) -> float:
+        """The share of a store read that a right guess has recently saved the step that needed it, 0..1: 1 for a
+        guess read in time, the share done for one still being read, 0 for one still queued (decayed over the last
+        hundred or so right guesses; 1 until measured). Near 1 on a store that keeps up. On a disk where a read
+        takes several layers' time, most right guesses are still queued or being read when their layer runs,
+        and each saves only part of a read while a wrong one costs a whole one."""
+        saved, right = self._saving
+        return saved / right if right > 0 else 1.0
+
     def read_summary(self) -> dict:
         """How the store is read, for /stats: which reader ("native queue": reads finished by native threads;
         "python threads": StoreReader's), parts per record, the timings that chose it (ms by parts, when the
@@ -572,7 +586,8 @@ class NvmeTier:
     def _account_prefetch(self, layer: int, experts: list[int], codes: list[int]) -> None:
         """The layer runs: settle what was read ahead for it (hit, late, wasted) and count the store misses no
         prefetch covered (codes: the experts' tier states). Its guards end here either way."""
-        hits = late = wasted = cancelled = 0
+        hits = late = under_way = wasted = cancelled = 0
+        saved = 0.0
         mine = [k for k in self._prefetched if k[0] == layer] if self._prefetched else ()
         if mine:
             used = set(experts)
@@ -591,9 +606,20 @@ class NvmeTier:
                     hits += 1
                 elif w == FROM_STORE:
                     late += 1
+                    r = self._reads.get(key)
+                    if r is not None and r.future.running():
+                        under_way += 1
+                        share = getattr(r.future, "share_done", None)  # StoreReader's futures cannot say
+                        saved += share() if share is not None else 0.5
         misses = codes.count(STORE)
+        if hits or late:
+            # Read in time: the whole read saved; under way: the share of it done; still queued: nothing yet.
+            sums = self._saving
+            sums[0] = GUESS_SAVING_DECAY * sums[0] + hits + saved
+            sums[1] = GUESS_SAVING_DECAY * sums[1] + hits + late
         if hits or late or wasted or misses:  # most layer steps have nothing to count: no lock taken for it
-            self.stats.add_prefetch(hits=hits, late=late, wasted=wasted, demand_misses=misses)
+            self.stats.add_prefetch(hits=hits, late=late, late_under_way=under_way, wasted=wasted,
+                                    demand_misses=misses)
         if cancelled:
             self.stats.add_nvme("cancelled_prefetches", cancelled)
 

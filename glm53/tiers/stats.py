@@ -25,7 +25,7 @@ import numpy as np
 LANES = ("vram_hit", "pcie", "cpu", "nvme")
 # staging_to_vram: admissions copied on the device from the staging row their step streamed them into.
 DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging", "staging_to_vram")
-PREFETCH = ("issued", "hits", "late", "wasted", "demand_misses")
+PREFETCH = ("issued", "hits", "late", "late_under_way", "wasted", "demand_misses")
 # promoted: prefetches that a step came to wait for while they were still queued, moved ahead of the other guesses;
 # cancelled_prefetches: wrong guesses still queued when their layer ran, dropped unread
 NVME = ("reads", "prefetch_reads", "warm_reads", "timeouts", "failed_reads", "promoted", "cancelled_prefetches")
