@@ -18,7 +18,8 @@
 #             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
 #   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction;
 #             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
-#             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvme16: the same at the 16 GiB
+#             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvmequick: a shorter nvme step (3 x 64 tokens, ~220 s fresh), nvme-exact against
+#             nvme-exact-guessfull by default; nvme16: the same at the 16 GiB
 #             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
 #             the machine's virtual disk, nvme-exact paired with the variants the ninth session left owed
 #             (pythonreads, prestage; also owed: 2readers; NVMESHM_MODES / NVME_MODES: other modes), a
@@ -80,6 +81,12 @@ step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 5
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 }
+step_nvmequick() {  # the nvme step shortened to fit a few minutes of a fresh machine (~220 s): 3 windows of 64 tokens
+  timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 --windows 3 --warmup-tokens 96 --work /tmp \
+    --keep --modes "${NVME_MODES:-nvme-exact,nvme-exact-guessfull}" \
+    --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
+  stamp "nvme (short) rc=$?"
+}
 step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what nvme gives when the disk keeps up
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 128 --work /tmp \
     --keep --store-dir /dev/shm \
@@ -111,6 +118,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmeshm disk nvme16 tiers tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm disk nvme16 tiers tiny width server lane)"
   fi
 done
