@@ -18,9 +18,9 @@
 #             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
 #   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction;
 #             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
-#             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvmequick: a shorter nvme step (3 x 64 tokens, ~220 s fresh), nvme-exact against
-#             nvme-exact-guessfull by default; nvme16: the same at the 16 GiB
-#             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
+#             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvmequick: a shorter nvme
+#             step (3 x 64 tokens, ~220 s fresh), nvme-exact against nvme-exact-guessfull by default; nvme16: the
+#             nvme step at the 16 GiB fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
 #             the machine's virtual disk, nvme-exact paired with the variants the ninth session left owed
 #             (pythonreads, prestage; also owed: 2readers; NVMESHM_MODES / NVME_MODES: other modes), a
 #             cProfile of one nvme-exact window and the read-contention probe (fresh machine: ~200 s before the
