@@ -124,8 +124,8 @@ class NativeRead:
         state = int(self.task[STATE])
         if self.final or state in (DONE, CANCELLED):
             return 1.0
-        if state != RUNNING:
-            return 0.0
+        if state != RUNNING or self.attempt > 1 or int(self.task[T_START]) == 0:
+            return 0.0  # queued; or a retry, which reads the record anew (its T_START is the first attempt's)
         typical = self.reader.typical_read_s
         if typical is None:
             return 0.5

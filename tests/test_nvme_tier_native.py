@@ -431,13 +431,69 @@ def test_a_right_guess_saves_its_whole_read_in_time_half_under_way_and_nothing_q
     monkeypatch.setattr(N.NativeRead, "share_done", lambda self: 0.25)  # the one under way: a quarter done
     saved, right = tier._saving
     tier.demand(0, np.array([1, 2, 3]))  # all three right, none in time: a quarter of one read saved, of three
-    d = nvme_mod.GUESS_SAVING_DECAY
-    assert tier._saving == pytest.approx([d * saved + 0.25, d * right + 3])
-    assert tier.guess_saving() == pytest.approx((d * saved + 0.25) / (d * right + 3)) and tier.guess_saving() < 1
+    d, trickle = nvme_mod.GUESS_SAVING_DECAY, nvme_mod.GUESS_SAVING_TRICKLE
+    assert tier._saving == pytest.approx([d * saved + 0.25 + trickle, d * right + 3 + trickle])
+    low = tier.guess_saving()
+    assert low == pytest.approx((d * saved + 0.25 + trickle) / (d * right + 3 + trickle)) and low < 1
     pf = tier.stats.snapshot()["prefetch"]
     assert (pf["late"], pf["late_under_way"]) == (3, 1)
     settle_reads(tier)
     check_bytes(tier, site.store)
+    # A prompt's reads ahead (most of a layer, still queued when it runs) say nothing of decode's guesses.
+    monkeypatch.undo()
+    slow_first(monkeypatch, 0.2)
+    tier.prefetch([(1, e) for e in (4, 5, 6)])
+    under_way(tier._reads[(1, 4)].future)
+    before = list(tier._saving)
+    tier.demand(1, np.array([4, 5, 6]), decode=False)
+    assert tier._saving == before and tier.stats.snapshot()["prefetch"]["late"] == 6  # counted, not scored
+    settle_reads(tier)
+    # With no guess read for a long while, the saving drifts back towards 1: guesses get tried again.
+    for _ in range(2000):
+        tier.demand(0, np.array([], np.int64))
+    assert low < tier.guess_saving() < 1 and 1 - tier.guess_saving() < (1 - low) / 4
+
+
+def test_a_guess_that_landed_just_after_the_steps_poll_saved_its_whole_read(site, monkeypatch):
+    import glm53.tiers.nvme as nvme_mod
+
+    tier = site.open(threads=1, ram=2 * EXPERTS, timeout_s=5.0)
+    tier.prefetch([(0, 4)])
+    fut = tier._reads[(0, 4)].future
+    real_poll = tier.poll
+
+    def poll():  # the read finishes right after demand()'s poll looked
+        n = real_poll()
+        finished(fut)
+        return n
+
+    monkeypatch.setattr(tier, "poll", poll)
+    saved, right = tier._saving
+    tier.demand(0, np.array([4]))
+    d, trickle = nvme_mod.GUESS_SAVING_DECAY, nvme_mod.GUESS_SAVING_TRICKLE
+    assert tier._saving == pytest.approx([d * saved + 1 + trickle, d * right + 1 + trickle])
+    settle_reads(tier)
+    check_bytes(tier, site.store)
+
+
+def test_a_guess_being_retried_has_none_of_its_read_done(site, monkeypatch):
+    tier = site.open(threads=1, ram=2 * EXPERTS, timeout_s=5.0)
+    tier.reader.typical_read_s = 1e-6  # any time under way would count as a whole read
+    real = N.NativeRead.__init__
+
+    def init(self, *a, **kw):
+        real(self, *a, **kw)
+        self.task[N.FD] = site.dirfd  # the first attempt fails (EISDIR); the retry sleeps its delay, then reads
+
+    monkeypatch.setattr(N.NativeRead, "__init__", init)
+    tier.prefetch([(1, 7)])
+    fut = tier._reads[(1, 7)].future
+    finished(fut)
+    fut.task[N.FD] = tier.reader.fd
+    assert not fut.done() and fut.attempt == 2  # looked at: failed, queued again with a delay
+    assert fut.share_done() == 0.0
+    settle_reads(tier)
+    assert fut.share_done() == 1.0
 
 
 def test_a_demanded_prefetch_being_retried_goes_ahead_of_queued_prefetches(site, monkeypatch):

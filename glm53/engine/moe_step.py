@@ -369,7 +369,7 @@ class MoeStepper:
             if w:
                 tiers.stats.add_wait("pcie", w)
         else:
-            tiers.demand_reads(li, uniq)  # nvme: every store miss of the step in flight before the first wait
+            tiers.demand_reads(li, uniq, decode)  # nvme: every store miss of the step in flight before the first wait
             # The next layers' reads go in behind them (demand reads overtake prefetch in the reader's queue): a
             # record read takes several layers' GPU time, and waiting for this step's reads first would leave the
             # disk with one read at a time. A step with no store read to wait for starts them after launch

@@ -75,7 +75,8 @@ READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
 PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
 GUESS_SAVING_PRIOR = 4.0  # right guesses the starting value (all read in time) counts as
-GUESS_SAVING_DECAY = 0.99  # per layer step with right guesses: about the last hundred count
+GUESS_SAVING_DECAY = 0.998  # per decode layer step: the last ~500 layer steps count
+GUESS_SAVING_TRICKLE = 0.002  # "saved whole" added per decode layer step: a weight of 1 guess when nothing else
 AT_ONCE_PAIRS = 4  # pairs timed read at once and one after the other: 16 records, about 0.1 s on such a disk
 # The store's load: the share of wall time it had a read under way, measured over spans of at least LOAD_SPAN_S and
 # smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
@@ -208,14 +209,16 @@ class NvmeTier:
 
     # ---- the step's misses (StoreSource) -----------------------------------------------------------------------
 
-    def demand(self, layer: int, experts: np.ndarray) -> None:
-        """Queue reads of every expert of this step that is only in the store, before anything waits."""
+    def demand(self, layer: int, experts: np.ndarray, decode: bool = True) -> None:
+        """Queue reads of every expert of this step that is only in the store, before anything waits. decode: what
+        the guesses read ahead for it saved counts towards guess_saving (a prompt's reads ahead, most of a layer
+        still queued when it runs, say nothing of decode's)."""
         self.poll()
         experts = np.asarray(experts, np.int64)
         where = self.tiers.where[layer]
         es = experts.tolist()
         codes = where[experts].tolist() if es else []
-        self._account_prefetch(layer, es, codes)
+        self._account_prefetch(layer, es, codes, decode)
         now = self.clock()
         for e, c in zip(es, codes, strict=True):
             # Only an expert in (or being read from) the store may need a read: issuing one never drops this step's
@@ -420,8 +423,8 @@ class NvmeTier:
 
     def guess_saving(self) -> float:
         """The share of a store read that a right guess has recently saved the step that needed it, 0..1: 1 for a
-        guess read in time, the share done for one still being read, 0 for one still queued (decayed over the last
-        hundred or so right guesses; 1 until measured). Near 1 on a store that keeps up. On a disk where a read
+        guess read in time, the share done for one still being read, 0 for one still queued (over the last ~500
+        decode layer steps; 1 until measured, and drifting back to 1 while no guess is read). Near 1 on a store that keeps up. On a disk where a read
         takes several layers' time, most right guesses are still queued or being read when their layer runs,
         and each saves only part of a read while a wrong one costs a whole one."""
         saved, right = self._saving
@@ -583,9 +586,10 @@ class NvmeTier:
         t.drop_ram(*victim)
         return True
 
-    def _account_prefetch(self, layer: int, experts: list[int], codes: list[int]) -> None:
+    def _account_prefetch(self, layer: int, experts: list[int], codes: list[int], decode: bool = True) -> None:
         """The layer runs: settle what was read ahead for it (hit, late, wasted) and count the store misses no
-        prefetch covered (codes: the experts' tier states). Its guards end here either way."""
+        prefetch covered (codes: the experts' tier states). Its guards end here either way. decode: a decode step,
+        whose right guesses' savings count towards guess_saving."""
         hits = late = under_way = wasted = cancelled = 0
         saved = 0.0
         mine = [k for k in self._prefetched if k[0] == layer] if self._prefetched else ()
@@ -607,16 +611,23 @@ class NvmeTier:
                 elif w == FROM_STORE:
                     late += 1
                     r = self._reads.get(key)
-                    if r is not None and r.future.running():
+                    fut = None if r is None else r.future
+                    if fut is None:
+                        pass
+                    elif fut.done():  # landed since demand's poll: read in time after all (unless it failed)
+                        saved += not fut.cancelled() and fut.exception() is None
+                    elif fut.running():
                         under_way += 1
-                        share = getattr(r.future, "share_done", None)  # StoreReader's futures cannot say
+                        share = getattr(fut, "share_done", None)  # StoreReader's futures cannot say
                         saved += share() if share is not None else 0.5
         misses = codes.count(STORE)
-        if hits or late:
-            # Read in time: the whole read saved; under way: the share of it done; still queued: nothing yet.
+        if decode:
+            # Read in time: the whole read saved; under way: the share of it done; still queued: nothing yet. Every
+            # decode layer step also adds a trickle of "saved whole": with no guess read for a long while (a floor
+            # above every rank), s drifts back towards 1 and guesses are tried, and measured, again.
             sums = self._saving
-            sums[0] = GUESS_SAVING_DECAY * sums[0] + hits + saved
-            sums[1] = GUESS_SAVING_DECAY * sums[1] + hits + late
+            sums[0] = GUESS_SAVING_DECAY * sums[0] + hits + saved + GUESS_SAVING_TRICKLE
+            sums[1] = GUESS_SAVING_DECAY * sums[1] + hits + late + GUESS_SAVING_TRICKLE
         if hits or late or wasted or misses:  # most layer steps have nothing to count: no lock taken for it
             self.stats.add_prefetch(hits=hits, late=late, late_under_way=under_way, wasted=wasted,
                                     demand_misses=misses)

@@ -57,8 +57,9 @@ VRAM, RAM, TO_VRAM, TO_RAM, STORE, FROM_STORE = (int(w) for w in Where)
 class StoreSource(Protocol):
     """Asynchronous store reads behind the RAM tier (nvme modes). Called only from the thread owning the tiers."""
 
-    def demand(self, layer: int, experts: np.ndarray) -> None:
-        """The step about to run uses `experts` of `layer`: start reading those only in the store, all at once."""
+    def demand(self, layer: int, experts: np.ndarray, decode: bool = True) -> None:
+        """The step about to run uses `experts` of `layer`: start reading those only in the store, all at once.
+        decode: a decode step (a prompt chunk's reads ahead are no guide to what decode's guesses save)."""
 
     def wait(self, layer: int, expert: int, protect: np.ndarray | None) -> None:
         """Block until the expert (STORE or FROM_STORE) is readable in RAM; raise a StoreError if it cannot be."""
@@ -263,11 +264,11 @@ class ExpertTiers:
         for layer, expert in list(self._moves):
             self.settle(layer, expert)
 
-    def demand_reads(self, layer: int, experts: np.ndarray) -> None:
+    def demand_reads(self, layer: int, experts: np.ndarray, decode: bool = True) -> None:
         """Tell the attached store source which experts the coming step uses, so that all of its store reads are
         in flight before the first wait. A no-op without one (synchronous `fetch`)."""
         if self.store is not None:
-            self.store.demand(layer, np.asarray(experts, np.int64))
+            self.store.demand(layer, np.asarray(experts, np.int64), decode)
 
     def fetch_to_ram(self, layer: int, expert: int, protect: np.ndarray | None = None) -> int:
         """Make a STORE (or FROM_STORE) expert readable in RAM, dropping the weakest RAM expert if full; returns
