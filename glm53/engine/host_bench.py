@@ -369,13 +369,14 @@ def _print_emulated(runs: list[dict], log) -> None:
             busy = "n/a" if r["store_busy"] is None else f"{r['store_busy']:.2f}"
             log(f"  bsz {run['bsz']} {name} ({at_once} guess reads at once{gain}): {r['step_ms']:.2f} ms per step "
                 f"(store waits {r['store_wait_ms']:.2f}, host before launch {r['host_ms']:.2f}, GPU "
-                f"{r['gpu_ms']:.2f}); store busy {busy}, load {r['store_load']:.2f}")
+                f"{r['gpu_ms']:.2f}); store busy {busy}, load {r['store_load']:.2f}, a right guess saving "
+                f"{r['guess_saving']:.2f} of a read, guess floor {r['guess_floor']:.2f}")
             log(f"    per step: {r['demand_reads']:.2f} demand and {r['prefetch_reads']:.2f} guess reads; guesses "
-                f"issued {g['issued']:.2f}, in time {g['hits']:.2f}, late {g['late']:.2f}, wasted {g['wasted']:.2f}; "
-                f"demand misses {g['demand_misses']:.2f}")
-        ratio = em["ratio"]
-        log(f"  bsz {run['bsz']} ratio cap / no cap per step: {ratio['median']:.3f} (median of "
-            f"{', '.join(f'{x:.3f}' for x in ratio['rounds'])}; totals {ratio['total']:.3f})")
+                f"issued {g['issued']:.2f}, in time {g['hits']:.2f}, late {g['late']:.2f} (under way "
+                f"{g['late_under_way']:.2f}), wasted {g['wasted']:.2f}; demand misses {g['demand_misses']:.2f}")
+        for name, ratio in em["ratios"].items():
+            log(f"  bsz {run['bsz']} ratio default / {name} per step: {ratio['median']:.3f} (median of "
+                f"{', '.join(f'{x:.3f}' for x in ratio['rounds'])}; totals {ratio['total']:.3f})")
 
 
 def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:

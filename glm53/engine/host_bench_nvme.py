@@ -25,8 +25,9 @@ set so that one of the bench store's (tiny) records takes the given ms, as a 9 M
 machine's rate-capped disk; and after each layer step's launch the emulated GPU is busy for the given ms before the
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
 it reports is wall time per decode step (bsz tokens), store waits and GPU sleeps included, the store's busy share
-and the guesses' fate, for the default reader (its guess reads capped as the tier calibrates the cap on opening)
-against one with no cap, runs of the two alternating, and the ratio of their step times.
+and the guesses' fate, for the default reader and stepper against each variant of EMULATED_VARIANTS (no cap on the
+guess reads; guesses read as if every right one saved a whole read), runs alternating, and the ratios of their
+step times.
 """
 
 from __future__ import annotations
@@ -69,9 +70,12 @@ class EmulationOptions:
         return self.disk_ms_per_record > 0 or self.gpu_ms_per_layer > 0
 
 
-# The readers `emulate` compares: the default (guess reads capped as open_nvme_tier calibrates the cap) and one
-# with no cap (bench.py's nvme-exact-guessesall).
-EMULATED_READERS = {"cap": None, "no_cap": {"prefetch_at_once": 1 << 10}}
+# What `emulate` compares, as (reader options, stepper attributes): the default (guess reads capped as
+# open_nvme_tier calibrates the cap; guesses read as far as what a right one saves makes worth it), one with no cap
+# (bench.py's nvme-exact-guessesall) and one reading guesses as if each right one saved a whole read
+# (nvme-exact-guessfull).
+EMULATED_VARIANTS = {"default": (None, {}), "no_cap": ({"prefetch_at_once": 1 << 10}, {}),
+                     "guess_full": (None, {"guess_by_saving": False})}
 SETTLE_STEPS = 10  # warm-up steps run emulated, after the rest at the page cache's speed
 
 
@@ -339,7 +343,8 @@ def _store_figures(snap0: dict, snap1: dict, layer_steps: int) -> dict:
             "prefetch_reads_per_step": (nv1["prefetch_reads"] - nv0["prefetch_reads"]
                                         - nv1["cancelled_prefetches"] + nv0["cancelled_prefetches"]) / per,
             "store_picks_per_step": (snap1["picks"]["nvme"] - snap0["picks"]["nvme"]) / per,
-            "prefetch": {k: pf1[k] - pf0[k] for k in ("issued", "hits", "late", "wasted", "demand_misses")}}
+            "prefetch": {k: pf1[k] - pf0[k]
+                         for k in ("issued", "hits", "late", "late_under_way", "wasted", "demand_misses")}}
 
 
 def _recall(la0: dict, la1: dict) -> float | None:
@@ -361,11 +366,11 @@ def emulated_rate(store: Path, disk_ms_per_record: float) -> tuple[float, int]:
 
 
 def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int,
-                 reader_options: dict | None) -> dict:
+                 reader_options: dict | None, stepper_attrs: dict | None = None) -> dict:
     """One timed replay on the emulated disk and GPU with one reader: reader_options None calibrates the guess
-    reads' cap as open_nvme_tier does (on the emulated disk), else they are the reader's options. Warm-up at the
-    page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load settles to the disk's); then the
-    timed steps, emulated."""
+    reads' cap as open_nvme_tier does (on the emulated disk), else they are the reader's options; stepper_attrs are
+    set on the stepper. Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
+    settles to the disk's); then the timed steps, emulated."""
     from glm53.cpu_lane.kernel import emulated_disk
     from glm53.tiers.nvme import calibrate_prefetch
     from store.format import read_header
@@ -378,6 +383,8 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
             at_once, gain = calibrate_prefetch(store, read_header(store), True, 1, nopts.store_threads)
         reader_options = {"prefetch_at_once": at_once}
     rig = build(opts, nopts, store, bsz, reader_options)
+    for name, value in (stepper_attrs or {}).items():
+        setattr(rig.stepper, name, value)
     try:
         settle = min(SETTLE_STEPS, opts.warmup)
         replay(rig, range(opts.warmup - settle))
@@ -391,6 +398,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
             replay(rig, range(opts.warmup, opts.warmup + opts.steps), times, gpu_s=gpu_s)
             wall = time.perf_counter() - t0
             snap1, busy1, load = rig.tier.stats.snapshot(), busy() if busy else None, rig.tier.load()
+            saving, floor = rig.tier.guess_saving(), rig.stepper.guess_floor
             at_once = getattr(rig.tier.reader, "prefetch_at_once", None)
     finally:
         rig.close()
@@ -400,35 +408,37 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
     return {"step_ms": wall / n * 1e3, "store_wait_ms": sum(times["store_wait"]) / n * 1e3,
             "host_ms": sum(times["before_launch"]) / n * 1e3, "gpu_ms": gpu_s * layers * 1e3,
             "store_busy": None if busy is None else (busy1 - busy0) / wall, "store_load": load,
-            "prefetch_at_once": at_once, "two_at_once_gain": gain,
+            "prefetch_at_once": at_once, "two_at_once_gain": gain, "guess_saving": saving, "guess_floor": floor,
             "demand_reads": store_figs["demand_reads_per_step"] * layers,
             "prefetch_reads": store_figs["prefetch_reads_per_step"] * layers,
             "guesses": {k: v / n for k, v in store_figs["prefetch"].items()}}
 
 
 def emulate(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
-    """The default reader (its guess reads capped as calibrated) against no cap on the emulated disk and GPU:
-    `emu.runs` runs of each, alternating (cap first, then no cap first, ...), so that a drift of the machine
-    touches both alike. Per reader the runs' mean figures (step_ms: wall ms per decode step of bsz tokens, store
-    waits and GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not
-    counted: the work after launch overlaps the GPU's) and gpu_ms (the emulated GPU's, as set); store_busy: the
-    share of the step time the store had a read under way; store_load: the tier's own measure of it, as the
-    lookahead sees it at the end; demand and guess reads per step; guesses per step: issued, in time (hits), late,
-    wasted, and demand misses), and the ratio of step times cap / no cap, the median of each round's and of the
-    totals."""
+    """The default reader and stepper against each other variant of EMULATED_VARIANTS on the emulated disk and GPU:
+    `emu.runs` runs of each, alternating (in order, then in reverse, ...), so that a drift of the machine touches
+    all alike. Per variant the runs' mean figures (step_ms: wall ms per decode step of bsz tokens, store waits and
+    GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not counted:
+    the work after launch overlaps the GPU's) and gpu_ms (the emulated GPU's, as set); store_busy: the share of the
+    step time the store had a read under way; store_load: the tier's own measure of it, as the lookahead sees it at
+    the end; guess_saving and guess_floor at the end; demand and guess reads per step; guesses per step: issued, in
+    time (hits), late (of them under way), wasted, and demand misses), and per other variant the ratio of step
+    times default / variant, the median of each round's and of the totals."""
     rate, record = emulated_rate(store, emu.disk_ms_per_record)
-    names = list(EMULATED_READERS)
+    names = list(EMULATED_VARIANTS)
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for i in range(max(1, emu.runs)):
         for name in names if i % 2 == 0 else names[::-1]:
-            runs[name].append(emulated_run(opts, nopts, emu, store, bsz, EMULATED_READERS[name]))
+            runs[name].append(emulated_run(opts, nopts, emu, store, bsz, *EMULATED_VARIANTS[name]))
     readers = {name: _mean_run(rs) for name, rs in runs.items()}
-    rounds = [a["step_ms"] / b["step_ms"] for a, b in zip(runs["cap"], runs["no_cap"], strict=True)]
+    ratios = {}
+    for name in names[1:]:
+        rounds = [a["step_ms"] / b["step_ms"] for a, b in zip(runs["default"], runs[name], strict=True)]
+        ratios[name] = {"median": float(np.median(rounds)), "rounds": rounds,
+                        "total": sum(r["step_ms"] for r in runs["default"]) / sum(r["step_ms"] for r in runs[name])}
     return {"disk_ms_per_record": emu.disk_ms_per_record, "gpu_ms_per_layer": emu.gpu_ms_per_layer,
-            "record_bytes": record, "seconds_per_byte": rate, "runs": len(rounds), "steps": opts.steps,
-            "readers": readers,
-            "ratio": {"median": float(np.median(rounds)), "rounds": rounds,
-                      "total": sum(r["step_ms"] for r in runs["cap"]) / sum(r["step_ms"] for r in runs["no_cap"])}}
+            "record_bytes": record, "seconds_per_byte": rate, "runs": max(1, emu.runs), "steps": opts.steps,
+            "readers": readers, "ratios": ratios}
 
 
 def _mean_run(runs: list[dict]) -> dict:
