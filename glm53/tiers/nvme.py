@@ -424,9 +424,9 @@ class NvmeTier:
     def guess_saving(self) -> float:
         """The share of a store read that a right guess has recently saved the step that needed it, 0..1: 1 for a
         guess read in time, the share done for one still being read, 0 for one still queued (over the last ~500
-        decode layer steps; 1 until measured, and drifting back to 1 while no guess is read). Near 1 on a store that keeps up. On a disk where a read
-        takes several layers' time, most right guesses are still queued or being read when their layer runs,
-        and each saves only part of a read while a wrong one costs a whole one."""
+        decode layer steps; 1 until measured, and drifting back to 1 while no guess is read). Near 1 on a store
+        that keeps up. On a disk where a read takes several layers' time, most right guesses are still queued or
+        being read when their layer runs, and each saves only part of a read while a wrong one costs a whole one."""
         saved, right = self._saving
         return saved / right if right > 0 else 1.0
 
