@@ -43,14 +43,15 @@ def corrupt(path, offset: int) -> None:
         f.write(bytes([was[0] ^ 0xFF]))
 
 
-def slow_first(monkeypatch, seconds: float) -> None:
-    """The next read made sleeps `seconds` on its worker before reading: with one worker, what is queued after it
-    waits behind it."""
+def slow_first(monkeypatch, seconds: float, every: bool = False) -> None:
+    """The next read made (every read made from now on, with `every`) sleeps `seconds` on its worker before
+    reading: with one worker, what is queued after it waits behind it."""
     real = N.NativeRead.__init__
 
     def init(self, *a, **kw):
         real(self, *a, **kw)
-        monkeypatch.setattr(N.NativeRead, "__init__", real)
+        if not every:
+            monkeypatch.setattr(N.NativeRead, "__init__", real)
         self.task[N.DELAY_NS] = int(seconds * 1e9)
 
     monkeypatch.setattr(N.NativeRead, "__init__", init)
@@ -103,17 +104,6 @@ def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
         assert started(first) < started(dem) < started(pre[0]) < started(pre[1])
 
 
-def slow_all(monkeypatch, seconds: float) -> None:
-    """Every read made from now on sleeps `seconds` on its worker before reading."""
-    real = N.NativeRead.__init__
-
-    def init(self, *a, **kw):
-        real(self, *a, **kw)
-        self.task[N.DELAY_NS] = int(seconds * 1e9)
-
-    monkeypatch.setattr(N.NativeRead, "__init__", init)
-
-
 def spans(futs) -> list[tuple[int, int]]:
     return [(int(f.task[N.T_START]), int(f.task[N.T_END])) for f in futs]
 
@@ -132,7 +122,7 @@ def test_prefetches_read_at_most_their_cap_at_once_and_a_demand_read_never_waits
     with N.NativeStoreReader(store, threads=3, prefetch_at_once=cap) as r:
         assert r.prefetch_at_once == cap and r.stats()["prefetch_at_once"] == cap
         arena = alloc_slots(7, r.max_extent)
-        slow_all(monkeypatch, 0.05)
+        slow_first(monkeypatch, 0.05, every=True)
         pre = r.read_many([(1, e, arena[e]) for e in range(6)], priority=Priority.PREFETCH)
         for f in pre[:cap]:
             under_way(f)
@@ -171,7 +161,7 @@ def test_without_a_cap_every_worker_takes_prefetches(store, monkeypatch):
     with N.NativeStoreReader(store, threads=3) as r:
         assert r.prefetch_at_once == 3
         arena = alloc_slots(6, r.max_extent)
-        slow_all(monkeypatch, 0.05)
+        slow_first(monkeypatch, 0.05, every=True)
         pre = r.read_many([(1, e, arena[e]) for e in range(6)], priority=Priority.PREFETCH)
         for f in pre:
             f.result(10)

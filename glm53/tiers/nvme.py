@@ -610,13 +610,10 @@ class NvmeTier:
                     hits += 1
                 elif w == FROM_STORE:
                     late += 1
-                    r = self._reads.get(key)
-                    fut = None if r is None else r.future
-                    if fut is None:
-                        pass
-                    elif fut.done():  # landed since demand's poll: read in time after all (unless it failed)
+                    fut = self._reads[key].future if key in self._reads else None
+                    if fut is not None and fut.done():  # landed since demand's poll: in time after all, unless failed
                         saved += not fut.cancelled() and fut.exception() is None
-                    elif fut.running():
+                    elif fut is not None and fut.running():
                         under_way += 1
                         share = getattr(fut, "share_done", None)  # StoreReader's futures cannot say
                         saved += share() if share is not None else 0.5
