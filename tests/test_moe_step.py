@@ -509,6 +509,12 @@ def test_nvme_reads_fewer_guess_ranks_where_right_guesses_save_only_part_of_a_re
         asked.clear()
         stepper.ahead(1, np.array([[9, 4, 7, 2]]))
         assert stepper.guess_floor == pytest.approx(0.75 / 1.75, abs=1e-3)
+        assert asked == [[(1, e) for e in (9, 4, 7, 2)]]
+        stepper.read_guesses = False  # the bench's no-guess comparison: nothing read ahead at all
+        asked.clear()
+        before = stepper.prefetched
+        assert stepper.ahead(1, np.array([[13, 14, 15, 0]])) == 0
+        assert asked == [] and stepper.prefetched == before
 
 
 def test_nvme_reads_two_layers_ahead_scored_apart(packed):

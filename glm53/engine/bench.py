@@ -119,6 +119,8 @@ VARIANTS = {
                                     "saved (the share of its read done when its layer ran)", "as if every right "
                                     "guess saved a whole read (the rule before the eleventh session)",
                                     stepper=(("guess_by_saving", False),)),
+    "nvme-exact-noguess": Variant("the next layer's likely store-only experts read ahead", "only the experts a step "
+                                  "asks for read from the store, no guesses", stepper=(("read_guesses", False),)),
     "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
                                      "the tier opened (one on a disk that one read keeps busy)", "every reader "
                                      "thread may read a guess (the reader before the eleventh session)",

@@ -261,6 +261,7 @@ class MoeStepper:
         # surest ranks. False: s = 1 (the bench's paired comparison).
         self.guess_by_saving = True
         self.guess_floor = 0.5
+        self.read_guesses = True  # False: the nvme modes read only what a step asks for (the bench's comparison)
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
 
@@ -563,7 +564,8 @@ class MoeStepper:
             # Most likely first (the read window may fill), and only ranks right often enough for the store's load:
             # on a disk-bound host a wrong guess costs a whole record's read (H200 bench: half the reads were
             # wasted when every rank was read).
-            started = self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
+            started = (self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
+                       if self.read_guesses else 0)
             if self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
                 ram = [e for e in self._likely(predicted) if tiers.where[li, e] == self._ram_code]
                 if ram:
