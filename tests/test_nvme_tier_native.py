@@ -539,3 +539,47 @@ def test_a_guess_demanded_while_under_way_is_retried_ahead_of_queued_guesses(sit
     settle_reads(tier)
     assert int(first.task[N.T_END]) < started(pre[1]) < started(pre[2])
     assert tier.stats.snapshot()["nvme"]["timeouts"] == 0 and tier.health() is None
+
+
+@pytest.mark.parametrize("chunk", [N.GUESS_CHUNK, 0], ids=["in chunks", "whole"])
+def test_a_wrong_guess_under_way_when_its_layer_runs_is_stopped_and_its_slot_freed(site, monkeypatch, chunk):
+    """Read in chunks, a wrong guess still being read when its layer runs stops before its next chunk: the disk is
+    the layer's demand reads' alone. It ends with no fault, its RAM slot is free again, and the expert reads
+    normally when a later step asks for it. Read whole (the variant), it runs to the end and lands."""
+    tier = site.open(threads=2, ram=2 * EXPERTS, timeout_s=5.0, reader_options={"guess_chunk": chunk})
+    slow_first(monkeypatch, 0.3)  # the guess's worker sleeps before its first chunk: under way, nothing read yet
+    tier.prefetch([(1, 5)])
+    fut = tier._reads[(1, 5)].future
+    under_way(fut)
+    in_use = tier.tiers.ram.in_use()
+    tier.demand(1, np.array([6]))  # the guess was wrong
+    tier.wait(1, 6)
+    settle_reads(tier)
+    nvme, rs = tier.stats.snapshot()["nvme"], tier.reader.stats()
+    if chunk:
+        assert fut.cancelled() and Where(tier.tiers.where[1, 5]) == Where.STORE
+        assert tier.tiers.ram.in_use() == in_use  # the guess's slot is back; the demand read took one
+        assert (nvme["called_off_prefetches"], rs["called_off"], rs["reads"]) == (1, 1, 1)
+    else:
+        assert not fut.cancelled() and Where(tier.tiers.where[1, 5]) == Where.RAM
+        assert (nvme["called_off_prefetches"], rs["called_off"], rs["reads"]) == (0, 0, 2)
+    assert tier.health() is None and nvme["failed_reads"] == 0
+    tier.wait(1, 5)  # asked for later: read (again) as usual
+    check_bytes(tier, site.store)
+
+
+def test_a_guess_stopped_while_a_step_asks_for_the_same_expert_is_read_afresh(site, monkeypatch):
+    """A guess called off, still ending (its worker not yet at its next chunk), when a step waits for the same
+    expert: the wait lets it end, then reads the record anew."""
+    tier = site.open(threads=2, ram=2 * EXPERTS, timeout_s=5.0)
+    slow_first(monkeypatch, 0.3)
+    tier.prefetch([(1, 7)])
+    fut = tier._reads[(1, 7)].future
+    under_way(fut)
+    tier.demand(1, np.array([8]))  # wrong for this step: called off
+    assert tier._reads[(1, 7)].called_off and not fut.done()
+    tier.demand(1, np.array([7]))  # the next token's step needs it after all
+    tier.wait(1, 7)
+    assert fut.cancelled() and Where(tier.tiers.where[1, 7]) == Where.RAM and tier.health() is None
+    settle_reads(tier)
+    check_bytes(tier, site.store)
