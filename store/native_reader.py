@@ -34,12 +34,9 @@ from store.reader import MIN_PIECE, Priority, ReadDone, StoreReader, _io_problem
 
 # A task's fields (read_queue.cpp's enum), then one uint64 per part for the parts' hashes.
 (STATE, FD, BUF, LEN, OFF, PARTS, ALIGN_AT, HASH, WANT_WHOLE, DELAY_NS, LEVEL, RESULT, ERRNO, USED, WHOLE, T_START,
- T_END, ABORT, FIELDS) = range(19)
+ T_END, FIELDS) = range(18)
 IDLE, QUEUED, RUNNING, DONE, CANCELLED = range(5)
 RETRY_DELAY_NS = 5_000_000  # times the attempt number, as StoreReader sleeps before a retry
-# A guess read's bytes per part between two pauses for demand reads: at ~2 GB/s a demand read that arrives waits
-# for at most one such chunk per part under way (~0.5 ms in 4 parts), not for the rest of a 9 MiB record.
-GUESS_CHUNK = 256 << 10
 
 _LIB: list = []  # [(held, released) ctypes handles, or None], bound once
 _READERS: weakref.WeakSet = weakref.WeakSet()  # the live readers, for the fork and exit hooks below
@@ -72,7 +69,7 @@ def queue_library():
         except ImportError:
             kernel = None
         lib = getattr(kernel, "_LIB", None)
-        if lib is None or getattr(lib, "glm53_rq_abort", None) is None:
+        if lib is None or getattr(lib, "glm53_rq_new", None) is None:
             _LIB.append(None)
         else:
             held = ctypes.PyDLL(lib._name)
@@ -82,7 +79,6 @@ def queue_library():
                 (held, "glm53_rq_cancel", i32, [vp, vp]), (held, "glm53_rq_promote", i32, [vp, vp]),
                 (held, "glm53_rq_busy", ctypes.c_double, [vp]), (held, "glm53_rq_queued", i64, [vp]),
                 (held, "glm53_rq_state", i64, [vp]), (held, "glm53_rq_set_prefetch_cap", i32, [vp, i32]),
-                (held, "glm53_rq_abort", i32, [vp, vp]), (held, "glm53_rq_set_guess_chunk", i64, [vp, i64]),
                 (lib, "glm53_rq_wait", i64, [vp, vp, i64]), (lib, "glm53_rq_close", i64, [vp]),
                 (lib, "glm53_rq_free", None, [vp]),
             ):
@@ -98,7 +94,7 @@ class NativeRead:
     until the native side is done with it."""
 
     __slots__ = ("reader", "entry", "out", "verify", "key", "task", "at", "attempt", "known", "alone", "epoch",
-                 "final", "value", "error", "was_cancelled", "called_off", "last_problem")
+                 "final", "value", "error", "was_cancelled", "last_problem")
 
     def __init__(self, reader: NativeStoreReader, entry: RecordEntry, out: np.ndarray, verify: bool, level: int,
                  key: tuple[int, int, int], parts: int, known: bytes | None):
@@ -111,7 +107,7 @@ class NativeRead:
             t[HASH] = reader.hash
             t[WANT_WHOLE] = known is None
         self.attempt, self.known, self.alone, self.epoch = 1, known, True, 0
-        self.final = self.was_cancelled = self.called_off = False
+        self.final = self.was_cancelled = False
         self.value: ReadDone | None = None
         self.error: BaseException | None = None
         self.last_problem: tuple[str, bool] | None = None  # what the attempt before a queued retry found
@@ -141,11 +137,6 @@ class NativeRead:
     def cancel(self) -> bool:
         """Drop the read if it still waits in the queue (a retry waiting there counts as under way)."""
         return self.reader._cancel(self)
-
-    def call_off(self) -> bool:
-        """Stop a guess (prefetch) read under way before its next chunk: it then finishes cancelled, its buffer
-        part-written. False when it is not a first-attempt guess under way, or its reader reads guesses whole."""
-        return self.reader._call_off(self)
 
     def result(self, timeout: float | None = None) -> ReadDone:
         self._wait(timeout)
@@ -180,12 +171,10 @@ class NativeStoreReader:
     def __init__(self, path: str | Path, *, threads: int = 4, allow_buffered: bool = False, verify: bool = False,
                  retries: int = 2, header: StoreHeader | None = None, warn=None, pieces: int = 1,
                  min_piece: int = MIN_PIECE, native: bool = True, part_hashes: bool = True,
-                 prefetch_at_once: int | None = None, guess_chunk: int = GUESS_CHUNK):
+                 prefetch_at_once: int | None = None):
         """StoreReader's options; `native` is accepted for the same call and ignored (reads here are always
         native). prefetch_at_once: at most that many prefetch reads under way at once (None: as many as there are
-        threads); demand reads are never held back. guess_chunk: a prefetch read goes in chunks of that many bytes
-        per part, pausing between two while a demand read is under way, and can be called off part-way (call_off);
-        0: read whole. Raises RuntimeError where glm53's library is not built with
+        threads); demand reads are never held back. Raises RuntimeError where glm53's library is not built with
         the read queue."""
         bound = queue_library()
         if bound is None:
@@ -208,8 +197,6 @@ class NativeStoreReader:
         self.prefetch_at_once = self.threads if prefetch_at_once is None else max(1, min(self.threads,
                                                                                          int(prefetch_at_once)))
         self._held.glm53_rq_set_prefetch_cap(self._q, self.prefetch_at_once)
-        self.guess_chunk = max(0, int(guess_chunk)) // ALIGN * ALIGN
-        self._held.glm53_rq_set_guess_chunk(self._q, self.guess_chunk)
         # Freed only once neither the reader nor any of its futures is left: a future may still wait on the queue.
         # Never at exit (atexit=False): the exit hook closes instead, and the queue stays valid for later callers.
         self._finalizer = weakref.finalize(self, released.glm53_rq_free, self._q)
@@ -220,8 +207,7 @@ class NativeStoreReader:
         self._submitted = 0
         self._closed = False
         self.typical_read_s: float | None = None  # a read's time under way lately (first attempts that passed)
-        self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0, "checked_by_parts": 0,
-                       "called_off": 0}
+        self._stats = {"reads": 0, "bytes": 0, "retries": 0, "errors": 0, "cancelled": 0, "checked_by_parts": 0}
         _READERS.add(self)
 
     # -- requests -------------------------------------------------------------------------------------------
@@ -391,14 +377,6 @@ class NativeStoreReader:
             self._resolve(fut)
             return True
 
-    def _call_off(self, fut: NativeRead) -> bool:
-        with self._lock:
-            if fut.final or fut.attempt > 1 or fut.called_off or not self._held.glm53_rq_abort(self._q, fut.at):
-                return False
-            fut.called_off = True
-            self._stats["called_off"] += 1
-            return True
-
     def _wait(self, fut: NativeRead, timeout_ns: int) -> None:
         self._wait_native(self._q, fut.at, timeout_ns)
 
@@ -413,7 +391,7 @@ class NativeStoreReader:
     def stats(self) -> dict:
         with self._lock:
             return dict(self._stats, queued=int(self._held.glm53_rq_queued(self._q)),
-                        prefetch_at_once=self.prefetch_at_once, guess_chunk=self.guess_chunk)
+                        prefetch_at_once=self.prefetch_at_once)
 
     def busy_seconds(self) -> float:
         """Wall seconds so far with at least one read under way (overlapping reads count once)."""

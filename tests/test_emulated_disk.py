@@ -150,25 +150,3 @@ def test_a_demand_read_behind_guesses_comes_in_sooner_with_the_guesses_capped(st
     uncapped = demand_latency(store, rate, cap=3)
     assert capped >= RECORD_S * 0.999 and uncapped >= 3 * RECORD_S * 0.999
     assert capped < 0.8 * uncapped, (capped, uncapped)
-
-
-@pytest.mark.skipif(N.queue_library() is None, reason="glm53's native read queue is not built")
-@pytest.mark.parametrize("chunk", [4096, 0], ids=["in chunks", "whole"])
-def test_a_demand_read_arriving_beside_a_guess_has_the_disk_first_when_guesses_go_in_chunks(store, rate, chunk):
-    # In 4 KiB chunks, the guess (10 chunks) pauses from its next chunk while the demand read is under way: the
-    # demand read ends about one record after it arrived, the guess after both. Whole, the guess's record is booked
-    # when the demand read arrives, which ends a record behind it.
-    with N.NativeStoreReader(store, threads=2, allow_buffered=True, verify=True, guess_chunk=chunk) as r, \
-            kernel.emulated_disk(rate):
-        arena = alloc_slots(2, r.max_extent)
-        guess = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
-        deadline = time.monotonic() + 10
-        while not guess.running():
-            assert time.monotonic() < deadline, "the guess never started"
-            time.sleep(0.0005)
-        time.sleep(RECORD_S / 5)
-        demand = r.read(1, 1, arena[1], priority=Priority.DEMAND)
-        for f, e in ((demand, 1), (guess, 0)):
-            assert f.result(10).data.tobytes() == reference(store, 1, e)
-    guess_end, demand_end = (int(f.task[N.T_END]) for f in (guess, demand))
-    assert (demand_end < guess_end) == bool(chunk), (demand_end - guess_end) / 1e9

@@ -99,7 +99,7 @@ def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_que
         json.dumps(snap)
         nvme = snap["nvme"]
         landed = (nvme["reads"] + nvme["prefetch_reads"] + nvme["warm_reads"] - nvme["failed_reads"]
-                  - nvme["cancelled_prefetches"] - nvme["called_off_prefetches"])
+                  - nvme["cancelled_prefetches"])
         assert snap["bytes"]["store_to_ram"] == landed * tier.layout.nbytes
         assert tier.health() is None and tier.read_summary()["errors"] == 0
 

@@ -16,8 +16,6 @@
 // record checked as one 9 MiB hash after the read costs a demand read about as much again on a fast store
 // (0.27 ms on the H200 host against 0.58 ms for the read from RAM). The hash function is the caller's (the xxhash
 // library Python already loaded), so this file carries no hash of its own.
-#include "read_gate.h"
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -65,22 +63,11 @@ void emulate_disk(int64_t bytes) {
         std::chrono::nanoseconds(end))));
 }
 
-using Gate = Glm53ReadGate;
-
-// Reads until `len` bytes are in or EOF; returns the bytes read, or -1 with *err set (ECANCELED: the gate called
-// the read off).
-int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err, const Gate* gate = nullptr) {
+// Reads until `len` bytes are in or EOF; returns the bytes read, or -1 with *err set.
+int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
     int64_t done = 0;
     while (done < len) {
-        int64_t want = len - done;
-        if (gate != nullptr) {
-            if (!gate->pass(gate->ctx)) {
-                *err = ECANCELED;
-                return -1;
-            }
-            want = std::min(want, gate->chunk);
-        }
-        ssize_t n = pread(fd, buf + done, static_cast<size_t>(want), offset + done);
+        ssize_t n = pread(fd, buf + done, static_cast<size_t>(len - done), offset + done);
         if (n < 0) {
             if (errno == EINTR) continue;
             *err = errno;
@@ -88,18 +75,16 @@ int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err, c
         }
         if (n == 0) break;
         done += n;
-        if (gate != nullptr) emulate_disk(n);  // chunk by chunk, so the emulated disk sees the gate's pauses
     }
-    if (gate == nullptr) emulate_disk(done);
+    emulate_disk(done);
     return done;
 }
 
 using HashFn = uint64_t (*)(const void*, size_t);
 
 // read_all, then the part's hash into *hash when asked and the part came in whole.
-int64_t read_part(int fd, char* buf, int64_t len, int64_t offset, int32_t* err, HashFn hash, uint64_t* out,
-                  const Gate* gate) {
-    int64_t got = read_all(fd, buf, len, offset, err, gate);
+int64_t read_part(int fd, char* buf, int64_t len, int64_t offset, int32_t* err, HashFn hash, uint64_t* out) {
+    int64_t got = read_all(fd, buf, len, offset, err);
     if (hash != nullptr && out != nullptr && got == len) *out = hash(buf, static_cast<size_t>(len));
     return got;
 }
@@ -113,7 +98,6 @@ struct Job {
     int32_t parts;
     HashFn hash;
     uint64_t* hashes;
-    const Gate* gate;
     std::vector<int64_t> got;
     std::vector<int32_t> errs;
     std::atomic<int32_t> next{0};
@@ -123,7 +107,7 @@ struct Job {
         for (int32_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
             int64_t start = i * size, n = i < parts - 1 ? size : length - start;
             got[i] = read_part(fd, base + start, n, offset + start, &errs[i], hash,
-                               hashes == nullptr ? nullptr : hashes + i, gate);
+                               hashes == nullptr ? nullptr : hashes + i);
         }
     }
 };
@@ -208,27 +192,21 @@ Pool* pool() {
 // its result in hashes[i]; the parts actually used (1 when the split would make none) are returned in *used.
 GLM53_API int64_t glm53_pread_parts(int fd, void* buf, int64_t length, int64_t offset, int32_t parts, int32_t align,
                                     int32_t* err, void* hash, uint64_t* hashes, int32_t* used) {
-    return glm53_pread_parts_gated(fd, buf, length, offset, parts, align, err, hash, hashes, used, nullptr);
-}
-
-// glm53_pread_parts with each part read in gate->chunk pieces, gate->pass called before each (gate may be null).
-int64_t glm53_pread_parts_gated(int fd, void* buf, int64_t length, int64_t offset, int32_t parts, int32_t align,
-                                int32_t* err, void* hash, uint64_t* hashes, int32_t* used, const Gate* gate) {
     *err = 0;
     char* base = static_cast<char*>(buf);
     HashFn h = reinterpret_cast<HashFn>(hash);
     int64_t size = parts > 1 && align > 0 ? length / parts / align * align : 0;
     if (used != nullptr) *used = size <= 0 ? 1 : parts;
-    if (size <= 0) return read_part(fd, base, length, offset, err, h, hashes, gate);
+    if (size <= 0) return read_part(fd, base, length, offset, err, h, hashes);
     // No exception may leave this function (it is called from C through ctypes: one would abort the process), and
     // it may not return while a worker can still reach its job.
-    Job job{fd, base, length, offset, size, parts, h, hashes, gate, {}, {}};
+    Job job{fd, base, length, offset, size, parts, h, hashes, {}, {}};
     try {
         job.got.assign(parts, 0);
         job.errs.assign(parts, 0);
     } catch (...) {  // no memory for the bookkeeping: one plain read
         if (used != nullptr) *used = 1;
-        return read_part(fd, base, length, offset, err, h, hashes, gate);
+        return read_part(fd, base, length, offset, err, h, hashes);
     }
     Pool* p = pool();
     int32_t offered = 0;

@@ -11,7 +11,6 @@
 // queued), its fields at the indices below, then one uint64 per part for the parts' hashes. The worker writes
 // the results first and the state last, with release semantics, and never touches the task after that.
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -24,16 +23,17 @@
 
 #define GLM53_API extern "C" __attribute__((visibility("default")))
 
-#include "read_gate.h"  // glm53_pread_parts_gated: parallel_read.cpp, in this same library
+// parallel_read.cpp, in this same library.
+extern "C" int64_t glm53_pread_parts(int fd, void* buf, int64_t length, int64_t offset, int32_t parts, int32_t align,
+                                     int32_t* err, void* hash, uint64_t* hashes, int32_t* used);
 
 namespace {
 
 // Field indices: store/native_reader.py mirrors them.
 enum : int {
     STATE, FD, BUF, LEN, OFF, PARTS, ALIGN, HASH, WANT_WHOLE, DELAY_NS, LEVEL, RESULT, ERRNO, USED, WHOLE, T_START,
-    T_END, ABORT, FIELDS
+    T_END, FIELDS
 };
-
 enum : int64_t { IDLE, QUEUED, RUNNING, DONE, CANCELLED };
 
 using HashFn = uint64_t (*)(const void*, size_t);
@@ -57,7 +57,6 @@ struct Queue {
     const pid_t owner = getpid();
     std::mutex mu;
     std::condition_variable work, done;  // work: a task is queued (or closing); done: some task finished
-    std::condition_variable clear;       // no demand read under way any more, or a guess was called off/promoted
     std::deque<int64_t*> level[2];       // 0: demand, 1: prefetch; FIFO within each
     std::vector<std::thread> threads;
     bool closed = false;
@@ -67,12 +66,7 @@ struct Queue {
     // that arrives finds a free worker and few guesses to share the disk with.
     int active_prefetch = 0;
     int prefetch_cap = 1 << 30;
-    int active_demand = 0;  // demand reads being read (a guess promoted while under way counts from then)
     int64_t busy_ns = 0, busy_from = 0;
-    // A guess read goes in chunks of this many bytes per part, and between two chunks waits while a read a step
-    // waits for is under way: on a disk that one read keeps busy, a demand read then has the disk to itself but
-    // for the chunks in flight, not for the rest of a guess's record. 0 (until the reader sets it): whole.
-    int64_t guess_chunk = 0;
 
     bool may_take() const { return !level[0].empty() || (!level[1].empty() && active_prefetch < prefetch_cap); }
 
@@ -87,51 +81,28 @@ struct Queue {
             int64_t* t = from.front();
             from.pop_front();
             if (t[T_START] == 0) t[T_START] = now_ns();  // a retry keeps its first start
-            t[LEVEL] = prefetch;  // a task promoted while queued reads as demand from here on
             set_state(t, RUNNING);
             if (active++ == 0) busy_from = now_ns();
             active_prefetch += prefetch;
-            active_demand += !prefetch;
             lock.unlock();
-            const bool called_off = !read(t, prefetch);
+            read(t);
             lock.lock();
             if (--active == 0) busy_ns += now_ns() - busy_from;
-            if (t[LEVEL] == 0 && --active_demand == 0) clear.notify_all();  // guesses held back go on
-            if (t[LEVEL] != 0) --active_prefetch;
-            // Under the lock: wait() checks the state under it too, so misses no wake-up.
-            set_state(t, called_off ? CANCELLED : DONE);
+            active_prefetch -= prefetch;
+            set_state(t, DONE);  // under the lock: wait() checks the state under it too, so misses no wake-up
             done.notify_all();  // and round again: this worker takes the next prefetch a cap held back
         }
     }
 
-    // The gate of a guess read: wait while a demand read is under way (only under way: a queued one may have no
-    // free worker but this one, which must not wait for it); false once the guess is called off.
-    struct GateCtx {
-        Queue* q;
-        int64_t* t;
-    };
-    static bool pass(void* ctx) {
-        auto* g = static_cast<GateCtx*>(ctx);
-        Queue* q = g->q;
-        int64_t* t = g->t;
-        std::unique_lock<std::mutex> lock(q->mu);
-        q->clear.wait(lock, [q, t] { return t[ABORT] || t[LEVEL] == 0 || q->closed || q->active_demand == 0; });
-        return !t[ABORT];
-    }
-
-    // Reads the task; false when a guess was called off part-way (its buffer is then left part-written).
-    bool read(int64_t* t, bool guess) {
+    static void read(int64_t* t) {
         if (t[DELAY_NS] > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(t[DELAY_NS]));
         int32_t err = 0, used = 1;
         char* buf = reinterpret_cast<char*>(t[BUF]);
         HashFn hash = reinterpret_cast<HashFn>(t[HASH]);
         uint64_t* hashes = hash != nullptr ? reinterpret_cast<uint64_t*>(t + FIELDS) : nullptr;
-        GateCtx ctx{this, t};
-        const Glm53ReadGate gate{&Queue::pass, &ctx, guess_chunk};
-        int64_t got = glm53_pread_parts_gated(static_cast<int>(t[FD]), buf, t[LEN], t[OFF],
-                                              static_cast<int32_t>(t[PARTS]), static_cast<int32_t>(t[ALIGN]), &err,
-                                              reinterpret_cast<void*>(hash), hashes, &used,
-                                              guess && guess_chunk > 0 ? &gate : nullptr);
+        int64_t got = glm53_pread_parts(static_cast<int>(t[FD]), buf, t[LEN], t[OFF], static_cast<int32_t>(t[PARTS]),
+                                        static_cast<int32_t>(t[ALIGN]), &err, reinterpret_cast<void*>(hash), hashes,
+                                        &used);
         // The whole record's hash, for a first read: here, on this thread, rather than in Python after the read.
         if (hash != nullptr && t[WANT_WHOLE] && got == t[LEN])
             t[WHOLE] = static_cast<int64_t>(used == 1 ? hashes[0] : hash(buf, static_cast<size_t>(got)));
@@ -139,7 +110,6 @@ struct Queue {
         t[ERRNO] = err;
         t[USED] = used;
         t[T_END] = now_ns();
-        return !(got < 0 && err == ECANCELED && t[ABORT]);
     }
 };
 
@@ -209,21 +179,12 @@ GLM53_API int32_t glm53_rq_cancel(void* queue, int64_t* t) {
 }
 
 // A queued task goes to the back of the demand level (a prefetch), or stays where it is (a demand read); 1 when
-// it was queued, 0 when it is under way, finished or never queued. A prefetch under way reads on as a demand read
-// (no longer held back by others, and holding guesses back).
+// it was queued, 0 when it is under way, finished or never queued.
 GLM53_API int32_t glm53_rq_promote(void* queue, int64_t* t) {
     Queue* q = static_cast<Queue*>(queue);
     if (q->owner != getpid()) return 0;
     {
         std::lock_guard<std::mutex> lock(q->mu);
-        if (state_of(t) == RUNNING && t[LEVEL] != 0) {  // a guess under way: a demand read from now on
-            t[LEVEL] = 0;
-            --q->active_prefetch;
-            ++q->active_demand;
-            q->clear.notify_all();  // its own gate, if it was held back
-            q->work.notify_one();   // the guess cap has room again
-            return 0;
-        }
         if (state_of(t) != QUEUED) return 0;
         if (t[LEVEL] == 0) return 1;
         auto& pre = q->level[1];
@@ -239,31 +200,6 @@ GLM53_API int32_t glm53_rq_promote(void* queue, int64_t* t) {
     }
     q->work.notify_one();  // a worker idle under the prefetch cap takes it now
     return 1;
-}
-
-// Call off a prefetch under way (a guess found wrong): it stops before its next chunk and finishes CANCELLED, its
-// buffer part-written. 1 when it will; 0 when it is not a prefetch under way, or guesses are read whole.
-GLM53_API int32_t glm53_rq_abort(void* queue, int64_t* t) {
-    Queue* q = static_cast<Queue*>(queue);
-    if (q->owner != getpid()) return 0;
-    {
-        std::lock_guard<std::mutex> lock(q->mu);
-        if (state_of(t) != RUNNING || t[LEVEL] == 0 || t[ABORT] || q->guess_chunk <= 0) return 0;
-        t[ABORT] = 1;
-    }
-    q->clear.notify_all();
-    return 1;
-}
-
-// The bytes per part a guess read goes in, between pauses for demand reads (0: whole, never pausing); returns
-// what it was. Set before reads are queued; a multiple of the store's alignment.
-GLM53_API int64_t glm53_rq_set_guess_chunk(void* queue, int64_t bytes) {
-    Queue* q = static_cast<Queue*>(queue);
-    if (q->owner != getpid()) return 0;
-    std::lock_guard<std::mutex> lock(q->mu);
-    const int64_t was = q->guess_chunk;
-    q->guess_chunk = std::max<int64_t>(0, bytes);
-    return was;
 }
 
 // Block (call it with the GIL released) until the task is finished or cancelled, or timeout_ns passed (< 0: no

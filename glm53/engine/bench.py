@@ -121,10 +121,6 @@ VARIANTS = {
                                     stepper=(("guess_by_saving", False),)),
     "nvme-exact-noguess": Variant("the next layer's likely store-only experts read ahead", "only the experts a step "
                                   "asks for read from the store, no guesses", stepper=(("read_guesses", False),)),
-    "nvme-exact-wholeguess": Variant("a guess read goes in chunks that wait while a read a step waits for is under "
-                                     "way, and stops part-way once its layer has run without it", "guesses read "
-                                     "whole, beside demand reads (the reader before the twelfth session)",
-                                     reader=(("guess_chunk", 0),)),
     "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
                                      "the tier opened (one on a disk that one read keeps busy)", "every reader "
                                      "thread may read a guess (the reader before the eleventh session)",

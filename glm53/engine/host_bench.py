@@ -198,8 +198,7 @@ def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -
         return profile_rows(prof, opts.top, ("resolve", "ahead", "after_launch"), blocked)
 
     emulated = emulation is not None and emulation.on
-    size = host_bench_nvme.EMULATED_EXPERT_HIDDEN if emulated else host_bench_nvme.EXPERT_HIDDEN
-    with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed, size) as fx:
+    with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
         runs = [host_bench_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
         if emulated:
             for run in runs:

@@ -26,8 +26,7 @@ machine's rate-capped disk; and after each layer step's launch the emulated GPU 
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
 it reports is wall time per decode step (bsz tokens), store waits and GPU sleeps included, the store's busy share
 and the guesses' fate, for the default reader and stepper against each variant of EMULATED_VARIANTS (no cap on the
-guess reads; guesses read as if every right one saved a whole read; guesses read whole, not in chunks that pause
-for demand reads), runs alternating, and the ratios of their
+guess reads; guesses read as if every right one saved a whole read), runs alternating, and the ratios of their
 step times.
 """
 
@@ -46,9 +45,7 @@ from typing import Any
 import numpy as np
 
 EXPERT_HIDDEN = 16  # tiny experts: the bookkeeping does not depend on their size, the store's size and pack time do
-# Emulated, a record is read in chunks (a guess pauses between two for demand reads): 76 KiB records, so that a
-# chunk is as small a share of one as on the real model's 9 MiB records.
-EMULATED_EXPERT_HIDDEN = 256
+EXPERT_INTER = 16
 RANK_SPREAD = 0.45  # how much surer of its best guesses the lookahead is than of its last (0.80 .. 0.35 around 0.575)
 log = logging.getLogger(__name__)
 
@@ -78,23 +75,22 @@ class EmulationOptions:
 # (bench.py's nvme-exact-guessesall) and one reading guesses as if each right one saved a whole read
 # (nvme-exact-guessfull).
 EMULATED_VARIANTS = {"default": (None, {}), "no_cap": ({"prefetch_at_once": 1 << 10}, {}),
-                     "guess_full": (None, {"guess_by_saving": False}), "whole_guess": ({"guess_chunk": 0}, {})}
-REAL_RECORD = 9 << 20  # bytes of one of GLM-5.3-Flash's expert records, near enough
+                     "guess_full": (None, {"guess_by_saving": False})}
 SETTLE_STEPS = 10  # warm-up steps run emulated, after the rest at the page cache's speed
 
 
 class StoreFixture:
     """A synthetic expert checkpoint and its packed store in a temporary directory, removed on close."""
 
-    def __init__(self, layers: int, experts: int, seed: int, size: int = EXPERT_HIDDEN):
+    def __init__(self, layers: int, experts: int, seed: int):
         from store.pack import PackOptions, pack_store
         from store.synth import write_expert_checkpoint
 
         self.root = Path(tempfile.mkdtemp(prefix="glm53-host-bench-nvme-"))
         try:
             # One dense layer first, as the real model: the store numbers its MoE layers 1..layers.
-            self.checkpoint = write_expert_checkpoint(self.root / "ck", hidden=size,
-                                                      moe_intermediate=size, layers=layers + 1,
+            self.checkpoint = write_expert_checkpoint(self.root / "ck", hidden=EXPERT_HIDDEN,
+                                                      moe_intermediate=EXPERT_INTER, layers=layers + 1,
                                                       experts=experts, mtp_layers=0, seed=seed)
             self.store = self.root / "experts.glm53"
             pack_store(PackOptions(self.checkpoint, self.store, threads=2, progress=False, verify=False),
@@ -205,8 +201,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     make = NativeStoreReader if queue_library() is not None else StoreReader
     extra = dict(reader_options or {})
     if make is StoreReader:
-        extra.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set,
-        extra.pop("guess_chunk", None)  # and read guesses whole
+        extra.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
     reader = make(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug, **extra)
     tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
     try:
@@ -372,26 +367,21 @@ def emulated_rate(store: Path, disk_ms_per_record: float) -> tuple[float, int]:
 
 def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int,
                  reader_options: dict | None, stepper_attrs: dict | None = None) -> dict:
-    """One timed replay on the emulated disk and GPU with one reader: reader_options are the reader's options, the
-    guess reads' cap calibrated as open_nvme_tier does (on the emulated disk) unless they set it; stepper_attrs are
+    """One timed replay on the emulated disk and GPU with one reader: reader_options None calibrates the guess
+    reads' cap as open_nvme_tier does (on the emulated disk), else they are the reader's options; stepper_attrs are
     set on the stepper. Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
     settles to the disk's); then the timed steps, emulated."""
     from glm53.cpu_lane.kernel import emulated_disk
     from glm53.tiers.nvme import calibrate_prefetch
-    from store.format import ALIGN, read_header
-    from store.native_reader import GUESS_CHUNK
+    from store.format import read_header
 
-    rate, record = emulated_rate(store, emu.disk_ms_per_record)
+    rate, _ = emulated_rate(store, emu.disk_ms_per_record)
     gpu_s = emu.gpu_ms_per_layer * 1e-3
     gain = None
-    reader_options = dict(reader_options or {})
-    if "prefetch_at_once" not in reader_options:
+    if reader_options is None:
         with emulated_disk(rate):
-            reader_options["prefetch_at_once"], gain = calibrate_prefetch(store, read_header(store), True, 1,
-                                                                          nopts.store_threads)
-    # The guess chunks in flight (one per part) as the same share of the bench's record (read in one part) as on
-    # a real 9 MiB record read in 4 parts.
-    reader_options.setdefault("guess_chunk", max(ALIGN, record * GUESS_CHUNK * 4 // REAL_RECORD // ALIGN * ALIGN))
+            at_once, gain = calibrate_prefetch(store, read_header(store), True, 1, nopts.store_threads)
+        reader_options = {"prefetch_at_once": at_once}
     rig = build(opts, nopts, store, bsz, reader_options)
     for name, value in (stepper_attrs or {}).items():
         setattr(rig.stepper, name, value)
@@ -410,7 +400,6 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
             snap1, busy1, load = rig.tier.stats.snapshot(), busy() if busy else None, rig.tier.load()
             saving, floor = rig.tier.guess_saving(), rig.stepper.guess_floor
             at_once = getattr(rig.tier.reader, "prefetch_at_once", None)
-            chunk = getattr(rig.tier.reader, "guess_chunk", 0)  # StoreReader's: whole
     finally:
         rig.close()
     n = opts.steps
@@ -419,8 +408,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
     return {"step_ms": wall / n * 1e3, "store_wait_ms": sum(times["store_wait"]) / n * 1e3,
             "host_ms": sum(times["before_launch"]) / n * 1e3, "gpu_ms": gpu_s * layers * 1e3,
             "store_busy": None if busy is None else (busy1 - busy0) / wall, "store_load": load,
-            "prefetch_at_once": at_once, "guess_chunk": chunk, "two_at_once_gain": gain, "guess_saving": saving,
-            "guess_floor": floor,
+            "prefetch_at_once": at_once, "two_at_once_gain": gain, "guess_saving": saving, "guess_floor": floor,
             "demand_reads": store_figs["demand_reads_per_step"] * layers,
             "prefetch_reads": store_figs["prefetch_reads_per_step"] * layers,
             "guesses": {k: v / n for k, v in store_figs["prefetch"].items()}}

@@ -118,7 +118,6 @@ class _Read:
     since: float  # the clock its timeout runs from: issue, or demand for a prefetch being waited on
     demanded: bool  # a step waits for it (retried on timeout); else a prefetch or warm-up read (a guess)
     timeouts: int = 0
-    called_off: bool = False  # a wrong guess stopped part-way: it ends cancelled, and its slot is freed then
 
 
 class NvmeTier:
@@ -231,7 +230,7 @@ class NvmeTier:
                 self._issue(layer, e, experts, Priority.DEMAND, demanded=True)
             elif w == FROM_STORE:
                 r = self._reads[(layer, e)]
-                if not r.demanded and not r.called_off:  # a guess in flight: from now on a step waits for it
+                if not r.demanded:  # a prefetch still in flight: from now on a step waits for it
                     r.demanded, r.since = True, now
                     self._promote(r)
 
@@ -249,9 +248,6 @@ class NvmeTier:
             if w != FROM_STORE:  # TO_RAM: a write-back the caller settles, not a store read
                 raise TierError(f"expert {layer}/{expert} is {Where(w).name}: settle its move first")
             r = self._reads[(layer, expert)]
-            if r.called_off:  # a guess stopped part-way, ending within a chunk: then read the expert afresh
-                self._await(r, protect)
-                continue
             if not r.demanded:
                 r.demanded = True
                 self._promote(r)
@@ -538,11 +534,6 @@ class NvmeTier:
         with self._lock:
             r = self._reads.pop(key)
         exc = _exception(r.future)
-        if r.called_off and isinstance(exc, CancelledError):  # stopped part-way, as asked: no fault
-            self.tiers.abort_read(r.layer, r.expert)
-            self._prefetched.discard(key)
-            self.stats.add_nvme("called_off_prefetches")
-            return None
         if exc is None:
             self.tiers.land_read(r.layer, r.expert)
             if key in self._faults:  # only this thread adds faults: no lock needed to look
@@ -614,10 +605,7 @@ class NvmeTier:
                 if e not in used:
                     wasted += 1
                     if w == FROM_STORE:
-                        dropped = self._cancel_queued(key)
-                        cancelled += dropped
-                        if not dropped:
-                            self._call_off(key)
+                        cancelled += self._cancel_queued(key)
                 elif w in _READABLE:
                     hits += 1
                 elif w == FROM_STORE:
@@ -653,16 +641,6 @@ class NvmeTier:
             del self._reads[key]
         self.tiers.abort_read(*key)
         return 1
-
-    def _call_off(self, key: tuple[int, int]) -> bool:
-        """A wrong guess whose layer has run and whose read is under way: stop it before its next chunk (the disk
-        is then the layer's demand reads' alone); its slot is freed when it ends (_finish)."""
-        r = self._reads.get(key)
-        call_off = getattr(r.future, "call_off", None) if r is not None and not r.demanded else None
-        if call_off is None or not call_off():  # StoreReader's reads, and a guess read whole, run to the end
-            return False
-        r.called_off = True
-        return True
 
     def keep_free(self, n: int, keep: Mapping[int, Collection[int]] | None = None) -> int:
         """Drop the weakest droppable RAM experts (neither guarded, nor read by a copy in flight, nor in `keep`,
@@ -840,8 +818,7 @@ def open_nvme_tier(
         native_queue = False
     make = NativeStoreReader if native_queue else StoreReader
     if not native_queue:
-        opts.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set,
-        opts.pop("guess_chunk", None)  # and read guesses whole
+        opts.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
     n_threads = opts.pop("threads", None) or threads or plan.nvme_threads or 4
     at_once_gain = None
     if native_queue and "prefetch_at_once" not in opts:

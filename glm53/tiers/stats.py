@@ -28,9 +28,7 @@ DIRECTIONS = ("ram_to_vram", "vram_to_ram", "store_to_ram", "ram_to_staging", "s
 PREFETCH = ("issued", "hits", "late", "late_under_way", "wasted", "demand_misses")
 # promoted: prefetches that a step came to wait for while they were still queued, moved ahead of the other guesses;
 # cancelled_prefetches: wrong guesses still queued when their layer ran, dropped unread
-# called_off_prefetches: wrong guesses under way when their layer ran, stopped part-way (before a chunk)
-NVME = ("reads", "prefetch_reads", "warm_reads", "timeouts", "failed_reads", "promoted", "cancelled_prefetches",
-        "called_off_prefetches")
+NVME = ("reads", "prefetch_reads", "warm_reads", "timeouts", "failed_reads", "promoted", "cancelled_prefetches")
 
 
 class TierStats:
