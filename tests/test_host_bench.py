@@ -132,16 +132,16 @@ def test_nvme_report_and_json(capsys, tmp_path):
 
 
 EMULATED = ["--disk-ms-per-record", "2", "--gpu-ms-per-layer", "0.5", "--emulated-runs", "2"]
-READER_LINE = re.compile(r"^  bsz 1 (default|no_cap|guess_full) \((\d+) guess reads at once[^)]*\): ([\d.]+) ms per "
+READER_LINE = re.compile(r"^  bsz 1 (default|no_cap|guess_saving) \((\d+) guess reads at once[^)]*\): ([\d.]+) ms per "
                          r"step \(store waits ([\d.]+), host before launch ([\d.]+), GPU ([\d.]+)\); store busy "
                          r"([\d.]+), load ([\d.]+), a right guess saving ([\d.]+) of a read, guess floor ([\d.]+)$")
 GUESS_LINE = re.compile(r"^    per step: ([\d.]+) demand and ([\d.]+) guess reads; guesses issued ([\d.]+), in time "
                         r"([\d.]+), late ([\d.]+) \(under way ([\d.]+)\), wasted ([\d.]+); demand misses ([\d.]+)$")
-EMU_RATIO = re.compile(r"^  bsz 1 ratio default / (no_cap|guess_full) per step: ([\d.]+) \(median of ([\d.]+), "
+EMU_RATIO = re.compile(r"^  bsz 1 ratio default / (no_cap|guess_saving) per step: ([\d.]+) \(median of ([\d.]+), "
                        r"([\d.]+); totals ([\d.]+)\)$")
 
 
-def test_nvme_on_an_emulated_disk_and_gpu_compares_the_default_with_no_cap_and_the_old_guess_rule(capsys, tmp_path):
+def test_nvme_on_an_emulated_disk_and_gpu_compares_the_default_with_no_cap_and_the_guess_rule_by_saving(capsys, tmp_path):
     from glm53.cpu_lane import kernel
 
     if getattr(kernel._LIB, "glm53_emulate_disk", None) is None:
@@ -153,10 +153,10 @@ def test_nvme_on_an_emulated_disk_and_gpu_compares_the_default_with_no_cap_and_t
     assert any(line.startswith("emulated disk and GPU: a record (") for line in lines)
     readers = [m.groups() for m in map(READER_LINE.match, lines) if m]
     assert [(name, int(at_once)) for name, at_once, *_ in readers] == [("default", 1), ("no_cap", 2),
-                                                                        ("guess_full", 1)]
+                                                                        ("guess_saving", 1)]
     assert len([m for m in map(GUESS_LINE.match, lines) if m]) == 3
     ratio = [m.groups() for m in map(EMU_RATIO.match, lines) if m]
-    assert [r[0] for r in ratio] == ["no_cap", "guess_full"]
+    assert [r[0] for r in ratio] == ["no_cap", "guess_saving"]
     doc = json.loads(out.read_text())
     assert doc["emulation"] == {"disk_ms_per_record": 2.0, "gpu_ms_per_layer": 0.5, "runs": 2}
     (run,) = doc["runs"]
@@ -176,7 +176,7 @@ def test_nvme_on_an_emulated_disk_and_gpu_compares_the_default_with_no_cap_and_t
         assert (r["two_at_once_gain"] is not None) == (name != "no_cap")
         assert 0 <= r["guess_saving"] <= 1 and 0 <= r["guess_floor"] <= 1
     assert em["readers"]["default"]["prefetch_at_once"] == 1 and em["readers"]["no_cap"]["prefetch_at_once"] == 2
-    for (_, median, *_), other in zip(ratio, ("no_cap", "guess_full"), strict=True):
+    for (_, median, *_), other in zip(ratio, ("no_cap", "guess_saving"), strict=True):
         rounds = [a / b for a, b in zip(em["readers"]["default"]["step_ms_runs"], em["readers"][other]["step_ms_runs"],
                                         strict=True)]
         assert em["ratios"][other]["rounds"] == pytest.approx(rounds)

@@ -115,12 +115,10 @@ VARIANTS = {
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
-    "nvme-exact-guessfull": Variant("guesses read at ranks right often enough for what a right guess has recently "
-                                    "saved (the share of its read done when its layer ran)", "as if every right "
-                                    "guess saved a whole read (the rule before the eleventh session)",
-                                    stepper=(("guess_by_saving", False),)),
-    "nvme-exact-noguess": Variant("the next layer's likely store-only experts read ahead", "only the experts a step "
-                                  "asks for read from the store, no guesses", stepper=(("read_guesses", False),)),
+    "nvme-exact-guesssaving": Variant("guesses read at ranks right often enough for the store's load, as if every "
+                                      "right guess saved a whole read", "a right guess counted as saving the share "
+                                      "of its read done when its layer ran (tried in the eleventh session)",
+                                      stepper=(("guess_by_saving", True),)),
     "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
                                      "the tier opened (one on a disk that one read keeps busy)", "every reader "
                                      "thread may read a guess (the reader before the eleventh session)",

@@ -15,7 +15,7 @@ benchmark from a git worktree of REV in the same run, so the ratio compares like
 `--nvme` measures the nvme modes' path instead (glm53.engine.host_bench_nvme): a record store packed for the run,
 the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them. With
 `--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU, the
-defaults against a store reader with no cap on its guess reads and against the old guess rule
+defaults against a store reader with no cap on its guess reads and against guesses read by what a right one saved
 (host_bench_nvme.emulate).
 """
 
@@ -460,7 +460,7 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--disk-ms-per-record", type=float, default=de.disk_ms_per_record, metavar="MS",
                    help="--nvme: then also decode against an emulated disk on which one of the bench store's records "
                         "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6), the defaults "
-                        "against no cap on guess reads and against the old guess rule")
+                        "against no cap on guess reads and against guesses read by what a right one saved")
     p.add_argument("--gpu-ms-per-layer", type=float, default=de.gpu_ms_per_layer, metavar="MS",
                    help="--nvme: then also decode with an emulated GPU, busy MS ms from each layer step's launch to "
                         "the next router output (GPU machine: ~0.6)")

@@ -26,7 +26,7 @@ machine's rate-capped disk; and after each layer step's launch the emulated GPU 
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
 it reports is wall time per decode step (bsz tokens), store waits and GPU sleeps included, the store's busy share
 and the guesses' fate, for the default reader and stepper against each variant of EMULATED_VARIANTS (no cap on the
-guess reads; guesses read as if every right one saved a whole read), runs alternating, and the ratios of their
+guess reads; guesses read by what a right one recently saved), runs alternating, and the ratios of their
 step times.
 """
 
@@ -71,11 +71,11 @@ class EmulationOptions:
 
 
 # What `emulate` compares, as (reader options, stepper attributes): the default (guess reads capped as
-# open_nvme_tier calibrates the cap; guesses read as far as what a right one saves makes worth it), one with no cap
-# (bench.py's nvme-exact-guessesall) and one reading guesses as if each right one saved a whole read
-# (nvme-exact-guessfull).
+# open_nvme_tier calibrates the cap; guesses read as far as the store's load makes worth it), one with no cap
+# (bench.py's nvme-exact-guessesall) and one reading guesses only as far as the share of a read a right one
+# recently saved makes worth it (nvme-exact-guesssaving).
 EMULATED_VARIANTS = {"default": (None, {}), "no_cap": ({"prefetch_at_once": 1 << 10}, {}),
-                     "guess_full": (None, {"guess_by_saving": False})}
+                     "guess_saving": (None, {"guess_by_saving": True})}
 SETTLE_STEPS = 10  # warm-up steps run emulated, after the rest at the page cache's speed
 
 
