@@ -19,7 +19,8 @@
 #   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction;
 #             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
 #             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvmequick: a shorter nvme
-#             step (3 x 64 tokens, ~220 s fresh), nvme-exact against nvme-exact-prestage by default; nvme16: the
+#             step (3 x 64 tokens; a fresh machine needs over 250 s before its first window, so give it ~330 s), nvme-exact
+#             against nvme-exact-prestage by default; nvme16: the
 #             nvme step at the 16 GiB fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
 #             the machine's virtual disk, nvme-exact paired with the variants the ninth session left owed
 #             (pythonreads, prestage; also owed: 2readers; NVMESHM_MODES / NVME_MODES: other modes), a
@@ -81,7 +82,7 @@ step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 5
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme rc=$?"
 }
-step_nvmequick() {  # the nvme step shortened to fit a few minutes of a fresh machine (~220 s): 3 windows of 64 tokens
+step_nvmequick() {  # the nvme step shortened (~330 s on a fresh machine): 3 windows of 64 tokens
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 --windows 3 --warmup-tokens 96 --work /tmp \
     --keep --modes "${NVME_MODES:-nvme-exact,nvme-exact-prestage}" \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
