@@ -38,7 +38,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
     res["modes"]["nvme-exact-whole"]["tiers"] = {"store_reads": {"parts": 1}}
     res["modes"]["nvme"]["decode_store"] = {"picks_by_layer": [1.5, 0.25], "issued": 3.0, "hits": 2.0, "late": 0.5,
                                             "late_under_way": 0.25, "wasted": 0.5, "demand_misses": 1.25,
-                                            "store_busy": 0.3, "guess_floor": 0.23, "guess_saving": 0.9}
+                                            "store_busy": 0.3, "guess_floor": 0.23, "guess_saving": 0.9,
+                                            "idle_ms_after_layer": [1.25, 3.5]}
     res["modes"]["nvme"]["prefill_store"] = {"MiB": 1234.4, "busy": 0.61, "over_disk_bound": 0.705}
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
                                                             "cpu_share": 0.039}}}
@@ -60,6 +61,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "per decoded token: store picks by layer 1.50 0.25; reads a step waited for but no guess started "
                  "1.25, guesses read 3.00 (in time 2.00, late 0.50 of which under way 0.25, wrong 0.50); store busy "
                  "0.30 of the decode, guess floor 0.23 (a right guess saving 0.90 of a read) at the windows' ends",
+                 "store idle per decoded token after each layer's step, ms: 1.25; after the last (to the next "
+                 "token's first MoE step) 3.50; 4.75 in all",
                  "    per prompt: 1234 MiB from the store, store busy 0.61 of the prefill; prefill x the disk's bound "
                  "0.705, median of windows",
                  "each tiered mode decoded 192 tokens before the windows",

@@ -453,6 +453,49 @@ def recording_prefetch(tier) -> list[list[tuple[int, int]]]:
     return asked
 
 
+def test_nvme_decode_steps_charge_the_store_idle_time_to_the_layer_before(packed, monkeypatch):
+    """Each decode step marks the store's busy clock: the time since the step before, less what the store spent
+    reading, is charged to that step's layer (after the last layer: the token's end). A prompt's step ends the
+    chain, and a gap longer than LOAD_IDLE_S (between requests) is not charged. /stats shows the sums."""
+    import time
+
+    import glm53.tiers.nvme as nvme_mod
+
+    with small_nvme_tier(packed) as tier:
+        tier.warm(None)
+        busy = [0.0]
+        monkeypatch.setattr(tier.reader, "busy_seconds", lambda: busy[0])
+        stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
+        ids = np.array([[0, 1]])
+        for li in (0, 1):  # read once, so the steps below wait for nothing
+            stepper.resolve(li, ids, True)
+            stepper.after_launch()
+
+        def gap(seconds: float, reading: float) -> None:
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            busy[0] += reading * (time.perf_counter() - t0)
+
+        tier.idle_after[:] = [0.0, 0.0]
+        stepper.resolve(0, ids, False)  # a prompt's step: no gap is charged across it
+        stepper.resolve(0, ids, True)
+        stepper.after_launch()
+        gap(0.08, 0.25)  # layer 0's step to layer 1's: the store idle 3/4 of it
+        stepper.resolve(1, ids, True)
+        stepper.after_launch()
+        gap(0.08, 1.0)  # the token's end: the store reading throughout
+        stepper.resolve(0, ids, True)
+        stepper.after_launch()
+        assert tier.idle_after[0] == pytest.approx(0.06, abs=0.015)
+        assert tier.idle_after[1] == pytest.approx(0.0, abs=0.01)
+        monkeypatch.setattr(nvme_mod, "LOAD_IDLE_S", 0.05)
+        gap(0.08, 0.0)  # longer than LOAD_IDLE_S: between requests, not charged
+        stepper.resolve(1, ids, True)
+        stepper.after_launch()
+        assert tier.idle_after[0] == pytest.approx(0.06, abs=0.015)
+        assert tier.read_summary()["idle_after_layer_s"] == [round(v, 4) for v in tier.idle_after]
+
+
 def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
     """On a store that is the bottleneck (busy all the time), prefetch spends the time needed reads wait for: once
     the live precision says ranks 2 and 3 of the guess are usually wrong, only ranks 0 and 1 are read ahead, most

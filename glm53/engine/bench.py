@@ -323,6 +323,8 @@ class _Runner:
                 r0, r1 = snap0.get("store_reads", {}), snap1.get("store_reads", {})
                 if r1.get("busy_s") is not None:  # the share of the decode the store spent reading
                     out["store_busy"] = (r1["busy_s"] - r0["busy_s"]) / (last - first)
+                    out["store_idle_after_layer_s"] = [b - a for a, b in zip(r0["idle_after_layer_s"],
+                                                                             r1["idle_after_layer_s"], strict=True)]
                     # The prompt's: its store bytes (what a prefill's disk bound is made of) and the disk's busy
                     # share of it (prefill reads most of every layer's experts not held in RAM or VRAM).
                     rb = before.get("store_reads", {})
@@ -521,6 +523,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                                                                        strict=True)],
                     **{k: sum(x["guesses"][k] for x in m_rows) / n_tok for k in m_rows[0]["guesses"]},
                     "store_busy": mean(mode, "store_busy"), "guess_floor": mean(mode, "guess_floor"),
+                    "idle_ms_after_layer": [1e3 * sum(col) / n_tok for col in zip(
+                        *(x.get("store_idle_after_layer_s", []) for x in m_rows), strict=True)],
                     "guess_saving": mean(mode, "guess_saving")}
                 result["modes"][mode]["prefill_store"] = prefill_store(rows, mode)
         for mode in modes:
@@ -614,6 +618,12 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  f"of which under way {ds['late_under_way']:.2f}, wrong {ds['wasted']:.2f}); store "
                                  f"busy {ds['store_busy']:.2f} of the decode, guess floor {ds['guess_floor']:.2f} "
                                  f"(a right guess saving {ds['guess_saving']:.2f} of a read) at the windows' ends")
+                    if ds.get("idle_ms_after_layer"):
+                        idle = ds["idle_ms_after_layer"]
+                        lines.append("    store idle per decoded token after each layer's step, ms: "
+                                     + " ".join(f"{v:.2f}" for v in idle[:-1])
+                                     + f"; after the last (to the next token's first MoE step) {idle[-1]:.2f}; "
+                                     f"{sum(idle):.2f} in all")
                 ps = m.get("prefill_store")
                 if ps:
                     lines.append(f"    per prompt: {ps['MiB']:.0f} MiB from the store, store busy {ps['busy']:.2f} of "

@@ -343,6 +343,8 @@ class MoeStepper:
             self.lane_judge.started(decode)
         VRAM, STORE = self._vram_code, self._store_code
         tiers = self.tiers
+        if self.nvme is not None:
+            self.nvme.mark_step(li if decode else None)
         tiers.poll()
         ids = np.asarray(ids)
         picks = ids.ravel().tolist()

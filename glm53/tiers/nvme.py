@@ -179,6 +179,9 @@ class NvmeTier:
         self._bounce: np.ndarray | None = None
         self._load = 1.0  # until measured, as if the store were always busy
         self._load_mark: tuple[float, float] | None = None  # (perf_counter, reader busy seconds) at the span's start
+        # Decode: the seconds the store sat idle from each layer's step to the next step (see mark_step).
+        self.idle_after = [0.0] * len(self.store_layers)
+        self._step_mark: tuple[int, float, float] | None = None  # (layer, perf_counter, busy seconds) of the last step
 
     # ---- geometry -------------------------------------------------------------------------------------------
 
@@ -421,6 +424,23 @@ class NvmeTier:
             self._load_mark = (now, busy)
         return self._load
 
+    def mark_step(self, layer: int | None) -> None:
+        """A decode step of `layer` begins (None: a prompt's step, which ends the chain). The store's idle time since
+        the step before is charged to that step's layer: after the last layer it is the token's end (the head,
+        sampling, the next token's layers up to its first MoE router), elsewhere the GPU's and the host's work from
+        one layer's reads to the next one's, less what guesses kept the store reading. Where the idle sits says
+        which reads could fill it. A gap over LOAD_IDLE_S (between requests) is skipped."""
+        busy_seconds = getattr(self.reader, "busy_seconds", None)
+        if busy_seconds is None:
+            return
+        if layer is None:
+            self._step_mark = None
+            return
+        now, busy = time.perf_counter(), busy_seconds()
+        mark, self._step_mark = self._step_mark, (layer, now, busy)
+        if mark is not None and now - mark[1] <= LOAD_IDLE_S:
+            self.idle_after[mark[0]] += max(0.0, (now - mark[1]) - (busy - mark[2]))
+
     def guess_saving(self) -> float:
         """The share of a store read that a right guess has recently saved the step that needed it, 0..1: 1 for a
         guess read in time, the share done for one still being read, 0 for one still queued (over the last ~500
@@ -436,11 +456,13 @@ class NvmeTier:
         tier timed them as it opened), how much faster two records came in read at once than one after the other
         (timed as it opened; it sets the guess reads allowed at once), the store's load (see `load`) and its busy
         seconds so far, and the reader's counts (reads, bytes, retries, errors, cancelled, reads checked by their
-        parts' hashes, queued; the native queue's guess reads allowed at once)."""
+        parts' hashes, queued; the native queue's guess reads allowed at once), and the decode's idle seconds
+        after each layer's step (see `mark_step`)."""
         busy = getattr(self.reader, "busy_seconds", None)
         return {"reader": "native queue" if isinstance(self.reader, NativeStoreReader) else "python threads",
                 "parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
                 "busy_s": None if busy is None else round(busy(), 4),
+                "idle_after_layer_s": [round(v, 4) for v in self.idle_after],
                 "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
                 "two_at_once_gain": None if self.two_at_once_gain is None else round(self.two_at_once_gain, 3),
                 **self.reader.stats()}
