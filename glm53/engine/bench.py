@@ -62,7 +62,8 @@ def register_bench(bench_sub: Any) -> None:
                    help="tokens each tiered mode decodes before the windows (default 16: the tiers start nearly "
                         "cold; a server's start warm from saved routing statistics)")
     p.add_argument("--profile", metavar="MODE", help="after the windows, decode one more window of MODE under "
-                   "cProfile and print where the host's time went (the top functions by own time)")
+                   "cProfile and print where the host's time went (the top functions by own time); with --json, the "
+                   "whole profile is saved beside it (.prof)")
     p.set_defaults(func=cmd_bench_decode)
 
 
@@ -397,6 +398,7 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,
                  modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print,
                  store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None,
+                 profile_dump: Path | None = None,
                  warmup_tokens: int = 16, buffered_store: bool = False) -> dict:
     import torch
 
@@ -451,6 +453,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             prof.enable()
             runners[profile].run(prompt, tokens, seed=999)
             prof.disable()
+            if profile_dump is not None:  # the whole profile, for a look beyond the lines printed
+                prof.dump_stats(profile_dump)
             buf = io.StringIO()
             stats = pstats.Stats(prof, stream=buf)
             stats.sort_stats("tottime").print_stats(30)
@@ -721,6 +725,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     try:
         res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
                            store=store, ram_fraction=args.ram_fraction, profile=args.profile,
+                           profile_dump=Path(args.json).with_suffix(".prof") if args.json else None,
                            warmup_tokens=args.warmup_tokens, buffered_store=buffered)
     finally:
         if work is not None and not args.keep:
