@@ -92,7 +92,7 @@ step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what n
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 128 --work /tmp \
     --keep --store-dir /dev/shm \
     --modes "${NVMESHM_MODES:-fast,nvme,nvme-exact,nvme-exact-pythonreads,nvme-exact-prestage}" \
-    --profile nvme-exact \
+    --profile "${PROFILE:-nvme-exact}" \
     --json "$OUT/bench-nvmeshm.json" > "$OUT/bench-nvmeshm.log" 2>&1
   stamp "nvme, store in RAM, rc=$?"
   rm -rf /dev/shm/glm53-bench-*
