@@ -6,7 +6,7 @@ from test_nvme_tier_support import make_store
 
 import store.reader as R
 from glm53.engine import bench as B
-from glm53.tiers.nvme import READ_PIECES
+from glm53.tiers.nvme_open import READ_PIECES
 
 
 def mode_doc(tok: float, nvme: bool = False) -> dict:

@@ -137,7 +137,7 @@ def generous(lane):
 def nvme_opener(store, ck, ram_records: int, mode: str):
     """TieredMoE's nvme_open on the CPU: the store through a RAM tier of `ram_records` records."""
     from glm53.plan import Plan
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
     from store.format import read_header
 
     extent = read_header(store).max_extent

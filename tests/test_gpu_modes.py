@@ -32,7 +32,7 @@ def pack(model_dir, out):
 def nvme_open(store, model_dir, ram_records: int, mode: str):
     """TieredMoE's nvme_open: the store through a RAM tier of `ram_records` records."""
     from glm53.plan import Plan
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
     from store.format import read_header
 
     extent = read_header(store).max_extent

@@ -406,7 +406,7 @@ def packed(tmp_path_factory):
 
 def small_nvme_tier(packed):
     """The packed store's 2 MoE layers behind a 17-record RAM tier, 2 VRAM slots per layer and 16 staging rows."""
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = packed
     plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
@@ -595,7 +595,7 @@ def test_nvme_reads_two_layers_ahead_scored_apart(packed):
 def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packed):
     """A record read takes several layers' GPU time: the next layer's guessed reads are queued while this step's
     own store reads are still in flight (not after they land), and never drop this step's experts."""
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
     from glm53.tiers.tiers import FROM_STORE
 
     ck, store = packed
@@ -622,7 +622,7 @@ def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packe
 def test_after_launch_frees_ram_for_the_next_reads_but_never_the_steps_own_experts(tmp_path):
     """The step's experts may still be read from RAM after launch (the CPU lane's, or a lane job recomputed on
     the GPU): the weakest of them survives the RAM room made for the next step."""
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=3, experts=16)  # 2 MoE layers
     plan = nvme_plan(store, ram_records=17, vram_slots=2, mode="nvme-exact")
@@ -647,7 +647,7 @@ def test_after_launch_keeps_the_steps_experts_and_the_guessed_ones_for_the_comin
     """The sets keep_free is handed after launch, each made as it is looked up, are what making them all at once
     gives: each pending guess's likely experts, and the step's own experts. Nothing is handed (and no set made)
     when the slots are already free."""
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
     plan = nvme_plan(store, ram_records=17, vram_slots=3, mode="nvme-exact")
@@ -682,7 +682,7 @@ def test_after_launch_keeps_the_steps_experts_and_the_guessed_ones_for_the_comin
 def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp_path, reads_after_launch):
     """RAM full: the far guess's reads need room, and must not take it from the layer in between's experts that
     the (likelier) near guess just named."""
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
     plan = nvme_plan(store, ram_records=17, vram_slots=3, mode="nvme-exact")
@@ -718,7 +718,7 @@ def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp
 
 
 def test_nvme_prefill_reads_the_next_layer_ahead(packed):
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = packed
     rng = np.random.default_rng(0)

@@ -25,7 +25,8 @@ from test_nvme_tier_support import (
 
 import store.reader as R
 from glm53.tiers import Where, exl3_expert_layout, tiered_moe
-from glm53.tiers.nvme import NvmeTier, StoreRefused, model_key, open_nvme_tier, record_layout
+from glm53.tiers.nvme import NvmeTier, model_key, record_layout
+from glm53.tiers.nvme_open import StoreRefused, open_nvme_tier
 from store.format import Layout, read_header
 from store.reader import StoreReader
 
@@ -432,7 +433,7 @@ def test_the_tier_reads_through_the_native_queue_unless_told_not_to(packed, monk
         assert tier.reader.native == (_native() is not None) and len(tier.reader._threads) == 2
     with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={**PYTHON_READS, "threads": 1}) as tier:
         assert len(tier.reader._threads) == 1  # the bench's fewer-readers variant
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_open as nvme_mod
 
     monkeypatch.setattr(nvme_mod, "queue_library", lambda: None)  # a library without the queue: said, then served
     with caplog.at_level("INFO"), open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
@@ -442,7 +443,7 @@ def test_the_tier_reads_through_the_native_queue_unless_told_not_to(packed, monk
 
 
 def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed, monkeypatch, caplog):
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_open as nvme_mod
     from store import reader as reader_mod
 
     ck, store = packed
@@ -479,7 +480,7 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
 
 def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when_it_opened(packed, monkeypatch,
                                                                                              caplog):
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_open as nvme_mod
     import store.native_reader as N
 
     if N.queue_library() is None:

@@ -16,7 +16,7 @@ from test_nvme_tier_support import HIDDEN, PYTHON_READS, Direct, check_bytes, ma
 
 import store.reader as R
 from glm53.tiers import Where, tiered_moe
-from glm53.tiers.nvme import open_nvme_tier
+from glm53.tiers.nvme_open import open_nvme_tier
 from store.errors import StoreCorruptError, StoreError, StoreReadError
 
 EXPERTS = 16

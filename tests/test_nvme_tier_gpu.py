@@ -9,7 +9,7 @@ import torch
 from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, route, slot_forward
 
 from glm53.tiers import Where, tiered_moe
-from glm53.tiers.nvme import open_nvme_tier
+from glm53.tiers.nvme_open import open_nvme_tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 EXPERTS = 16

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from test_nvme_tier_support import make_store, nvme_plan
 
-from glm53.tiers.nvme import NvmeTier, open_nvme_tier
+from glm53.tiers.nvme import NvmeTier
+from glm53.tiers.nvme_open import open_nvme_tier
 from store.format import read_header
 
 MIB = 1 << 20

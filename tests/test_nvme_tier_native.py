@@ -23,7 +23,8 @@ from test_nvme_tier_support import Direct, check_bytes, check_wrong_guesses_drop
 
 import store.native_reader as N
 from glm53.tiers import Where, save_routing_stats
-from glm53.tiers.nvme import NvmeTier, model_key, open_nvme_tier
+from glm53.tiers.nvme import NvmeTier, model_key
+from glm53.tiers.nvme_open import open_nvme_tier
 from store.errors import StoreCorruptError, StoreError, StoreReadError
 from store.format import read_header
 

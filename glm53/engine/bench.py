@@ -368,8 +368,8 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     import random
 
     from glm53.plan import Plan
-    from glm53.tiers.nvme import calibrate_pieces, open_nvme_tier
     from glm53.tiers.nvme_bench import record_latency
+    from glm53.tiers.nvme_open import calibrate_pieces, open_nvme_tier
     from store.format import read_header
 
     head = read_header(store)

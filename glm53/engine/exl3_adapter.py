@@ -322,7 +322,7 @@ class TieredMoE:
         """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
         num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed.
-        nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme.open_nvme_tier with
+        nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme_open.open_nvme_tier with
         warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
         step's input and start the store reads of its predicted experts one layer ahead (default: in the nvme
         modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). lookahead_depth 2

@@ -298,7 +298,7 @@ class Exl3Engine(WorkerEngine):
         """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
         if not self.mode.startswith("nvme"):
             return None
-        from glm53.tiers.nvme import open_nvme_tier
+        from glm53.tiers.nvme_open import open_nvme_tier
 
         plan, model_dir, device = self.plan, self.model_dir, self.device
 

@@ -372,7 +372,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
     set on the stepper. Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
     settles to the disk's); then the timed steps, emulated."""
     from glm53.cpu_lane.kernel import emulated_disk
-    from glm53.tiers.nvme import calibrate_prefetch
+    from glm53.tiers.nvme_open import calibrate_prefetch
     from store.format import read_header
 
     rate, _ = emulated_rate(store, emu.disk_ms_per_record)

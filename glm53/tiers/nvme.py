@@ -21,7 +21,7 @@ becomes RAM only when the reader says its bytes are there and pass their xxh3 ch
             StoreCorruptError, which name the store path and the record, and is kept as a fault for `health()`
             until that record reads cleanly. Nothing unverified is ever marked resident.
 
-    tier = open_nvme_tier(store, model_dir, plan, stats_path=...)   # verify, size from the plan, warm from stats
+    tier = open_nvme_tier(store, model_dir, plan, stats_path=...)   # glm53.tiers.nvme_open: verify, size, warm
     y = tiered_moe(tier.tiers, layer, x, ids, weights, forward)      # misses read through the tier
     tier.prefetch([(layer + 1, e) for e in predicted])                 # router lookahead
     tier.health()                                                      # None, or the fault for /ready
@@ -38,46 +38,28 @@ from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
-from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up, read_header
-from store.native_reader import NativeStoreReader, queue_library
-from store.reader import (
-    MIN_PIECE,
-    Priority,
-    StoreReader,
-    pick_pieces,
-    pick_prefetch_at_once,
-    time_pieces,
-    time_two_at_once,
-)
-from store.verify import pack_command, quick_verify
+from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up
+from store.native_reader import NativeStoreReader
+from store.reader import Priority, StoreReader
+from store.verify import pack_command
 
 from .copier import Copier
 from .layout import Field, SlotLayout
-from .policy import Policy, ScoredPolicy, hot_order, load_routing_stats, save_routing_stats, split_budget
+from .policy import Policy, ScoredPolicy, hot_order, save_routing_stats
 from .ram import pin_host
 from .tiers import FROM_STORE, RAM, STORE, ExpertTiers, TierError, Where
 
 log = logging.getLogger("glm53.tiers.nvme")
 
-# A demand read is on the decode's critical path, usually alone: on the H200 machine's virtual disk (2026-11-30) one
-# 9 MiB record read alone took 7.27 ms as one pread, 3.95 ms as 4 parallel parts and 8.45 ms as 8, against
-# 1.93 GB/s (4.9 ms a record) with 8 whole reads in flight; from a RAM-backed store, more parts keep helping. So the
-# tier times a few records alone in each of these part counts when it opens, and reads in the fastest (parts of at
-# least 1 MiB stay large reads on any disk). READ_PIECES: where nothing can be timed (no native pread).
-READ_PIECES = 4
-PIECE_CHOICES = (1, 2, 4, 8)
-PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
 GUESS_SAVING_PRIOR = 4.0  # right guesses the starting value (all read in time) counts as
 GUESS_SAVING_DECAY = 0.998  # per decode layer step: the last ~500 layer steps count
 GUESS_SAVING_TRICKLE = 0.002  # "saved whole" added per decode layer step: a weight of 1 guess when nothing else
-AT_ONCE_PAIRS = 4  # pairs timed read at once and one after the other: 16 records, about 0.1 s on such a disk
 # The store's load: the share of wall time it had a read under way, measured over spans of at least LOAD_SPAN_S and
 # smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
 LOAD_SPAN_S = 0.05
@@ -89,10 +71,6 @@ READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
 # the enum machinery's attribute lookups (~3 us a comparison in Python 3.11, against ~0.05 us for an int), and
 # these run for every pick and every prefetched expert of every layer step.
 _READABLE = frozenset(int(w) for w in READABLE)
-
-
-class StoreRefused(StoreError):
-    """The store cannot serve the mounted checkpoint (another checkpoint's, damaged, unreadable)."""
 
 
 def record_layout(lay: Layout) -> SlotLayout:
@@ -763,162 +741,6 @@ def _exception(fut: Future) -> BaseException | None:
     return fut.exception()
 
 
-# ---- start-up from the plan ---------------------------------------------------------------------------------------
-
-
 def model_key(header: StoreHeader) -> str:
     """The identity routing statistics are saved under: the checkpoint's config hash, as the store records it."""
     return "glm53-" + str(header.identity.get("config_sha256", "unknown"))[:16]
-
-
-def ram_slots_for(plan, stride: int, num_layers: int, num_experts: int, vram_total: int) -> int:
-    """RAM arena rows: as many records as the plan's RAM tier bytes hold (never more), and no more than every
-    expert VRAM does not hold. At least one layer's experts plus one are needed (a step may pick all of them)."""
-    budget = int(plan.ram_tier_bytes) // stride
-    need = num_experts + 1
-    if budget < need:
-        raise ValueError(f"the plan's RAM tier ({plan.ram_tier_bytes} bytes) holds {budget} records of {stride} bytes;"
-                         f" the nvme tier needs at least {need} (one layer's {num_experts} experts plus one)")
-    return min(budget, max(need, num_layers * num_experts - vram_total))
-
-
-def open_nvme_tier(
-    store_path: str | Path,
-    model_dir: str | Path,
-    plan,
-    *,
-    device: torch.device | str | None = None,
-    stats_path: str | Path | None = None,
-    allow_buffered: bool = False,
-    verify_sample: int = 8,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    threads: int | None = None,
-    pin: bool | None = None,
-    policy_factory: Callable[[int], Policy] = ScoredPolicy,
-    warm: bool = True,
-    vram_slots: Sequence[int] | None = None,
-    vram_storage: Sequence[torch.Tensor] | None = None,
-    staging_slots: int = 2,
-    read_pieces: int | None = None,
-    reader_options: Mapping[str, Any] | None = None,
-) -> NvmeTier:
-    """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
-    statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
-    store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
-    slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
-    vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
-    without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
-    pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`).
-    reader_options: further reader options (over `threads`), for the bench's paired comparisons with an
-    earlier reader (threads=2: fewer records read at once; native_queue=False: a StoreReader, whose reads land
-    on Python threads). By default the reader is a NativeStoreReader: its reads are queued, read, hashed and
-    finished by native threads, so a landing read never takes the GIL from the planning thread (on the H200,
-    the planning thread's work took 6.4x its time alone beside StoreReader reads, 1.01x beside these)."""
-    if plan.mode not in ("nvme", "nvme-exact"):
-        raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
-    store_path, model_dir = Path(store_path), Path(model_dir)
-    rep = quick_verify(store_path, model_dir, sample=verify_sample, allow_buffered=allow_buffered)
-    if not rep.ok:
-        raise _refusal(rep, store_path, model_dir)
-    header = read_header(store_path)
-    layers = sorted({e.layer for e in header.entries})
-    per_layer = {layer: sum(1 for e in header.entries if e.layer == layer) for layer in layers}
-    num_experts = per_layer[layers[0]]
-    if set(per_layer.values()) != {num_experts}:
-        raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
-    timing: dict[int, float] = {}
-    if read_pieces is None:
-        opts = reader_options or {}
-        read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
-                                               min_piece=opts.get("min_piece", MIN_PIECE),
-                                               hashed=opts.get("part_hashes", True))
-    opts = dict(reader_options or {})
-    native_queue = opts.pop("native_queue", True)
-    if native_queue and queue_library() is None:
-        log.warning("nvme tier: glm53's compiled library has no read queue (pip install -e . rebuilds it); "
-                    "reading the store on Python threads instead, which slows decode")
-        native_queue = False
-    make = NativeStoreReader if native_queue else StoreReader
-    if not native_queue:
-        opts.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
-    n_threads = opts.pop("threads", None) or threads or plan.nvme_threads or 4
-    at_once_gain = None
-    if native_queue and "prefetch_at_once" not in opts:
-        opts["prefetch_at_once"], at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces,
-                                                                    n_threads, hashed=opts.get("part_hashes", True))
-    reader = make(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
-                  threads=n_threads, **opts)
-    log.info("nvme tier: reading the store through %s", "the native read queue" if native_queue
-             else "Python reader threads")
-    try:
-        counts, why = (None, "no routing statistics path given (cold start)")
-        if stats_path is not None:
-            counts, why = load_routing_stats(stats_path, model_key(header), len(layers), num_experts)
-        log.info("nvme tier: %s", why)
-        basis = np.zeros((len(layers), num_experts)) if counts is None else counts
-        vram = (np.asarray(vram_slots, np.int64) if vram_slots is not None
-                else split_budget(basis, min(int(plan.vram_slots), len(layers) * num_experts)))
-        ram = ram_slots_for(plan, reader.max_extent, len(layers), num_experts, int(vram.sum()))
-        tier = NvmeTier(reader, num_experts, vram.tolist(), ram, layers=layers,
-                        device=plan.device if device is None else device, pin=pin, policy_factory=policy_factory,
-                        timeout_s=timeout_s, vram_storage=vram_storage, staging_slots=staging_slots)
-    except BaseException:
-        reader.close()
-        raise
-    tier.read_timing = timing
-    tier.two_at_once_gain = at_once_gain
-    if warm:
-        report = tier.warm(counts)
-        log.info("nvme tier: warmed %d VRAM and %d RAM experts in %.1f s (%d unreadable)", report["vram"],
-                 report["ram"], report["seconds"], report["failed"])
-    return tier
-
-
-def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool, *, min_piece: int = MIN_PIECE,
-                     hashed: bool = True) -> tuple[int, dict[int, float]]:
-    """How many parallel parts to read each record in: the fewest that read a record alone about as fast as any
-    count of PIECE_CHOICES, timed now on this store, each on different records (READ_PIECES where nothing could be
-    timed); and the timings."""
-    import random
-
-    keys = random.Random().sample(sorted(header.index), min(PIECE_SAMPLE * len(PIECE_CHOICES), len(header.index)))
-    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered,
-                         min_piece=min_piece, hashed=hashed)
-    if not timing:
-        log.info("store reads: %d parallel parts per record (nothing timed: the native pread is not built, or no "
-                 "read came back)", READ_PIECES)
-        return READ_PIECES, {}
-    pieces = pick_pieces(timing)
-    log.info("store reads: %d parallel part(s) per record, the fastest for a record read alone here (%s)", pieces,
-             ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in sorted(timing.items())))
-    return pieces, timing
-
-
-def calibrate_prefetch(store_path: Path, header: StoreHeader, allow_buffered: bool, pieces: int, threads: int, *,
-                       hashed: bool = True) -> tuple[int, float | None]:
-    """How many guess reads may be under way at once (see pick_prefetch_at_once), from two records read at once
-    against one after the other, timed now on this store; and that gain (None where nothing was timed)."""
-    import random
-
-    keys = random.Random().sample(sorted(header.index), min(4 * AT_ONCE_PAIRS, len(header.index)))
-    gain = time_two_at_once(store_path, header, keys, pieces, allow_buffered=allow_buffered, hashed=hashed)
-    at_once = pick_prefetch_at_once(gain, threads)
-    if gain is None:
-        log.info("store reads: up to %d guess reads at once (nothing timed)", at_once)
-    else:
-        log.info("store reads: up to %d guess read(s) at once, of %d readers: two records read at once came in "
-                 "%.2fx as fast as one after the other%s", at_once, threads, gain,
-                 " (one read keeps this store busy: a guess beside a needed read would slow it)" if at_once == 1
-                 else "")
-    return at_once, gain
-
-
-def _refusal(rep, store_path: Path, model_dir: Path) -> StoreRefused:
-    problems = "\n".join(f"  - {p.what}\n    fix: {p.fix}" for p in rep.problems)
-    return StoreRefused(f"the store {store_path} cannot serve the checkpoint {model_dir}:\n{problems}",
-                        pack_command(store_path, model_dir))
-
-
-def _refusal_text(store_path: Path, model_dir: Path, what: str) -> StoreRefused:
-    return StoreRefused(f"the store {store_path} cannot serve the checkpoint {model_dir}: {what}",
-                        pack_command(store_path, model_dir))

@@ -290,7 +290,7 @@ def stream_pass(store: Path, model: Path, plan, keys, top_k: int) -> float:
     """Random records demanded through a cold tier, one layer's top-k per step, nothing else going on."""
     import numpy as np
 
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     with open_nvme_tier(store, model, plan, warm=False, verify_sample=1) as tier:
         tier.arena[:] = 1  # fault the arena in first, as it is after warm-up in service
@@ -315,7 +315,7 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
     import torch
 
     from glm53.tiers import tiered_moe
-    from glm53.tiers.nvme import open_nvme_tier
+    from glm53.tiers.nvme_open import open_nvme_tier
 
     rng = np.random.default_rng(seed)
     x = torch.zeros(1, 8)

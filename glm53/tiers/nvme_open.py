@@ -1,0 +1,200 @@
+"""Opening the nvme tier: the store checked against the mounted checkpoint, its reads timed on this disk, the tiers
+sized from the plan and warmed from saved routing statistics. glm53.tiers.nvme is the tier once open.
+
+    tier = open_nvme_tier(store, model_dir, plan, stats_path=...)   # or StoreRefused, naming the pack-store fix
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from store.errors import StoreError
+from store.format import StoreHeader, read_header
+from store.native_reader import NativeStoreReader, queue_library
+from store.reader import (
+    MIN_PIECE,
+    StoreReader,
+    pick_pieces,
+    pick_prefetch_at_once,
+    time_pieces,
+    time_two_at_once,
+)
+from store.verify import pack_command, quick_verify
+
+from .nvme import DEFAULT_TIMEOUT_S, NvmeTier, model_key
+from .policy import Policy, ScoredPolicy, load_routing_stats, split_budget
+
+log = logging.getLogger("glm53.tiers.nvme")  # one log for the tier, opening or open
+
+# A demand read is on the decode's critical path, usually alone: on the H200 machine's virtual disk (2026-11-30) one
+# 9 MiB record read alone took 7.27 ms as one pread, 3.95 ms as 4 parallel parts and 8.45 ms as 8, against
+# 1.93 GB/s (4.9 ms a record) with 8 whole reads in flight; from a RAM-backed store, more parts keep helping. So the
+# tier times a few records alone in each of these part counts when it opens, and reads in the fastest (parts of at
+# least 1 MiB stay large reads on any disk). READ_PIECES: where nothing can be timed (no native pread).
+READ_PIECES = 4
+PIECE_CHOICES = (1, 2, 4, 8)
+PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
+AT_ONCE_PAIRS = 4  # pairs timed read at once and one after the other: 16 records, about 0.1 s on such a disk
+
+
+class StoreRefused(StoreError):
+    """The store cannot serve the mounted checkpoint (another checkpoint's, damaged, unreadable)."""
+
+
+def ram_slots_for(plan, stride: int, num_layers: int, num_experts: int, vram_total: int) -> int:
+    """RAM arena rows: as many records as the plan's RAM tier bytes hold (never more), and no more than every
+    expert VRAM does not hold. At least one layer's experts plus one are needed (a step may pick all of them)."""
+    budget = int(plan.ram_tier_bytes) // stride
+    need = num_experts + 1
+    if budget < need:
+        raise ValueError(f"the plan's RAM tier ({plan.ram_tier_bytes} bytes) holds {budget} records of {stride} bytes;"
+                         f" the nvme tier needs at least {need} (one layer's {num_experts} experts plus one)")
+    return min(budget, max(need, num_layers * num_experts - vram_total))
+
+
+def open_nvme_tier(
+    store_path: str | Path,
+    model_dir: str | Path,
+    plan,
+    *,
+    device: torch.device | str | None = None,
+    stats_path: str | Path | None = None,
+    allow_buffered: bool = False,
+    verify_sample: int = 8,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    threads: int | None = None,
+    pin: bool | None = None,
+    policy_factory: Callable[[int], Policy] = ScoredPolicy,
+    warm: bool = True,
+    vram_slots: Sequence[int] | None = None,
+    vram_storage: Sequence[torch.Tensor] | None = None,
+    staging_slots: int = 2,
+    read_pieces: int | None = None,
+    reader_options: Mapping[str, Any] | None = None,
+) -> NvmeTier:
+    """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
+    statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
+    store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
+    slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
+    vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
+    without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
+    pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`).
+    reader_options: further reader options (over `threads`), for the bench's paired comparisons with an
+    earlier reader (threads=2: fewer records read at once; native_queue=False: a StoreReader, whose reads land
+    on Python threads). By default the reader is a NativeStoreReader: its reads are queued, read, hashed and
+    finished by native threads, so a landing read never takes the GIL from the planning thread (on the H200,
+    the planning thread's work took 6.4x its time alone beside StoreReader reads, 1.01x beside these)."""
+    if plan.mode not in ("nvme", "nvme-exact"):
+        raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
+    store_path, model_dir = Path(store_path), Path(model_dir)
+    rep = quick_verify(store_path, model_dir, sample=verify_sample, allow_buffered=allow_buffered)
+    if not rep.ok:
+        raise _refusal(rep, store_path, model_dir)
+    header = read_header(store_path)
+    layers = sorted({e.layer for e in header.entries})
+    per_layer = {layer: sum(1 for e in header.entries if e.layer == layer) for layer in layers}
+    num_experts = per_layer[layers[0]]
+    if set(per_layer.values()) != {num_experts}:
+        raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
+    timing: dict[int, float] = {}
+    if read_pieces is None:
+        opts = reader_options or {}
+        read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
+                                               min_piece=opts.get("min_piece", MIN_PIECE),
+                                               hashed=opts.get("part_hashes", True))
+    opts = dict(reader_options or {})
+    native_queue = opts.pop("native_queue", True)
+    if native_queue and queue_library() is None:
+        log.warning("nvme tier: glm53's compiled library has no read queue (pip install -e . rebuilds it); "
+                    "reading the store on Python threads instead, which slows decode")
+        native_queue = False
+    make = NativeStoreReader if native_queue else StoreReader
+    if not native_queue:
+        opts.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
+    n_threads = opts.pop("threads", None) or threads or plan.nvme_threads or 4
+    at_once_gain = None
+    if native_queue and "prefetch_at_once" not in opts:
+        opts["prefetch_at_once"], at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces,
+                                                                    n_threads, hashed=opts.get("part_hashes", True))
+    reader = make(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
+                  threads=n_threads, **opts)
+    log.info("nvme tier: reading the store through %s", "the native read queue" if native_queue
+             else "Python reader threads")
+    try:
+        counts, why = (None, "no routing statistics path given (cold start)")
+        if stats_path is not None:
+            counts, why = load_routing_stats(stats_path, model_key(header), len(layers), num_experts)
+        log.info("nvme tier: %s", why)
+        basis = np.zeros((len(layers), num_experts)) if counts is None else counts
+        vram = (np.asarray(vram_slots, np.int64) if vram_slots is not None
+                else split_budget(basis, min(int(plan.vram_slots), len(layers) * num_experts)))
+        ram = ram_slots_for(plan, reader.max_extent, len(layers), num_experts, int(vram.sum()))
+        tier = NvmeTier(reader, num_experts, vram.tolist(), ram, layers=layers,
+                        device=plan.device if device is None else device, pin=pin, policy_factory=policy_factory,
+                        timeout_s=timeout_s, vram_storage=vram_storage, staging_slots=staging_slots)
+    except BaseException:
+        reader.close()
+        raise
+    tier.read_timing = timing
+    tier.two_at_once_gain = at_once_gain
+    if warm:
+        report = tier.warm(counts)
+        log.info("nvme tier: warmed %d VRAM and %d RAM experts in %.1f s (%d unreadable)", report["vram"],
+                 report["ram"], report["seconds"], report["failed"])
+    return tier
+
+
+def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool, *, min_piece: int = MIN_PIECE,
+                     hashed: bool = True) -> tuple[int, dict[int, float]]:
+    """How many parallel parts to read each record in: the fewest that read a record alone about as fast as any
+    count of PIECE_CHOICES, timed now on this store, each on different records (READ_PIECES where nothing could be
+    timed); and the timings."""
+    import random
+
+    keys = random.Random().sample(sorted(header.index), min(PIECE_SAMPLE * len(PIECE_CHOICES), len(header.index)))
+    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered,
+                         min_piece=min_piece, hashed=hashed)
+    if not timing:
+        log.info("store reads: %d parallel parts per record (nothing timed: the native pread is not built, or no "
+                 "read came back)", READ_PIECES)
+        return READ_PIECES, {}
+    pieces = pick_pieces(timing)
+    log.info("store reads: %d parallel part(s) per record, the fastest for a record read alone here (%s)", pieces,
+             ", ".join(f"{n}: {t * 1e3:.2f} ms" for n, t in sorted(timing.items())))
+    return pieces, timing
+
+
+def calibrate_prefetch(store_path: Path, header: StoreHeader, allow_buffered: bool, pieces: int, threads: int, *,
+                       hashed: bool = True) -> tuple[int, float | None]:
+    """How many guess reads may be under way at once (see pick_prefetch_at_once), from two records read at once
+    against one after the other, timed now on this store; and that gain (None where nothing was timed)."""
+    import random
+
+    keys = random.Random().sample(sorted(header.index), min(4 * AT_ONCE_PAIRS, len(header.index)))
+    gain = time_two_at_once(store_path, header, keys, pieces, allow_buffered=allow_buffered, hashed=hashed)
+    at_once = pick_prefetch_at_once(gain, threads)
+    if gain is None:
+        log.info("store reads: up to %d guess reads at once (nothing timed)", at_once)
+    else:
+        log.info("store reads: up to %d guess read(s) at once, of %d readers: two records read at once came in "
+                 "%.2fx as fast as one after the other%s", at_once, threads, gain,
+                 " (one read keeps this store busy: a guess beside a needed read would slow it)" if at_once == 1
+                 else "")
+    return at_once, gain
+
+
+def _refusal(rep, store_path: Path, model_dir: Path) -> StoreRefused:
+    problems = "\n".join(f"  - {p.what}\n    fix: {p.fix}" for p in rep.problems)
+    return StoreRefused(f"the store {store_path} cannot serve the checkpoint {model_dir}:\n{problems}",
+                        pack_command(store_path, model_dir))
+
+
+def _refusal_text(store_path: Path, model_dir: Path, what: str) -> StoreRefused:
+    return StoreRefused(f"the store {store_path} cannot serve the checkpoint {model_dir}: {what}",
+                        pack_command(store_path, model_dir))
