@@ -17,6 +17,7 @@ segfaulted (2026-11-29, DESIGN section 3), so it dies at load.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import gc
 import json
@@ -57,6 +58,10 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--store-dir", metavar="DIR", help="nvme modes: pack the store in DIR, not --work (e.g. /dev/shm: "
                    "a RAM-backed store, read buffered where the filesystem refuses O_DIRECT, stands in for a disk "
                    "array far faster than this machine's)")
+    p.add_argument("--emulate-disk-GBps", type=float, metavar="R",
+                   help="nvme modes: read the store through an emulated disk of R GB/s (each read, once in, waits its "
+                        "turn on one fixed-rate timeline; with --store-dir /dev/shm, what a drive of that rate would "
+                        "give this engine); the own bound then uses R")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="tokens each tiered mode decodes before the windows (default 16: the tiers start nearly "
@@ -226,6 +231,12 @@ def _disk_probe(store: Path, records: int = 96, threads: int = 8):
 
     keys, rng = sorted(read_header(store).index), random.Random(2)
     return lambda: raw_pass(store, rng.sample(keys, min(len(keys), records)), threads)
+
+
+def _store_reads(buffered: bool, emulated_Bps: float | None) -> str:
+    if emulated_Bps:
+        return "emulated (one fixed-rate timeline over the store's real reads)"
+    return "buffered" if buffered else "O_DIRECT"
 
 
 def paired_ratio(rows: list[dict], mode: str, ref: str) -> float:
@@ -399,7 +410,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                  modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print,
                  store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None,
                  profile_dump: Path | None = None,
-                 warmup_tokens: int = 16, buffered_store: bool = False) -> dict:
+                 warmup_tokens: int = 16, buffered_store: bool = False, emulated_disk_Bps: float | None = None) -> dict:
     import torch
 
     rate = h2d_rate()
@@ -409,9 +420,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         nvme_open, disk_rate, latency, ram_fraction, engine_parts = nvme_opener(model_dir, store, ram_fraction,
                                                                                 allow_buffered=buffered_store)
         disk_probe = _disk_probe(store)
-        log(f"store {store}: raw random {'buffered' if buffered_store else 'O_DIRECT'} reads {disk_rate / 1e9:.2f} GB/s; RAM tier {ram_fraction:.3f} of "
-            f"the experts; one record alone: " + ", ".join(f"{t * 1e3:.2f} ms in {n} piece(s)"
-                                                          for n, t in latency.items()))
+        if emulated_disk_Bps:  # the caller's emulated disk sets the rate: the raw passes read around it
+            disk_rate, latency = emulated_disk_Bps, {}
+            disk_probe = lambda: emulated_disk_Bps  # noqa: E731
+        log(f"store {store}: raw random {_store_reads(buffered_store, emulated_disk_Bps)} reads {disk_rate / 1e9:.2f} "
+            f"GB/s; RAM tier {ram_fraction:.3f} of the experts; one record alone: "
+            + ", ".join(f"{t * 1e3:.2f} ms in {n} piece(s)" for n, t in latency.items()))
     cache_tokens = prompt_tokens + tokens + 512
     runners: dict[str, _Runner] = {}
     try:
@@ -488,7 +502,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             "windows": [{k: v for k, v in x.items() if k != "tokens"} for x in rows],
             "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (DESIGN section 3)",
             "disk_GBps": None if disk_rate is None else disk_rate / 1e9,
-            "store_reads": None if disk_rate is None else ("buffered" if buffered_store else "O_DIRECT"),
+            "store_reads": None if disk_rate is None else _store_reads(buffered_store, emulated_disk_Bps),
             "record_ms_by_pieces": {str(n): t * 1e3 for n, t in latency.items()},
             "read_parts": engine_parts[0],
             "read_ms_by_parts": {str(n): t * 1e3 for n, t in engine_parts[1].items()},
@@ -705,6 +719,11 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if unknown:
         print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    if args.emulate_disk_GBps is not None and (args.emulate_disk_GBps <= 0
+                                               or not any(m.startswith("nvme") for m in modes)):
+        print("glm53: --emulate-disk-GBps wants a rate above 0 and an nvme mode in --modes (only the nvme modes read "
+              "the store)", file=sys.stderr)
+        return 2
     store, buffered = None, False
     if any(m.startswith("nvme") for m in modes):
         from store.directio import dir_supports_direct
@@ -722,11 +741,19 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                    lambda: pack_store(PackOptions(model_dir, store, threads=8, progress=False, allow_buffered=buffered),
                                       log=lambda m: None),
                    f"the expert store {store}")
+    emulated = args.emulate_disk_GBps * 1e9 if args.emulate_disk_GBps else None
+    if emulated is not None:
+        from glm53.cpu_lane.kernel import emulated_disk
+
+        disk = emulated_disk(1 / emulated)  # process-wide: only the store's reads go through the native pread
+    else:
+        disk = contextlib.nullcontext()
     try:
-        res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes, args.cpu_threads,
-                           store=store, ram_fraction=args.ram_fraction, profile=args.profile,
-                           profile_dump=Path(args.json).with_suffix(".prof") if args.json else None,
-                           warmup_tokens=args.warmup_tokens, buffered_store=buffered)
+        with disk:
+            res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes,
+                               args.cpu_threads, store=store, ram_fraction=args.ram_fraction, profile=args.profile,
+                               profile_dump=Path(args.json).with_suffix(".prof") if args.json else None,
+                               warmup_tokens=args.warmup_tokens, buffered_store=buffered, emulated_disk_Bps=emulated)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

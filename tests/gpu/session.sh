@@ -25,7 +25,8 @@
 #             the machine's virtual disk, nvme-exact paired with the variants the ninth session left owed
 #             (pythonreads, prestage; also owed: 2readers; NVMESHM_MODES / NVME_MODES: other modes), a
 #             cProfile of one nvme-exact window and the read-contention probe (fresh machine: ~200 s before the
-#             first window, about 420 s in all with five modes: give it a call of its own); disk: that disk's raw
+#             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
+#             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
@@ -97,6 +98,16 @@ step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what n
   stamp "nvme, store in RAM, rc=$?"
   rm -rf /dev/shm/glm53-bench-*
 }
+step_nvmeemu() {  # the 55 GiB fraction on emulated drives: the store in /dev/shm, its reads paced at each rate
+  for gbps in ${EMU_GBPS:-6 2}; do  # GB/s: a PCIe Gen4 NVMe drive, then this machine's virtual disk's rate
+    timeout "${EMU_LIMIT:-280}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 \
+      --warmup-tokens 128 --work /tmp --keep --store-dir /dev/shm --emulate-disk-GBps "$gbps" \
+      --modes "${NVMEEMU_MODES:-fast,nvme-exact,nvme}" \
+      --json "$OUT/bench-nvmeemu-$gbps.json" > "$OUT/bench-nvmeemu-$gbps.log" 2>&1
+    stamp "nvme, emulated $gbps GB/s drive, rc=$?"
+  done
+  rm -rf /dev/shm/glm53-bench-*
+}
 step_disk() {  # the store disk's raw rate by reads in flight (needs a store from the nvme step)
   PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 120 python3 tests/gpu/disk_sweep.py /tmp/glm53-bench-8L-0.11-0.4/experts.glm53 \
     --records 200 > "$OUT/disk-sweep.log" 2>&1
@@ -119,6 +130,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm disk nvme16 tiers tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane)"
   fi
 done
