@@ -48,8 +48,9 @@ def test_report_has_a_line_per_mode_and_the_targets():
     res["read_contention"] = {"alone_s": 100e-6, "reader_s": 250e-6, "reader_over_alone": 2.5, "copies": 5,
                               "reads": 4, "parts": 8, "reader_copyeach_over_alone": 3.0}
     text = B.report(res, 8)
-    emulated = B.report({**res, "store_reads": B._store_reads(False, 6e9)}, 8)
-    assert "store: raw emulated (one fixed-rate timeline over the store's real reads) 6.50 GB/s" in emulated
+    emulated = B.report({**res, "store_reads": B._store_reads(False, 6e9), "record_ms_by_pieces": {}}, 8)
+    assert ("store: raw emulated (one fixed-rate timeline over the store's real reads) 6.50 GB/s at the start; RAM "
+            "tier 0.470 of the experts\n") in emulated
     assert "100 us alone, 250 us beside 4 StoreReader reads in 8 part(s) (x 2.50; x 3.00 with one copy_ call" in text
     assert "CPU lane set aside (steps offering it took 1.031 of the others, 0.039 of picks)" in text
     assert "CPU lane on trial" in text and text.count("CPU lane") == 2

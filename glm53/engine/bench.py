@@ -233,6 +233,13 @@ def _disk_probe(store: Path, records: int = 96, threads: int = 8):
     return lambda: raw_pass(store, rng.sample(keys, min(len(keys), records)), threads)
 
 
+def _lone_record(ms_by_pieces: dict) -> str:
+    """The report's clause on one record read alone (none where the disk is emulated: its rate says it)."""
+    if not ms_by_pieces:
+        return ""
+    return "; one record alone: " + ", ".join(f"{t:.2f} ms in {n} piece(s)" for n, t in ms_by_pieces.items())
+
+
 def _store_reads(buffered: bool, emulated_Bps: float | None) -> str:
     if emulated_Bps:
         return "emulated (one fixed-rate timeline over the store's real reads)"
@@ -424,8 +431,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             disk_rate, latency = emulated_disk_Bps, {}
             disk_probe = lambda: emulated_disk_Bps  # noqa: E731
         log(f"store {store}: raw random {_store_reads(buffered_store, emulated_disk_Bps)} reads {disk_rate / 1e9:.2f} "
-            f"GB/s; RAM tier {ram_fraction:.3f} of the experts; one record alone: "
-            + ", ".join(f"{t * 1e3:.2f} ms in {n} piece(s)" for n, t in latency.items()))
+            f"GB/s; RAM tier {ram_fraction:.3f} of the experts" + _lone_record({n: t * 1e3 for n, t in latency.items()}))
     cache_tokens = prompt_tokens + tokens + 512
     runners: dict[str, _Runner] = {}
     try:
@@ -602,9 +608,8 @@ def report(res: dict, moe_layers: int | None) -> str:
     if "fast_over_exact" in res:
         lines.append(f"  fast / exact: {res['fast_over_exact']:.3f}, median of paired windows (target >= 1.5)")
     if res.get("disk_GBps") is not None:
-        lines.append(f"  store: raw {res.get('store_reads', 'O_DIRECT')} {res['disk_GBps']:.2f} GB/s at the start; RAM tier {res['ram_fraction']:.3f} of the "
-                     f"experts; one record alone: " + ", ".join(f"{t:.2f} ms in {n} piece(s)" for n, t in
-                                                                res.get("record_ms_by_pieces", {}).items()))
+        lines.append(f"  store: raw {res.get('store_reads', 'O_DIRECT')} {res['disk_GBps']:.2f} GB/s at the start; RAM tier "
+                     f"{res['ram_fraction']:.3f} of the experts" + _lone_record(res.get("record_ms_by_pieces", {})))
         if res.get("read_ms_by_parts"):
             used = {m: d["tiers"]["store_reads"]["parts"] for m, d in res["modes"].items()
                     if "store_reads" in d.get("tiers", {})}  # each mode's open timed them again
