@@ -188,3 +188,20 @@ def test_a_variant_sets_attributes_of_the_stepper_and_of_what_it_holds():
     for name, value in B.VARIANTS["nvme-exact-copyeach"].stepper + B.VARIANTS["nvme-exact-guesshalf"].stepper:
         B.set_path(stepper, name, value)
     assert stepper.tiers.copier.batched is False and stepper.guess_by_load is False
+
+
+def test_an_emulated_disk_is_refused_where_it_would_pace_some_reads_and_not_others():
+    """--emulate-disk-GBps: a rate above 0, an nvme mode to read the store, and no mode whose reads go through
+    Python's preads (the emulation paces only the native pread, so its ratio against nvme-exact would mean
+    nothing); otherwise no problem where the library is built."""
+    from glm53.cpu_lane import kernel
+
+    assert "above 0" in B.emulation_problem(0, ("nvme-exact",))
+    assert "no nvme mode" in B.emulation_problem(6, ("exact", "fast"))
+    problem = B.emulation_problem(6, ("nvme-exact", "nvme-exact-pythonreads", "nvme-exact-pyparts", "nvme-exact-whole"))
+    assert "nvme-exact-pythonreads, nvme-exact-pyparts read the store on Python threads" in problem
+    if kernel.supported_isas():
+        assert B.emulation_problem(6, ("fast", "nvme-exact", "nvme", "nvme-exact-whole")) is None
+        assert kernel.set_emulated_disk(0.0) == 0.0  # the check left the emulation off
+    else:
+        assert B.emulation_problem(6, ("nvme-exact",))

@@ -456,7 +456,7 @@ def recording_prefetch(tier) -> list[list[tuple[int, int]]]:
 def test_nvme_decode_steps_charge_the_store_idle_time_to_the_layer_before(packed, monkeypatch):
     """Each decode step marks the store's busy clock: the time since the step before, less what the store spent
     reading, is charged to that step's layer (after the last layer: the token's end). A prompt's step ends the
-    chain, and a gap longer than LOAD_IDLE_S (between requests) is not charged. /stats shows the sums."""
+    chain, and a gap longer than STEP_GAP_S (between requests) is not charged. /stats shows the sums."""
     import time
 
     import glm53.tiers.nvme as nvme_mod
@@ -488,8 +488,8 @@ def test_nvme_decode_steps_charge_the_store_idle_time_to_the_layer_before(packed
         stepper.after_launch()
         assert tier.idle_after[0] == pytest.approx(0.06, abs=0.015)
         assert tier.idle_after[1] == pytest.approx(0.0, abs=0.01)
-        monkeypatch.setattr(nvme_mod, "LOAD_IDLE_S", 0.05)
-        gap(0.08, 0.0)  # longer than LOAD_IDLE_S: between requests, not charged
+        monkeypatch.setattr(nvme_mod, "STEP_GAP_S", 0.05)
+        gap(0.08, 0.0)  # longer than STEP_GAP_S: between requests, not charged
         stepper.resolve(1, ids, True)
         stepper.after_launch()
         assert tier.idle_after[0] == pytest.approx(0.06, abs=0.015)

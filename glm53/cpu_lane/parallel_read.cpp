@@ -38,9 +38,10 @@ namespace {
 // An emulated disk, off unless glm53_emulate_disk turned it on: for benches and tests on a machine whose store
 // reads come from a fast disk or the page cache, to study how reads are scheduled on a disk that is the bottleneck
 // (the H200 machine's virtual disk: ~1.5 GB/s whatever the reads in flight). Each part read, once its real pread
-// is in, books its bytes on one timeline shared by the whole process and sleeps until its booking ends: reads in
-// flight share one fixed rate (two records read at once take about twice one alone), and a read books behind
-// those that booked before it. The timeline is one atomic (a compare-and-swap loop, not a mutex: a lock inherited
+// is in, books its bytes on one timeline shared by the whole process, from when the read began (so the real read's
+// own time counts towards its booking, not on top of it), and sleeps until its booking ends: reads in flight share
+// one fixed rate (two records read at once take about twice one alone), and a read books behind those that booked
+// before it. The timeline is one atomic (a compare-and-swap loop, not a mutex: a lock inherited
 // held across a fork would hang the child, see pool()).
 std::atomic<double> disk_seconds_per_byte{0.0};
 std::atomic<int64_t> disk_free_at{0};  // steady_clock ns when the last booking ends
@@ -50,13 +51,13 @@ int64_t steady_ns() {
                std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void emulate_disk(int64_t bytes) {
+void emulate_disk(int64_t bytes, int64_t began) {
     double spb = disk_seconds_per_byte.load(std::memory_order_relaxed);
     if (spb <= 0.0 || bytes <= 0) return;
     int64_t took = static_cast<int64_t>(static_cast<double>(bytes) * spb * 1e9);
-    int64_t now = steady_ns(), free_at = disk_free_at.load(std::memory_order_relaxed), end;
+    int64_t free_at = disk_free_at.load(std::memory_order_relaxed), end;
     do {
-        end = std::max(now, free_at) + took;  // start = max(now, free_at)
+        end = std::max(began, free_at) + took;  // start = max(began, free_at)
     } while (!disk_free_at.compare_exchange_weak(free_at, end, std::memory_order_relaxed));
     using Clock = std::chrono::steady_clock;
     std::this_thread::sleep_until(Clock::time_point(std::chrono::duration_cast<Clock::duration>(
@@ -66,6 +67,7 @@ void emulate_disk(int64_t bytes) {
 // Reads until `len` bytes are in or EOF; returns the bytes read, or -1 with *err set.
 int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
     int64_t done = 0;
+    int64_t began = disk_seconds_per_byte.load(std::memory_order_relaxed) > 0.0 ? steady_ns() : 0;
     while (done < len) {
         ssize_t n = pread(fd, buf + done, static_cast<size_t>(len - done), offset + done);
         if (n < 0) {
@@ -76,7 +78,7 @@ int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
         if (n == 0) break;
         done += n;
     }
-    emulate_disk(done);
+    emulate_disk(done, began);
     return done;
 }
 

@@ -25,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,15 @@ def _disk_probe(store: Path, records: int = 96, threads: int = 8):
 
     keys, rng = sorted(read_header(store).index), random.Random(2)
     return lambda: raw_pass(store, rng.sample(keys, min(len(keys), records)), threads)
+
+
+def _disk_as_it_is(emulated_Bps: float | None) -> Any:
+    """A block in which the emulated disk (if the bench turned it on) is off."""
+    if not emulated_Bps:
+        return contextlib.nullcontext()
+    from glm53.cpu_lane.kernel import emulated_disk
+
+    return emulated_disk(0.0)
 
 
 def _lone_record(ms_by_pieces: dict) -> str:
@@ -485,7 +495,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         if nvme_open is not None:  # what the store's reads cost the planning thread, for the next change to aim at
             from glm53.tiers.read_contention import line, read_contention
 
-            contention = read_contention(store, engine_parts[0] or 1)
+            with _disk_as_it_is(emulated_disk_Bps):  # what reads cost the planning thread, not how fast they come
+                contention = read_contention(store, engine_parts[0] or 1)
             log(line(contention))
 
         def mean(name: str, key: str) -> float:
@@ -674,6 +685,26 @@ def _made_once(marker: Path, make: Any, what: str) -> None:
     print(f"made {what} in {time.perf_counter() - t0:.0f} s")
 
 
+def emulation_problem(gbps: float, modes: Sequence[str]) -> str | None:
+    """Why the bench cannot run `modes` on an emulated disk of `gbps` GB/s, or None. Only reads through the native
+    pread are paced, so a mode reading on Python threads would compare an unpaced store with paced ones."""
+    if gbps <= 0:
+        return f"the rate must be above 0 GB/s, got {gbps:g}"
+    if not any(m.startswith("nvme") for m in modes):
+        return "no nvme mode in --modes: only the nvme modes read the store"
+    python_reads = [m for m in modes if m in VARIANTS and dict(VARIANTS[m].reader).get("native_queue", True) is False]
+    if python_reads:
+        return (f"{', '.join(python_reads)} read the store on Python threads, which the emulated disk does not pace; "
+                "leave them out")
+    from glm53.cpu_lane.kernel import KernelUnavailable, set_emulated_disk
+
+    try:
+        set_emulated_disk(0.0)  # off, as it is by default: only checks the library has it
+    except KernelUnavailable as exc:
+        return str(exc)
+    return None
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     try:
         import torch
@@ -724,11 +755,11 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if unknown:
         print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
-    if args.emulate_disk_GBps is not None and (args.emulate_disk_GBps <= 0
-                                               or not any(m.startswith("nvme") for m in modes)):
-        print("glm53: --emulate-disk-GBps wants a rate above 0 and an nvme mode in --modes (only the nvme modes read "
-              "the store)", file=sys.stderr)
-        return 2
+    if args.emulate_disk_GBps is not None:
+        problem = emulation_problem(args.emulate_disk_GBps, modes)
+        if problem:
+            print(f"glm53: --emulate-disk-GBps: {problem}", file=sys.stderr)
+            return 2
     store, buffered = None, False
     if any(m.startswith("nvme") for m in modes):
         from store.directio import dir_supports_direct

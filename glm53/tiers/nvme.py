@@ -64,6 +64,9 @@ GUESS_SAVING_TRICKLE = 0.002  # "saved whole" added per decode layer step: a wei
 # smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
 LOAD_SPAN_S = 0.05
 LOAD_IDLE_S = 1.0
+# mark_step: a gap between two decode layer steps longer than this is not one token's way from a layer to the next
+# (a layer step takes milliseconds; this is a request ending and the next beginning) and is not charged.
+STEP_GAP_S = 0.25
 DEFAULT_TIMEOUT_S = 5.0  # a 9 MiB O_DIRECT read takes milliseconds; seconds means a stalled or failing disk
 TORCH_DTYPES = {"int16": torch.int16, "float16": torch.float16}
 READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
@@ -407,7 +410,8 @@ class NvmeTier:
         the step before is charged to that step's layer: after the last layer it is the token's end (the head,
         sampling, the next token's layers up to its first MoE router), elsewhere the GPU's and the host's work from
         one layer's reads to the next one's, less what guesses kept the store reading. Where the idle sits says
-        which reads could fill it. A gap over LOAD_IDLE_S (between requests) is skipped."""
+        which reads could fill it. A gap over STEP_GAP_S (between requests) is skipped. A prompt short enough to run
+        as decode steps (MoeStepper's caller decides by rows) counts as decode."""
         busy_seconds = getattr(self.reader, "busy_seconds", None)
         if busy_seconds is None:
             return
@@ -416,7 +420,7 @@ class NvmeTier:
             return
         now, busy = time.perf_counter(), busy_seconds()
         mark, self._step_mark = self._step_mark, (layer, now, busy)
-        if mark is not None and now - mark[1] <= LOAD_IDLE_S:
+        if mark is not None and now - mark[1] <= STEP_GAP_S:
             self.idle_after[mark[0]] += max(0.0, (now - mark[1]) - (busy - mark[2]))
 
     def guess_saving(self) -> float:
