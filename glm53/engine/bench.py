@@ -60,9 +60,9 @@ def register_bench(bench_sub: Any) -> None:
                    "a RAM-backed store, read buffered where the filesystem refuses O_DIRECT, stands in for a disk "
                    "array far faster than this machine's)")
     p.add_argument("--emulate-disk-GBps", type=float, metavar="R",
-                   help="nvme modes: read the store through an emulated disk of R GB/s (each read, once in, waits its "
-                        "turn on one fixed-rate timeline; with --store-dir /dev/shm, what a drive of that rate would "
-                        "give this engine); the own bound then uses R")
+                   help="nvme modes: read the store through an emulated disk of R GB/s (every read's bytes take their "
+                        "time at R on one timeline all reads share; with --store-dir /dev/shm, what a drive of that "
+                        "rate would give this engine); the own bound then uses R")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="tokens each tiered mode decodes before the windows (default 16: the tiers start nearly "
