@@ -436,10 +436,11 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
     if any(m.startswith("nvme") for m in modes):
         nvme_open, disk_rate, latency, ram_fraction, engine_parts = nvme_opener(model_dir, store, ram_fraction,
                                                                                 allow_buffered=buffered_store)
-        disk_probe = _disk_probe(store)
         if emulated_disk_Bps:  # the caller's emulated disk sets the rate: the raw passes read around it
             disk_rate, latency = emulated_disk_Bps, {}
             disk_probe = lambda: emulated_disk_Bps  # noqa: E731
+        else:
+            disk_probe = _disk_probe(store)
         log(f"store {store}: raw random {_store_reads(buffered_store, emulated_disk_Bps)} reads {disk_rate / 1e9:.2f} "
             f"GB/s; RAM tier {ram_fraction:.3f} of the experts" + _lone_record({n: t * 1e3 for n, t in latency.items()}))
     cache_tokens = prompt_tokens + tokens + 512
