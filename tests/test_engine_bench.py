@@ -17,7 +17,8 @@ def mode_doc(tok: float, nvme: bool = False) -> dict:
            "pick_shares": {"vram_hit": 0.6, "pcie": 0.2, "cpu": 0.15, "nvme": 0.05}}
     if nvme:
         doc.update(bound_decode_tok_s=30.0, over_own_bound_start_rate=tok / 30, over_own_bound=tok / 25,
-                   bound_beside_tok_s=25.0, disk_GBps_beside=1.25)
+                   bound_beside_tok_s=25.0, disk_GBps_beside=1.25,
+                   over_lanes_in_series=0.93)
     return doc
 
 
@@ -57,7 +58,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     for mode in res["modes"]:
         assert f"  {mode} " in text, mode
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s at the start", "nvme / fast: 0.833",
-                 "nvme picks per tier: vram_hit 0.600",
+                 "nvme picks per tier: vram_hit 0.600", "x the two lanes one after the other 0.930",
                  "reads each record in 4 part(s), timed as it opens (native pread, parts hashed): 7.50 ms in 1, 5.10 ms in 2, "
                  "4.02 ms in 4; the modes read in nvme-exact-whole 1",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
@@ -144,6 +145,8 @@ def test_own_bound_uses_the_disk_rate_beside_each_window():
     assert abs(got["over_own_bound"] - (25 * 0.03 + 15 * 0.06) / 2) < 1e-9  # 0.75 and 0.9: the median of two
     assert abs(got["bound_beside_tok_s"] - (1 / 0.03 + 1 / 0.06) / 2) < 1e-9
     assert abs(got["disk_GBps_beside"] - 0.75) < 1e-12
+    # In series: window 0 takes 20 + 30 = 50 ms at best, so 25 tok/s is 1.25 of it; window 1, 20 + 60 ms: 1.2.
+    assert abs(got["over_lanes_in_series"] - (25 * 0.05 + 15 * 0.08) / 2) < 1e-9
     rows[2]["store_bytes_per_token"] = 1e6  # the GPU side bounds window 0 now: 20 ms
     assert abs(B.own_bound_beside(rows, "nvme", 1e9)["over_own_bound"] - (25 * 0.02 + 15 * 0.06) / 2) < 1e-9
     assert B.own_bound_beside(rows, "nvme-exact", 1e9)["over_own_bound"] != 0.0  # nan: no windows
