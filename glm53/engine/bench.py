@@ -126,10 +126,6 @@ VARIANTS = {
                                       "right guess saved a whole read", "a right guess counted as saving the share "
                                       "of its read done when its layer ran (tried in the eleventh session)",
                                       stepper=(("guess_by_saving", True),)),
-    "nvme-exact-bookkeepfirst": Variant("a step's bookkeeping (learning, admissions, RAM room) done while the next "
-                                        "layer's router runs", "done in the step's combine, before exllamav3 "
-                                        "launches the next layer (before the fourteenth session)",
-                                        stepper=(("hold_bookkeeping", False),)),
     "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
                                      "the tier opened (one on a disk that one read keeps busy)", "every reader "
                                      "thread may read a guess (the reader before the eleventh session)",
@@ -381,7 +377,7 @@ class _Runner:
                        # for the routing ids, for copies, for store reads, and the work after launch.
                        host_ms_per_token={k: 1e3 * (snap1["host_seconds"][k] - snap0["host_seconds"].get(k, 0.0)) / n
                                           for k in ("plan", "plan_reads", "plan_copies", "plan_slots", "sync",
-                                                    "copy_wait", "store_wait", "after_launch", "bookkeeping_held")
+                                                    "copy_wait", "store_wait", "after_launch")
                                           if k in snap1["host_seconds"]})
         return out
 

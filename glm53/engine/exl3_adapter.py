@@ -649,7 +649,6 @@ class TieredMoE:
             far = far and predict and self._predict_next(li + 2, y.view(bsz, -1), layer.far_host[:bsz])
         if guess:
             guess = self._predict_next(li + 1, y.reshape(-1, y.shape[-1]), layer.guess_host)
-        stepper.catch_up()  # the last step's bookkeeping, while the GPU runs this layer's attention and router
         if stream is not None:
             stream.synchronize()
         t1 = time.perf_counter()
@@ -817,11 +816,8 @@ def _combine(module: Any, stepper: Any) -> Callable[..., Any]:
     def cpu_split_combine(final_hidden_states: Any, cpu_partial: Any, cpu_pending: Any, shape: Any) -> Any:
         import torch
 
-        lane = isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG
-        # With the lane's partial to wait for, the host waits here anyway: the bookkeeping fills that wait. Without,
-        # it is held for the next step (MoeStepper.catch_up), so that exllamav3 launches the next layer now.
-        stepper.after_launch(hold=not lane)
-        if lane:
+        stepper.after_launch()
+        if isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG:
             _, ticket, rows = cpu_pending
             partial = torch.from_numpy(ticket.partial(rows)).to(final_hidden_states.device)
             return final_hidden_states + partial.view(shape).to(final_hidden_states.dtype)

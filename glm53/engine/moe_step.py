@@ -220,10 +220,6 @@ class MoeStepper:
         self.admit_after_launch = admit_after_launch
         # (layer, ids, uniq, pcie misses, staged, the next layers' reads held back or None, their busy experts)
         self._deferred: tuple | None = None  # awaiting after_launch
-        self._held: tuple | None = None  # after_launch(hold=True)'s bookkeeping, awaiting catch_up
-        # after_launch(hold=True) leaves the bookkeeping to catch_up. False: it is done in after_launch, as before
-        # (the bench's paired comparison).
-        self.hold_bookkeeping = True
         self.num_experts = tiers.num_experts
         # Prestaging: two regions above the decode step's own rows, one per layer parity, so the copies for layer
         # l+1 never land in rows layer l's kernels are about to read (layer l-1's, in the other region, finished
@@ -247,7 +243,6 @@ class MoeStepper:
         # plan_reads, plan_copies, plan_slots: parts of plan (the store's reads queued and settled; the copies
         # queued and ordered; the slot ids), so a profile-free run says where a step's host time goes.
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0,
-                             "bookkeeping_held": 0.0,
                              "plan_reads": 0.0, "plan_copies": 0.0, "plan_slots": 0.0}
         self.copied_before_store_wait = 0  # RAM misses sent over PCIe while the step's store reads finished
         self.copy_before_store_wait = True  # False: wait for the store first, as before (bench's paired comparison)
@@ -272,19 +267,14 @@ class MoeStepper:
 
         self._vram_code, self._ram_code, self._store_code = VRAM, RAM, STORE
 
-    def after_launch(self, hold: bool = False) -> None:
+    def after_launch(self) -> None:
         """The last decode step's bookkeeping the GPU need not wait for (admit_after_launch): the lookahead's guess
         for it is scored, the next layers' store reads start if the step held them back, the layer's policy
         learns the step's picks and admits the streamed misses it wants, each copied on the device from its
         staging row (no second PCIe crossing), and in the nvme modes a few RAM slots are freed for the next
         step's reads. exllamav3's combine calls this once the step's expert kernels
         are queued; the copy stream orders each admission after them, and a fill into a victim's slot after the
-        victim's write-back. The next resolve() runs it first if nobody did.
-
-        hold (and `hold_bookkeeping`): only the held-back reads start now; the rest waits for `catch_up`, which the
-        engine calls once the next layer's router is queued, before it waits for that router's picks. exllamav3
-        launches the next layer only when the combine returns, so bookkeeping done there keeps the GPU idle for
-        its length; done at the next step's wait for the GPU, it runs beside the next layer's attention instead."""
+        victim's write-back. The next resolve() runs it first if nobody did."""
         d, self._deferred = self._deferred, None
         if d is None:
             return
@@ -292,25 +282,6 @@ class MoeStepper:
         li, ids, uniq, pcie, staged, read_ahead, busy = d
         if read_ahead is not None:  # the next layer's reads, held back by a step with no store read to wait for
             read_ahead(busy)  # first: every microsecond before it delays the disk
-        if hold and self.hold_bookkeeping:
-            self._held = (li, ids, uniq, pcie, staged, busy)
-        else:
-            self._bookkeeping(li, ids, uniq, pcie, staged, busy)
-        self.host_seconds["after_launch"] += time.perf_counter() - t0
-
-    def catch_up(self) -> None:
-        """The bookkeeping after_launch(hold=True) left (see there); the next resolve() runs it first if nobody
-        did. Whatever runs between the two must leave the tiers alone: the held step's admissions read its
-        staging rows, which the next step's copies overwrite."""
-        held, self._held = self._held, None
-        if held is None:
-            return
-        t0 = time.perf_counter()
-        self._bookkeeping(*held)
-        self.host_seconds["bookkeeping_held"] += time.perf_counter() - t0
-
-    def _bookkeeping(self, li: int, ids: np.ndarray, uniq: np.ndarray, pcie: list[int], staged: list[int],
-                     busy: list[int]) -> None:
         self._count_lookahead(li, ids, True)
         tiers = self.tiers
         tiers.observe(li, ids)
@@ -332,6 +303,7 @@ class MoeStepper:
             guess = pending.get(li)
             make[li] = lambda: (set() if guess is None else self._likely_set(guess)) | set(busy)
             self.nvme.keep_free(FREE_RAM_SLOTS, _LazySets(make))
+        self.host_seconds["after_launch"] += time.perf_counter() - t0
 
     def lane_in_use(self) -> bool:
         """Whether the next decode step offers misses to the CPU lane (attached, alive, and offered by the judge)."""
@@ -366,8 +338,6 @@ class MoeStepper:
         something to do (no moves in flight, no store, no lane)."""
         if self._deferred is not None:  # the caller never ran it (no combine hook): now, before this step
             self.after_launch()
-        if self._held is not None:  # nor catch_up
-            self.catch_up()
         t_start = time.perf_counter()
         if self.lane is not None:
             self.lane_judge.started(decode)
