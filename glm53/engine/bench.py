@@ -194,8 +194,9 @@ def own_bound_beside(rows: list[dict], mode: str, h2d_Bps: float) -> dict:
     raw rate measured beside it), lanes overlapping perfectly. The median of the windows' ratios, as paired_ratio
     takes, and the mean bound and disk rate for the report.
 
-    Also the same speed over the two lanes one after the other (their sum): where a store read starts only once its
-    layer's router has run, a token can take no less, so near 1 the only overlap left to win is the guesses'."""
+    Also the same speed over the two lanes one after the other (their sum): about what a token takes when a store
+    read starts only once its layer's router has run and only that layer's PCIe copies overlap it. Near 1, the
+    overlap left to win is what guesses read a layer or more ahead can give."""
     stock = {x["window"]: x["decode_tok_s"] for x in rows if x["name"] == "stock"}
     ratios, series, bounds, disks = [], [], [], []
     for x in rows:
