@@ -650,7 +650,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                              f"({m['disk_GBps_beside']:.2f} GB/s mean) {m['bound_beside_tok_s']:.1f} tok/s, x bound "
                              f"{m['over_own_bound']:.3f}, median of windows (target >= 0.8); at the start's rate "
                              f"{m['bound_decode_tok_s']:.1f} tok/s, x {m['over_own_bound_start_rate']:.3f}; x the "
-                             f"two lanes one after the other {m.get('over_lanes_in_series', float('nan')):.3f}")
+                             f"two lanes one after the other {m['over_lanes_in_series']:.3f}")
                 ds = m.get("decode_store")
                 if ds:
                     lines.append("    per decoded token: store picks by layer "
