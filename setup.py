@@ -1,9 +1,11 @@
-"""Build step for the CPU expert kernel; all other package metadata lives in pyproject.toml.
+"""Build step for the two native libraries; all other package metadata lives in pyproject.toml.
 
-The kernel is a plain C ABI shared library (loaded with ctypes by glm53/cpu_lane/kernel.py), built as a setuptools
-extension so that `pip install -e .` and the Docker build compile it with the system C++ compiler: no torch
-headers, no nvcc. Every ISA path is compiled here with target pragmas and chosen at run time, so the build flags
-stay baseline x86-64 and the library runs on any CPU the package does.
+Both are plain C ABI shared libraries loaded with ctypes, built as setuptools extensions so that `pip install -e .`
+and the Docker build compile them with the system C++ compiler: no torch headers, no nvcc.
+- glm53.cpu_lane._expert_kernel (glm53/cpu_lane/kernel.py): the CPU expert kernel. Every ISA path is compiled here
+  with target pragmas and chosen at run time, so the build flags stay baseline x86-64 and the library runs on any
+  CPU the package does.
+- store._native (store/native.py): the store's parallel pread and read queue; store/ builds and loads it alone.
 """
 
 import runpy
@@ -11,18 +13,18 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 
-LANE = Path("glm53") / "cpu_lane"
-info = runpy.run_path(str(LANE / "buildinfo.py"))
-src_hash = info["source_hash"](LANE)  # compiled in; kernel.py refuses a library built from other sources
+FLAGS = {"language": "c++", "extra_compile_args": ["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
+         "extra_link_args": ["-pthread"]}
 
-kernel = Extension(
-    info["EXTENSION"],
-    sources=[str(LANE / s) for s in info["SOURCES"]],
-    depends=[str(LANE / h) for h in info["HEADERS"]],
-    language="c++",
-    define_macros=[("GLM53_SRC_HASH", f'"{src_hash}"')],
-    extra_compile_args=["-std=c++17", "-O3", "-fvisibility=hidden", "-pthread"],
-    extra_link_args=["-pthread"],
-)
 
-setup(ext_modules=[kernel])
+def extension(info_file: Path, macro: str) -> Extension:
+    """One library from its build info (sources, headers, name); the sources' hash compiled in as `macro`, so its
+    loader refuses a library built from other sources."""
+    info, src = runpy.run_path(str(info_file)), info_file.parent  # its SOURCES are named relative to it
+    return Extension(info["EXTENSION"], sources=[str(src / s) for s in info["SOURCES"]],
+                     depends=[str(src / h) for h in info["HEADERS"]],
+                     define_macros=[(macro, f'"{info["source_hash"]()}"')], **FLAGS)
+
+
+setup(ext_modules=[extension(Path("glm53") / "cpu_lane" / "buildinfo.py", "GLM53_SRC_HASH"),
+                   extension(Path("store") / "native_build.py", "GLM53_STORE_SRC_HASH")])

@@ -199,11 +199,7 @@ def main_thread_stall(store: Path, head, threads: int, log, steps: int = 300, ro
     decode-like pace (3 at a time, then 1.5 ms of nothing), per way of reading a record. Reader threads take the
     GIL back after each pread; each time, the main thread may wait for their bookkeeping. Idle and busy passes
     alternate, `rounds` times; the ratios are of the summed means."""
-    from store.reader import _native
-
-    ways = {"whole records": {"pieces": 1}, "4 parts on reader threads": {"pieces": 4, "native": False}}
-    if _native() is not None:
-        ways["4 parts in native code"] = {"pieces": 4}
+    ways = {"whole records": {"pieces": 1}, "4 parts in native code": {"pieces": 4}}
     keys = sorted(head.index)
     table, ids = np.arange(4096), [1, 5, 9, 33]
     arena = alloc_slots(3, head.max_extent)

@@ -6,8 +6,6 @@ import pytest
 from test_nvme_tier_support import make_store
 
 from glm53.tiers.read_contention import COPIES, READS, line, read_contention
-from store.native_reader import queue_library
-from store.reader import _native
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +29,7 @@ def test_the_probe_times_the_work_alone_and_beside_real_reads(packed, monkeypatc
     assert res["alone_s"] > 0 and res["reader_s"] > 0
     assert res["reader_over_alone"] == pytest.approx(res["reader_s"] / res["alone_s"])
     assert res["reader_copyeach_s"] > 0 and "one copy_ call per copy" in line(res)
-    assert ("native_s" in res) == (_native() is not None)
-    assert ("native_queue_s" in res) == (queue_library() is not None)
-    assert ("through the native read queue" in line(res)) == (queue_library() is not None)
+    assert "native_s" in res
     text = line(res)
     assert f"{COPIES} slot copies" in text and f"beside {READS} StoreReader reads in 4 part(s)" in text
-    assert ("through a plain thread pool" in text) == (_native() is not None)
+    assert "through a plain thread pool" in text

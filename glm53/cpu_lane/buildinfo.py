@@ -13,7 +13,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("kernel.cpp", "kernel_scalar.cpp", "kernel_avx2.cpp", "kernel_avx2vnni.cpp", "kernel_avx512.cpp",
-           "kernel_avx512vnni.cpp", "parallel_read.cpp", "read_queue.cpp")
+           "kernel_avx512vnni.cpp")
 HEADERS = ("kernel_api.h", "kernel_impl.h")
 EXTENSION = "glm53.cpu_lane._expert_kernel"
 

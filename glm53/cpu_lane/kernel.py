@@ -16,12 +16,11 @@ with that reason.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib.machinery
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,14 +83,6 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
         fn.restype, fn.argtypes = res, args
     if lib.glm53_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.glm53_abi_version()}, this code wants {ABI_VERSION}; rebuild with {REBUILD}"
-    pread_parts = getattr(lib, "glm53_pread_parts", None)  # optional: an older build (a bench baseline) lacks it
-    if pread_parts is not None:
-        pread_parts.restype = ctypes.c_int64
-        pread_parts.argtypes = [i32, vp, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                ctypes.POINTER(ctypes.c_int32), vp, vp, ctypes.POINTER(ctypes.c_int32)]
-    emulate = getattr(lib, "glm53_emulate_disk", None)  # optional too: a bench baseline's build may lack it
-    if emulate is not None:
-        emulate.restype, emulate.argtypes = ctypes.c_double, [ctypes.c_double]
     return lib, None
 
 
@@ -129,63 +120,6 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _WHY
-
-
-def parallel_pread() -> Callable[..., int] | None:
-    """The library's parallel pread, or None where the library is unavailable: read(fd, buf, offset, parts, align)
-    fills the uint8 array `buf` from `offset` as `parts` pieces (parts-1 of an `align`-multiple size, the last
-    takes the rest) read at once on native threads, with the GIL released for the whole call (store.reader's
-    split reads), and returns the bytes read (fewer only at EOF); raises OSError with a failing part's errno.
-    hash (a C function address, uint64 hash(const void*, size_t)) and hashes (a uint64 array of `parts` entries):
-    each part read whole is hashed by the thread that read it into hashes[i]. Returns (bytes, parts used) then: a
-    range too short to split is read (and hashed) as one part."""
-    if _LIB is None or getattr(_LIB, "glm53_pread_parts", None) is None:
-        return None
-    fn = _LIB.glm53_pread_parts
-
-    def read(fd: int, buf: np.ndarray, offset: int, parts: int, align: int, hash: int | None = None,
-             hashes: np.ndarray | None = None) -> Any:
-        err, used = ctypes.c_int32(0), ctypes.c_int32(0)
-        if hashes is not None and (hashes.dtype != np.uint64 or hashes.size < max(1, parts)
-                                   or not hashes.flags.c_contiguous):
-            raise ValueError(f"hashes must be a contiguous uint64 array of at least {parts} entries")
-        got = fn(fd, buf.ctypes.data, buf.nbytes, offset, parts, align, ctypes.byref(err),
-                 hash if hashes is not None else None, hashes.ctypes.data if hashes is not None else None,
-                 ctypes.byref(used))
-        if got < 0:
-            raise OSError(err.value, os.strerror(err.value))
-        return got if hashes is None else (got, used.value)
-
-    return read
-
-
-def set_emulated_disk(seconds_per_byte: float) -> float:
-    """Turn the library's emulated disk on at `seconds_per_byte` (0: off) and return the rate it had before. While
-    on, every part read by the parallel pread (store.reader's native reads, the native read queue's) books its
-    bytes on one timeline shared by the process and sleeps until its booking ends, so reads in flight share one
-    fixed rate, as on a rate-capped disk (parallel_read.cpp says more). For benches and tests on a machine whose
-    store comes from a fast disk or the page cache; prefer `emulated_disk`, which puts the rate back. Reads through
-    Python's own preads (store.reader.pread_into) are not slowed. Raises KernelUnavailable where the library is
-    not built (or predates the emulation)."""
-    fn = getattr(_lib(), "glm53_emulate_disk", None)
-    if fn is None:
-        raise KernelUnavailable(f"the CPU kernel library has no emulated disk (an older build); rebuild with {REBUILD}")
-    return float(fn(float(seconds_per_byte)))
-
-
-@contextlib.contextmanager
-def emulated_disk(seconds_per_byte: float) -> Iterator[float]:
-    """The emulated disk on at `seconds_per_byte` inside the block (0: off), the rate before put back after it;
-    yields the rate set. See set_emulated_disk.
-
-        with emulated_disk(6e-3 / record_bytes):   # one record takes ~6 ms, two at once ~12 ms
-            ...
-    """
-    before = set_emulated_disk(seconds_per_byte)
-    try:
-        yield max(0.0, float(seconds_per_byte))
-    finally:
-        set_emulated_disk(before)
 
 
 def _lib() -> ctypes.CDLL:

@@ -82,43 +82,26 @@ class Variant:
     paired windows."""
     now: str                      # what nvme-exact does
     before: str                   # what the variant does instead
-    read_pieces: int | None = None
-    reader: tuple = ()            # StoreReader options, as (name, value) pairs
     stepper: tuple = ()           # attributes set on the decode stepper after load ("a.b": on what it holds)
     lookahead_depth: int = 1
     prestage: bool = False        # TieredMoE(prestage=True): predicted RAM experts copied into staging ahead
 
 
 VARIANTS = {
-    "nvme-exact-whole": Variant("each record read in parallel parts", "each record read in one pread", read_pieces=1),
     "nvme-exact-ahead2": Variant("store reads started one layer ahead", "store reads started two layers ahead as well",
                                  lookahead_depth=2),
     "nvme-exact-waitfirst": Variant("RAM misses cross PCIe while the store reads land",
                                     "a step's RAM misses wait for its store reads",
                                     stepper=(("copy_before_store_wait", False),)),
-    "nvme-exact-pyparts": Variant("a record's parts read in one native call", "StoreReader, the parts read on "
-                                  "Python threads", reader=(("native_queue", False), ("native", False))),
-    "nvme-exact-4parts": Variant("each record read in the part count that read one fastest as the tier opened",
-                                 "each record read in 4 parts, as before", read_pieces=4),
-    "nvme-exact-wholehash": Variant("a record read again is checked by its parts' hashes, each taken by the thread "
-                                    "that read the part", "every read checked by one hash of the whole record",
-                                    reader=(("part_hashes", False),)),
     "nvme-exact-guesshalf": Variant("guesses read at ranks right more often than the store's load makes worth it",
                                     "guesses read only at ranks right more often than not",
                                     stepper=(("guess_by_load", False), ("guess_by_saving", False))),
-    "nvme-exact-2readers": Variant("records read by the plan's 8 reader threads", "by 2 reader threads (fewer "
-                                   "records at once)",
-                                   reader=(("threads", 2),)),
     "nvme-exact-copyeach": Variant("a step's copies queued in one call into torch", "one copy_ call per copy",
                                    stepper=(("tiers.copier.batched", False),)),
     "nvme-exact-prestage": Variant("a step's RAM misses copied once its router has run", "the next layer's likely "
                                    "RAM experts also copied into staging ahead, while this layer runs (tried: in "
                                    "the nvme modes the PCIe link has time to spare, the planning thread has not)",
                                    prestage=True),
-    "nvme-exact-pythonreads": Variant("reads queued, read, hashed and finished by native threads "
-                                      "(store.native_reader)", "reads landed on the reader's Python threads "
-                                      "(store.reader.StoreReader, the reader before the tenth session)",
-                                      reader=(("native_queue", False),)),
     "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
                                      "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
                                      stepper=(("reads_after_launch", False),)),
@@ -126,10 +109,6 @@ VARIANTS = {
                                       "right guess saved a whole read", "a right guess counted as saving the share "
                                       "of its read done when its layer ran (tried in the eleventh session)",
                                       stepper=(("guess_by_saving", True),)),
-    "nvme-exact-guessesall": Variant("as many guess reads at once as two reads at once were found to be worth when "
-                                     "the tier opened (one on a disk that one read keeps busy)", "every reader "
-                                     "thread may read a guess (the reader before the eleventh session)",
-                                     reader=(("prefetch_at_once", 1 << 10),)),
 }
 MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
@@ -244,7 +223,7 @@ def _disk_as_it_is(emulated_Bps: float | None) -> Any:
     """A block in which the emulated disk (if the bench turned it on) is off."""
     if not emulated_Bps:
         return contextlib.nullcontext()
-    from glm53.cpu_lane.kernel import emulated_disk
+    from glm53.cpu_lane.emulated_disk import emulated_disk
 
     return emulated_disk(0.0)
 
@@ -293,10 +272,6 @@ class _Runner:
         if slots is not None:
             variant = VARIANTS.get(mode, Variant("", ""))
             prestage = mode == "exact-prestage" or variant.prestage
-            if variant.read_pieces is not None:
-                nvme_open = functools.partial(nvme_open, read_pieces=variant.read_pieces)
-            if variant.reader:
-                nvme_open = functools.partial(nvme_open, reader_options=dict(variant.reader))
             self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
                                     prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
                                     overlap_copies=mode != "exact-serial",
@@ -421,10 +396,9 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     # What the tier does when it opens (each mode's open times it again): through the native pread, parts hashed.
     read_parts = calibrate_pieces(store, head, allow_buffered)
 
-    def open_(slots: list[int], staging: int, read_pieces: int | None = None, reader_options: Any = None) -> Any:
+    def open_(slots: list[int], staging: int) -> Any:
         return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
-                              warm=False, read_pieces=read_pieces, allow_buffered=allow_buffered,
-                              reader_options=reader_options)
+                              warm=False, allow_buffered=allow_buffered)
 
     return open_, rate, latency, ram / len(keys), read_parts
 
@@ -700,15 +674,12 @@ def emulation_problem(gbps: float, modes: Sequence[str]) -> str | None:
         return f"the rate must be above 0 GB/s, got {gbps:g}"
     if not any(m.startswith("nvme") for m in modes):
         return "no nvme mode in --modes: only the nvme modes read the store"
-    python_reads = [m for m in modes if m in VARIANTS and dict(VARIANTS[m].reader).get("native_queue", True) is False]
-    if python_reads:
-        return (f"{', '.join(python_reads)} read the store on Python threads, which the emulated disk does not pace; "
-                "leave them out")
-    from glm53.cpu_lane.kernel import KernelUnavailable, set_emulated_disk
+    from glm53.cpu_lane.emulated_disk import set_emulated_disk
+    from store.native import NativeUnavailable
 
     try:
         set_emulated_disk(0.0)  # off, as it is by default: only checks the library has it
-    except KernelUnavailable as exc:
+    except NativeUnavailable as exc:
         return str(exc)
     return None
 
@@ -787,7 +758,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                    f"the expert store {store}")
     emulated = args.emulate_disk_GBps * 1e9 if args.emulate_disk_GBps else None
     if emulated is not None:
-        from glm53.cpu_lane.kernel import emulated_disk
+        from glm53.cpu_lane.emulated_disk import emulated_disk
 
         disk = emulated_disk(1 / emulated)  # process-wide: only the store's reads go through the native pread
     else:

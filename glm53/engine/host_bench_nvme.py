@@ -20,7 +20,7 @@ before launch (resolve() with what it runs inside) is what the GPU waits for; th
 
 With `--disk-ms-per-record` / `--gpu-ms-per-layer` (EmulationOptions) it also replays decode against an emulated
 disk and GPU (`emulate`), to study store read scheduling on a machine whose store comes from the page cache: the
-library's emulated disk (glm53.cpu_lane.kernel.emulated_disk) gives every read in flight a share of one fixed rate,
+emulated disk (glm53.cpu_lane.emulated_disk) gives every read in flight a share of one fixed rate,
 set so that one of the bench store's (tiny) records takes the given ms, as a 9 MiB record takes ~6 ms on the GPU
 machine's rate-capped disk; and after each layer step's launch the emulated GPU is busy for the given ms before the
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
@@ -184,7 +184,6 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
     from glm53.tiers.policy import zipf_trace
-    from store.native_reader import NativeStoreReader, queue_library
     from store.reader import StoreReader
 
     total = opts.layers * opts.experts
@@ -197,12 +196,8 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     counts = np.stack([np.bincount(t[: max(1, opts.warmup)].ravel(), minlength=opts.experts) for t in traces])
     copier = _gpu_like_copier()
     # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
-    # The tier's reader: the native read queue where the library has it (as open_nvme_tier picks).
-    make = NativeStoreReader if queue_library() is not None else StoreReader
-    extra = dict(reader_options or {})
-    if make is StoreReader:
-        extra.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
-    reader = make(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug, **extra)
+    reader = StoreReader(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug,
+                         **(reader_options or {}))
     tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
     try:
         tier.warm(counts)
@@ -371,7 +366,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
     reads' cap as open_nvme_tier does (on the emulated disk), else they are the reader's options; stepper_attrs are
     set on the stepper. Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
     settles to the disk's); then the timed steps, emulated."""
-    from glm53.cpu_lane.kernel import emulated_disk
+    from glm53.cpu_lane.emulated_disk import emulated_disk
     from glm53.tiers.nvme_open import calibrate_prefetch
     from store.format import read_header
 

@@ -4,7 +4,7 @@ Every expert is in the store; the RAM arena holds as many as the plan's RAM budg
 The arena is one block of 4 KiB-aligned rows, one per record (pinned where CUDA is), so a store read lands in
 the very bytes that the CPU lane computes on and that the copy engines take to VRAM: no bounce, no second copy.
 
-Reads run on the StoreReader's threads; everything else (claiming a slot, landing, dropping) happens on the thread
+Reads run on the StoreReader's native threads; everything else (claiming a slot, landing, dropping) happens on the thread
 that owns the tiers, so the tier state needs no lock (only what health() reads from the server's thread has one).
 A read's expert is FROM_STORE while it is in flight and
 becomes RAM only when the reader says its bytes are there and pass their xxh3 check (`ExpertTiers.land_read`).
@@ -45,7 +45,6 @@ import torch
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
 from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up
-from store.native_reader import NativeStoreReader
 from store.reader import Priority, StoreReader
 from store.verify import pack_command
 
@@ -433,16 +432,14 @@ class NvmeTier:
         return saved / right if right > 0 else 1.0
 
     def read_summary(self) -> dict:
-        """How the store is read, for /stats: which reader ("native queue": reads finished by native threads;
-        "python threads": StoreReader's), parts per record, the timings that chose it (ms by parts, when the
+        """How the store is read, for /stats: parts per record, the timings that chose it (ms by parts, when the
         tier timed them as it opened), how much faster two records came in read at once than one after the other
         (timed as it opened; it sets the guess reads allowed at once), the store's load (see `load`) and its busy
         seconds so far, and the reader's counts (reads, bytes, retries, errors, cancelled, reads checked by their
-        parts' hashes, queued; the native queue's guess reads allowed at once), and the decode's idle seconds
+        parts' hashes, queued; the guess reads allowed at once), and the decode's idle seconds
         after each layer's step (see `mark_step`)."""
         busy = getattr(self.reader, "busy_seconds", None)
-        return {"reader": "native queue" if isinstance(self.reader, NativeStoreReader) else "python threads",
-                "parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
+        return {"parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
                 "busy_s": None if busy is None else round(busy(), 4),
                 "idle_after_layer_s": [round(v, 4) for v in self.idle_after],
                 "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
@@ -619,7 +616,7 @@ class NvmeTier:
                         saved += not fut.cancelled() and fut.exception() is None
                     elif fut is not None and fut.running():
                         under_way += 1
-                        share = getattr(fut, "share_done", None)  # StoreReader's futures cannot say
+                        share = getattr(fut, "share_done", None)  # a test double's future may not say
                         saved += share() if share is not None else 0.5
         misses = codes.count(STORE)
         if decode:

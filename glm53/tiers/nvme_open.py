@@ -7,24 +7,17 @@ sized from the plan and warmed from saved routing statistics. glm53.tiers.nvme i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
+from store import native
 from store.errors import StoreError
 from store.format import StoreHeader, read_header
-from store.native_reader import NativeStoreReader, queue_library
-from store.reader import (
-    MIN_PIECE,
-    StoreReader,
-    pick_pieces,
-    pick_prefetch_at_once,
-    time_pieces,
-    time_two_at_once,
-)
+from store.read_timing import pick_pieces, pick_prefetch_at_once, time_pieces, time_two_at_once
+from store.reader import StoreReader
 from store.verify import pack_command, quick_verify
 
 from .nvme import DEFAULT_TIMEOUT_S, NvmeTier, model_key
@@ -36,7 +29,7 @@ log = logging.getLogger("glm53.tiers.nvme")  # one log for the tier, opening or 
 # 9 MiB record read alone took 7.27 ms as one pread, 3.95 ms as 4 parallel parts and 8.45 ms as 8, against
 # 1.93 GB/s (4.9 ms a record) with 8 whole reads in flight; from a RAM-backed store, more parts keep helping. So the
 # tier times a few records alone in each of these part counts when it opens, and reads in the fastest (parts of at
-# least 1 MiB stay large reads on any disk). READ_PIECES: where nothing can be timed (no native pread).
+# least 1 MiB stay large reads on any disk). READ_PIECES: where nothing could be timed.
 READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
 PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
@@ -75,23 +68,19 @@ def open_nvme_tier(
     vram_slots: Sequence[int] | None = None,
     vram_storage: Sequence[torch.Tensor] | None = None,
     staging_slots: int = 2,
-    read_pieces: int | None = None,
-    reader_options: Mapping[str, Any] | None = None,
 ) -> NvmeTier:
     """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
     statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
-    store, ValueError for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
+    store, NativeUnavailable (naming the rebuild command) where the store's native library is not built, ValueError
+    for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
     slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
     vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
-    without admission (the engine's P). read_pieces: each record is read as that many parallel parts (1: one
-    pread); None: the count that reads a record alone fastest here, timed now (`tier.read_timing`).
-    reader_options: further reader options (over `threads`), for the bench's paired comparisons with an
-    earlier reader (threads=2: fewer records read at once; native_queue=False: a StoreReader, whose reads land
-    on Python threads). By default the reader is a NativeStoreReader: its reads are queued, read, hashed and
-    finished by native threads, so a landing read never takes the GIL from the planning thread (on the H200,
-    the planning thread's work took 6.4x its time alone beside StoreReader reads, 1.01x beside these)."""
+    without admission (the engine's P). Each record is read in the count of parallel parts that reads one alone
+    fastest here, and at most the count of guess reads at once that does not slow a demand read, both timed now
+    (`tier.read_timing`, `tier.two_at_once_gain`)."""
     if plan.mode not in ("nvme", "nvme-exact"):
         raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
+    native.library()  # NativeUnavailable before any work: the store is read only through the native queue
     store_path, model_dir = Path(store_path), Path(model_dir)
     rep = quick_verify(store_path, model_dir, sample=verify_sample, allow_buffered=allow_buffered)
     if not rep.ok:
@@ -102,30 +91,11 @@ def open_nvme_tier(
     num_experts = per_layer[layers[0]]
     if set(per_layer.values()) != {num_experts}:
         raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
-    timing: dict[int, float] = {}
-    if read_pieces is None:
-        opts = reader_options or {}
-        read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered,
-                                               min_piece=opts.get("min_piece", MIN_PIECE),
-                                               hashed=opts.get("part_hashes", True))
-    opts = dict(reader_options or {})
-    native_queue = opts.pop("native_queue", True)
-    if native_queue and queue_library() is None:
-        log.warning("nvme tier: glm53's compiled library has no read queue (pip install -e . rebuilds it); "
-                    "reading the store on Python threads instead, which slows decode")
-        native_queue = False
-    make = NativeStoreReader if native_queue else StoreReader
-    if not native_queue:
-        opts.pop("prefetch_at_once", None)  # StoreReader's threads take any read: no cap to set
-    n_threads = opts.pop("threads", None) or threads or plan.nvme_threads or 4
-    at_once_gain = None
-    if native_queue and "prefetch_at_once" not in opts:
-        opts["prefetch_at_once"], at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces,
-                                                                    n_threads, hashed=opts.get("part_hashes", True))
-    reader = make(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
-                  threads=n_threads, **opts)
-    log.info("nvme tier: reading the store through %s", "the native read queue" if native_queue
-             else "Python reader threads")
+    read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered)
+    n_threads = threads or plan.nvme_threads or 4
+    at_once, at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces, n_threads)
+    reader = StoreReader(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
+                         threads=n_threads, prefetch_at_once=at_once)
     try:
         counts, why = (None, "no routing statistics path given (cold start)")
         if stats_path is not None:
@@ -150,19 +120,16 @@ def open_nvme_tier(
     return tier
 
 
-def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool, *, min_piece: int = MIN_PIECE,
-                     hashed: bool = True) -> tuple[int, dict[int, float]]:
+def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool) -> tuple[int, dict[int, float]]:
     """How many parallel parts to read each record in: the fewest that read a record alone about as fast as any
     count of PIECE_CHOICES, timed now on this store, each on different records (READ_PIECES where nothing could be
     timed); and the timings."""
     import random
 
     keys = random.Random().sample(sorted(header.index), min(PIECE_SAMPLE * len(PIECE_CHOICES), len(header.index)))
-    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered,
-                         min_piece=min_piece, hashed=hashed)
+    timing = time_pieces(store_path, header, keys, PIECE_CHOICES, allow_buffered=allow_buffered)
     if not timing:
-        log.info("store reads: %d parallel parts per record (nothing timed: the native pread is not built, or no "
-                 "read came back)", READ_PIECES)
+        log.info("store reads: %d parallel parts per record (nothing timed: no read came back)", READ_PIECES)
         return READ_PIECES, {}
     pieces = pick_pieces(timing)
     log.info("store reads: %d parallel part(s) per record, the fastest for a record read alone here (%s)", pieces,
@@ -170,14 +137,14 @@ def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool
     return pieces, timing
 
 
-def calibrate_prefetch(store_path: Path, header: StoreHeader, allow_buffered: bool, pieces: int, threads: int, *,
-                       hashed: bool = True) -> tuple[int, float | None]:
+def calibrate_prefetch(store_path: Path, header: StoreHeader, allow_buffered: bool, pieces: int,
+                       threads: int) -> tuple[int, float | None]:
     """How many guess reads may be under way at once (see pick_prefetch_at_once), from two records read at once
     against one after the other, timed now on this store; and that gain (None where nothing was timed)."""
     import random
 
     keys = random.Random().sample(sorted(header.index), min(4 * AT_ONCE_PAIRS, len(header.index)))
-    gain = time_two_at_once(store_path, header, keys, pieces, allow_buffered=allow_buffered, hashed=hashed)
+    gain = time_two_at_once(store_path, header, keys, pieces, allow_buffered=allow_buffered)
     at_once = pick_prefetch_at_once(gain, threads)
     if gain is None:
         log.info("store reads: up to %d guess reads at once (nothing timed)", at_once)

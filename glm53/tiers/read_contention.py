@@ -2,13 +2,12 @@
 
 In the nvme modes that thread queues a step's copies while the step's store reads run: on the H200 machine (docs/
 results.md, ninth session) it spent about 2.5x as long per copy as in fast mode, with nothing else to tell apart.
-Two suspects: the reader's Python threads taking the GIL each time a read lands, and the native read pool's threads
-taking the cores and the memory bandwidth. This times one piece of the planning thread's kind of work (a step's
-copies of slot-sized pinned buffers to the device, queued through the tiers' Copier, and a little Python
-bookkeeping) alone, beside a StoreReader's reads (its queue, checks and bookkeeping on Python threads, the parts
-native; the copies queued in one call into torch, and one call per copy), beside them through the native read
-queue (store.native_reader: no Python thread per read), and beside the same reads handed straight to the native pread by a plain thread pool (the cores and memory
-as busy, the least Python a read can cost).
+Two suspects: Python threads taking the GIL each time a read lands, and the native read pool's threads taking the
+cores and the memory bandwidth. This times one piece of the planning thread's kind of work (a step's copies of
+slot-sized pinned buffers to the device, queued through the tiers' Copier, and a little Python bookkeeping) alone,
+beside a StoreReader's reads (queued, read and finished by native threads; the copies queued in one call into
+torch, and one call per copy), and beside the same reads handed straight to the native pread by a plain thread
+pool (the cores and memory as busy, a Python thread per read).
 """
 
 from __future__ import annotations
@@ -41,13 +40,13 @@ def _work(copier, pairs: list, rng: random.Random) -> float:
 
 def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int = 40, seed: int = 0) -> dict:
     """Median seconds of the work alone, beside StoreReader reads and beside bare native reads, and the ratios.
-    parts: the record's parts (the tier's choice). Bare native reads need glm53's compiled pread (else None)."""
+    parts: the record's parts (the tier's choice)."""
     from glm53.tiers.copier import Copier
     from glm53.tiers.ram import pin_host
+    from store import native
     from store.directio import alloc_slots, open_for_read
-    from store.format import read_header
-    from store.native_reader import NativeStoreReader, queue_library
-    from store.reader import Priority, StoreReader, _native, pread_parts
+    from store.format import ALIGN, read_header
+    from store.reader import Priority, StoreReader
 
     head = read_header(store)
     keys = sorted(head.index)
@@ -80,7 +79,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
         return t
 
     out: dict = {}
-    with StoreReader(store, threads=READS, pieces=parts, native=True, verify=True) as reader:  # as the tier reads
+    with StoreReader(store, threads=READS, pieces=parts, verify=True) as reader:  # as the tier reads
         def reader_start():
             return reader.read_many([(*rng.choice(keys), arena[i]) for i in range(READS)], priority=Priority.DEMAND)
 
@@ -99,21 +98,14 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
             copier.batched = False  # one copy_ call (one GIL release) per copy, as before the batch
             times["reader_copyeach"].append(beside(reader_start, reader_finish))
             copier.batched = batched
-    if queue_library() is not None:  # the reads queued and finished by native threads: no Python thread per read
-        with NativeStoreReader(store, threads=READS, pieces=parts, verify=True) as queue:
-            def queue_start():
-                return queue.read_many([(*rng.choice(keys), arena[i]) for i in range(READS)],
-                                       priority=Priority.DEMAND)
-
-            beside(queue_start, reader_finish)
-            times["native_queue"] = [beside(queue_start, reader_finish) for _ in range(reps)]
-    if _native() is not None and parts > 1:
+    if parts > 1:
         fd, _ = open_for_read(store, allow_buffered=True)
         hashes = [np.zeros(parts, np.uint64) for _ in range(READS)]
         try:
             with ThreadPoolExecutor(READS) as pool:
                 def bare_start() -> list:
-                    return [pool.submit(pread_parts, fd, arena[i][:e.extent], e.offset, parts, hashes[i])
+                    return [pool.submit(native.pread_parts, fd, arena[i][:e.extent], e.offset, parts, ALIGN,
+                                        native.xxh3_address(), hashes[i])
                             for i, e in enumerate(head.index[rng.choice(keys)] for _ in range(READS))]
 
                 beside(bare_start, reader_finish)
@@ -122,7 +114,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
             os.close(fd)
     for k, v in times.items():
         out[f"{k}_s"] = statistics.median(v)
-    for k in ("reader", "reader_copyeach", "native_queue", "native"):
+    for k in ("reader", "reader_copyeach", "native"):
         if f"{k}_s" in out:
             out[f"{k}_over_alone"] = out[f"{k}_s"] / out["alone_s"]
     out.update(copies=COPIES, reads=READS, parts=parts, reps=reps)
@@ -135,9 +127,6 @@ def line(res: dict) -> str:
             f"{res['alone_s'] * 1e6:.0f} us alone, {res['reader_s'] * 1e6:.0f} us beside {res['reads']} StoreReader "
             f"reads in {res['parts']} part(s) (x {res['reader_over_alone']:.2f}; "
             f"x {res['reader_copyeach_over_alone']:.2f} with one copy_ call per copy)")
-    if "native_queue_s" in res:
-        text += (f", {res['native_queue_s'] * 1e6:.0f} us beside them through the native read queue "
-                 f"(x {res['native_queue_over_alone']:.2f})")
     if "native_s" in res:
         text += (f", {res['native_s'] * 1e6:.0f} us beside the same reads through a plain thread pool "
                  f"(x {res['native_over_alone']:.2f})")

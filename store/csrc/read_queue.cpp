@@ -1,8 +1,7 @@
-// A store read queue served entirely by native threads, for store.native_reader.
+// A store read queue served entirely by native threads, for store.reader.
 //
-// store.reader's StoreReader lands every read on a Python thread, which takes the GIL for its bookkeeping and to
-// resolve the read's future; each such hand-off can hold up the engine's main thread, which plans every decode
-// step while the GPU waits. Here a read is queued, taken, read (glm53_pread_parts: parts on the shared pool,
+// A read that lands on a Python thread takes the GIL for its bookkeeping and to resolve the read's future; each
+// such hand-off can hold up the engine's main thread, which plans every decode step while the GPU waits. Here a read is queued, taken, read (glm53_pread_parts: parts on the shared pool,
 // each hashed by the thread that read it), hashed whole when asked and marked finished without Python; Python
 // submits, polls the task's state from a numpy view, or waits here with the GIL released, and checks the result
 // itself when it looks.
@@ -21,15 +20,11 @@
 
 #include <unistd.h>
 
-#define GLM53_API extern "C" __attribute__((visibility("default")))
-
-// parallel_read.cpp, in this same library.
-extern "C" int64_t glm53_pread_parts(int fd, void* buf, int64_t length, int64_t offset, int32_t parts, int32_t align,
-                                     int32_t* err, void* hash, uint64_t* hashes, int32_t* used);
+#include "store_api.h"  // glm53_pread_parts: parallel_read.cpp, in this same library
 
 namespace {
 
-// Field indices: store/native_reader.py mirrors them.
+// Field indices: store/reader.py mirrors them.
 enum : int {
     STATE, FD, BUF, LEN, OFF, PARTS, ALIGN, HASH, WANT_WHOLE, DELAY_NS, LEVEL, RESULT, ERRNO, USED, WHOLE, T_START,
     T_END, FIELDS

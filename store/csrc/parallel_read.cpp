@@ -1,6 +1,7 @@
-// One store record read as several parallel preads on native threads, for store.reader.
+// One store record read as several parallel preads on native threads, for store.reader (through read_queue.cpp)
+// and its calibration.
 //
-// A Python reader thread that reads a record's parts itself takes the GIL back after every pread and for its
+// A Python thread that reads a record's parts itself takes the GIL back after every pread and for its
 // bookkeeping between them; each of those hand-offs can stall the engine's main thread, which plans every MoE
 // layer step while the GPU waits (measured on a 2-core host: the main thread's step-like work took 1.9x as long
 // with records read as 4 Python-level parts, 1.35x with one native call per record). Here the caller makes one
@@ -31,43 +32,24 @@
 
 #include <unistd.h>
 
-#define GLM53_API extern "C" __attribute__((visibility("default")))
+#include "store_api.h"
 
 namespace {
 
-// An emulated disk, off unless glm53_emulate_disk turned it on: for benches and tests on a machine whose store
-// reads come from a fast disk or the page cache, to study how reads are scheduled on a disk that is the bottleneck
-// (the H200 machine's virtual disk: ~1.5 GB/s whatever the reads in flight). Each part read, once its real pread
-// is in, books its bytes on one timeline shared by the whole process, from when the read began (so the real read's
-// own time counts towards its booking, not on top of it), and sleeps until its booking ends: reads in flight share
-// one fixed rate (two records read at once take about twice one alone), and a read books behind those that booked
-// before it. The timeline is one atomic (a compare-and-swap loop, not a mutex: a lock inherited
-// held across a fork would hang the child, see pool()).
-std::atomic<double> disk_seconds_per_byte{0.0};
-std::atomic<int64_t> disk_free_at{0};  // steady_clock ns when the last booking ends
+// The read hook: null unless a bench installed one (glm53_store_set_read_hook). One relaxed load per part when
+// none is; the clock is read only when one is.
+std::atomic<glm53_read_hook_fn> read_hook{nullptr};
 
 int64_t steady_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
                std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-void emulate_disk(int64_t bytes, int64_t began) {
-    double spb = disk_seconds_per_byte.load(std::memory_order_relaxed);
-    if (spb <= 0.0 || bytes <= 0) return;
-    int64_t took = static_cast<int64_t>(static_cast<double>(bytes) * spb * 1e9);
-    int64_t free_at = disk_free_at.load(std::memory_order_relaxed), end;
-    do {
-        end = std::max(began, free_at) + took;  // start = max(began, free_at)
-    } while (!disk_free_at.compare_exchange_weak(free_at, end, std::memory_order_relaxed));
-    using Clock = std::chrono::steady_clock;
-    std::this_thread::sleep_until(Clock::time_point(std::chrono::duration_cast<Clock::duration>(
-        std::chrono::nanoseconds(end))));
-}
-
 // Reads until `len` bytes are in or EOF; returns the bytes read, or -1 with *err set.
 int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
     int64_t done = 0;
-    int64_t began = disk_seconds_per_byte.load(std::memory_order_relaxed) > 0.0 ? steady_ns() : 0;
+    glm53_read_hook_fn hook = read_hook.load(std::memory_order_relaxed);
+    int64_t began = hook != nullptr ? steady_ns() : 0;
     while (done < len) {
         ssize_t n = pread(fd, buf + done, static_cast<size_t>(len - done), offset + done);
         if (n < 0) {
@@ -78,7 +60,7 @@ int64_t read_all(int fd, char* buf, int64_t len, int64_t offset, int32_t* err) {
         if (n == 0) break;
         done += n;
     }
-    emulate_disk(done, began);
+    if (hook != nullptr) hook(done, began);
     return done;
 }
 
@@ -238,8 +220,14 @@ GLM53_API int64_t glm53_pread_parts(int fd, void* buf, int64_t length, int64_t o
     return total;
 }
 
-// Turns the emulated disk (see emulate_disk) on at `seconds_per_byte`, or off (0, or anything not above 0);
-// returns the rate it had before. For benches and tests only: every part read of this process is slowed.
-GLM53_API double glm53_emulate_disk(double seconds_per_byte) {
-    return disk_seconds_per_byte.exchange(seconds_per_byte > 0.0 ? seconds_per_byte : 0.0);
+GLM53_API glm53_read_hook_fn glm53_store_set_read_hook(glm53_read_hook_fn hook) {
+    return read_hook.exchange(hook);
 }
+
+// The library's identity, for store/native.py: it refuses a build of other sources (GLM53_STORE_SRC_HASH, compiled
+// in by setup.py) or of another ABI.
+#ifndef GLM53_STORE_SRC_HASH
+#define GLM53_STORE_SRC_HASH "unknown"
+#endif
+GLM53_API int32_t glm53_store_abi_version() { return 1; }
+GLM53_API const char* glm53_store_source_hash() { return GLM53_STORE_SRC_HASH; }
