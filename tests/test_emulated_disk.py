@@ -1,4 +1,4 @@
-"""The library's emulated disk (glm53_emulate_disk, kernel.emulated_disk): reads in flight share one fixed rate, as on
+"""The interim emulated disk on the store's read hook (glm53.cpu_lane.emulated_disk): reads in flight share one fixed rate, as on
 the GPU machine's rate-capped virtual disk, so store read scheduling can be studied on a machine whose store comes
 from the page cache. Only lower bounds (and orderings with wide margins) are asserted on times: CI is a noisy
 2-core machine, and a stall only makes a read slower."""
@@ -12,14 +12,13 @@ import time
 import pytest
 from test_nvme_tier_support import reference, small_store
 
-import store.native_reader as N
-import store.reader as R
-from glm53.cpu_lane import kernel
+import store.read_timing as T
+from glm53.cpu_lane import emulated_disk as kernel
+from store import native
 from store.directio import alloc_aligned, alloc_slots, open_for_read
 from store.format import read_header
-from store.reader import Priority
+from store.reader import Priority, StoreReader
 
-pytestmark = pytest.mark.skipif(R._native() is None, reason="glm53's native pread is not built")
 RECORD_S = 0.03  # what one record of the test store takes on the emulated disk
 
 
@@ -58,7 +57,7 @@ def never_left_on():
 def read(fd, header, key, buf, parts: int) -> float:
     e = header.entry(*key)
     t0 = time.perf_counter()
-    assert R.pread_parts(fd, buf[:e.extent], e.offset, parts) == e.extent
+    assert native.pread_parts(fd, buf[:e.extent], e.offset, parts, 4096)[0] == e.extent
     return time.perf_counter() - t0
 
 
@@ -78,8 +77,8 @@ def test_the_context_manager_sets_and_puts_back_the_rate():
 
 
 def test_without_the_library_it_says_why(monkeypatch):
-    monkeypatch.setattr(kernel, "_LIB", None)
-    with pytest.raises(kernel.KernelUnavailable, match="unavailable"), kernel.emulated_disk(1e-9):
+    monkeypatch.setattr(native, "_LIB", None)
+    with pytest.raises(native.NativeUnavailable, match="unavailable"), kernel.emulated_disk(1e-9):
         pass
 
 
@@ -112,18 +111,18 @@ def test_two_records_read_at_once_take_about_twice_one_alone(header, fd, rate, p
 def test_the_tier_calibration_sees_one_read_keeping_the_emulated_disk_busy(store, header, rate):
     keys = sorted(header.index)
     with kernel.emulated_disk(rate):
-        gain = R.time_two_at_once(store, header, keys, 4, allow_buffered=True)
+        gain = T.time_two_at_once(store, header, keys, 4, allow_buffered=True)
     assert gain is not None and gain < 1.25
-    assert R.pick_prefetch_at_once(gain, 4) == 1
+    assert T.pick_prefetch_at_once(gain, 4) == 1
     # Off, on page-cached reads: whatever two reads at once are worth on this machine (nothing asserted of it).
-    off = R.time_two_at_once(store, header, keys, 4, allow_buffered=True)
+    off = T.time_two_at_once(store, header, keys, 4, allow_buffered=True)
     assert off is None or off > 0
 
 
 def demand_latency(store, rate, cap: int, threads: int = 3) -> float:
     """Seconds from submit to result of a demand read submitted while six prefetches are queued and `cap` (the most
     the cap lets run) of them are under way, on the emulated disk."""
-    with N.NativeStoreReader(store, threads=threads, allow_buffered=True, verify=True, prefetch_at_once=cap) as r, \
+    with StoreReader(store, threads=threads, allow_buffered=True, verify=True, prefetch_at_once=cap) as r, \
             kernel.emulated_disk(rate):
         arena = alloc_slots(7, r.max_extent)
         pre = r.read_many([(1, e, arena[e]) for e in range(6)], priority=Priority.PREFETCH)
@@ -141,7 +140,6 @@ def demand_latency(store, rate, cap: int, threads: int = 3) -> float:
     return took
 
 
-@pytest.mark.skipif(N.queue_library() is None, reason="glm53's native read queue is not built")
 def test_a_demand_read_behind_guesses_comes_in_sooner_with_the_guesses_capped(store, rate):
     # Capped at one guess under way: the demand read takes a free worker at once and books behind that guess's
     # record (~2 records). Uncapped: every worker reads a guess, all booked; the demand read waits for a worker,
