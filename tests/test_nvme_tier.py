@@ -4,7 +4,6 @@ the direct computation from the checkpoint, prefetch lands before demand, start-
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import numpy as np
@@ -12,18 +11,16 @@ import pytest
 import torch
 from test_nvme_tier_support import (
     HIDDEN,
-    PYTHON_READS,
     Direct,
-    Gate,
     check_bytes,
-    check_wrong_guesses_dropped,
     make_store,
     nvme_plan,
+    read_in_parts,
     route,
     slot_forward,
 )
 
-import store.reader as R
+import store.read_timing as T
 from glm53.tiers import Where, exl3_expert_layout, tiered_moe
 from glm53.tiers.nvme import NvmeTier, model_key, record_layout
 from glm53.tiers.nvme_open import StoreRefused, open_nvme_tier
@@ -52,18 +49,12 @@ def settle_reads(tier: NvmeTier, timeout: float = 10.0) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("seed, native_queue, parts", [(s, True, None) for s in range(6)]
-                         + [(0, False, None), (1, False, 4), (2, True, 1), (3, True, 4)])
-def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_queue, parts):
+@pytest.mark.parametrize("seed, parts", [(s, None) for s in range(6)] + [(1, 4), (2, 1), (3, 4)])
+def test_tiered_through_the_store_equals_direct(packed, direct, monkeypatch, seed, parts):
     """Random budgets (VRAM per layer, RAM records), warm or cold, random lanes, admissions, prefetches of
     predictions right or wrong: every layer output equals the direct computation bit for bit, every readable
-    expert holds its record's bytes, and the arena never grows past the plan. native_queue: read through the
-    native read queue (store.native_reader, the default) or a StoreReader; parts: each record in that many parts
+    expert holds its record's bytes, and the arena never grows past the plan. parts: each record in that many parts
     (None: the count timed fastest at open)."""
-    from store.native_reader import NativeStoreReader, queue_library
-
-    if native_queue and queue_library() is None:
-        pytest.skip("glm53's native library is not built")
     ck, store = packed
     rng = np.random.default_rng(seed)
     ram = int(rng.integers(EXPERTS + 1, EXPERTS + 6))  # a RAM tier smaller than the experts VRAM leaves out
@@ -74,9 +65,10 @@ def test_tiered_through_the_store_equals_direct(packed, direct, seed, native_que
         stats = ck.parent / f"routing-{seed}.json"
         from glm53.tiers import save_routing_stats
         save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
-    reading = {"read_pieces": parts, "reader_options": {"native_queue": native_queue, "min_piece": 4096}}
-    with open_nvme_tier(store, ck, plan, stats_path=stats, **reading) as tier:
-        assert isinstance(tier.reader, NativeStoreReader) == native_queue
+    if parts is not None:
+        read_in_parts(monkeypatch, parts)
+    with open_nvme_tier(store, ck, plan, stats_path=stats) as tier:
+        assert tier.reader.pieces == (parts or 1)
         assert tier.budget_bytes <= plan.ram_tier_bytes
         tier.check_invariants()
         forward = slot_forward(tier.layout)
@@ -142,77 +134,6 @@ def test_recall_and_waste_of_a_partial_predictor(packed):
         assert pf["recall"] == pytest.approx(4 / 6) and pf["precision"] == pytest.approx(4 / 5)
         assert not tier.tiers.ram_guard.any(), "guards outlived the layer they were for"
         tier.check_invariants()
-
-
-def test_a_prefetch_still_in_flight_is_waited_for_not_read_twice(packed, direct, monkeypatch):
-    ck, store = packed
-    real, gate = R.pread_into, threading.Event()
-
-    def held(fd, view, offset):
-        assert gate.wait(10)
-        return real(fd, view, offset)
-
-    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0), reader_options=PYTHON_READS) as tier:
-        monkeypatch.setattr(R, "pread_into", held)
-        tier.prefetch([(0, 6)])
-        threading.Timer(0.05, gate.set).start()
-        ids, w, x = np.array([[6, 8]]), torch.rand(1, 2), torch.randn(1, HIDDEN)
-        got = tiered_moe(tier.tiers, 0, x, ids, w, slot_forward(tier.layout))
-        assert torch.equal(got.y, direct.moe(1, x, ids, w))
-        assert got.picks["nvme"] == 2 and tier.reader.stats()["reads"] == 2
-        assert tier.stats.snapshot()["prefetch"]["late"] == 1
-
-
-def test_demand_reads_overtake_queued_prefetches(packed, monkeypatch):
-    ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
-    with open_nvme_tier(store, ck, plan, reader_options=PYTHON_READS) as tier:
-        gate = Gate(monkeypatch)
-        tier.prefetch([(1, e) for e in (0, 1, 2)])
-        assert gate.entered.wait(10)  # the only reader thread holds the first prefetch
-        tier.demand(0, np.array([9]))  # layer 0 runs before the guesses' layer 1
-        gate.release.set()
-        settle_reads(tier)
-        head, (l0, l1) = tier.reader.header, tier.store_layers
-        assert gate.order == [head.entry(l1, 0).offset, head.entry(l0, 9).offset,
-                              head.entry(l1, 1).offset, head.entry(l1, 2).offset]
-
-
-def test_when_its_layer_runs_a_needed_queued_guess_goes_first_and_wrong_ones_are_dropped_unread(packed, monkeypatch):
-    ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=1)
-    with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options=PYTHON_READS) as tier:
-        gate = Gate(monkeypatch)
-        tier.prefetch([(1, e) for e in (0, 1, 2, 3)])
-        assert gate.entered.wait(10)  # the only reader thread holds the first guess; 1, 2, 3 wait in the queue
-        in_use = tier.tiers.ram.in_use()
-        tier.demand(1, np.array([0, 3]))  # the step needs the last guess: read next, and only once; 1, 2 were wrong
-        assert [Where(tier.tiers.where[1, e]) for e in (1, 2)] == [Where.STORE] * 2
-        assert tier.tiers.ram.in_use() == in_use - 2  # their RAM slots are free again
-        gate.release.set()
-        settle_reads(tier)
-        head = tier.reader.header
-        assert gate.order == [head.entry(2, e).offset for e in (0, 3)] and tier.reader.stats()["reads"] == 2
-        check_wrong_guesses_dropped(tier)
-
-
-def test_promote_moves_a_queued_read_but_never_starts_one(packed, monkeypatch):
-    from store.directio import alloc_slots
-    from store.reader import Priority
-
-    _, store = packed
-    gate = Gate(monkeypatch)
-    with StoreReader(store, threads=1) as r:
-        arena = alloc_slots(3, r.max_extent)
-        running = r.read(2, 0, arena[0], priority=Priority.PREFETCH)
-        assert gate.entered.wait(10)
-        a, b = r.read_many([(2, 1, arena[1]), (2, 2, arena[2])], priority=Priority.PREFETCH)
-        assert r.promote(2, 2, arena[2]) and not r.promote(2, 0, arena[0]), "the running one is not re-read"
-        assert not r.promote(2, 5, arena[1]), "nothing queued under that key"
-        gate.release.set()
-        for f in (running, a, b):
-            f.result(10)
-        assert gate.order == [r.header.entry(2, e).offset for e in (0, 2, 1)] and r.stats()["reads"] == 3
 
 
 def test_prefetch_respects_window_guards_and_protection(packed):
@@ -416,62 +337,42 @@ def test_the_engine_can_fix_vram_slots_and_hand_in_its_slot_tensors(packed):
         check_bytes(tier, store)
 
 
-def test_the_tier_reads_through_the_native_queue_unless_told_not_to(packed, monkeypatch, caplog):
-    import store.native_reader as N
-    from store.reader import StoreReader, _native
+def test_the_tier_reads_through_the_store_reader_and_refuses_to_open_without_its_native_library(packed, monkeypatch):
+    from store import native
 
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=2)
-    if N.queue_library() is None:
-        pytest.skip("glm53's library is built without the read queue")
-    with open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
-        assert isinstance(tier.reader, N.NativeStoreReader)
-        assert tier.reader.pieces == 4 and tier.reader.threads == 2  # the plan's
-    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={**PYTHON_READS, "native": False}) as tier:
-        assert type(tier.reader) is StoreReader and tier.reader.pieces == 4 and not tier.reader.native
-    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options=PYTHON_READS) as tier:
-        assert tier.reader.native == (_native() is not None) and len(tier.reader._threads) == 2
-    with open_nvme_tier(store, ck, plan, read_pieces=4, reader_options={**PYTHON_READS, "threads": 1}) as tier:
-        assert len(tier.reader._threads) == 1  # the bench's fewer-readers variant
-    import glm53.tiers.nvme_open as nvme_mod
-
-    monkeypatch.setattr(nvme_mod, "queue_library", lambda: None)  # a library without the queue: said, then served
-    with caplog.at_level("INFO"), open_nvme_tier(store, ck, plan, read_pieces=4) as tier:
-        assert type(tier.reader) is StoreReader and tier.read_summary()["reader"] == "python threads"
-    assert "no read queue" in caplog.text and "pip install -e ." in caplog.text
-    assert "reading the store through Python reader threads" in caplog.text
+    with open_nvme_tier(store, ck, plan) as tier:
+        assert type(tier.reader) is StoreReader and tier.reader.threads == 2  # the plan's
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native, "_WHY", "not built (no store/_native*.so for this Python)")
+    with pytest.raises(native.NativeUnavailable) as ei:
+        open_nvme_tier(store, ck, plan)
+    assert "not built" in ei.value.problem and "pip install -e ." in ei.value.fix
 
 
 def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed, monkeypatch, caplog):
     import glm53.tiers.nvme_open as nvme_mod
-    from store import reader as reader_mod
 
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0)
     with open_nvme_tier(store, ck, plan) as tier:  # records under 1 MiB here: one part is all there is to time
-        if reader_mod._native() is not None:
-            assert list(tier.read_timing) == [1] and tier.reader.pieces == 1
-        else:  # nothing timed: the parts would run on Python threads
-            assert tier.read_timing == {} and tier.reader.pieces == nvme_mod.READ_PIECES
+        assert list(tier.read_timing) == [1] and tier.reader.pieces == 1
     seen = []
 
-    def timed(path, header, keys, choices, allow_buffered=False, min_piece=1 << 20, hashed=True):
-        seen.append((len(set(keys)), len(keys), tuple(choices), min_piece, hashed))
+    def timed(path, header, keys, choices, allow_buffered=False):
+        seen.append((len(set(keys)), len(keys), tuple(choices)))
         return {1: 8.8e-3, 2: 6.0e-3, 4: 4.4e-3, 8: 8.7e-3}
 
     monkeypatch.setattr(nvme_mod, "time_pieces", timed)
     with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
         assert tier.reader.pieces == 4 and tier.read_timing[4] == 4.4e-3
         n = min(nvme_mod.PIECE_SAMPLE * len(nvme_mod.PIECE_CHOICES), len(tier.reader.header.index))
-        assert seen == [(n, n, nvme_mod.PIECE_CHOICES, 1 << 20, True)]  # distinct records, each read once
+        assert seen == [(n, n, nvme_mod.PIECE_CHOICES)]  # distinct records, each read once
     assert "4 parallel part(s) per record" in caplog.text and "4: 4.40 ms" in caplog.text
-    with open_nvme_tier(store, ck, plan, reader_options={"part_hashes": False, "min_piece": 4096}):
-        assert seen[-1][3:] == (4096, False)  # timed the way the reader will read
     summary = tier.read_summary()
     assert summary["parts"] == 4 and summary["timed_ms_by_parts"] == {"1": 8.8, "2": 6.0, "4": 4.4, "8": 8.7}
     assert {"reads", "retries", "errors", "checked_by_parts"} <= set(summary)
-    with open_nvme_tier(store, ck, plan, read_pieces=2) as tier:  # told: nothing timed
-        assert tier.reader.pieces == 2 and tier.read_timing == {} and len(seen) == 2
     monkeypatch.setattr(nvme_mod, "time_pieces", lambda *a, **k: {})  # no read came back while timing
     with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
         assert tier.reader.pieces == nvme_mod.READ_PIECES and tier.read_timing == {}
@@ -481,27 +382,19 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
 def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when_it_opened(packed, monkeypatch,
                                                                                              caplog):
     import glm53.tiers.nvme_open as nvme_mod
-    import store.native_reader as N
 
-    if N.queue_library() is None:
-        pytest.skip("glm53's library is built without the read queue")
     ck, store = packed
     plan = nvme_plan(store, 2 * EXPERTS, 0, threads=4)
-    with open_nvme_tier(store, ck, plan, read_pieces=1) as tier:  # timed for real on this store's records
+    with open_nvme_tier(store, ck, plan) as tier:  # timed for real on this store's records
         gain = tier.two_at_once_gain
         assert gain is None or gain > 0
-        assert tier.reader.prefetch_at_once == R.pick_prefetch_at_once(gain, tier.reader.threads)
+        assert tier.reader.prefetch_at_once == T.pick_prefetch_at_once(gain, tier.reader.threads)
         assert tier.read_summary()["prefetch_at_once"] == tier.reader.prefetch_at_once
     for timed, want in ((1.05, 1), (1.8, plan.nvme_threads - 1)):
         monkeypatch.setattr(nvme_mod, "time_two_at_once", lambda *a, timed=timed, **k: timed)
-        with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan, read_pieces=1) as tier:
+        with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
             assert tier.reader.prefetch_at_once == want and tier.read_summary()["two_at_once_gain"] == timed
         assert f"up to {want} guess read(s) at once" in caplog.text and f"{timed:.2f}x" in caplog.text
-    with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options={"prefetch_at_once": 2}) as tier:
-        assert tier.reader.prefetch_at_once == 2 and tier.two_at_once_gain is None  # told: nothing timed
-    monkeypatch.setattr(nvme_mod, "queue_library", lambda: None)  # the fallback reader has no cap: the option goes
-    with open_nvme_tier(store, ck, plan, read_pieces=1, reader_options={"prefetch_at_once": 1 << 10}) as tier:
-        assert type(tier.reader) is StoreReader and tier.two_at_once_gain is None
 
 
 def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monkeypatch):

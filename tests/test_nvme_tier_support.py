@@ -4,7 +4,7 @@ checkpoint's own tensors."""
 
 from __future__ import annotations
 
-import threading
+import functools
 from functools import cache
 from pathlib import Path
 
@@ -97,25 +97,13 @@ def check_bytes(tier, store: Path) -> None:
                 assert got[: len(want)] == want, f"{layer}/{e} bytes differ from the store record"
 
 
-# Tests that steer reads through store.reader.pread_into (held, slowed, failed) open the tier on the reader whose
-# reads run there; the native read queue (the default) is steered by its own tests and test_nvme_tier_native.py.
-PYTHON_READS = {"native_queue": False}
+def read_in_parts(monkeypatch, parts: int) -> None:
+    """Tiers opened from now on read each record in `parts` parts, as if the open's timing had chosen that: the
+    test stores' 40 KiB records are below the reader's least part (1 MiB), which is lowered to 4 KiB here."""
+    import glm53.tiers.nvme_open as nvme_open
 
-
-class Gate:
-    """Wraps pread_into: records the order of reads and holds the first one until released."""
-
-    def __init__(self, monkeypatch):
-        self.order, self.release, self.entered = [], threading.Event(), threading.Event()
-        self.real = R.pread_into
-        monkeypatch.setattr(R, "pread_into", self)
-
-    def __call__(self, fd, view, offset):
-        self.order.append(offset)
-        if len(self.order) == 1:
-            self.entered.set()
-            assert self.release.wait(10)
-        return self.real(fd, view, offset)
+    monkeypatch.setattr(nvme_open, "calibrate_pieces", lambda *a, **k: (parts, {}))
+    monkeypatch.setattr(nvme_open, "StoreReader", functools.partial(R.StoreReader, min_piece=4096))
 
 
 def check_wrong_guesses_dropped(tier) -> None:
