@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from test_nvme_tier_support import make_store
 
-import store.reader as R
 from glm53.engine import bench as B
-from glm53.tiers.nvme_open import READ_PIECES
 
 
 def mode_doc(tok: float, nvme: bool = False) -> dict:
@@ -30,13 +28,12 @@ def test_report_has_a_line_per_mode_and_the_targets():
            "read_parts": 4, "read_ms_by_parts": {"1": 7.5, "2": 5.1, "4": 4.02},
            "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
                      "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
-                     "nvme-exact-whole": mode_doc(16.0, nvme=True), "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
-    res["nvme_exact_over"] = {"nvme-exact-whole": 1.25, "nvme-exact-ahead2": 0.83, "nvme-exact-waitfirst": 1.31,
-                              "nvme-exact-pyparts": 1.07, "nvme-exact-readsfirst": 1.04}
-    for v in ("nvme-exact-pyparts", "nvme-exact-waitfirst", "nvme-exact-readsfirst"):
+                     "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
+    res["nvme_exact_over"] = {"nvme-exact-ahead2": 0.83, "nvme-exact-waitfirst": 1.31, "nvme-exact-readsfirst": 1.04}
+    for v in ("nvme-exact-waitfirst", "nvme-exact-readsfirst"):
         res["modes"][v] = mode_doc(15.0, nvme=True)
     res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
-    res["modes"]["nvme-exact-whole"]["tiers"] = {"store_reads": {"parts": 1}}
+    res["modes"]["nvme-exact-ahead2"]["tiers"] = {"store_reads": {"parts": 1}}
     res["modes"]["nvme"]["decode_store"] = {"picks_by_layer": [1.5, 0.25], "issued": 3.0, "hits": 2.0, "late": 0.5,
                                             "late_under_way": 0.25, "wasted": 0.5, "demand_misses": 1.25,
                                             "store_busy": 0.3, "guess_floor": 0.23, "guess_saving": 0.9,
@@ -60,7 +57,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s at the start", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600", "x the two lanes one after the other 0.930",
                  "reads each record in 4 part(s), timed as it opens (native pread, parts hashed): 7.50 ms in 1, 5.10 ms in 2, "
-                 "4.02 ms in 4; the modes read in nvme-exact-whole 1",
+                 "4.02 ms in 4; the modes read in nvme-exact-ahead2 1",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
                  "per decoded token: store picks by layer 1.50 0.25; reads a step waited for but no guess started "
                  "1.25, guesses read 3.00 (in time 2.00, late 0.50 of which under way 0.25, wrong 0.50); store busy "
@@ -70,17 +67,13 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "    per prompt: 1234 MiB from the store, store busy 0.61 of the prefill; prefill x the disk's bound "
                  "0.705, median of windows",
                  "each tiered mode decoded 192 tokens before the windows",
-                 "nvme-exact / nvme-exact-whole (each record read in parallel parts / each record read in one "
-                 "pread): 1.250", "nvme-exact-whole picks per tier",
                  "nvme-exact / nvme-exact-ahead2 (store reads started one layer ahead / store reads started two layers "
                  "ahead as well): "
                  "0.830, median of paired windows; recall two layers ahead 0.41", "nvme-exact-ahead2 picks per tier",
                  "nvme-exact-waitfirst picks per tier",
                  "(RAM misses cross PCIe while the store reads land / a step's RAM misses wait for its store reads): "
                  "1.310, median of paired windows",
-                 "(a record's parts read in one native call / StoreReader, the parts read on Python threads): 1.070, median",
-
-                 "nvme-exact-pyparts picks per tier", "nvme-exact-readsfirst picks per tier",
+                 "nvme-exact-readsfirst picks per tier",
                  "and frees RAM for the next step's, after launch / reads ahead before launch, RAM room found by each "
                  "read): 1.040, median", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
@@ -94,10 +87,7 @@ def test_nvme_opener_measures_the_disk(tmp_path):
     assert B.nvme_opener(ck, store, 0.1, threads=2)[3] == 17 / 32  # one layer's 16 experts plus one
     assert callable(opener) and rate > 0
     assert set(latency) == {1, 4, 8} and all(t > 0 for t in latency.values())
-    if R._native() is not None:  # records under 1 MiB: one part
-        assert parts == 1 and all(t > 0 for t in timing.values())
-    else:  # nothing to time the parts with
-        assert parts == READ_PIECES and timing == {}
+    assert parts == 1 and all(t > 0 for t in timing.values())  # records under 1 MiB: one part
 
 
 def test_paired_ratio_cancels_drift_between_windows():
@@ -194,17 +184,15 @@ def test_a_variant_sets_attributes_of_the_stepper_and_of_what_it_holds():
 
 
 def test_an_emulated_disk_is_refused_where_it_would_pace_some_reads_and_not_others():
-    """--emulate-disk-GBps: a rate above 0, an nvme mode to read the store, and no mode whose reads go through
-    Python's preads (the emulation paces only the native pread, so its ratio against nvme-exact would mean
-    nothing); otherwise no problem where the library is built."""
-    from glm53.cpu_lane import kernel
+    """--emulate-disk-GBps: a rate above 0 and an nvme mode to read the store; otherwise no problem where the
+    store's library is built."""
+    from glm53.cpu_lane import emulated_disk
+    from store import native
 
     assert "above 0" in B.emulation_problem(0, ("nvme-exact",))
     assert "no nvme mode" in B.emulation_problem(6, ("exact", "fast"))
-    problem = B.emulation_problem(6, ("nvme-exact", "nvme-exact-pythonreads", "nvme-exact-pyparts", "nvme-exact-whole"))
-    assert "nvme-exact-pythonreads, nvme-exact-pyparts read the store on Python threads" in problem
-    if kernel.supported_isas():
-        assert B.emulation_problem(6, ("fast", "nvme-exact", "nvme", "nvme-exact-whole")) is None
-        assert kernel.set_emulated_disk(0.0) == 0.0  # the check left the emulation off
+    if native.available():
+        assert B.emulation_problem(6, ("fast", "nvme-exact", "nvme")) is None
+        assert emulated_disk.set_emulated_disk(0.0) == 0.0  # the check left the emulation off
     else:
         assert B.emulation_problem(6, ("nvme-exact",))
