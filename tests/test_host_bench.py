@@ -142,10 +142,11 @@ EMU_RATIO = re.compile(r"^  bsz 1 ratio default / (no_cap|guess_saving) per step
 
 
 def test_nvme_on_an_emulated_disk_and_gpu_compares_the_default_with_no_cap_and_the_guess_rule_by_saving(capsys, tmp_path):
-    from glm53.cpu_lane import kernel
+    from glm53.cpu_lane import emulated_disk as kernel
+    from store import native
 
-    if getattr(kernel._LIB, "glm53_emulate_disk", None) is None:
-        pytest.skip("glm53's library (with its emulated disk) is not built")
+    if not native.available():
+        pytest.skip("the store's native library (with its read hook) is not built")
     out = tmp_path / "emulated.json"
     lines = _bench(capsys, *NVME, *EMULATED, "--bsz", "1", "--baseline", "none", "--json", str(out))
     assert kernel.set_emulated_disk(0.0) == 0.0  # left off
@@ -249,8 +250,8 @@ def test_a_baseline_worktree_gets_the_compiled_library_of_its_sources(tmp_path):
         assert _baseline_library(REPO, tree) is None
         assert [p.name for p in sorted((tree / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))] == \
             [p.name for p in libs]
-        probe = subprocess.run([sys.executable, "-c", "from store.native_reader import queue_library; "
-                                "print(queue_library() is not None)"], cwd=tree, capture_output=True, text=True,
+        probe = subprocess.run([sys.executable, "-c", "from store import native; "
+                                "print(native.available())"], cwd=tree, capture_output=True, text=True,
                                env={**os.environ, "PYTHONPATH": str(tree)})
         assert probe.stdout.strip() == "True", probe.stderr
     finally:

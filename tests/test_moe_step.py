@@ -774,7 +774,6 @@ def test_a_store_read_failing_after_the_lane_started_cancels_the_lane_job(packed
     the step waits for its staged store misses. When one of those reads fails the step raises and nobody collects
     the lane's ticket, so it must be cancelled: left running, the lane would go on reading RAM rows that the
     following steps' store reads may reuse, and the next lane job would queue behind it."""
-    import errno
     import threading
     import types
 
@@ -812,15 +811,15 @@ def test_a_store_read_failing_after_the_lane_started_cancels_the_lane_job(packed
         ram = next(e for e in range(16) if t.where[0, e] == Where.RAM)
         bad = next(e for e in range(16) if t.where[0, e] == Where.STORE)
         to_lane.append(ram)
-        real, offset = R.pread_into, tier.reader.header.entry(1, bad).offset
+        real = R.StoreReader._check
 
-        def fail_bad(fd, view, off):
-            if off == offset:
-                started.wait(5)  # fails once the lane job runs
-                raise OSError(errno.EIO, "Input/output error")
-            return real(fd, view, off)
+        def fail_bad(reader, fut):  # the read of `bad` is found failed once the lane job runs
+            if (fut.entry.layer, fut.entry.expert) == (1, bad):
+                started.wait(5)
+                return "I/O error: Input/output error", False
+            return real(reader, fut)
 
-        monkeypatch.setattr(R, "pread_into", fail_bad)
+        monkeypatch.setattr(R.StoreReader, "_check", fail_bad)
         with pytest.raises(StoreError):
             stepper.resolve(0, np.array([[ram, bad]]), True, np.zeros((1, 256), np.float32),
                             np.ones((1, 2), np.float32))

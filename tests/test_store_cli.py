@@ -75,10 +75,7 @@ def test_bench_store_prints_ratios(tmp_path, capsys):
     for what in ("raw  sequential read", "raw  random-record read", "pack-store", "verify-store full",
                  "reader random records"):
         assert what in o
-    from store.reader import _native
-
-    how = "native" if _native() is not None else "Python-thread"
-    assert o.count("x raw") == 4 and f"4 {how} parts each, as the engine reads" in o
+    assert o.count("x raw") == 4 and "4 native parts each, as the engine reads" in o
     assert "the main thread's step-like work" in o and "whole records" in o and "4 parts in native code" in o
     assert not any((tmp_path / "w").iterdir())       # synthetic files removed
 
@@ -110,8 +107,8 @@ def test_the_store_never_imports_torch():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    code = ("import sys, store.cli, store.pack, store.verify, store.reader, store.bench, store.synth; "
-            "store.cli.register_bench; store.reader._native(); sys.exit(1 if 'torch' in sys.modules else 0)")
+    code = ("import sys, store.native, store.cli, store.pack, store.verify, store.reader, store.bench, store.synth; "
+            "store.cli.register_bench; store.native.library(); sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], cwd=repo).returncode == 0
     for p in (repo / "store").glob("*.py"):
         assert "import torch" not in p.read_text(), p

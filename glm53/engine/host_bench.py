@@ -292,18 +292,22 @@ def _baseline_library(root: Path, tree: Path) -> str | None:
     here = sorted((root / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))
     if not here:
         return None  # this tree has none either: both run the same fallbacks
-    info = tree / "glm53" / "cpu_lane" / "buildinfo.py"
-    same = False
-    if info.exists():
-        spec = importlib.util.spec_from_file_location("_glm53_baseline_buildinfo", info)
+    from glm53.cpu_lane import buildinfo
+    from store import native_build
+
+    same = True  # both libraries (the CPU kernel's, the store's) built from the same sources as this tree's
+    for rel, ours in (("glm53/cpu_lane/buildinfo.py", buildinfo), ("store/native_build.py", native_build)):
+        info = tree / rel
+        if not info.exists():
+            same = False
+            break
+        spec = importlib.util.spec_from_file_location(f"_glm53_baseline_{info.stem}", info)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        from glm53.cpu_lane import buildinfo
-
-        same = mod.source_hash(info.parent) == buildinfo.source_hash()
+        same = same and mod.source_hash(info.parent) == ours.source_hash()
     if same:
-        for lib in here:
-            shutil.copyfile(lib, tree / "glm53" / "cpu_lane" / lib.name)
+        for lib in here + sorted((root / "store").glob("_native*.so")):
+            shutil.copyfile(lib, tree / lib.relative_to(root))
         return None
     print("building the baseline's compiled library from its own sources (a minute or more)", file=sys.stderr,
           flush=True)
