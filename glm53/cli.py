@@ -20,7 +20,7 @@ COMMAND_MODULES = (
     "glm53.settings_cli",    # settings
     "glm53.fixture.cli",     # fixture
     "glm53.checkpoint",      # model verify / fetch
-    "store.cli",             # pack-store, verify-store, bench store
+    "glm53.store_cli",       # pack-store, verify-store, bench store
     "glm53.engine.bench",    # bench decode
     "glm53.tiers.nvme_bench",  # bench nvme
     "glm53.cpu_lane.bench",  # bench cpu-lane

@@ -1,4 +1,6 @@
-"""`glm53 pack-store`, `glm53 verify-store` and `glm53 bench store`.
+"""`glm53 pack-store`, `glm53 verify-store` and `glm53 bench store`: the store package's tools behind glm53's front
+door, with glm53's settings (GLM53_STORE, GLM53_MODEL_DIR, GLM53_ALLOW_BUFFERED_READS, GLM53_CACHE_DIR) passed
+to them as arguments (store/ itself imports nothing of glm53).
 
 Imports stay inside the commands: the front door imports this module at every start of every command.
 """
