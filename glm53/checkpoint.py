@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import struct
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from store import safetensors_header as st
 
 LOCK_FORMAT = 1
 DATA_DIR = Path(__file__).resolve().parent / "data"
@@ -33,7 +34,6 @@ UPSTREAM_SUFFIX = ".upstream"
 # Not part of a checkpoint: huggingface_hub's download bookkeeping inside a local_dir
 IGNORED_DIRS = (".cache",)
 _HASH_CHUNK = 8 << 20
-_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 class CheckpointError(Exception):
@@ -154,34 +154,18 @@ def hash_files(root: Path, names: list[str], progress: bool = True, workers: int
 # Safetensors headers and the index
 
 
-def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """Tensor name -> {dtype, shape, data_offsets} from a file's header, after checking that the header
-    parses and that the data it describes is exactly what the file holds (catches truncation and appends)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path.name}: {size} bytes, too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(_MAX_HEADER, size - 8):
-            raise CheckpointError(f"{path.name}: header length {n} does not fit in a {size}-byte file "
-                                  "(truncated or not a safetensors file)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise CheckpointError(f"{path.name}: the safetensors header is not valid JSON ({exc})") from None
-    header.pop("__metadata__", None)
-    end = 0
-    for name, h in header.items():
-        try:
-            beg, stop = h["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path.name}: tensor {name} has no valid data_offsets") from None
-        end = max(end, stop)
-    if 8 + n + end != size:
-        raise CheckpointError(f"{path.name}: the header describes {8 + n + end} bytes, the file has {size} "
-                              f"({'truncated' if size < 8 + n + end else 'extra bytes at the end'})")
-    return header
+def read_safetensors_header(path: Path) -> dict[str, st.TensorInfo]:
+    """Tensor name -> its dtype, shape and data offsets from a file's header (store.safetensors_header), after
+    checking that the data it describes is exactly what the file holds (catches truncation and appends)."""
+    try:
+        head = st.read_safetensors_header(path)
+    except st.SafetensorsHeaderError as exc:
+        raise CheckpointError(str(exc)) from None
+    if head.data_start + head.data_end != head.file_size:
+        want, size = head.data_start + head.data_end, head.file_size
+        raise CheckpointError(f"{path.name}: the header describes {want} bytes, the file has {size} "
+                              f"({'truncated' if size < want else 'extra bytes at the end'})")
+    return head.tensors
 
 
 @dataclass
@@ -263,8 +247,7 @@ def repair_index(root: Path, missing: dict[str, str]) -> Path:
 
 
 def _tensor_nbytes(path: Path, name: str) -> int:
-    beg, end = read_safetensors_header(path)[name]["data_offsets"]
-    return end - beg
+    return read_safetensors_header(path)[name].nbytes
 
 
 def _repaired_index_ok(root: Path, where: dict[str, list[str]]) -> str | None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from store.safetensors_header import SafetensorsHeaderError, read_safetensors_header
 
 MIB = 1 << 20
 KIB = 1 << 10
@@ -87,19 +88,10 @@ assert DEFAULT_SHAPE.expert_bytes == 9 * MIB + 36 * KIB
 
 def read_safetensors_sizes(path: Path) -> dict[str, int]:
     """Tensor name -> byte size, from one file's header only."""
-    with path.open("rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ShapeError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * MIB:
-            raise ShapeError(f"{path}: safetensors header of {n} bytes is implausible")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise ShapeError(f"{path}: unreadable safetensors header: {exc}") from None
-    return {name: int(t["data_offsets"][1]) - int(t["data_offsets"][0])
-            for name, t in header.items() if name != "__metadata__"}
+    try:
+        return read_safetensors_header(path).sizes()
+    except SafetensorsHeaderError as exc:
+        raise ShapeError(str(exc)) from None
 
 
 def _text_config(config: dict) -> dict:

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,8 +19,8 @@ import xxhash
 
 from store.errors import CheckpointError
 from store.format import PROJECTIONS, SEGMENT_ORDER, Layout
+from store.safetensors_header import SafetensorsHeaderError, read_safetensors_header
 
-MAX_HEADER = 256 << 20            # a safetensors header larger than this is damage, not a model
 FINGERPRINT_BLOCKS = 16
 FINGERPRINT_BLOCK = 64 << 10
 ST_DTYPES = {"I16": ("int16", 2), "F16": ("float16", 2), "I32": ("int32", 4), "BF16": ("bfloat16", 2),
@@ -65,26 +64,6 @@ class Checkpoint:
         return self.config.get("text_config") or self.config
 
 
-def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """The header dict and the absolute offset where tensor data starts."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise CheckpointError(f"{path} is {size} bytes: not a safetensors file (truncated?)",
-                                  "restore the file from the original download (glm53 model verify DIR)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER or 8 + n > size:
-            raise CheckpointError(f"{path}: safetensors header length {n} does not fit the {size}-byte file",
-                                  "restore the file from the original download (glm53 model verify DIR)")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as exc:
-            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({exc})",
-                                  "restore the file from the original download (glm53 model verify DIR)") from None
-    return header, 8 + n
-
-
 def scan_checkpoint(model_dir: str | Path) -> Checkpoint:
     root = Path(model_dir)
     if not root.is_dir():
@@ -106,15 +85,16 @@ def scan_checkpoint(model_dir: str | Path) -> Checkpoint:
     for p in files:
         st = p.stat()
         shards.append(Shard(p.name, st.st_size, st.st_mtime_ns))
-        header, base = read_safetensors_header(p)
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = info["data_offsets"]
-            if base + end > st.st_size or end < begin:
+        try:
+            head = read_safetensors_header(p)
+        except SafetensorsHeaderError as exc:
+            raise CheckpointError(str(exc), "restore the file from the original download (glm53 model verify DIR)") \
+                from None
+        for name, t in head.tensors.items():
+            if head.data_start + t.end > st.st_size:
                 raise CheckpointError(f"{p}: tensor {name} lies beyond the end of the file (truncated shard)",
                                       "restore the file from the original download (glm53 model verify DIR)")
-            tensors[name] = TensorRef(name, p.name, info["dtype"], tuple(info["shape"]), base + begin, end - begin)
+            tensors[name] = TensorRef(name, p.name, t.dtype, t.shape, head.data_start + t.begin, t.nbytes)
     return Checkpoint(root, config, hashlib.sha256(cfg_bytes).hexdigest(), shards, tensors)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 import numpy as np
@@ -15,16 +14,15 @@ import pytest
 from glm53 import exl3ref
 from glm53.cli import main
 from glm53.fixture import exl3 as F
+from store.safetensors_header import read_safetensors_header
 
 P = "model.language_model"
 
 
 def header(path: Path) -> dict:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        h = json.loads(f.read(n))
-    h.pop("__metadata__", None)
-    return h
+    """Tensor name -> its header entry (dtype, shape, data_offsets), as the file's JSON has it."""
+    return {name: {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}
+            for name, t in read_safetensors_header(path).tensors.items()}
 
 
 def all_tensors(ck: Path) -> dict[str, tuple[str, dict]]:
@@ -37,13 +35,11 @@ def all_tensors(ck: Path) -> dict[str, tuple[str, dict]]:
 
 
 def tensor_bytes(ck: Path, fname: str, name: str) -> bytes:
-    path = ck / fname
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        h = json.loads(f.read(n))[name]
-        beg, end = h["data_offsets"]
-        f.seek(8 + n + beg)
-        return f.read(end - beg)
+    head = read_safetensors_header(ck / fname)
+    t = head.tensors[name]
+    with open(ck / fname, "rb") as f:
+        f.seek(head.data_start + t.begin)
+        return f.read(t.nbytes)
 
 
 def tensor(ck: Path, name: str) -> np.ndarray:

@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from glm53.engine.moe_step import MoeStepper
+from store.safetensors_header import read_safetensors_header
 
 log = logging.getLogger("glm53.engine")
 
@@ -224,14 +223,9 @@ class SafetensorsIndex:
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {self.model_dir}")
         for path in files:
-            with open(path, "rb") as f:
-                (hlen,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(hlen))
-            for name, h in header.items():
-                if name == "__metadata__":
-                    continue
-                beg, end = h["data_offsets"]
-                self.entries[name] = TensorEntry(path, h["dtype"], tuple(h["shape"]), 8 + hlen + beg, end - beg)
+            head = read_safetensors_header(path)
+            for name, t in head.tensors.items():
+                self.entries[name] = TensorEntry(path, t.dtype, t.shape, head.data_start + t.begin, t.nbytes)
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
