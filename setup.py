@@ -17,14 +17,19 @@ FLAGS = {"language": "c++", "extra_compile_args": ["-std=c++17", "-O3", "-fvisib
          "extra_link_args": ["-pthread"]}
 
 
+STORE_BUILD = Path("store") / "native_build.py"
+files_hash = runpy.run_path(str(STORE_BUILD))["files_hash"]  # standard library only: runs before any install
+
+
 def extension(info_file: Path, macro: str) -> Extension:
     """One library from its build info (sources, headers, name); the sources' hash compiled in as `macro`, so its
     loader refuses a library built from other sources."""
     info, src = runpy.run_path(str(info_file)), info_file.parent  # its SOURCES are named relative to it
+    names = tuple(info["SOURCES"]) + tuple(info["HEADERS"])
     return Extension(info["EXTENSION"], sources=[str(src / s) for s in info["SOURCES"]],
                      depends=[str(src / h) for h in info["HEADERS"]],
-                     define_macros=[(macro, f'"{info["source_hash"]()}"')], **FLAGS)
+                     define_macros=[(macro, f'"{files_hash(src, names)}"')], **FLAGS)
 
 
 setup(ext_modules=[extension(Path("glm53") / "cpu_lane" / "buildinfo.py", "GLM53_SRC_HASH"),
-                   extension(Path("store") / "native_build.py", "GLM53_STORE_SRC_HASH")])
+                   extension(STORE_BUILD, "GLM53_STORE_SRC_HASH")])

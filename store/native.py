@@ -29,6 +29,17 @@ class NativeUnavailable(StoreError, RuntimeError):
     """The store's native library could not be loaded; the message says why and how to fix it."""
 
 
+def declare(lib: ctypes.CDLL, signatures) -> str | None:
+    """Set each (name, restype, argtypes) of `signatures` on the library's function of that name; the first name
+    the library lacks (a build of other sources), or None. glm53's CPU kernel binds its library with it too."""
+    for name, res, args in signatures:
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return name
+        fn.restype, fn.argtypes = res, args
+    return None
+
+
 def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     """Open one build of the library and declare its functions; (None, why) if it cannot be used."""
     try:
@@ -36,7 +47,7 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     except OSError as exc:
         return None, f"cannot load {path}: {exc}"
     vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    for name, res, args in (
+    missing = declare(lib, (
         ("glm53_store_abi_version", i32, []),
         ("glm53_store_source_hash", ctypes.c_char_p, []),
         ("glm53_store_set_read_hook", vp, [vp]),
@@ -44,11 +55,9 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
         ("glm53_rq_wait", i64, [vp, vp, i64]),
         ("glm53_rq_close", i64, [vp]),
         ("glm53_rq_free", None, [vp]),
-    ):
-        fn = getattr(lib, name, None)
-        if fn is None:
-            return None, f"{path} lacks {name}: a build of other sources"
-        fn.restype, fn.argtypes = res, args
+    ))
+    if missing:
+        return None, f"{path} lacks {missing}: a build of other sources"
     if lib.glm53_store_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.glm53_store_abi_version()}, this code wants {ABI_VERSION}"
     return lib, None
@@ -104,14 +113,12 @@ def queue_calls() -> tuple[ctypes.PyDLL, ctypes.CDLL]:
     if not _HELD:
         held = ctypes.PyDLL(lib._name)
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        for name, res, args in (
+        declare(held, (
             ("glm53_rq_new", vp, [i32]), ("glm53_rq_submit", i32, [vp, vp]), ("glm53_rq_cancel", i32, [vp, vp]),
             ("glm53_rq_promote", i32, [vp, vp]), ("glm53_rq_busy", ctypes.c_double, [vp]),
             ("glm53_rq_queued", i64, [vp]), ("glm53_rq_state", i64, [vp]),
             ("glm53_rq_set_prefetch_cap", i32, [vp, i32]),
-        ):
-            fn = getattr(held, name)
-            fn.restype, fn.argtypes = res, args
+        ))
         _HELD.append(held)
     return _HELD[0], lib
 

@@ -16,10 +16,16 @@ HEADERS = ("csrc/store_api.h",)
 EXTENSION = "store._native"
 
 
-def source_hash(directory: Path = HERE) -> str:
-    """sha256 (first 16 hex digits) over the library's sources and headers, names included, in a fixed order."""
+def files_hash(directory: Path, names: tuple[str, ...]) -> str:
+    """sha256 (first 16 hex digits) over the named files under `directory`, names included, in the given order
+    (line endings normalised). glm53/cpu_lane/buildinfo.py hashes the CPU kernel's sources with it too."""
     h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
+    for name in names:
         h.update(name.encode() + b"\0")
         h.update((directory / name).read_bytes().replace(b"\r\n", b"\n"))
     return h.hexdigest()[:16]
+
+
+def source_hash(directory: Path = HERE) -> str:
+    """The hash of this library's sources and headers."""
+    return files_hash(directory, SOURCES + HEADERS)

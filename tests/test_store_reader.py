@@ -67,6 +67,16 @@ def under_way(fut) -> None:
         time.sleep(0.001)
 
 
+def held_first(r, monkeypatch, rows: int, priority=Priority.PREFETCH):
+    """An arena of `rows` rows and a first read of (1, 0) into row 0, under way and held 0.2 s on the reader's one
+    worker: what is queued next waits behind it."""
+    arena = alloc_slots(rows, r.max_extent)
+    slow_first(monkeypatch, 0.2)
+    first = r.read(1, 0, arena[0], priority=priority)
+    under_way(first)
+    return arena, first
+
+
 def started(fut) -> int:
     return int(fut.task[R.T_START])
 
@@ -94,10 +104,7 @@ def test_reads_land_the_records_bytes_whole_or_in_parts(store, options):
 
 def test_demand_reads_go_before_queued_prefetches(store, monkeypatch):
     with R.StoreReader(store, threads=1) as r:
-        arena = alloc_slots(4, r.max_extent)
-        slow_first(monkeypatch, 0.2)
-        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
-        under_way(first)
+        arena, first = held_first(r, monkeypatch, 4)
         pre = r.read_many([(1, 1, arena[1]), (1, 2, arena[2])], priority=Priority.PREFETCH)
         dem = r.read(2, 7, arena[3], priority=Priority.DEMAND)
         with pytest.raises(FutureTimeout):
@@ -205,10 +212,7 @@ def test_a_promoted_running_prefetch_still_frees_its_place_under_the_cap(store, 
 
 def test_asking_again_as_demand_or_promoting_moves_a_queued_prefetch_ahead(store, monkeypatch):
     with R.StoreReader(store, threads=1) as r:
-        arena = alloc_slots(5, r.max_extent)
-        slow_first(monkeypatch, 0.2)
-        first = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
-        under_way(first)
+        arena, first = held_first(r, monkeypatch, 5)
         a, b, c = r.read_many([(1, 1, arena[1]), (1, 2, arena[2]), (1, 3, arena[3])], priority=Priority.PREFETCH)
         assert r.read(1, 2, arena[2], priority=Priority.DEMAND) is b  # one read, not two
         assert r.promote(1, 3, arena[3]) and not r.promote(1, 0, arena[0]) and not r.promote(2, 0, arena[4])
@@ -221,10 +225,7 @@ def test_asking_again_as_demand_or_promoting_moves_a_queued_prefetch_ahead(store
 
 def test_a_cancelled_queued_read_is_never_read(store, monkeypatch):
     with R.StoreReader(store, threads=1) as r:
-        arena = alloc_slots(3, r.max_extent)
-        slow_first(monkeypatch, 0.2)
-        first = r.read(1, 0, arena[0])
-        under_way(first)
+        arena, first = held_first(r, monkeypatch, 3, Priority.DEMAND)
         doomed = r.read(1, 1, arena[1], priority=Priority.PREFETCH)
         kept = r.read(1, 2, arena[2], priority=Priority.PREFETCH)
         assert not first.cancel()  # under way

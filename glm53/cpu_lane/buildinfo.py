@@ -2,13 +2,13 @@
 
 setup.py compiles the hash into the library (GLM53_SRC_HASH) and kernel.py compares it at load time, so a
 library left over from older sources (an editable install not rebuilt after a pull) is refused with the
-command that rebuilds it, instead of computing with stale code. No imports beyond the standard library:
-setup.py runs this file in the build environment, before glm53 is importable.
+command that rebuilds it, instead of computing with stale code. No imports at the top: setup.py runs this file in
+the build environment, before glm53 is importable, and hashes SOURCES + HEADERS itself (with store/native_build.py's
+files_hash, as source_hash does here).
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -20,8 +20,6 @@ EXTENSION = "glm53.cpu_lane._expert_kernel"
 
 def source_hash(directory: Path = HERE) -> str:
     """sha256 (first 16 hex digits) over the kernel's sources and headers, names included, in a fixed order."""
-    h = hashlib.sha256()
-    for name in SOURCES + HEADERS:
-        h.update(name.encode() + b"\0")
-        h.update((directory / name).read_bytes().replace(b"\r\n", b"\n"))
-    return h.hexdigest()[:16]
+    from store.native_build import files_hash
+
+    return files_hash(directory, SOURCES + HEADERS)

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from store.native import declare
+
 from . import buildinfo
 
 # The library's ISA codes (kernel_api.h), and the order best_isa() prefers them in: widest first.
@@ -65,7 +67,7 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     except OSError as exc:
         return None, f"cannot load {path}: {exc}; rebuild it with {REBUILD}"
     vp, i32, f32p = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)
-    for name, res, args in (
+    missing = declare(lib, (
         ("glm53_abi_version", i32, []),
         ("glm53_source_hash", ctypes.c_char_p, []),
         ("glm53_last_error", ctypes.c_char_p, []),
@@ -76,11 +78,9 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
         ("glm53_pool_pinned", i32, [vp]),
         ("glm53_run", i32, [vp, ctypes.POINTER(_Job), i32, i32, vp, vp]),
         ("glm53_decode_linear", i32, [vp, i32, i32, i32, i32, f32p]),
-    ):
-        fn = getattr(lib, name, None)
-        if fn is None:
-            return None, f"{path} lacks {name}: a build of other sources; rebuild it with {REBUILD}"
-        fn.restype, fn.argtypes = res, args
+    ))
+    if missing:
+        return None, f"{path} lacks {missing}: a build of other sources; rebuild it with {REBUILD}"
     if lib.glm53_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.glm53_abi_version()}, this code wants {ABI_VERSION}; rebuild with {REBUILD}"
     return lib, None
