@@ -146,3 +146,15 @@ def test_the_library_path_can_be_bound_by_a_bench_and_set_read_hook_names_why_wi
     with pytest.raises(native.NativeUnavailable, match="not built .test.") as ei:
         native.set_read_hook(0)
     assert "pip install -e ." in str(ei.value)
+
+
+def test_a_stale_or_missing_store_library_is_explained_and_refused(monkeypatch, store):
+    monkeypatch.setattr(native.native_build, "source_hash", lambda directory=None: "0" * 16)
+    lib, why = native._load()
+    assert lib is None and "stale build" in why and "_native" in why
+    monkeypatch.setattr(native, "_LIB", None)
+    monkeypatch.setattr(native, "_WHY", why)
+    assert not native.available() and "pip install -e ." in native.unavailable_reason()
+    with pytest.raises(native.NativeUnavailable, match="stale build") as ei:
+        StoreReader(store)
+    assert "pip install -e ." in ei.value.fix
