@@ -330,8 +330,8 @@ class StoreReader:
     def promote(self, layer: int, expert: int, out: np.ndarray) -> bool:
         """A queued read of (layer, expert) into `out` goes ahead of every prefetch; never starts a read. False when
         no such read waits in the queue. A retry waiting in the queue is promoted too: a step may wait for it; and
-        a read under way (or finished, not yet looked at) is marked so that a retry of it queues as demand
-        (StoreReader retries at once on the same thread: a step must not wait behind guesses for a retry)."""
+        a read under way (or finished, not yet looked at) is marked so that a retry of it queues as demand (a step
+        must not wait behind guesses for a retry)."""
         with self._lock:
             fut = self._queued.get((layer, expert, out.ctypes.data))
             if fut is None or fut.final:
@@ -354,7 +354,7 @@ class StoreReader:
             state = self._held.glm53_rq_state(fut.at)
             if state == CANCELLED:
                 if fut.attempt > 1 and fut.last_problem is not None:  # a retry cut short by close(): the failure
-                    self._stats["errors"] += 1                         # it was retrying, as StoreReader raises it
+                    self._stats["errors"] += 1                         # it was retrying is what it raises
                     self._stats["cancelled"] -= 1  # close() counted it cancelled: one read, counted once
                     fut.error = self._error(fut.entry, *fut.last_problem, attempts=fut.attempt - 1)
                 else:
