@@ -5,7 +5,7 @@ from __future__ import annotations
 from test_nvme_tier_support import make_store
 
 import store.reader as R
-from glm53.engine import bench as B
+from glm53.bench import decode as B
 from glm53.tiers.nvme_open import READ_PIECES
 
 

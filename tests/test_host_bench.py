@@ -82,7 +82,7 @@ def test_a_baseline_without_the_command_is_said_and_skipped(capsys):
 
 @needs_git
 def test_baseline_from_a_worktree_prints_the_ratio(capsys):
-    if subprocess.run(["git", "cat-file", "-e", "HEAD:glm53/engine/host_bench.py"], cwd=REPO).returncode:
+    if subprocess.run(["git", "cat-file", "-e", "HEAD:glm53/bench/host_step.py"], cwd=REPO).returncode:
         pytest.skip("HEAD has no host-step benchmark yet")
     before = _git("worktree", "list")
     lines = _bench(capsys, "--baseline", "HEAD", "--bsz", "1")
@@ -190,7 +190,7 @@ def test_the_emulated_disk_and_gpu_need_nvme(capsys):
 
 
 def test_guesses_keep_about_the_recall_and_name_distinct_experts():
-    from glm53.engine.host_bench_nvme import guesses
+    from glm53.bench.host_step_nvme import guesses
     from glm53.tiers.policy import zipf_trace
 
     trace = zipf_trace(2000, 64, 8, exponent=1.1, seed=5).reshape(-1, 2, 8)
@@ -207,7 +207,7 @@ def test_guesses_keep_about_the_recall_and_name_distinct_experts():
 
 @needs_history
 def test_nvme_baseline_without_the_mode_is_said_and_skipped(capsys):
-    added = _git("log", "--diff-filter=A", "--format=%H", "--", "glm53/engine/host_bench.py").splitlines()
+    added = _git("log", "--diff-filter=A", "--format=%H", "--", "glm53/engine/host_bench.py", "glm53/bench/host_step.py").splitlines()
     if not added:
         pytest.skip("no commit added the host-step benchmark")
     lines = _bench(capsys, *NVME, "--baseline", added[-1], "--bsz", "1")
@@ -218,7 +218,7 @@ def test_nvme_baseline_without_the_mode_is_said_and_skipped(capsys):
 
 @needs_git
 def test_nvme_baseline_with_this_driver_prints_the_ratio(capsys):
-    if subprocess.run(["git", "cat-file", "-e", "HEAD:glm53/engine/host_bench.py"], cwd=REPO).returncode:
+    if subprocess.run(["git", "cat-file", "-e", "HEAD:glm53/bench/host_step.py"], cwd=REPO).returncode:
         pytest.skip("HEAD has no host-step benchmark yet")
     before = _git("worktree", "list")
     lines = _bench(capsys, *NVME, "--baseline", "HEAD", "--baseline-driver", "this", "--bsz", "1")
@@ -234,8 +234,8 @@ def test_nvme_baseline_with_this_driver_prints_the_ratio(capsys):
 def test_a_baseline_worktree_gets_the_compiled_library_of_its_sources(tmp_path):
     """Git ignores the compiled library: a baseline without it would read the store on Python threads. Same kernel
     sources: this tree's library is copied in, and the baseline's kernel module loads it."""
+    from glm53.bench.worktree import baseline_library as _baseline_library
     from glm53.cpu_lane import buildinfo
-    from glm53.engine.host_bench import _baseline_library
 
     libs = sorted((REPO / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))
     if not libs:

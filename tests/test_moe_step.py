@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from copiers import GpuLikeCopier, HeldCopier
 from test_cpu_lane import HIDDEN, LAYOUT, NUM_EXPERTS, NUM_LAYERS, TOP_K, make_experts, reference_forward, rel_err
 from test_nvme_tier_support import make_store, nvme_plan, record
 
+from glm53.bench.copiers import GpuLikeCopier, HeldCopier
 from glm53.cpu_lane.lane import CpuLane
 from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
 from glm53.engine.moe_step import FREE_RAM_SLOTS, MoeStepper, StepError, translate

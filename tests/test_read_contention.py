@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_nvme_tier_support import make_store
 
-from glm53.tiers.read_contention import COPIES, READS, line, read_contention
+from glm53.bench.read_contention import COPIES, READS, line, read_contention
 from store.native_reader import queue_library
 from store.reader import _native
 

@@ -12,11 +12,11 @@ the profiler inflates everything, so its shares matter, not its microseconds). `
 benchmark from a git worktree of REV in the same run, so the ratio compares like with like on this machine;
 `--baseline-driver this` runs this version's benchmark there instead of REV's own (REV's code, this driver).
 
-`--nvme` measures the nvme modes' path instead (glm53.engine.host_bench_nvme): a record store packed for the run,
+`--nvme` measures the nvme modes' path instead (glm53.bench.host_step_nvme): a record store packed for the run,
 the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them. With
 `--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU, the
 defaults against a store reader with no cap on its guess reads and against guesses read by what a right one saved
-(host_bench_nvme.emulate).
+(host_step_nvme.emulate).
 """
 
 from __future__ import annotations
@@ -24,18 +24,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from glm53.bench import worktree
 
 # The commit before the host path's optimisation: what `--baseline` compares with unless told otherwise.
 BASELINE_REV = "c118cdc43d4c8f54eb3b1aa2ddd978d05fd9c51f"
@@ -185,24 +185,24 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
 
 
 def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -> dict:
-    """nvme: glm53.engine.host_bench_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
+    """nvme: glm53.bench.host_step_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
     packed for the run); its options are then under "nvme" and each run carries the nvme figures. emulation (with
-    nvme): host_bench_nvme.EmulationOptions, an emulated disk and GPU to decode against after the host figures;
-    its options are then under "emulation" and each run carries `host_bench_nvme.emulate`'s figures as
+    nvme): host_step_nvme.EmulationOptions, an emulated disk and GPU to decode against after the host figures;
+    its options are then under "emulation" and each run carries `host_step_nvme.emulate`'s figures as
     "emulated"."""
     if nvme is None:
         return {"format": JSON_FORMAT, "options": asdict(opts), "runs": [measure(opts, b) for b in opts.bsz]}
-    from glm53.engine import host_bench_nvme
+    from glm53.bench import host_step_nvme
 
     def breakdown(prof: cProfile.Profile, blocked: float) -> dict:
         return profile_rows(prof, opts.top, ("resolve", "ahead", "after_launch"), blocked)
 
     emulated = emulation is not None and emulation.on
-    with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
-        runs = [host_bench_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
+    with host_step_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
+        runs = [host_step_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
         if emulated:
             for run in runs:
-                run["emulated"] = host_bench_nvme.emulate(opts, nvme, emulation, fx.store, run["bsz"])
+                run["emulated"] = host_step_nvme.emulate(opts, nvme, emulation, fx.store, run["bsz"])
     doc = {"format": JSON_FORMAT, "options": asdict(opts), "nvme": asdict(nvme), "runs": runs}
     if emulated:
         doc["emulation"] = asdict(emulation)
@@ -210,14 +210,6 @@ def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -
 
 
 # ---- the baseline, from a worktree of another revision ---------------------------------------------------------------
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
 
 
 def _cli_args(opts: HostBenchOptions, nvme: Any = None) -> list[str]:
@@ -231,87 +223,45 @@ def _cli_args(opts: HostBenchOptions, nvme: Any = None) -> list[str]:
     return args
 
 
-# The benchmark's own files: `--baseline-driver this` runs them on the baseline's code.
-DRIVER_FILES = ("glm53/engine/host_bench.py", "glm53/engine/host_bench_nvme.py")
-
-
-def _has_nvme_mode(commit: str, root: Path) -> bool:
-    shown = _git("show", f"{commit}:glm53/engine/host_bench.py", cwd=root)
-    return shown.returncode == 0 and '"--nvme"' in shown.stdout
+# This benchmark's file in each layout (glm53/engine/ before glm53/bench/ held the benchmarks).
+BENCH_FILES = ("glm53/bench/host_step.py", "glm53/engine/host_bench.py")
+# `--baseline-driver this` runs this version's benchmark package on the baseline's code, through main() below.
+DRIVER = "import sys; from glm53.bench.host_step import main; sys.exit(main(sys.argv[1:]))"
 
 
 def run_baseline(rev: str, opts: HostBenchOptions, nvme: Any = None, driver: str = "own") -> tuple[dict | None, str]:
     """This benchmark as `rev` runs it, from a temporary git worktree; (its JSON or None, what happened).
-    driver="this": this version's benchmark files replace rev's in the worktree, so the same driver measures rev's
-    code (for a rev from before a benchmark mode existed; what it calls must exist in rev)."""
-    root = _repo_root()
-    sha = _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=root)
-    if sha.returncode:
+    driver="this": this version's benchmark package is copied into the worktree and run there, so the same driver
+    measures rev's code (for a rev from before a benchmark mode existed; what it calls must exist in rev)."""
+    root = worktree.repo_root()
+    commit = worktree.resolve(rev, root)
+    if commit is None:
         return None, f"baseline {rev}: not a commit of {root}"
-    commit = sha.stdout.strip()
     who = f"baseline {rev} ({commit[:10]})"
-    if _git("cat-file", "-e", f"{commit}:glm53/engine/host_bench.py", cwd=root).returncode:
+    own = worktree.first_file(commit, BENCH_FILES, root)
+    if own is None:
         return None, f"{who} lacks `glm53 bench host-step`: only this version's numbers"
     if driver == "this":
         who += " measured by this version's benchmark"
-    elif nvme is not None and not _has_nvme_mode(commit, root):
+    elif nvme is not None and '"--nvme"' not in worktree.show(commit, own, root):
         return None, (f"{who} lacks `bench host-step --nvme`: only this version's numbers (`--baseline-driver this` "
                       "runs this version's benchmark on its code)")
-    tmp = Path(tempfile.mkdtemp(prefix="glm53-host-bench-"))
-    tree = tmp / "tree"
+    args = ["--json", "--baseline", "none", *_cli_args(opts, nvme)]
     try:
-        added = _git("worktree", "add", "--detach", str(tree), commit, cwd=root)
-        if added.returncode:
-            return None, f"baseline {rev}: git worktree add failed: {added.stderr.strip()}"
-        if driver == "this":
-            for rel in DRIVER_FILES:
-                shutil.copyfile(root / rel, tree / rel)
-        built = _baseline_library(root, tree)
-        if built:
-            return None, f"{who}: {built}"
-        # `-m` puts the worktree first on sys.path, ahead of the installed (editable) glm53.
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        proc = subprocess.run([sys.executable, "-m", "glm53", "bench", "host-step", "--json", "--baseline", "none",
-                               *_cli_args(opts, nvme)], cwd=tree, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            return None, f"{who} failed: {proc.stderr.strip()[-2000:]}"
-        return json.loads(proc.stdout), who
-    finally:
-        _git("worktree", "remove", "--force", str(tree), cwd=root)
-        shutil.rmtree(tmp, ignore_errors=True)
-        _git("worktree", "prune", cwd=root)
-
-
-def _baseline_library(root: Path, tree: Path) -> str | None:
-    """Give the baseline worktree its compiled library (git ignores it): without it the baseline would run its
-    pure-Python fallbacks (the store read on Python threads) and compare unlike with like. This tree's library
-    where the kernel's sources are the same (their hash is compiled in and checked at load), else one built from the
-    baseline's own sources. None when it has one, else why not."""
-    import importlib.util
-
-    here = sorted((root / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))
-    if not here:
-        return None  # this tree has none either: both run the same fallbacks
-    info = tree / "glm53" / "cpu_lane" / "buildinfo.py"
-    same = False
-    if info.exists():
-        spec = importlib.util.spec_from_file_location("_glm53_baseline_buildinfo", info)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        from glm53.cpu_lane import buildinfo
-
-        same = mod.source_hash(info.parent) == buildinfo.source_hash()
-    if same:
-        for lib in here:
-            shutil.copyfile(lib, tree / "glm53" / "cpu_lane" / lib.name)
-        return None
-    print("building the baseline's compiled library from its own sources (a minute or more)", file=sys.stderr,
-          flush=True)
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
-                          capture_output=True, text=True)
+        with worktree.baseline_tree(commit, root) as tree:
+            if driver == "this":
+                shutil.rmtree(tree / "glm53" / "bench", ignore_errors=True)
+                shutil.copytree(root / "glm53" / "bench", tree / "glm53" / "bench",
+                                ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+                proc = subprocess.run([sys.executable, "-c", DRIVER, *args], cwd=tree, env=worktree.tree_env(tree),
+                                      capture_output=True, text=True)
+            else:
+                proc = worktree.run_glm53(tree, ["bench", "host-step", *args])
+    except worktree.BaselineError as exc:
+        return None, f"{who}: {exc}"
     if proc.returncode:
-        return f"its compiled library did not build: {proc.stderr.strip()[-1000:]}"
-    return None
+        return None, f"{who} failed: {proc.stderr.strip()[-2000:]}"
+    return json.loads(proc.stdout), who
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------
@@ -423,7 +373,7 @@ def _ints(spec: str) -> tuple[int, ...]:
 
 
 def register_bench(bench_sub: Any) -> None:
-    from glm53.engine.host_bench_nvme import EmulationOptions, NvmeBenchOptions
+    from glm53.bench.host_step_nvme import EmulationOptions, NvmeBenchOptions
 
     d, dn = HostBenchOptions(), NvmeBenchOptions()
     p = bench_sub.add_parser("host-step", help="host microseconds per decoded MoE layer step (MoeStepper.resolve on "
@@ -473,7 +423,7 @@ def register_bench(bench_sub: Any) -> None:
 
 def _nvme_options(args: argparse.Namespace) -> Any:
     """The --nvme options, or None (not asked for, or out of range)."""
-    from glm53.engine.host_bench_nvme import NvmeBenchOptions
+    from glm53.bench.host_step_nvme import NvmeBenchOptions
 
     if not args.nvme or not (0 < args.ram_share <= 1 and 0 <= args.recall <= 1 and args.store_threads >= 1):
         return None
@@ -482,11 +432,18 @@ def _nvme_options(args: argparse.Namespace) -> Any:
 
 def _emulation_options(args: argparse.Namespace) -> Any:
     """The emulated disk and GPU's options, or None where neither is asked for."""
-    from glm53.engine.host_bench_nvme import EmulationOptions
+    from glm53.bench.host_step_nvme import EmulationOptions
 
     if not (args.disk_ms_per_record or args.gpu_ms_per_layer):
         return None
     return EmulationOptions(args.disk_ms_per_record, args.gpu_ms_per_layer, args.emulated_runs)
+
+
+def main(argv: list[str]) -> int:
+    """`bench host-step ARGV` alone (the baseline driver's entry on an older tree's code)."""
+    parser = argparse.ArgumentParser(prog="glm53 bench")
+    register_bench(parser.add_subparsers(dest="bench", required=True))
+    return cmd_bench_host_step(parser.parse_args(["host-step", *argv]))
 
 
 def cmd_bench_host_step(args: argparse.Namespace) -> int:

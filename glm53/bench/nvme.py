@@ -249,7 +249,7 @@ def plan_for(opts: NvmeBenchOptions, store: Path):
 
 
 def raw_pass(store: Path, keys, threads: int) -> float:
-    from store.bench import raw_random
+    from glm53.bench.store import raw_random
     from store.directio import alloc_slots
     from store.format import read_header
 
@@ -368,7 +368,7 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
 
 
 def run_bench(opts: NvmeBenchOptions, log=print) -> NvmeBenchResult:
-    from store.bench import scratch
+    from glm53.bench.store import scratch
 
     with scratch(opts.workdir, opts.keep) as made:
         return _run(opts, log, made)

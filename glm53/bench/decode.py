@@ -233,7 +233,7 @@ def _disk_probe(store: Path, records: int = 96, threads: int = 8):
     each time (no pass re-reads what a disk cache may hold from the last)."""
     import random
 
-    from glm53.tiers.nvme_bench import raw_pass
+    from glm53.bench.nvme import raw_pass
     from store.format import read_header
 
     keys, rng = sorted(read_header(store).index), random.Random(2)
@@ -401,8 +401,8 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     the RAM tier's share it gave, and the tier's own choice of parts with its timings (calibrate_pieces)."""
     import random
 
+    from glm53.bench.nvme import record_latency
     from glm53.plan import Plan
-    from glm53.tiers.nvme_bench import record_latency
     from glm53.tiers.nvme_open import calibrate_pieces, open_nvme_tier
     from store.format import read_header
 
@@ -500,7 +500,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             log(f"profile of one {profile} window ({tokens} tokens, prefill included):\n{buf.getvalue()}")
         contention = None
         if nvme_open is not None:  # what the store's reads cost the planning thread, for the next change to aim at
-            from glm53.tiers.read_contention import line, read_contention
+            from glm53.bench.read_contention import line, read_contention
 
             with _disk_as_it_is(emulated_disk_Bps):  # what reads cost the planning thread, not how fast they come
                 contention = read_contention(store, engine_parts[0] or 1)
@@ -672,7 +672,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  f"the prefill; prefill x the disk's bound {ps['over_disk_bound']:.3f}, median of "
                                  f"windows")
         if res.get("read_contention"):
-            from glm53.tiers.read_contention import line
+            from glm53.bench.read_contention import line
 
             lines.append("  " + line(res["read_contention"]))
         if "nvme" in res["modes"] and "fast" in res["modes"]:

@@ -109,42 +109,6 @@ class StoreFixture:
         self.close()
 
 
-def _gpu_like_copier() -> Any:
-    """A Copier whose copies run at once on the CPU but whose tickets land only when the next layer step begins
-    (`step_begins`) or someone waits on them; the compute side's waits on them are stream-side (no host wait)."""
-    from glm53.tiers.copier import Copier
-
-    class StepTicket:
-        __slots__ = ("copier", "issued", "landed")
-
-        def __init__(self, copier: Any, issued: int):
-            self.copier, self.issued, self.landed = copier, issued, False
-
-        def done(self) -> bool:
-            return self.landed or self.copier.steps > self.issued
-
-        def wait(self) -> None:
-            self.landed = True
-
-    class StepCopier(Copier):
-        def __init__(self) -> None:
-            super().__init__("cpu")
-            self.steps = 0
-
-        def copy(self, dst: Any, src: Any, after: Any = None) -> Any:
-            dst.copy_(src)
-            return StepTicket(self, self.steps)
-
-        def order_compute_after(self, tickets: list) -> None:
-            """Deliberately no host wait: on the GPU the kernels wait for these copies on the device and the host
-            goes on, which is the cost this benchmark measures (the copies land at the next step instead)."""
-
-        def step_begins(self) -> None:
-            self.steps += 1
-
-    return StepCopier()
-
-
 def guesses(trace: np.ndarray, num_experts: int, recall: float, seed: int) -> np.ndarray:
     """A lookahead's guesses of a layer's picks, (steps, rows, k) like `trace`: rank r keeps the real pick with a
     probability falling with r around `recall` (a router run one layer early is surest of its best picks), else
@@ -181,6 +145,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     """The nvme tier on `store` warmed from the routing of a first stretch of the trace (as saved statistics warm a
     real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay.
     reader_options: further options of the store reader (prefetch_at_once)."""
+    from glm53.bench.copiers import StepCopier
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
     from glm53.tiers.policy import zipf_trace
@@ -195,7 +160,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
                          seed=opts.seed * 1000 + li).reshape(-1, bsz, opts.top_k) for li in range(opts.layers)]
     guessed = [guesses(t, opts.experts, nopts.recall, opts.seed * 1000 + 500 + li) for li, t in enumerate(traces)]
     counts = np.stack([np.bincount(t[: max(1, opts.warmup)].ravel(), minlength=opts.experts) for t in traces])
-    copier = _gpu_like_copier()
+    copier = StepCopier()
     # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
     # The tier's reader: the native read queue where the library has it (as open_nvme_tier picks).
     make = NativeStoreReader if queue_library() is not None else StoreReader
