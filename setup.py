@@ -25,4 +25,13 @@ kernel = Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=[kernel])
+# The bench's emulated disk (glm53.bench.emulated_disk): a read hook of its own, loaded with ctypes like the kernel.
+emulated_disk = Extension(
+    "glm53.bench._emulated_disk",
+    sources=[str(Path("glm53") / "bench" / "emulated_disk.cpp")],
+    language="c++",
+    extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", "-pthread"],
+    extra_link_args=["-pthread"],
+)
+
+setup(ext_modules=[kernel, emulated_disk])

@@ -27,10 +27,9 @@ def test_the_probe_times_the_work_alone_and_beside_real_reads(packed, monkeypatc
 
     monkeypatch.setattr(R.StoreReader, "read_many", counting)
     res = read_contention(packed[1], 4, device="cpu", reps=6)
-    assert reads == [READS] * (4 + 2 * 6), "each timed piece of work beside reads had its reads in flight"
+    assert reads == [READS] * (4 + 6), "each timed piece of work beside reads had its reads in flight"
     assert res["alone_s"] > 0 and res["reader_s"] > 0
     assert res["reader_over_alone"] == pytest.approx(res["reader_s"] / res["alone_s"])
-    assert res["reader_copyeach_s"] > 0 and "one copy_ call per copy" in line(res)
     assert ("native_s" in res) == (_native() is not None)
     assert ("native_queue_s" in res) == (queue_library() is not None)
     assert ("through the native read queue" in line(res)) == (queue_library() is not None)

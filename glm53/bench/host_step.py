@@ -306,11 +306,11 @@ def _print_nvme(run: dict, log) -> None:
 
 
 def _print_emulated(runs: list[dict], log) -> None:
-    """The emulated disk and GPU's figures per batch size: each reader's, then the ratio of their step times."""
+    """The emulated disk and GPU's figures per batch size."""
     first = runs[0]["emulated"]
     log(f"emulated disk and GPU: a record ({first['record_bytes']} B) takes {first['disk_ms_per_record']:g} ms read "
         f"alone, reads in flight sharing that rate; the GPU busy {first['gpu_ms_per_layer']:g} ms per layer step; "
-        f"{first['runs']} timed runs of each reader, alternating, {first['steps']} decode steps each")
+        f"{first['runs']} timed runs, {first['steps']} decode steps each")
     for run in runs:
         em = run["emulated"]
         for name, r in em["readers"].items():
@@ -325,9 +325,6 @@ def _print_emulated(runs: list[dict], log) -> None:
             log(f"    per step: {r['demand_reads']:.2f} demand and {r['prefetch_reads']:.2f} guess reads; guesses "
                 f"issued {g['issued']:.2f}, in time {g['hits']:.2f}, late {g['late']:.2f} (under way "
                 f"{g['late_under_way']:.2f}), wasted {g['wasted']:.2f}; demand misses {g['demand_misses']:.2f}")
-        for name, ratio in em["ratios"].items():
-            log(f"  bsz {run['bsz']} ratio default / {name} per step: {ratio['median']:.3f} (median of "
-                f"{', '.join(f'{x:.3f}' for x in ratio['rounds'])}; totals {ratio['total']:.3f})")
 
 
 def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:

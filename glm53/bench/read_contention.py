@@ -6,9 +6,9 @@ Two suspects: the reader's Python threads taking the GIL each time a read lands,
 taking the cores and the memory bandwidth. This times one piece of the planning thread's kind of work (a step's
 copies of slot-sized pinned buffers to the device, queued through the tiers' Copier, and a little Python
 bookkeeping) alone, beside a StoreReader's reads (its queue, checks and bookkeeping on Python threads, the parts
-native; the copies queued in one call into torch, and one call per copy), beside them through the native read
-queue (store.native_reader: no Python thread per read), and beside the same reads handed straight to the native pread by a plain thread pool (the cores and memory
-as busy, the least Python a read can cost).
+native), beside them through the native read queue (store.native_reader: no Python thread per read), and beside
+the same reads handed straight to the native pread by a plain thread pool (the cores and memory as busy, the least
+Python a read can cost).
 """
 
 from __future__ import annotations
@@ -91,14 +91,10 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
         for _ in range(4):  # warm: first copies, first reads (the parts' hashes kept)
             alone()
             beside(reader_start, reader_finish)
-        times = {"alone": [], "reader": [], "reader_copyeach": []}
-        batched = copier.batched
+        times = {"alone": [], "reader": []}
         for _ in range(reps):  # interleaved, so drift falls on all
             times["alone"].append(alone())
             times["reader"].append(beside(reader_start, reader_finish))
-            copier.batched = False  # one copy_ call (one GIL release) per copy, as before the batch
-            times["reader_copyeach"].append(beside(reader_start, reader_finish))
-            copier.batched = batched
     if queue_library() is not None:  # the reads queued and finished by native threads: no Python thread per read
         with NativeStoreReader(store, threads=READS, pieces=parts, verify=True) as queue:
             def queue_start():
@@ -122,7 +118,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
             os.close(fd)
     for k, v in times.items():
         out[f"{k}_s"] = statistics.median(v)
-    for k in ("reader", "reader_copyeach", "native_queue", "native"):
+    for k in ("reader", "native_queue", "native"):
         if f"{k}_s" in out:
             out[f"{k}_over_alone"] = out[f"{k}_s"] / out["alone_s"]
     out.update(copies=COPIES, reads=READS, parts=parts, reps=reps)
@@ -133,8 +129,7 @@ def line(res: dict) -> str:
     """The report's line for read_contention's result."""
     text = (f"planning-thread work ({res['copies']} slot copies queued, a little bookkeeping): "
             f"{res['alone_s'] * 1e6:.0f} us alone, {res['reader_s'] * 1e6:.0f} us beside {res['reads']} StoreReader "
-            f"reads in {res['parts']} part(s) (x {res['reader_over_alone']:.2f}; "
-            f"x {res['reader_copyeach_over_alone']:.2f} with one copy_ call per copy)")
+            f"reads in {res['parts']} part(s) (x {res['reader_over_alone']:.2f})")
     if "native_queue_s" in res:
         text += (f", {res['native_queue_s'] * 1e6:.0f} us beside them through the native read queue "
                  f"(x {res['native_queue_over_alone']:.2f})")

@@ -201,7 +201,7 @@ def main_thread_stall(store: Path, head, threads: int, log, steps: int = 300, ro
     alternate, `rounds` times; the ratios are of the summed means."""
     from store.reader import _native
 
-    ways = {"whole records": {"pieces": 1}, "4 parts on reader threads": {"pieces": 4, "native": False}}
+    ways = {"whole records": {"pieces": 1}}
     if _native() is not None:
         ways["4 parts in native code"] = {"pieces": 4}
     keys = sorted(head.index)
