@@ -5,6 +5,7 @@ commit's, with the per-window runner injected."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
 import sys
@@ -157,3 +158,36 @@ def test_each_window_passes_only_flags_the_commit_before_this_work_has(tmp_path,
     assert parsed.modes == "exact,fast,nvme-exact" and parsed.slots == 32 and parsed.keep
     assert parsed.work == str(tmp_path) and parsed.emulate_disk_GBps == 6.0 and parsed.windows == 1
     assert set(parsed.modes.split(",")) <= set(old.MODES)
+
+
+def test_kept_windows_are_reused_so_a_comparison_can_span_calls(tmp_path):
+    ran = []
+
+    def fake(side: str, argv: list[str]) -> dict:
+        ran.append(side)
+        out = Path(argv[argv.index("--json") + 1])
+        out.write_text(json.dumps(doc(1.0)))  # as the window's own process writes it
+        return doc(1.0)
+
+    args = decode_args("--keep", "--work", str(tmp_path))
+    P.paired(fake, args, tmp_path, 1, log=lambda m: None)
+    assert ran == ["current", "baseline"]
+    res = P.paired(fake, args, tmp_path, 2, log=lambda m: None)  # a later call: only pair 1 runs
+    assert ran == ["current", "baseline", "baseline", "current"] and len(res["pairs"]) == 2
+
+
+def test_a_baseline_tree_without_bench_decode_is_refused(tmp_path, capsys):
+    args = decode_args("--baseline", "b38dea7", "--baseline-tree", str(tmp_path))
+    assert P.cmd_bench_decode_baseline(args, run=lambda side, argv: doc(1.0)) == 2
+    assert "git archive b38dea7 | tar -x -C" in capsys.readouterr().err
+    (tmp_path / "glm53" / "engine").mkdir(parents=True)
+    (tmp_path / "glm53" / "engine" / "bench.py").write_text("")  # b38dea7's layout
+    assert P.cmd_bench_decode_baseline(args, run=lambda side, argv: doc(1.0)) == 0
+
+
+def test_a_window_process_runs_this_codes_glm53_and_its_failure_is_said(tmp_path):
+    """The real per-window process on this CPU machine: this code's parser takes the window's flags, and bench
+    decode then stops for want of CUDA; the runner says which side failed and why."""
+    run = P.subprocess_runner(REPO, REPO)
+    with pytest.raises(RuntimeError, match="current window failed \\(exit 2\\): .*bench decode needs"):
+        run("current", P.window_args(decode_args("--slots", "4"), tmp_path, tmp_path / "w.json"))

@@ -70,7 +70,11 @@ def register_bench(bench_sub: Any) -> None:
                         "between this code and REV's, each in its own process; reports this / REV decode tok/s per "
                         "mode, the median of paired windows (glm53.bench.decode_baseline)")
     p.add_argument("--baseline-windows", type=int, default=4, metavar="N",
-                   help="--baseline: paired windows, each one run of this code and one of REV's (default 4)")
+                   help="--baseline: paired windows, each one run of this code and one of REV's (default 4); with "
+                        "--keep --work, windows already run there are reused")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="--baseline: REV's code unpacked in DIR (git archive REV | tar -x -C DIR), where this copy "
+                        "has no git history (the GPU machine)")
     p.set_defaults(func=cmd_bench_decode)
 
 

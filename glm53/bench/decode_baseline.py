@@ -5,7 +5,11 @@ not as a switch on the product's classes. Both sides decode the same checkpoint 
 (each side's `--keep --work` finds them); windows alternate between this code and REV's (this first, then REV first,
 ...), each a fresh process running that tree's `python -m glm53 bench decode ... --json`, so a drift of the machine
 falls on both alike. The report: per mode (stock included), each side's decode tok/s and this / REV, the median over
-the paired windows. Only flags REV's own bench decode has are passed (b38dea7's: see window_args)."""
+the paired windows. Only flags REV's own bench decode has are passed (b38dea7's: see window_args).
+
+Where the machine has no git history (the GPU machine gets a copy of the working tree), `--baseline-tree DIR` names
+REV's code unpacked beside it (`git archive REV | tar -x -C DIR`). With `--keep`, a window whose JSON is already
+under --work is reused, so one comparison can span several calls of a time-limited machine."""
 
 from __future__ import annotations
 
@@ -65,13 +69,19 @@ def speeds(doc: dict) -> dict[str, float]:
 
 
 def paired(run: WindowRunner, args: argparse.Namespace, work: Path, pairs: int, log=print) -> dict:
-    """`pairs` windows of each side, alternating which goes first; per mode the medians and this / baseline."""
+    """`pairs` windows of each side, alternating which goes first; per mode the medians and this / baseline. With
+    args.keep, a window's JSON already under `work` (an earlier call's) is reused."""
     rows: list[dict[str, dict]] = []
     same = True
     for i in range(pairs):
         row: dict[str, dict] = {}
         for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            doc = run(side, window_args(args, work, work / f"window-{i}-{side}.json"))
+            done = work / f"window-{i}-{side}.json"
+            if args.keep and done.exists():
+                log(f"pair {i} {side}: reusing {done}")
+                doc = json.loads(done.read_text())
+            else:
+                doc = run(side, window_args(args, work, done))
             row[side] = speeds(doc)
             same = same and bool(doc.get("same_tokens", True))
             log(f"pair {i} {side}: " + ", ".join(f"{m} {v:.1f}" for m, v in row[side].items()) + " tok/s")
@@ -103,18 +113,32 @@ def cmd_bench_decode_baseline(args: argparse.Namespace, run: WindowRunner | None
         print("glm53: --baseline-windows must be at least 1", file=sys.stderr)
         return 2
     root = worktree.repo_root()
-    commit = worktree.resolve(args.baseline, root)
-    if commit is None:
-        print(f"glm53: --baseline {args.baseline}: not a commit of {root}", file=sys.stderr)
-        return 2
-    if worktree.first_file(commit, BENCH_FILES, root) is None:
-        print(f"glm53: --baseline {args.baseline} has no `glm53 bench decode`", file=sys.stderr)
-        return 2
+    given = Path(args.baseline_tree).resolve() if args.baseline_tree else None
+    if given is not None:
+        if not any((given / f).is_file() for f in BENCH_FILES):
+            print(f"glm53: --baseline-tree {given} holds no glm53 with `bench decode` (unpack REV there: git archive "
+                  f"{args.baseline} | tar -x -C {given})", file=sys.stderr)
+            return 2
+        commit = worktree.resolve(args.baseline, root) or args.baseline  # no git history here: the name given
+    else:
+        commit = worktree.resolve(args.baseline, root)
+        if commit is None:
+            print(f"glm53: --baseline {args.baseline}: not a commit of {root} (without git history, unpack it and "
+                  "pass --baseline-tree)", file=sys.stderr)
+            return 2
+        if worktree.first_file(commit, BENCH_FILES, root) is None:
+            print(f"glm53: --baseline {args.baseline} has no `glm53 bench decode`", file=sys.stderr)
+            return 2
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="glm53-bench-paired-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         if run is not None:
             res = paired(run, args, work, args.baseline_windows)
+        elif given is not None:
+            built = worktree.baseline_library(root, given)
+            if built:
+                raise worktree.BaselineError(built)
+            res = paired(subprocess_runner(root, given), args, work, args.baseline_windows)
         else:
             with worktree.baseline_tree(commit, root) as tree:
                 res = paired(subprocess_runner(root, tree), args, work, args.baseline_windows)
