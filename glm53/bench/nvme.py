@@ -141,6 +141,7 @@ def _mean(ws: list[Window], key: str) -> float:
 
 def build_store(opts: NvmeBenchOptions, log, made: list[Path]) -> tuple[Path, Path]:
     """(checkpoint, store): the given ones, or a synthetic full-width pair written into the workdir."""
+    from glm53.bench.store import drop_cache
     from store.pack import PackOptions, pack_store
     from store.synth import write_expert_checkpoint
 
@@ -159,16 +160,8 @@ def build_store(opts: NvmeBenchOptions, log, made: list[Path]) -> tuple[Path, Pa
                      log=lambda m: None)
     log(f"bench nvme: packed {res.records} records in {res.seconds:.1f} s")
     for f in model.glob("*.safetensors"):  # the checkpoint is only needed for the start-up verify now
-        _drop_cache(f)
+        drop_cache(f)
     return model, store
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def routing(opts: NvmeBenchOptions, steps: int, warm_steps: int = 1000):
