@@ -14,8 +14,7 @@ benchmark from a git worktree of REV in the same run, so the ratio compares like
 
 `--nvme` measures the nvme modes' path instead (glm53.bench.host_step_nvme): a record store packed for the run,
 the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them. With
-`--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU, the
-defaults against a store reader with no cap on its guess reads and against guesses read by what a right one saved
+`--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU
 (host_step_nvme.emulate).
 """
 
@@ -406,13 +405,12 @@ def register_bench(bench_sub: Any) -> None:
     de = EmulationOptions()
     p.add_argument("--disk-ms-per-record", type=float, default=de.disk_ms_per_record, metavar="MS",
                    help="--nvme: then also decode against an emulated disk on which one of the bench store's records "
-                        "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6), the defaults "
-                        "against no cap on guess reads and against guesses read by what a right one saved")
+                        "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6)")
     p.add_argument("--gpu-ms-per-layer", type=float, default=de.gpu_ms_per_layer, metavar="MS",
                    help="--nvme: then also decode with an emulated GPU, busy MS ms from each layer step's launch to "
                         "the next router output (GPU machine: ~0.6)")
     p.add_argument("--emulated-runs", type=int, default=de.runs, metavar="N",
-                   help=f"timed runs of each reader on the emulated disk, alternating (default {de.runs})")
+                   help=f"timed runs on the emulated disk (default {de.runs})")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the results as JSON to FILE (bare --json: to stdout, instead of the report)")
     p.set_defaults(func=cmd_bench_host_step)
