@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: serve test test-gpu lint plan preflight settings fmt clean
 
-$(STAMP): pyproject.toml setup.py docker/install.sh $(wildcard glm53/cpu_lane/*.cpp glm53/cpu_lane/*.h store/csrc/*.cpp store/csrc/*.h)
+$(STAMP): pyproject.toml setup.py docker/install.sh $(wildcard glm53/cpu_lane/*.cpp glm53/cpu_lane/*.h store/csrc/*.cpp store/csrc/*.h glm53/bench/*.cpp)
 	test -x $(PY) || python3 -m venv $(VENV)
 	bash docker/install.sh $(PY) dev
 	touch $(STAMP)

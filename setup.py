@@ -31,5 +31,9 @@ def extension(info_file: Path, macro: str) -> Extension:
                      define_macros=[(macro, f'"{files_hash(src, names)}"')], **FLAGS)
 
 
+# The bench's emulated disk (glm53.bench.emulated_disk): a read hook of its own, loaded with ctypes.
+emulated_disk = Extension("glm53.bench._emulated_disk", sources=[str(Path("glm53") / "bench" / "emulated_disk.cpp")],
+                          **FLAGS)
+
 setup(ext_modules=[extension(Path("glm53") / "cpu_lane" / "buildinfo.py", "GLM53_SRC_HASH"),
-                   extension(STORE_BUILD, "GLM53_STORE_SRC_HASH")])
+                   extension(STORE_BUILD, "GLM53_STORE_SRC_HASH"), emulated_disk])

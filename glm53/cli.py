@@ -15,17 +15,13 @@ from glm53 import __version__
 
 # Order is the order of `glm53 --help`.
 COMMAND_MODULES = (
-    "glm53.server.cli",      # serve, bench stream
+    "glm53.bench",           # bench: every benchmark
+    "glm53.server.cli",      # serve
     "glm53.planning_cli",    # plan, preflight
     "glm53.settings_cli",    # settings
     "glm53.fixture.cli",     # fixture
     "glm53.checkpoint",      # model verify / fetch
-    "glm53.store_cli",       # pack-store, verify-store, bench store
-    "glm53.engine.bench",    # bench decode
-    "glm53.tiers.nvme_bench",  # bench nvme
-    "glm53.cpu_lane.bench",  # bench cpu-lane
-    "glm53.engine.lookahead_probe",  # bench lookahead
-    "glm53.engine.host_bench",  # bench host-step
+    "glm53.store_cli",       # pack-store, verify-store
 )
 
 

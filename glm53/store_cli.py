@@ -1,6 +1,6 @@
-"""`glm53 pack-store`, `glm53 verify-store` and `glm53 bench store`: the store package's tools behind glm53's front
-door, with glm53's settings (GLM53_STORE, GLM53_MODEL_DIR, GLM53_ALLOW_BUFFERED_READS, GLM53_CACHE_DIR) passed
-to them as arguments (store/ itself imports nothing of glm53).
+"""`glm53 pack-store` and `glm53 verify-store`: the store package's tools behind glm53's front door, with glm53's
+settings (GLM53_STORE, GLM53_MODEL_DIR, GLM53_ALLOW_BUFFERED_READS, GLM53_CACHE_DIR) passed to them as arguments
+(store/ itself imports nothing of glm53; `glm53 bench store` lives in glm53.bench).
 
 Imports stay inside the commands: the front door imports this module at every start of every command.
 """
@@ -38,21 +38,6 @@ def register(sub) -> None:
     v.add_argument("--sample", type=int, default=8, help="records checked by --quick (default 8)")
     v.add_argument("--threads", type=int, default=4, help="reader threads of the full verify (default 4)")
     v.set_defaults(func=cmd_verify)
-
-
-def register_bench(bench_sub) -> None:
-    b = bench_sub.add_parser("store", help="store throughput (pack, full verify, reader) vs the disk's raw O_DIRECT",
-                             description="Pack, full-verify and random-record reader throughput, each printed next "
-                             "to the raw O_DIRECT read rate of the same disk measured in the same run.")
-    b.add_argument("--path", type=Path, help="store file to read (default: pack a synthetic one in --workdir)")
-    b.add_argument("--model", type=Path, help="checkpoint to pack for the pack figure (default: a synthetic one)")
-    b.add_argument("--workdir", type=Path, help="where synthetic files go (default: GLM53_CACHE_DIR/bench-store); "
-                   "must be on the disk you want to measure")
-    b.add_argument("--gb", type=float, default=2.0, help="size of the synthetic checkpoint in GB (default 2)")
-    b.add_argument("--threads", type=int, default=4, help="reader / packer threads (default 4)")
-    b.add_argument("--rounds", type=int, default=3, help="interleaved raw/reader rounds (default 3)")
-    b.add_argument("--keep", action="store_true", help="keep the synthetic files")
-    b.set_defaults(func=cmd_bench)
 
 
 def _settings():
@@ -117,19 +102,3 @@ def cmd_verify(args: argparse.Namespace) -> int:
                           warn=warn, progress=True)
     print(rep.render())
     return EXIT_OK if rep.ok else EXIT_UNSOUND
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from store.bench import BenchOptions, run_bench
-    from store.errors import StoreError
-
-    settings = _settings()
-    workdir = args.workdir or Path(settings.cache_dir) / "bench-store"
-    opts = BenchOptions(path=args.path, model=args.model, workdir=workdir, gb=args.gb, threads=args.threads,
-                        rounds=args.rounds, keep=args.keep, allow_buffered=settings.allow_buffered_reads)
-    try:
-        print(run_bench(opts, log=lambda m: print(m, file=sys.stderr, flush=True)).render())
-    except StoreError as exc:
-        _err("bench store", exc)
-        return EXIT_UNSOUND
-    return EXIT_OK

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from glm53.tiers.copier import DONE, Copier
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_copy_many_copies_every_pair_in_one_call_into_torch_or_one_per_pair(batched, monkeypatch):
+def test_copy_many_copies_every_pair_in_one_call_into_torch(monkeypatch):
     calls = []
     real = torch._foreach_copy_
 
@@ -19,12 +17,11 @@ def test_copy_many_copies_every_pair_in_one_call_into_torch_or_one_per_pair(batc
 
     monkeypatch.setattr(torch, "_foreach_copy_", counting)
     copier = Copier("cpu")
-    copier.batched = batched
     src = torch.randint(0, 255, (5, 4096), dtype=torch.uint8)
     dst = torch.zeros_like(src)
     assert copier.copy_many([(dst[i], src[i]) for i in range(5)]) is DONE
     assert torch.equal(dst, src)
-    assert calls == ([5] if batched else [])
+    assert calls == [5]
     assert copier.copy_many([(dst[0], src[1])]) is DONE and torch.equal(dst[0], src[1])  # one pair: plain copy_
-    assert calls == ([5] if batched else [])
+    assert calls == [5]
     assert copier.copy_many([]) is DONE

@@ -197,8 +197,9 @@ def test_another_build_of_the_library_runs_side_by_side(tmp_path):
 
 
 def test_the_bench_times_a_baseline_build_in_the_same_run(monkeypatch):
+    from glm53.bench import cpu_lane as bench
     from glm53.cli import build_parser
-    from glm53.cpu_lane import bench, calibrate
+    from glm53.cpu_lane import calibrate
 
     monkeypatch.setattr(calibrate, "ram_read_bandwidth", lambda nbytes=None, threads=None, repeats=5: 1e10)
     args = build_parser().parse_args(["bench", "cpu-lane", "--thread-list", "1", "--rows", "1,3", "--repeats", "1",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_nvme_tier_support import make_store
 
-from glm53.engine import bench as B
+from glm53.bench import decode as B
 
 
 def mode_doc(tok: float, nvme: bool = False) -> dict:
@@ -26,14 +26,10 @@ def test_report_has_a_line_per_mode_and_the_targets():
            "ram_fraction": 0.47, "fast_over_exact": 1.6, "moe_cpu_split": "not run",
            "record_ms_by_pieces": {"1": 7.27, "4": 3.95}, "warmup_tokens": 192,
            "read_parts": 4, "read_ms_by_parts": {"1": 7.5, "2": 5.1, "4": 4.02},
-           "modes": {"exact": mode_doc(50.0), "exact-serial": mode_doc(15.0), "fast": mode_doc(30.0),
-                     "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True),
-                     "nvme-exact-ahead2": mode_doc(24.0, nvme=True)}}
-    res["nvme_exact_over"] = {"nvme-exact-ahead2": 0.83, "nvme-exact-waitfirst": 1.31, "nvme-exact-readsfirst": 1.04}
-    for v in ("nvme-exact-waitfirst", "nvme-exact-readsfirst"):
-        res["modes"][v] = mode_doc(15.0, nvme=True)
-    res["modes"]["nvme-exact-ahead2"]["two_ahead_recall"] = 0.41
-    res["modes"]["nvme-exact-ahead2"]["tiers"] = {"store_reads": {"parts": 1}}
+           "modes": {"exact": mode_doc(50.0), "fast": mode_doc(30.0),
+                     "nvme-exact": mode_doc(20.0, nvme=True), "nvme": mode_doc(25.0, nvme=True)}}
+    res["modes"]["nvme-exact"]["tiers"] = {"store_reads": {"parts": 1}}
+    res["modes"]["exact"]["lookahead_recall"] = float("nan")  # all in RAM: no lookahead
     res["modes"]["nvme"]["decode_store"] = {"picks_by_layer": [1.5, 0.25], "issued": 3.0, "hits": 2.0, "late": 0.5,
                                             "late_under_way": 0.25, "wasted": 0.5, "demand_misses": 1.25,
                                             "store_busy": 0.3, "guess_floor": 0.23, "guess_saving": 0.9,
@@ -44,12 +40,12 @@ def test_report_has_a_line_per_mode_and_the_targets():
     res["modes"]["nvme"]["tiers"] = {"cpu_lane": {"judge": {"kept": None, "ratio_on_over_off": None,
                                                             "cpu_share": None}}}
     res["read_contention"] = {"alone_s": 100e-6, "reader_s": 250e-6, "reader_over_alone": 2.5, "copies": 5,
-                              "reads": 4, "parts": 8, "reader_copyeach_over_alone": 3.0}
+                              "reads": 4, "parts": 8}
     text = B.report(res, 8)
     emulated = B.report({**res, "store_reads": B._store_reads(False, 6e9), "record_ms_by_pieces": {}}, 8)
     assert ("store: raw emulated (one fixed-rate timeline over the store's real reads) 6.50 GB/s at the start; RAM "
             "tier 0.470 of the experts\n") in emulated
-    assert "100 us alone, 250 us beside 4 StoreReader reads in 8 part(s) (x 2.50; x 3.00 with one copy_ call" in text
+    assert "100 us alone, 250 us beside 4 StoreReader reads in 8 part(s) (x 2.50)" in text
     assert "CPU lane set aside (steps offering it took 1.031 of the others, 0.039 of picks)" in text
     assert "CPU lane on trial" in text and text.count("CPU lane") == 2
     for mode in res["modes"]:
@@ -57,7 +53,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
     for what in ("PCIe bound", "fast / exact: 1.600, median of paired windows (target >= 1.5)", "raw O_DIRECT 6.50 GB/s at the start", "nvme / fast: 0.833",
                  "nvme picks per tier: vram_hit 0.600", "x the two lanes one after the other 0.930",
                  "reads each record in 4 part(s), timed as it opens (native pread, parts hashed): 7.50 ms in 1, 5.10 ms in 2, "
-                 "4.02 ms in 4; the modes read in nvme-exact-ahead2 1",
+                 "4.02 ms in 4; the modes read in nvme-exact 1",
                  "one record alone: 7.27 ms in 1 piece(s), 3.95 ms in 4 piece(s)",
                  "per decoded token: store picks by layer 1.50 0.25; reads a step waited for but no guess started "
                  "1.25, guesses read 3.00 (in time 2.00, late 0.50 of which under way 0.25, wrong 0.50); store busy "
@@ -67,15 +63,7 @@ def test_report_has_a_line_per_mode_and_the_targets():
                  "    per prompt: 1234 MiB from the store, store busy 0.61 of the prefill; prefill x the disk's bound "
                  "0.705, median of windows",
                  "each tiered mode decoded 192 tokens before the windows",
-                 "nvme-exact / nvme-exact-ahead2 (store reads started one layer ahead / store reads started two layers "
-                 "ahead as well): "
-                 "0.830, median of paired windows; recall two layers ahead 0.41", "nvme-exact-ahead2 picks per tier",
-                 "nvme-exact-waitfirst picks per tier",
-                 "(RAM misses cross PCIe while the store reads land / a step's RAM misses wait for its store reads): "
-                 "1.310, median of paired windows",
-                 "nvme-exact-readsfirst picks per tier",
-                 "and frees RAM for the next step's, after launch / reads ahead before launch, RAM room found by each "
-                 "read): 1.040, median", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
+                 "nvme-exact picks per tier", "(1.25 GB/s mean) 25.0 tok/s, x bound 1.000, median of "
                  "windows (target >= 0.8); at the start's rate 30.0 tok/s, x 0.833", "lookahead recall -"):
         assert what in text, what
 
@@ -174,25 +162,16 @@ def test_window_line_names_the_traffic_host_time_and_disk_share():
     assert line.endswith("(0.08 of the disk's time at the 25.00 GB/s it gave beside this window)")
 
 
-def test_a_variant_sets_attributes_of_the_stepper_and_of_what_it_holds():
-    from types import SimpleNamespace
-
-    stepper = SimpleNamespace(guess_by_load=True, tiers=SimpleNamespace(copier=SimpleNamespace(batched=True)))
-    for name, value in B.VARIANTS["nvme-exact-copyeach"].stepper + B.VARIANTS["nvme-exact-guesshalf"].stepper:
-        B.set_path(stepper, name, value)
-    assert stepper.tiers.copier.batched is False and stepper.guess_by_load is False
-
-
-def test_an_emulated_disk_is_refused_where_it_would_pace_some_reads_and_not_others():
-    """--emulate-disk-GBps: a rate above 0 and an nvme mode to read the store; otherwise no problem where the
-    store's library is built."""
-    from glm53.cpu_lane import emulated_disk
-    from store import native
+def test_an_emulated_disk_is_refused_without_a_rate_an_nvme_mode_or_the_hook():
+    """--emulate-disk-GBps: a rate above 0, an nvme mode to read the store, and the bench's emulator with the store's
+    read hook (glm53.bench.emulated_disk) to pace its reads."""
+    from glm53.bench import emulated_disk as E
 
     assert "above 0" in B.emulation_problem(0, ("nvme-exact",))
     assert "no nvme mode" in B.emulation_problem(6, ("exact", "fast"))
-    if native.available():
-        assert B.emulation_problem(6, ("fast", "nvme-exact", "nvme")) is None
-        assert emulated_disk.set_emulated_disk(0.0) == 0.0  # the check left the emulation off
-    else:
-        assert B.emulation_problem(6, ("nvme-exact",))
+    assert B.emulation_problem(6, ("fast", "nvme-exact", "nvme")) == E.problem()
+
+
+def test_deleted_variant_modes_are_gone():
+    assert B.MODES == ("exact", "fast", "nvme-exact", "nvme")
+    assert not hasattr(B, "VARIANTS") and not hasattr(B, "set_path")

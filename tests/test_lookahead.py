@@ -73,13 +73,13 @@ def test_recall_meter_arithmetic() -> None:
 
 @pytest.fixture(scope="module")
 def fixture_model(hf_model_dir: Path):
-    from glm53.engine.lookahead_probe import load_model
+    from glm53.bench.lookahead import load_model
 
     return load_model(hf_model_dir)
 
 
 def test_fixture_recall_self_exact_and_lookahead_above_chance(fixture_model) -> None:
-    from glm53.engine.lookahead_probe import measure_recall
+    from glm53.bench.lookahead import measure_recall
 
     ids = torch.randint(0, fixture_model.config.get_text_config().vocab_size, (1, 96),
                         generator=torch.Generator().manual_seed(0))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from copiers import GpuLikeCopier, HeldCopier
 from test_cpu_lane import HIDDEN, LAYOUT, NUM_EXPERTS, NUM_LAYERS, TOP_K, make_experts, reference_forward, rel_err
 from test_nvme_tier_support import make_store, nvme_plan, record
 
+from glm53.bench.copiers import GpuLikeCopier, HeldCopier
 from glm53.cpu_lane.lane import CpuLane
 from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
 from glm53.engine.moe_step import FREE_RAM_SLOTS, MoeStepper, StepError, translate
@@ -96,10 +96,9 @@ def slot_bytes(tiers, stepper: MoeStepper, li: int, s: int) -> torch.Tensor | No
     return tiers.vram[li].flat(s) if s < S else tiers.staging[s - S]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_every_pick_points_at_its_own_bytes(overlap):
+def test_every_pick_points_at_its_own_bytes():
     tiers, fill = _byte_tiers(copier=HeldCopier())
-    stepper = MoeStepper(tiers, [3, 0], 16, overlap=overlap)
+    stepper = MoeStepper(tiers, [3, 0], 16)
     rng = np.random.default_rng(3)
     want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
     for step in range(200):
@@ -111,8 +110,6 @@ def test_every_pick_points_at_its_own_bytes(overlap):
         step = stepper.resolve(li, ids, decode)
         slots = step.slots
         S = stepper.cache_slots[li]
-        if overlap and decode:  # admitted this step: read from its slot now, resident only once the host sees it
-            assert all(tiers.where[li, e] == Where.TO_VRAM for e in step.admitted)
         for e, s in zip(ids.ravel().tolist(), slots.ravel().tolist(), strict=True):
             fill(li, e, want)
             assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {step}: expert {e} -> slot {s}"
@@ -127,7 +124,7 @@ def test_every_pick_points_at_its_own_bytes(overlap):
 
 
 def test_admissions_after_launch_copy_from_staging_and_every_pick_reads_its_bytes():
-    """admit_after_launch (the default): a decode step streams every PCIe miss, the GPU reads the staging rows,
+    """A decode step streams every PCIe miss, the GPU reads the staging rows,
     and only then (exllamav3's combine) are admissions chosen and copied on the device from those rows. Copies
     run in issue order and read their source when they run, as on a CUDA stream, so an admission chained on a
     staging copy still in flight, or a staging row refilled under a pending admission, shows in the bytes."""
@@ -140,8 +137,9 @@ def test_admissions_after_launch_copy_from_staging_and_every_pick_reads_its_byte
         li = n % 2
         ids = np.stack([rng.choice(16, 4, replace=False, p=np.r_[np.full(4, 0.15), np.full(12, 0.4 / 12)])
                         for _ in range(int(rng.integers(1, 4)))])
+        admissions = tiers.stats.snapshot()["admissions"]
         step = stepper.resolve(li, ids, True)
-        assert step.admitted == [], "nothing is admitted before the kernels are queued"
+        assert tiers.stats.snapshot()["admissions"] == admissions, "nothing is admitted before the kernels are queued"
         copier.gpu_runs()  # the expert kernels: they wait for the step's copies, then read
         for e, s in zip(ids.ravel().tolist(), step.slots.ravel().tolist(), strict=True):
             fill(li, e, want)
@@ -190,56 +188,6 @@ def test_lookahead_admits_predictions_and_scores_them():
     stepper.after_launch()
     assert stepper.lookahead.snapshot()["steps"] == 1
     assert stepper.ahead(2, np.array([[0]])) == 0  # past the last layer: nothing to do
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_lookahead_prestages_predicted_misses_and_their_step_reads_them(overlap):
-    # 16 experts, decode steps of <= 2 rows of top-4 (8 staging rows), and 2 x 4 rows above them for prestaging.
-    tiers, fill = _byte_tiers(slots=(3, 2), staging=16, copier=HeldCopier())
-    stepper = MoeStepper(tiers, [3, 2], 16, overlap=overlap, decode_staging=8)
-    assert stepper.prestage_rows == 4
-    rng = np.random.default_rng(9)
-    want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
-    nxt = None
-    for step in range(120):
-        li = step % 2
-        ids = nxt if nxt is not None and li == 1 else np.stack([rng.choice(16, 4, replace=False) for _ in range(2)])
-        if step % 13 == 12:
-            ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(12)])  # a prompt chunk now and then
-        decode = len(ids) <= 2
-        st = stepper.resolve(li, ids, decode)
-        for e, s in zip(ids.ravel().tolist(), st.slots.ravel().tolist(), strict=True):
-            fill(li, e, want)
-            assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {step}: expert {e} -> slot {s}"
-        assert not set(st.prestaged) & set(st.staged)
-        nxt = None
-        if decode and li == 0:  # predict layer 1: its real picks, one of them replaced by a wrong guess
-            nxt = np.stack([rng.choice(16, 4, replace=False) for _ in range(2)])
-            guess = nxt.copy()
-            guess[0, 0] = (guess[0, 0] + 1) % 16
-            stepper.ahead(1, guess)
-        tiers.check_invariants()
-    pre = stepper.snapshot()["lookahead"]["prestaged"]
-    assert pre["used"] > 0 and pre["issued"] >= pre["used"]
-    assert stepper.ahead(0, np.array([[0, 1, 2, 3]])) >= 0 and 0 in stepper._prestaged  # layer 0: the other parity
-
-
-def test_prestaging_learns_which_guess_ranks_are_worth_their_pcie_time():
-    tiers, _ = _byte_tiers(slots=(0, 0), staging=16)
-    stepper = MoeStepper(tiers, [0, 0], 16, admit=False, decode_staging=8)
-    rng = np.random.default_rng(2)
-    wrong_prestaged = []
-    for _ in range(40):
-        real = rng.choice(14, 3, replace=False)
-        guess = np.array([[*real, 15]])  # ranks 0-2 right, rank 3 (expert 15, never picked) always wrong
-        stepper.ahead(1, guess)
-        wrong_prestaged.append(15 in stepper._prestaged[1][0])
-        stepper.resolve(1, np.array([[*real, 14]]), decode=True)  # the 4th real pick is one nobody guessed
-        stepper.after_launch()  # as the engine does once the kernels are queued: the guess is scored there
-    precision = stepper.rank_precision()
-    assert precision[3] < 0.5 < min(precision[:3])
-    assert wrong_prestaged[0] and not any(wrong_prestaged[5:]), "the wrong rank kept being prestaged"
-    assert stepper.snapshot()["lookahead"]["rank_precision"][3] < 0.5
 
 
 # ---- fast mode: the CPU lane at the seam -----------------------------------------------------------------------
@@ -315,7 +263,7 @@ def test_fast_mode_masks_the_lane_picks_and_adds_its_partial():
             masked = st.slots == stepper.masked_id(li)
             assert np.array_equal(masked, np.isin(ids, st.cpu)), "exactly the lane's picks are masked"
             for e in st.cpu:  # the lane only gets RAM experts, never one also staged or admitted
-                assert tiers.where[li, e] == Where.RAM and e not in st.staged and e not in st.admitted
+                assert tiers.where[li, e] == Where.RAM and e not in st.staged
             lane_steps += bool(st.cpu)
             tiers.check_invariants()
         snap = stepper.snapshot()
@@ -521,75 +469,6 @@ def test_nvme_reads_ahead_only_the_guess_ranks_that_are_usually_right(packed):
             stepper.ahead(1, np.array([[9, 4, 7, 2]]))
             assert asked == [[(1, e) for e in (9, 4, 7, 2)[:ranks]]], f"store load {load[0]}"
             assert stepper.snapshot()["lookahead"]["guess_floor"] == pytest.approx(load[0] / (1 + load[0]), abs=1e-3)
-        stepper.guess_by_load = False  # the old rule, whatever the load
-        asked.clear()
-        stepper.ahead(1, np.array([[9, 4, 7, 2]]))
-        assert asked == [[(1, 9), (1, 4)]]
-
-
-def test_nvme_reads_fewer_guess_ranks_where_right_guesses_save_only_part_of_a_read(packed):
-    """With guess_by_saving (off by default: on the H200 it read fewer guesses but decoded no faster), a right
-    guess still being read when its layer runs counts as saving only part of the read: the floor is
-    load / (s + load), s the share a right guess recently saved (the tier's guess_saving). Where guesses land in
-    time (s = 1) that is the load rule; where they land late, only the surest ranks are read."""
-    with small_nvme_tier(packed) as tier:
-        tier.load = lambda: 0.75
-        saving = [1.0]
-        tier.guess_saving = lambda: saving[0]
-        stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
-        assert not stepper.guess_by_saving
-        stepper.guess_by_saving = True
-        asked = recording_prefetch(tier)
-        stepper._near.precision[:] = [0.95, 0.75, 0.65, 0.45]  # as scored after many steps
-        # Each round guesses experts only in the store (none read before), best rank first.
-        for (saving[0], ranks), guess in zip(((1.0, 4), (0.5, 3), (0.2, 1)),
-                                             ((9, 4, 7, 2), (10, 5, 8, 3), (11, 6, 12, 1)), strict=True):
-            asked.clear()
-            stepper.ahead(1, np.array([guess]))
-            assert asked == [[(1, e) for e in guess[:ranks]]], f"saving {saving[0]}"
-            lookahead = stepper.snapshot()["lookahead"]
-            assert lookahead["guess_floor"] == pytest.approx(0.75 / (saving[0] + 0.75), abs=1e-3)
-            assert lookahead["guess_saving"] == saving[0]
-        stepper.guess_by_saving = False  # the default: as if every right guess saved a whole read
-        asked.clear()
-        stepper.ahead(1, np.array([[9, 4, 7, 2]]))
-        assert stepper.guess_floor == pytest.approx(0.75 / 1.75, abs=1e-3)
-        assert asked == [[(1, e) for e in (9, 4, 7, 2)]]
-        stepper.read_guesses = False  # the bench's no-guess comparison: nothing read ahead at all
-        asked.clear()
-        before = stepper.prefetched
-        assert stepper.ahead(1, np.array([[13, 14, 15, 0]])) == 0
-        assert asked == [] and stepper.prefetched == before
-
-
-def test_nvme_reads_two_layers_ahead_scored_apart(packed):
-    """Guesses two layers ahead are read at their own ranks' live precision, not the next layer's: here the near
-    guess is always right and the far guess right only at rank 0, so after a while the far guess's rank 0 alone
-    is read (on a busy store), and the two meters keep their own scores."""
-    with small_nvme_tier(packed) as tier:
-        tier.load = lambda: 1.0
-        stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
-        asked = recording_prefetch(tier)
-        rng = np.random.default_rng(5)
-        for _ in range(12):
-            real = rng.choice(16, 4, replace=False)
-            others = [e for e in range(16) if e not in real]
-            stepper.ahead(1, np.array([[real[0], *others[:3]]]), distance=2)  # two ahead: rank 0 right only
-            stepper.ahead(1, real[None, :])  # one ahead: all right
-            stepper.resolve(1, real[None, :], True)
-            stepper.after_launch()
-            tier.check_invariants()
-        la = stepper.snapshot()["lookahead"]
-        assert la["recall"] == 1.0 and la["two_ahead"]["recall"] == pytest.approx(0.25)
-        assert la["two_ahead"]["rank_precision"][0] > 0.9 and max(la["two_ahead"]["rank_precision"][1:]) < 0.1
-        assert min(stepper.rank_precision()) > 0.9, "the near guess's precision is not diluted by the far one"
-        asked.clear()
-        assert stepper.ahead(1, np.array([[9, 4, 7, 2]]), distance=2) <= 1
-        assert asked == [[(1, 9)]]
-        assert la["two_ahead"]["prefetched"] > 0
-        # The all-RAM modes never act on a far guess (admitting on it would spend PCIe time decode is bound by).
-        ram_tiers, _ = _byte_tiers()
-        assert MoeStepper(ram_tiers, [3, 0], 16).ahead(1, np.array([[1, 2, 3]]), distance=2) == 0
 
 
 def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packed):
@@ -678,10 +557,10 @@ def test_after_launch_keeps_the_steps_experts_and_the_guessed_ones_for_the_comin
         assert 2 in handed  # the step's experts and a pending guess's
 
 
-@pytest.mark.parametrize("reads_after_launch", [True, False])
-def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp_path, reads_after_launch):
-    """RAM full: the far guess's reads need room, and must not take it from the layer in between's experts that
-    the (likelier) near guess just named."""
+def test_a_step_with_no_store_read_starts_its_reads_ahead_after_launch_and_makes_room(tmp_path):
+    """RAM full, the step's picks already in RAM: nothing to wait for, so the next layer's reads start after launch,
+    where a few RAM slots are freed for the next step's reads, never the step's own experts nor the ones the guess
+    for the next layer named."""
     from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
@@ -694,26 +573,20 @@ def test_a_guess_two_layers_ahead_never_drops_what_the_guess_one_ahead_named(tmp
             t.fetch_to_ram(1, e)  # RAM now full (17 records)
         assert t.ram.free_count() == 0
         stepper = MoeStepper(t, [1, 1, 1], 16, nvme=tier)
-        stepper.reads_after_launch = reads_after_launch
         near = np.array([[0, 1, 2, 3]])  # layer 1's guess: all in RAM already
-        far = np.array([[0, 1, 2, 3]])  # layer 2's guess: all in the store
+        called = []
 
         def read_ahead(busy):  # what TieredMoE.step's closure does
+            called.append(sorted(busy))
             stepper.ahead(1, near, busy=busy)
-            stepper.ahead(2, far, busy=busy, distance=2)
 
         stepper.resolve(0, np.array([[0, 1, 2, 3]]), True, read_ahead=read_ahead)
-        if reads_after_launch:
-            assert stepper.prefetched_far == 0, "no store read to wait for: the reads ahead start after launch"
-            stepper.after_launch()
-            assert t.ram.free_count() == FREE_RAM_SLOTS, "room made for the next step's reads"
-        else:
-            assert stepper.prefetched_far > 0, "read before launch, as before"
-            assert t.ram.free_count() == 0
-            stepper.after_launch()
-            assert t.ram.free_count() == 0, "no RAM room made after launch either"
-        assert stepper.prefetched_far > 0, "the far guess was read (dropping other layer-1 experts)"
-        assert all(t.where[1, e] == Where.RAM for e in range(4)), "the near guess's experts were dropped"
+        assert called == [], "no store read to wait for: the reads ahead start after launch"
+        stepper.after_launch()
+        assert called == [[0, 1, 2, 3]]
+        assert t.ram.free_count() == FREE_RAM_SLOTS, "room made for the next step's reads"
+        assert all(t.where[0, e] < Where.STORE for e in range(4)), "the step's own experts were dropped"
+        assert all(t.where[1, e] == Where.RAM for e in range(4)), "the guess's experts were dropped"
         tier.check_invariants()
 
 
@@ -743,7 +616,7 @@ def test_nvme_overlap_never_drops_a_ram_expert_a_copy_still_reads(packed, tmp_pa
     with NvmeTier(StoreReader(store, threads=2, verify=True, allow_buffered=True), 16, [1, 1], 17, layers=[1, 2],
                   copier=copier, staging_slots=16) as tier:
         tier.warm(None)
-        stepper = MoeStepper(tier.tiers, [1, 1], 16, nvme=tier, overlap=True, decode_staging=8)
+        stepper = MoeStepper(tier.tiers, [1, 1], 16, nvme=tier)
         rng = np.random.default_rng(4)
         held_seen = 0
         for step in range(60):
@@ -753,8 +626,8 @@ def test_nvme_overlap_never_drops_a_ram_expert_a_copy_still_reads(packed, tmp_pa
             held = dict(tier.tiers._held)
             if st.staged:  # this step's staging copies are in flight: their sources are held
                 assert all((li, e) in held for e in st.staged)
-            # Before the "GPU" runs the step's copies, the host moves on: the next layer's prefetch and prestage
-            # make room in RAM, and must not take the slots those copies read from.
+            # Before the "GPU" runs the step's copies, the host moves on: the next layer's prefetch makes room in RAM,
+            # and must not take the slots those copies read from.
             stepper.ahead(1 - li, rng.choice(16, 6, replace=False)[None, :])
             for key, ticket in held.items():
                 if not ticket.done():

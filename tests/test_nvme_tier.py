@@ -307,8 +307,8 @@ def test_reader_geometry_matches_the_tier(packed):
 
 def test_bench_nvme_runs_and_prints_ratios(packed, tmp_path):
     """`glm53 bench nvme` end to end on the small store (the real run uses 9 MiB records; see docs/results.md)."""
+    from glm53.bench.nvme import NvmeBenchOptions, run_bench
     from glm53.cli import build_parser
-    from glm53.tiers.nvme_bench import NvmeBenchOptions, run_bench
 
     ck, store = packed
     args = build_parser().parse_args(["bench", "nvme", "--tokens", "4"])

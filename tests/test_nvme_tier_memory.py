@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_nvme_tier_support import make_store, nvme_plan
 
+from glm53.bench.store import drop_cache
 from glm53.tiers.nvme import NvmeTier
 from glm53.tiers.nvme_open import open_nvme_tier
 from store.format import read_header
@@ -71,15 +72,6 @@ _HEADERS: dict = {}
 # Opening a store reads its header buffered (and the kernel reads a little ahead into the first records); that is
 # a constant, not a growth.
 HEADER_READAHEAD = 256 * 1024
-
-
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def random_reads(tier: NvmeTier, n: int, seed: int, sample=None) -> None:

@@ -47,8 +47,10 @@ def test_commands_are_registered():
     parser = build_parser()
     args = parser.parse_args(["serve", "--model", "/m", "--host", "127.0.0.1", "--port", "8001"])
     assert args.func is server_cli.cmd_serve and (args.model, args.port) == ("/m", 8001)
+    from glm53.bench import cli as bench_cli
+
     args = parser.parse_args(["bench", "stream", "--tokens", "64"])
-    assert args.func is server_cli.cmd_bench_stream and args.tokens == 64
+    assert args.func is bench_cli.cmd_bench_stream and args.tokens == 64
 
 
 def _config_dir(tmp_path: Path, config: dict) -> Path:

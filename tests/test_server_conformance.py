@@ -441,7 +441,7 @@ def test_non_streamed_disconnect_cancels(server, reference_engine):
 
 
 def test_stream_rate_ratio(reference_engine):
-    from glm53.server.bench import run_stream_bench
+    from glm53.bench.stream import run_stream_bench
 
     runs = run_stream_bench(reference_engine, settings(), max_tokens=48, runs=1)
     # The benchmark's target is 0.98 on a quiet machine; CI shares 2 cores with other tests, so be lenient.

@@ -94,12 +94,10 @@ def test_refill_waits_for_queued_compute() -> None:
     assert torch.equal(tiers.bytes_of(0, old).cpu(), src[old])  # the victim was written back intact
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_a_batch_of_copies_lands_in_order_after_queued_compute(batched: bool) -> None:
-    """copy_many from pinned host rows into device rows, in one call into torch (or one per pair): the bytes land,
+def test_a_batch_of_copies_lands_in_order_after_queued_compute() -> None:
+    """copy_many from pinned host rows into device rows, in one call into torch: the bytes land,
     after the compute already queued that reads the destination, and the ticket covers them all."""
     copier = Copier("cuda")
-    copier.batched = batched
     src = torch.randint(0, 255, (6, 1 << 20), dtype=torch.uint8).pin_memory()
     dst = torch.zeros((6, 1 << 20), dtype=torch.uint8, device="cuda")
     torch.cuda._sleep(100_000_000)

@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 import torch
-from copiers import HeldCopier
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from glm53.bench.copiers import HeldCopier
 from glm53.tiers import ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
 from glm53.tiers.policy import LruPolicy, ScoredPolicy
 

@@ -279,7 +279,6 @@ class _Layer:
     x_host: Any = None  # pinned fp16 (MAX_BSZN, hidden): a decode step's input, for the CPU lane
     w_host: Any = None  # pinned fp16 (MAX_BSZN, top_k): its routing weights
     next_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the next layer's predicted picks
-    far_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the layer after next's (lookahead_depth 2)
     guess_host: Any = None  # pinned bool (experts,): the next layer's experts a prompt chunk's router run names
 
 
@@ -308,10 +307,6 @@ class TieredMoE:
         read_threads: int = 8,
         nvme_open: Callable[[list[int], int], Any] | None = None,
         lookahead: bool | None = None,
-        lookahead_depth: int = 1,
-        prestage: bool = False,
-        overlap_copies: bool = True,
-        admit_after_launch: bool = True,
     ):
         """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
         layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
@@ -319,14 +314,11 @@ class TieredMoE:
         nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme_open.open_nvme_tier with
         warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
         step's input and start the store reads of its predicted experts one layer ahead (default: in the nvme
-        modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). lookahead_depth 2
-        (nvme modes): also run the router of the layer after next on the same input and start reads of its likely
-        picks two layers ahead (glm53.engine.moe_step, lookahead). prestage: also
-        copy predicted RAM experts into staging ahead (off: a wrong guess costs a whole expert's PCIe time). device: the CUDA device exllamav3 runs on
-        (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets unpinned host buffers and no
-        stream synchronisation, and is otherwise the same code. overlap_copies: the GPU, not the host, waits for
-        a decode step's copies (glm53.engine.moe_step, `overlap`). admit_after_launch: admissions are decided and
-        copied (device to device, from staging) once the step's kernels are queued (moe_step, same name)."""
+        modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). device: the CUDA
+        device exllamav3 runs on (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets
+        unpinned host buffers and no stream synchronisation, and is otherwise the same code. A decode step's copies
+        are waited for by the GPU, not the host, and its admissions are decided and copied (device to device, from
+        staging) once its kernels are queued (glm53.engine.moe_step)."""
         import torch
 
         self.model = model
@@ -373,12 +365,6 @@ class TieredMoE:
         self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
         self.nvme_open = nvme_open
         self.lookahead = nvme_open is not None if lookahead is None else lookahead
-        if lookahead_depth not in (1, 2):
-            raise ValueError(f"lookahead_depth is 1 or 2, got {lookahead_depth}")
-        self.lookahead_depth = lookahead_depth
-        self.prestage = prestage
-        self.overlap_copies = overlap_copies
-        self.admit_after_launch = admit_after_launch
         self.tiers: Any = None
         self.nvme: Any = None
         self.stepper: MoeStepper | None = None
@@ -524,10 +510,7 @@ class TieredMoE:
         else:
             self.tiers.populate(load, self.counts)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
-                                  admit=self.admit, nvme=self.nvme, overlap=self.overlap_copies,
-                                  admit_after_launch=self.admit_after_launch,
-                                  decode_staging=min(self.num_experts, MAX_BSZN * self.top_k)
-                                  if self.lookahead and self.prestage else None)
+                                  admit=self.admit, nvme=self.nvme)
         hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module
@@ -542,7 +525,6 @@ class TieredMoE:
             layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=self.pin)
             layer.w_host = torch.empty((rows, self.top_k), dtype=torch.half, pin_memory=self.pin)
             layer.next_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
-            layer.far_host = torch.empty((rows, self.top_k), dtype=torch.long, pin_memory=self.pin)
             layer.guess_host = torch.empty(self.num_experts, dtype=torch.bool, pin_memory=self.pin)
         self.populated = True
 
@@ -636,11 +618,9 @@ class TieredMoE:
         if lane:  # the lane's input rows and weights cross in the same synchronisation
             layer.x_host[:bsz].copy_(y.view(bsz, -1), non_blocking=True)
             layer.w_host[:bsz].copy_(weights.view(bsz, -1), non_blocking=True)
-        far = predict and self.lookahead_depth == 2 and self.nvme is not None and li + 2 < len(self.layers)
         guess = not decode and self.lookahead and self.nvme is not None and li + 1 < len(self.layers)
         if predict:
             predict = self._predict_next(li + 1, y.view(bsz, -1), layer.next_host[:bsz])
-            far = far and predict and self._predict_next(li + 2, y.view(bsz, -1), layer.far_host[:bsz])
         if guess:
             guess = self._predict_next(li + 1, y.reshape(-1, y.shape[-1]), layer.guess_host)
         if stream is not None:
@@ -653,13 +633,11 @@ class TieredMoE:
         def read_ahead(busy: Any) -> None:
             if predict:
                 stepper.ahead(li + 1, layer.next_host[:bsz].numpy(), busy=busy)
-            if far:
-                stepper.ahead(li + 2, layer.far_host[:bsz].numpy(), busy=busy, distance=2)
 
         # nvme modes: the guesses' store reads are queued inside resolve, right behind this step's own. Elsewhere
-        # the lookahead admits into VRAM, and prestaging copies into staging: both wait until this step's own
-        # admissions and copies are decided, so they never delay this step's kernels.
-        early = self.nvme is not None and not stepper.prestage_rows and (predict or far)
+        # the lookahead admits into VRAM, which waits until this step's own copies are decided, so it never delays
+        # this step's kernels.
+        early = self.nvme is not None and predict
         step = stepper.resolve(li, ids, decode, x, w,
                                next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
                                read_ahead=read_ahead if early else None)

@@ -15,11 +15,8 @@ Nothing here imports exllamav3, so the decisions run on the CPU in tests with CP
   CPU lane and PCIe; exact / nvme-exact send every miss over PCIe.
   lookahead: the adapter may hand in the next layer's router run on this layer's input; its picks are read or
   admitted one layer ahead (reads and copies overlap this layer's experts and the next layer's attention), and
-  how many of them the next layer really picks is counted (recall). In the nvme modes it may also hand in the
-  layer after next's router on the same input (two ahead): a store read takes several layers' GPU time, so a
-  guess one layer ahead often lands late. Those guesses are scored apart and read only at ranks right often
-  enough for the store's load (see guess_floor), so where they are poor they cost nothing but the router's few
-  microseconds.
+  how many of them the next layer really picks is counted (recall). In the nvme modes a guess is read only at
+  ranks right often enough for the store's load (see guess_floor).
 """
 
 from __future__ import annotations
@@ -90,10 +87,9 @@ class Step:
     """One resolved layer step."""
 
     slots: np.ndarray                       # (tokens, top_k) slot id per pick
-    staged: list[int] = field(default_factory=list)
-    admitted: list[int] = field(default_factory=list)
+    staged: list[int] = field(default_factory=list)  # misses streamed into staging (a decode step's admissions
+    # come after launch, from these rows)
     cpu: list[int] = field(default_factory=list)   # experts the CPU lane computes (their picks are masked)
-    prestaged: list[int] = field(default_factory=list)  # misses already copied ahead by the lookahead
     ticket: Any = None                      # the lane's LaneTicket, or None: ticket.partial(tokens) at combine
 
 
@@ -131,8 +127,7 @@ class _LazySets(Mapping[int, set[int]]):
 
 
 class Guesses:
-    """Guesses of one distance (one layer ahead, or two): each layer's guess until its step comes, and how often the
-    guess at each rank (best first) was among the real picks, pooled over layers. A guess acted on costs its bytes
+    """Guesses one layer ahead: each layer's guess until its step comes, and how often the guess at each rank (best first) was among the real picks, pooled over layers. A guess acted on costs its bytes
     whether or not it is picked and saves them only when it is, so only ranks right often enough are acted on
     (MoeStepper.guess_floor): calibrated live, starting from "yes"."""
 
@@ -185,25 +180,15 @@ class MoeStepper:
 
     def __init__(self, tiers: Any, cache_slots: Sequence[int], staging_slots: int, *, admit: bool = True,
                  lane: Any = None, fit: Any = None, recompute: Recompute | None = None, nvme: Any = None,
-                 overlap: bool = True, decode_staging: int | None = None, admit_after_launch: bool = True,
                  lane_judge: Any = None):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
-        NvmeTier, for prefetch. overlap: a decode step's copies (staging, and admissions decided before launch)
-        are ordered before the expert kernels on the GPU (a stream-side wait) instead of the host waiting for
-        them; an expert admitted before launch is read from its filling slot in that same step (still marked
-        resident only when the host sees it land).
-        Saves the host's wake-up per layer: 1.05-1.17x the decode speed of the host waiting in every paired window
-        on the H200 (docs/results.md, third session), so on by default; the PCIe timings the planner refits from
-        are then only the start-up ones.
-        decode_staging: the staging rows a decode step can need (MAX_BSZN x top_k, at most num_experts). The rows
-        above it, split in two by layer parity, take the next layer's predicted RAM experts ahead of its step
-        (see `ahead`); None or no rows left: no prestaging. Off in the engine: decode is PCIe-bound, and a wrong
-        guess costs a whole expert's copy (measured: 0.86 -> 0.73 of the bound at a recall of 0.57).
-        admit_after_launch: a decode step streams every PCIe miss into staging, and the policy's learning and
-        admissions run in `after_launch`, once exllamav3 has queued the step's expert kernels (the host works
-        while the GPU does): an admitted expert is copied on the device from the staging row it was just streamed
-        into. Off: admissions are decided before the kernels, and copied from RAM into their slot.
+        NvmeTier, for prefetch.
+        A decode step streams every PCIe miss into staging, and its copies are ordered before the expert kernels on
+        the GPU (a stream-side wait) instead of the host waiting for them (1.05-1.17x the decode speed of the host
+        waiting, H200, docs/results.md); the policy's learning and admissions run in `after_launch`, once exllamav3
+        has queued the step's kernels, each admitted expert copied on the device from the staging row it was just
+        streamed into. The PCIe timings the planner refits from are then only the start-up ones.
         lane_judge: a glm53.engine.lane_judge.LaneJudge (default: a new one on the wall clock), which decides from
         paired windows of decode steps whether offering the lane makes them faster."""
         if lane is not None and (fit is None or recompute is None):
@@ -216,21 +201,10 @@ class MoeStepper:
         self.fit = fit
         self.recompute = recompute
         self.nvme = nvme
-        self.overlap = overlap
-        self.admit_after_launch = admit_after_launch
         # (layer, ids, uniq, pcie misses, staged, the next layers' reads held back or None, their busy experts)
         self._deferred: tuple | None = None  # awaiting after_launch
         self.num_experts = tiers.num_experts
-        # Prestaging: two regions above the decode step's own rows, one per layer parity, so the copies for layer
-        # l+1 never land in rows layer l's kernels are about to read (layer l-1's, in the other region, finished
-        # before layer l's step began: every step synchronises first).
-        spare = 0 if decode_staging is None else (self.staging_slots - int(decode_staging)) // 2
-        self.decode_staging = int(decode_staging or 0)
-        self.prestage_rows = max(0, spare)
-        self._prestaged: dict[int, tuple[dict[int, int], Any]] = {}  # layer -> ({expert: staging row}, ticket)
-        self.prestage = {"issued": 0, "used": 0}
-        # Guesses one layer ahead, and two (nvme modes; scored apart, they are right less often).
-        self._near, self._far = Guesses(), Guesses()
+        self._near = Guesses()
         self.lookahead = self._near.meter
         self.last_assignment: Any = None
         if lane_judge is None:
@@ -239,36 +213,24 @@ class MoeStepper:
             lane_judge = LaneJudge()
         self.lane_judge = lane_judge
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
-        self.prefetched_far = 0
         # plan_reads, plan_copies, plan_slots: parts of plan (the store's reads queued and settled; the copies
         # queued and ordered; the slot ids), so a profile-free run says where a step's host time goes.
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0,
                              "plan_reads": 0.0, "plan_copies": 0.0, "plan_slots": 0.0}
         self.copied_before_store_wait = 0  # RAM misses sent over PCIe while the step's store reads finished
-        self.copy_before_store_wait = True  # False: wait for the store first, as before (bench's paired comparison)
-        # False: a step's reads ahead and the RAM room for the next step's reads are made before launch, as before
-        # (the bench's paired comparison).
-        self.reads_after_launch = True
         # nvme modes: a guess is read ahead only at ranks whose precision p beats the floor load / (1 + load), the
         # store's load being the share of time it is reading (NvmeTier.load). A wasted read costs a needed read its
         # time only when the store is busy (probability ~ load), and a right one saves about a read's wait: read
-        # when p > (1 - p) * load. A disk that is the bottleneck (load ~1) keeps the old rule (p > 0.5); a store
-        # that keeps up reads nearly every guess. False: always 0.5 (the bench's paired comparison).
-        self.guess_by_load = True
-        # True: a right guess counted as saving not a whole read but the share of it done when its layer runs (the
-        # tier's guess_saving s, measured live): read when p * s > (1 - p) * load, p > load / (s + load). Tried
-        # (the bench's paired comparison): on the H200 it read a third of the guesses on the disk but decoded
-        # 0.98-0.99x as fast, on the disk and with the store in RAM alike, so it is off.
-        self.guess_by_saving = False
+        # when p > (1 - p) * load. A disk that is the bottleneck (load ~1) reads at p > 0.5; a store that keeps up
+        # reads nearly every guess.
         self.guess_floor = 0.5
-        self.read_guesses = True  # False: the nvme modes read only what a step asks for (the bench's comparison)
         # The tier states as plain ints (an enum member lookup costs about a microsecond on the per-step path).
         from glm53.tiers.tiers import RAM, STORE, VRAM
 
         self._vram_code, self._ram_code, self._store_code = VRAM, RAM, STORE
 
     def after_launch(self) -> None:
-        """The last decode step's bookkeeping the GPU need not wait for (admit_after_launch): the lookahead's guess
+        """The last decode step's bookkeeping the GPU need not wait for: the lookahead's guess
         for it is scored, the next layers' store reads start if the step held them back, the layer's policy
         learns the step's picks and admits the streamed misses it wants, each copied on the device from its
         staging row (no second PCIe crossing), and in the nvme modes a few RAM slots are freed for the next
@@ -294,7 +256,7 @@ class MoeStepper:
             if candidates:
                 tiers.try_admit(li, np.array(candidates, np.int64), uniq,
                                 source=lambda e: tiers.staging_slot(row[e]))
-        if self.nvme is not None and self.reads_after_launch and tiers.ram.free_count() < FREE_RAM_SLOTS:
+        if self.nvme is not None and tiers.ram.free_count() < FREE_RAM_SLOTS:
             # Never one of this step's experts (the CPU lane may still be reading one, or recompute it from RAM if
             # it misses its deadline) nor one the guesses for the coming layers named. (With the slots already
             # free, keep_free drops nothing: the sets are not made.)
@@ -350,23 +312,18 @@ class MoeStepper:
         picks = ids.ravel().tolist()
         uniq_l = sorted(set(picks))
         uniq = np.array(uniq_l, np.int64)
-        defer = decode and self.admit_after_launch
-        if not defer:  # else scored after launch: the guesses' counts need not hold up the kernels
+        if not decode:  # a decode step's are scored after launch: the guesses' counts need not hold up the kernels
             self._count_lookahead(li, ids, decode)
-        pre = self._prestaged.pop(li, None) if decode else None
-        if not decode:
-            self._prestaged.clear()  # a prompt chunk stages into every row, the prestaged ones included
         where = tiers.where[li]
         from_store: set[int] = set()
         store_wait = 0.0
-        # A decode step that streams every miss through staging (admission after launch, nothing prestaged) knows
-        # each miss's staging row before its store reads land: the RAM-resident misses cross PCIe while the store
-        # reads finish, and only the store's records wait for them. The rows and bytes are the same either way.
+        # A decode step streams every miss through staging, so it knows each miss's staging row before its store
+        # reads land: the RAM-resident misses cross PCIe while the store reads finish, and only the store's records
+        # wait for them.
         reading: list[int] = []
         codes: list[int] | None = None  # the step's experts' tier states, where one look serves to the end
         ahead_later: Callable[[list[int]], Any] | None = None
         t_reads = time.perf_counter()
-        copy_early = decode and self.copy_before_store_wait and self.admit_after_launch and pre is None
         if tiers.store is None and tiers.keep_all:  # the all-RAM modes never enter STORE
             w = tiers.settle_each(li, uniq_l)
             if w:
@@ -378,7 +335,7 @@ class MoeStepper:
             # disk with one read at a time. A step with no store read to wait for starts them after launch
             # instead, while the GPU runs its kernels.
             if read_ahead is not None and decode:
-                if defer and self.reads_after_launch and max(where[uniq].tolist(), default=VRAM) < STORE:
+                if max(where[uniq].tolist(), default=VRAM) < STORE:
                     ahead_later = read_ahead
                 else:
                     read_ahead(uniq_l)
@@ -388,7 +345,7 @@ class MoeStepper:
                 # picks nearly all.
                 named = None if next_guess is None else {li + 1: next_guess}
                 self.prefetched += self.nvme.prefetch_prefill([li + 1], named, protect={li: uniq_l})
-            if copy_early:
+            if decode:
                 # Nothing here waits for the store, and a move landing never makes an expert STORE or FROM_STORE:
                 # one look at the states once the moves have settled names the store misses and, below, the hits.
                 w = tiers.settle_each(li, uniq_l)
@@ -415,27 +372,13 @@ class MoeStepper:
         hits = {e for e, c in zip(uniq_l, codes, strict=True) if c == VRAM}
         misses = [e for e, c in zip(uniq_l, codes, strict=True) if c != VRAM]
         step = Step(slots=_NO_SLOTS)
-        if decode:
-            if not defer:
-                tiers.observe(li, ids)
-            pre_rows = pre[0] if pre is not None else {}
-            # A prestaged miss is already crossing PCIe: it stays on that lane, at no further cost.
-            step.cpu, n_cpu = self._plan_lane(li, ids, [e for e in misses if e not in pre_rows] if pre_rows else misses)
+        if decode:  # every PCIe miss streams through staging; admissions come after launch
+            step.cpu, n_cpu = self._plan_lane(li, ids, misses)
             if self.lane is not None:
                 self.lane_judge.done(ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
             on_cpu = set(step.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
-            admitted_slots: dict[int, int] = {}
-            if self.admit and pcie and not defer:
-                admitted_slots = tiers.try_admit(li, np.array(pcie, np.int64), uniq)
-                step.admitted = list(admitted_slots)
-            admitted = set(step.admitted)
-            step.staged = [e for e in pcie if e not in admitted] if admitted else list(pcie)
-            if pre_rows:
-                step.prestaged = [e for e in step.staged if e in pre_rows]
-                if step.prestaged:
-                    step.staged = [e for e in step.staged if e not in pre_rows]
-                    self.prestage["used"] += len(step.prestaged)
+            step.staged = list(pcie)
         else:
             step.staged = list(uniq_l)
         if len(step.staged) > self.staging_slots:
@@ -486,44 +429,26 @@ class MoeStepper:
         if step.staged:
             if crossed:
                 tiers.stats.add_bytes("ram_to_staging", crossed * tiers.layout.nbytes)
-        if defer:
+        if decode:
             self._deferred = (li, ids, uniq, pcie, step.staged, ahead_later, uniq_l)
         t0 = time.perf_counter()
-        overlap = self.overlap and decode
-        pre_ticket = pre[1] if step.prestaged else None
-        if overlap:  # the GPU waits for the copies, the host goes on
-            pending = [tiers.move_ticket(li, e) for e in step.admitted] + [last, pre_ticket]
-            tiers.copier.order_compute_after([t for t in pending if t is not None])
-            if not tiers.keep_all and last is not None:  # nvme: no store read may reuse a slot being copied from
-                tiers.hold(li, step.staged, last)
-        else:
-            for e in step.admitted:
-                tiers.settle(li, e)
+        if decode:  # the GPU waits for the copies, the host goes on
             if last is not None:
-                last.wait()
-            if pre_ticket is not None:
-                pre_ticket.wait()
+                tiers.copier.order_compute_after([last])
+                if not tiers.keep_all:  # nvme: no store read may reuse a slot being copied from
+                    tiers.hold(li, step.staged, last)
+        elif last is not None:
+            last.wait()
         t_ordered = time.perf_counter()
         waited = t_ordered - t0
         self.host_seconds["plan_copies"] += t_ordered - t_copy - waited - (store_wait - wait_before_copies)
-        if step.admitted or step.staged:
+        if step.staged:
             tiers.stats.add_wait("pcie", waited)
             self.host_seconds["copy_wait"] += waited
-            if self.fit is not None and decode and not overlap and not reading and len(step.admitted) + crossed:
-                counts = Counter(picks)
-                on_cpu = set(step.cpu)
-                self.fit.add_pcie([counts[e] for e in misses if e not in on_cpu], time.perf_counter() - t_copy)
         t_slots = time.perf_counter()
         if decode:
-            slot_of = tiers.vram[li].slot_of
-            if (overlap and step.admitted) or step.prestaged:
-                slot_of = slot_of.copy()
-            if overlap and step.admitted:  # read from the slot being filled: the kernels wait for its copy
-                slot_of[step.admitted] = [admitted_slots[e] for e in step.admitted]
-            if step.prestaged:  # read from the staging row the lookahead filled
-                slot_of[step.prestaged] = [self.cache_slots[li] + pre_rows[e] for e in step.prestaged]
-            step.slots = decode_slots(ids, picks, uniq, slot_of, step.staged, self.cache_slots[li], step.cpu,
-                                      self.masked_id(li))
+            step.slots = decode_slots(ids, picks, uniq, tiers.vram[li].slot_of, step.staged, self.cache_slots[li],
+                                      step.cpu, self.masked_id(li))
         else:
             step.slots = translate(ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
                                    step.cpu, self.masked_id(li))
@@ -532,59 +457,35 @@ class MoeStepper:
         self.host_seconds["plan"] += t_end - t_start - waited - store_wait
         return step
 
-    def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = (), distance: int = 1) -> int:
-        """Layer li, `distance` (1 or 2) layers after the one stepping now, is predicted to pick `predicted` (ids,
-        any shape): read its store-only experts into RAM (nvme modes), or admit its RAM experts the policy wants
-        (all-RAM modes, when admitting, distance 1 only), so their bytes move while the GPU is still busy with the
-        layers before. busy: experts of the layer stepping now that must stay (the CPU lane's; all of the step's
-        when called from inside resolve), never dropped for a prefetch. Returns the reads or admissions started."""
+    def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = ()) -> int:
+        """Layer li, the one after the layer stepping now, is predicted to pick `predicted` (ids, any shape): read its
+        store-only experts into RAM (nvme modes), or admit its RAM experts the policy wants (all-RAM modes, when
+        admitting), so their bytes move while the GPU is still busy with the layer before. busy: experts of the
+        layer stepping now that must stay (the CPU lane's; all of the step's when called from inside resolve),
+        never dropped for a prefetch. Returns the reads or admissions started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
         predicted = np.array(predicted, np.int64, ndmin=2)  # a copy: the caller's buffer is reused
-        if self.nvme is not None:
-            load = self.nvme.load() if self.guess_by_load else 1.0
-            saving = self.nvme.guess_saving() if self.guess_by_saving else 1.0
-            self.guess_floor = load / (saving + load) if saving + load > 0 else 0.0
-        if distance == 2:
-            if self.nvme is None:
-                return 0
-            self._far.pending[li] = predicted
-            now = li - 2
-            protect = {now: list(busy)} if now >= 0 and len(busy) else {}
-            near = self._near.pending.get(li - 1)
-            if near is not None:  # the likelier guess for the layer in between keeps its RAM experts
-                protect[li - 1] = self._likely(near)
-            started = self.nvme.prefetch([(li, e) for e in self._likely(predicted, precision=self._far.precision)],
-                                         protect=protect or None)
-            self.prefetched_far += started
-            return started
         self._near.pending[li] = predicted
-        tiers = self.tiers
-        started = 0
         if self.nvme is not None:
+            load = self.nvme.load()
+            self.guess_floor = load / (1.0 + load) if 1.0 + load > 0 else 0.0
             protect = {li - 1: list(busy)} if li > 0 and len(busy) else None
             # Most likely first (the read window may fill), and only ranks right often enough for the store's load:
             # on a disk-bound host a wrong guess costs a whole record's read (H200 bench: half the reads were
             # wasted when every rank was read).
-            started = (self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
-                       if self.read_guesses else 0)
-            if self.prestage_rows:  # already in RAM: on to its staging row, like the all-RAM modes
-                ram = [e for e in self._likely(predicted) if tiers.where[li, e] == self._ram_code]
-                if ram:
-                    started += self._prestage(li, ram)
+            started = self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
             self.prefetched += started
             return started
+        tiers = self.tiers
+        started = 0
         uniq_l = sorted(set(predicted.ravel().tolist()))
         uniq = np.array(uniq_l, np.int64)
         tiers.poll()
         codes = tiers.where[li][uniq].tolist()
         ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
         if ram and self.admit:
-            admitted = tiers.try_admit(li, np.array(ram, np.int64), uniq)
-            started = len(admitted)
-            ram = [e for e in ram if e not in admitted]
-        if ram and self.prestage_rows:
-            started += self._prestage(li, self._worth_prestaging(predicted, ram))
+            started = len(tiers.try_admit(li, np.array(ram, np.int64), uniq))
         self.prefetched += started
         return started
 
@@ -592,16 +493,10 @@ class MoeStepper:
         """Per guess rank (best first): (hits + 1) / (guesses + 2), the share of guesses the real picks contained."""
         return list(self._near.precision)
 
-    def _worth_prestaging(self, predicted: np.ndarray, ram: list[int]) -> list[int]:
-        """The RAM experts guessed at a rank right more often than not, in rank order."""
-        return self._likely(predicted, set(ram))
-
-    def _likely(self, predicted: np.ndarray, among: set[int] | None = None,
-                precision: list[float] | None = None) -> list[int]:
-        """The predicted experts (of `among`, if given) guessed at a rank right more often than `guess_floor` (live
-        precision, one layer ahead unless given; a rank not yet scored counts as right), best rank first, each
-        once."""
-        precision = self._near.precision if precision is None else precision
+    def _likely(self, predicted: np.ndarray) -> list[int]:
+        """The predicted experts guessed at a rank right more often than `guess_floor` (live precision; a rank not
+        yet scored counts as right), best rank first, each once."""
+        precision = self._near.precision
         floor = self.guess_floor
         ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > floor]
         rows = predicted.tolist()  # one conversion, not a column slice and a list per rank
@@ -609,32 +504,13 @@ class MoeStepper:
         for r in ranks:
             for row in rows:
                 e = row[r]
-                if (among is None or e in among) and e not in seen:
+                if e not in seen:
                     seen.add(e)
                     out.append(e)
         return out
 
     def _likely_set(self, predicted: np.ndarray) -> set[int]:
         return set(self._likely(predicted))
-
-    def _prestage(self, li: int, experts: list[int]) -> int:
-        """Copy predicted RAM experts of layer li into its parity's staging rows now; its step reads them there.
-        The bytes cannot change under the copy: in the all-RAM modes a RAM slot is freed only when its own
-        expert's admission lands, which the copy stream orders after this copy; in the nvme modes the experts are
-        held (never dropped for a store read) until the copy lands."""
-        tiers = self.tiers
-        base = self.decode_staging + (li % 2) * self.prestage_rows
-        chosen = experts[: self.prestage_rows]
-        if not chosen:
-            return 0
-        ticket = tiers.copier.copy_many([(tiers.staging_slot(base + i), tiers.bytes_of(li, e))
-                                         for i, e in enumerate(chosen)])
-        self._prestaged[li] = ({e: base + i for i, e in enumerate(chosen)}, ticket)
-        if not tiers.keep_all:
-            tiers.hold(li, chosen, ticket)
-        tiers.stats.add_bytes("ram_to_staging", len(chosen) * tiers.layout.nbytes)
-        self.prestage["issued"] += len(chosen)
-        return len(chosen)
 
     # ---- parts ------------------------------------------------------------------------------------------------
 
@@ -688,19 +564,15 @@ class MoeStepper:
 
     def _count_lookahead(self, li: int, ids: np.ndarray, decode: bool) -> None:
         self._near.score(li, ids, decode)
-        self._far.score(li, ids, decode)
 
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
                      "copied_before_store_wait": self.copied_before_store_wait,
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
-                                   "prestaged": dict(self.prestage),
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
                                    "guess_floor": round(self.guess_floor, 3),
                                    "guess_saving": (round(self.nvme.guess_saving(), 3) if self.nvme is not None
-                                                    else None),
-                                   "two_ahead": {**self._far.meter.snapshot(), "prefetched": self.prefetched_far,
-                                                 "rank_precision": [round(p, 3) for p in self._far.precision]}}}
+                                                    else None)}}
         if self.lane is not None:
             judge = self.lane_judge
             doc["cpu_lane"] = {**self.lane.snapshot(), "set_aside": not judge.in_trial and not judge.kept,

@@ -1,4 +1,4 @@
-"""`glm53 serve` and `glm53 bench stream`. Heavy imports (torch, FastAPI) happen inside the commands."""
+"""`glm53 serve` (`glm53 bench stream`: glm53.bench). Heavy imports (torch, FastAPI) happen inside the commands."""
 
 from __future__ import annotations
 
@@ -19,14 +19,6 @@ def register(sub: Any) -> None:
     p.add_argument("--host", help="bind address (overrides GLM53_HOST)")
     p.add_argument("--port", type=int, help="TCP port (overrides GLM53_PORT)")
     p.set_defaults(func=cmd_serve)
-
-
-def register_bench(bench_sub: Any) -> None:
-    p = bench_sub.add_parser("stream", help="engine tokens/s vs tokens/s delivered to a streaming client")
-    p.add_argument("--model", metavar="DIR", help="checkpoint directory (overrides GLM53_MODEL_DIR)")
-    p.add_argument("--tokens", type=int, default=256, help="tokens per streamed request (default 256)")
-    p.add_argument("--runs", type=int, default=3, help="measured requests (default 3)")
-    p.set_defaults(func=cmd_bench_stream)
 
 
 class _DropUvicornStartupLine(logging.Filter):
@@ -124,22 +116,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.getLogger("uvicorn.error").addFilter(_DropUvicornStartupLine())
     server.run()
     return 0
-
-
-def cmd_bench_stream(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    setup_logging(settings.log_level)
-    if args.tokens < 4 or args.runs < 1:
-        print("glm53: bench stream needs --tokens >= 4 and --runs >= 1", file=sys.stderr)
-        return 2
-    engine = _engine(settings)
-    engine.load()
-    try:
-        from glm53.server.bench import report, run_stream_bench
-
-        results = run_stream_bench(engine, settings, max_tokens=args.tokens, runs=args.runs)
-    finally:
-        engine.close()
-    text, ok = report(results)
-    print(text)
-    return 0 if ok else 1

@@ -3,7 +3,7 @@
 Independent of exllamav3: the device is a parameter, and CPU tensors stand in for VRAM in CI. glm53/engine
 hooks the arenas into exllamav3's BlockSparseMLP (slot tensors, router map) without this package knowing.
 
-The names below load on first use (PEP 562): `glm53 bench nvme` registers from glm53.tiers.nvme_bench at every CLI
+The names below load on first use (PEP 562): `glm53 bench nvme` registers from glm53.bench.nvme at every CLI
 start, and importing this package must not pull in torch for that.
 """
 

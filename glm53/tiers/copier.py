@@ -77,11 +77,6 @@ class Copier:
             if self.cuda else -1
         self._fill = torch.cuda.Stream(self.device) if self.cuda else None
         self._write_back = torch.cuda.Stream(self.device) if self.cuda else None
-        # copy_many queues a batch in one call into torch: each copy_ call lets go of the GIL, and in the nvme modes a
-        # store reader thread waiting for it may then run before the planning thread gets it back (on the H200 the
-        # nvme modes spent 2.5x fast mode's host time per copy queued). False: one copy_ per pair (the bench's
-        # paired comparison, owed a GPU run).
-        self.batched = hasattr(torch, "_foreach_copy_")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Ticket | None = None) -> Ticket:
         """dst.copy_(src), asynchronously where the device allows, once `after` (if any) has landed."""
@@ -141,9 +136,11 @@ class Copier:
         return Ticket(event)
 
     def _copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The pairs' copies queued on the current stream, in order: in one call where torch has it (its list copy
-        copies pair by pair, each as copy_ would, across devices too)."""
-        if self.batched and len(pairs) > 1:
+        """The pairs' copies queued on the current stream, in order, in one call into torch (its list copy copies
+        pair by pair, each as copy_ would, across devices too): each copy_ call lets go of the GIL, and in the nvme
+        modes a store reader thread waiting for it may then run before the planning thread gets it back (on the
+        H200 the nvme modes spent 2.5x fast mode's host time per copy queued one by one)."""
+        if len(pairs) > 1:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
         else:
             for dst, src in pairs:

@@ -12,7 +12,7 @@ import random
 import subprocess
 from pathlib import Path
 
-from store.bench import raw_random
+from glm53.bench.store import raw_random
 from store.directio import ALIGN, alloc_slots
 from store.format import read_header
 

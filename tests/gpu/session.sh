@@ -6,25 +6,27 @@
 # First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
 #   tiers     the tier machinery on CUDA (tests/test_tiers_gpu.py, tests/test_nvme_tier_gpu.py: copy ordering,
 #             batched copies, pinned arenas; under a minute: STEPS=tiers,nvmeshm fits one call)
+#   paired    glm53 bench decode --baseline b38dea7: this code against the commit before the one-hot-path work
+#             (issue 23), exact, fast and nvme-exact in paired windows, each window its own process of each
+#             side's code. Needs b38dea7 unpacked in .baseline (here: git archive b38dea7 | tar -x -C .baseline,
+#             .baseline in .git/info/exclude, carried); windows kept under /tmp are reused, so repeat the call
+#             until it reports (PAIRS: paired windows, default 3)
 #   tiny      tiers, then fast/nvme KL + top-1 and nvme-exact bit-identity
 #             (tests/test_gpu_modes.py -k tiny), then exact mode
 #             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
 #             tests/gpu/stage_extras.sh)
 #   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
-#   bench     glm53 bench decode: stock, exact, exact-eager, fast (8 MoE layers as issue 5 asks, 3
+#   bench     glm53 bench decode: stock, exact, fast (8 MoE layers as issue 5 asks, 3
 #             windows of 128 tokens, a cProfile of one exact window; at 4 layers it took ~3 min with a fresh
 #             machine's ~100 s first-prefill penalty, so give it a call of its own). bench, nvme and nvme16
 #             keep the checkpoint and store in /tmp (--keep), so a warm machine's next step reuses them
 #   nvme      glm53 bench decode with the nvme modes next to exact and fast (8 MoE layers) at the 55 GiB fraction;
 #             192 tokens of warm-up decode first (packs a store: ~20 GB of disk; on 2026-11-30 it took 490 s on a
-#             fresh machine with nvme-exact-ahead2 as well: watch the 540 s limit); nvmequick: a shorter nvme
-#             step (3 x 64 tokens; a fresh machine needs over 250 s before its first window, so give it ~330 s), nvme-exact
-#             against nvme-exact-prestage by default; nvme16: the
-#             nvme step at the 16 GiB fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
-#             the machine's virtual disk, nvme-exact paired with the variants the ninth session left owed
-#             (pythonreads, prestage; also owed: 2readers; NVMESHM_MODES / NVME_MODES: other modes), a
-#             cProfile of one nvme-exact window and the read-contention probe (fresh machine: ~200 s before the
+#             fresh machine: watch the 540 s limit); nvmequick: a shorter nvme step (3 x 64 tokens; a fresh machine
+#             needs over 250 s before its first window, so give it ~330 s); nvme16: the nvme step at the 16 GiB
+#             fraction (223 s); nvmeshm: the 55 GiB fraction with the store in /dev/shm, a store far faster than
+#             the machine's virtual disk (NVMESHM_MODES / NVME_MODES: other modes), a cProfile of one nvme-exact window and the read-contention probe (fresh machine: ~200 s before the
 #             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
@@ -73,9 +75,15 @@ step_width() {
 }
 step_bench() {
   timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 128 --windows 3 --profile exact --work /tmp --keep \
-    --modes exact,exact-eager,fast \
+    --modes exact,fast \
     --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
+}
+step_paired() {  # issue 23's done-when: this code / b38dea7's, exact, fast and nvme-exact, paired windows
+  timeout "${PAIRED_LIMIT:-560}" python3 -u -m glm53 bench decode --baseline b38dea7 --baseline-tree .baseline \
+    --baseline-windows "${PAIRS:-3}" --moe-layers 8 --tokens 96 --windows 1 --warmup-tokens 64 --work /tmp/paired \
+    --keep --modes exact,fast,nvme-exact --json "$OUT/bench-paired.json" > "$OUT/bench-paired.log" 2>&1
+  stamp "paired rc=$?"
 }
 step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 55 GiB fraction (nvme16: 16 GiB)
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp \
@@ -85,14 +93,14 @@ step_nvme() {  # issue 7's shape: 8 MoE layers, next to fast and exact, at the 5
 }
 step_nvmequick() {  # the nvme step shortened (~330 s on a fresh machine): 3 windows of 64 tokens
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 --windows 3 --warmup-tokens 96 --work /tmp \
-    --keep --modes "${NVME_MODES:-nvme-exact,nvme-exact-prestage}" \
+    --keep --modes "${NVME_MODES:-exact,nvme-exact}" \
     --json "$OUT/bench-nvme.json" > "$OUT/bench-nvme.log" 2>&1
   stamp "nvme (short) rc=$?"
 }
 step_nvmeshm() {  # the 55 GiB fraction with the store in RAM (/dev/shm): what nvme gives when the disk keeps up
   timeout 560 python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 128 --work /tmp \
     --keep --store-dir /dev/shm \
-    --modes "${NVMESHM_MODES:-fast,nvme,nvme-exact,nvme-exact-pythonreads,nvme-exact-prestage}" \
+    --modes "${NVMESHM_MODES:-fast,nvme,nvme-exact}" \
     --profile "${PROFILE:-nvme-exact}" \
     --json "$OUT/bench-nvmeshm.json" > "$OUT/bench-nvmeshm.log" 2>&1
   stamp "nvme, store in RAM, rc=$?"

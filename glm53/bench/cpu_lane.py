@@ -57,9 +57,9 @@ def _thread_list(max_threads: int, spec: str | None) -> list[int]:
 
 
 def run_bench(args: argparse.Namespace, log=print) -> dict:
-    from . import kernel as K
-    from .calibrate import _Pool, calibrate_cpu, expert_geometry, ram_read_bandwidth, time_step
-    from .planner import fit_cpu
+    from glm53.cpu_lane import kernel as K
+    from glm53.cpu_lane.calibrate import _Pool, calibrate_cpu, expert_geometry, ram_read_bandwidth, time_step
+    from glm53.cpu_lane.planner import fit_cpu
 
     if not K.available():
         raise K.KernelUnavailable(f"the CPU expert kernel is unavailable: {K.unavailable_reason()}")
@@ -144,7 +144,7 @@ def _cpu_model() -> str:
 
 
 def cmd_bench_cpu_lane(args: argparse.Namespace) -> int:
-    from .kernel import KernelError, KernelUnavailable
+    from glm53.cpu_lane.kernel import KernelError, KernelUnavailable
 
     try:
         doc = run_bench(args)

@@ -12,11 +12,10 @@ the profiler inflates everything, so its shares matter, not its microseconds). `
 benchmark from a git worktree of REV in the same run, so the ratio compares like with like on this machine;
 `--baseline-driver this` runs this version's benchmark there instead of REV's own (REV's code, this driver).
 
-`--nvme` measures the nvme modes' path instead (glm53.engine.host_bench_nvme): a record store packed for the run,
+`--nvme` measures the nvme modes' path instead (glm53.bench.host_step_nvme): a record store packed for the run,
 the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them. With
-`--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU, the
-defaults against a store reader with no cap on its guess reads and against guesses read by what a right one saved
-(host_bench_nvme.emulate).
+`--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU
+(host_step_nvme.emulate).
 """
 
 from __future__ import annotations
@@ -24,18 +23,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from glm53.bench import worktree
 
 # The commit before the host path's optimisation: what `--baseline` compares with unless told otherwise.
 BASELINE_REV = "c118cdc43d4c8f54eb3b1aa2ddd978d05fd9c51f"
@@ -185,24 +184,24 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
 
 
 def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -> dict:
-    """nvme: glm53.engine.host_bench_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
+    """nvme: glm53.bench.host_step_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
     packed for the run); its options are then under "nvme" and each run carries the nvme figures. emulation (with
-    nvme): host_bench_nvme.EmulationOptions, an emulated disk and GPU to decode against after the host figures;
-    its options are then under "emulation" and each run carries `host_bench_nvme.emulate`'s figures as
+    nvme): host_step_nvme.EmulationOptions, an emulated disk and GPU to decode against after the host figures;
+    its options are then under "emulation" and each run carries `host_step_nvme.emulate`'s figures as
     "emulated"."""
     if nvme is None:
         return {"format": JSON_FORMAT, "options": asdict(opts), "runs": [measure(opts, b) for b in opts.bsz]}
-    from glm53.engine import host_bench_nvme
+    from glm53.bench import host_step_nvme
 
     def breakdown(prof: cProfile.Profile, blocked: float) -> dict:
         return profile_rows(prof, opts.top, ("resolve", "ahead", "after_launch"), blocked)
 
     emulated = emulation is not None and emulation.on
-    with host_bench_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
-        runs = [host_bench_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
+    with host_step_nvme.StoreFixture(opts.layers, opts.experts, opts.seed) as fx:
+        runs = [host_step_nvme.measure(opts, nvme, fx.store, b, breakdown) for b in opts.bsz]
         if emulated:
             for run in runs:
-                run["emulated"] = host_bench_nvme.emulate(opts, nvme, emulation, fx.store, run["bsz"])
+                run["emulated"] = host_step_nvme.emulate(opts, nvme, emulation, fx.store, run["bsz"])
     doc = {"format": JSON_FORMAT, "options": asdict(opts), "nvme": asdict(nvme), "runs": runs}
     if emulated:
         doc["emulation"] = asdict(emulation)
@@ -210,14 +209,6 @@ def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -
 
 
 # ---- the baseline, from a worktree of another revision ---------------------------------------------------------------
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
-
-
-def _git(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
 
 
 def _cli_args(opts: HostBenchOptions, nvme: Any = None) -> list[str]:
@@ -231,91 +222,45 @@ def _cli_args(opts: HostBenchOptions, nvme: Any = None) -> list[str]:
     return args
 
 
-# The benchmark's own files: `--baseline-driver this` runs them on the baseline's code.
-DRIVER_FILES = ("glm53/engine/host_bench.py", "glm53/engine/host_bench_nvme.py")
-
-
-def _has_nvme_mode(commit: str, root: Path) -> bool:
-    shown = _git("show", f"{commit}:glm53/engine/host_bench.py", cwd=root)
-    return shown.returncode == 0 and '"--nvme"' in shown.stdout
+# This benchmark's file in each layout (glm53/engine/ before glm53/bench/ held the benchmarks).
+BENCH_FILES = ("glm53/bench/host_step.py", "glm53/engine/host_bench.py")
+# `--baseline-driver this` runs this version's benchmark package on the baseline's code, through main() below.
+DRIVER = "import sys; from glm53.bench.host_step import main; sys.exit(main(sys.argv[1:]))"
 
 
 def run_baseline(rev: str, opts: HostBenchOptions, nvme: Any = None, driver: str = "own") -> tuple[dict | None, str]:
     """This benchmark as `rev` runs it, from a temporary git worktree; (its JSON or None, what happened).
-    driver="this": this version's benchmark files replace rev's in the worktree, so the same driver measures rev's
-    code (for a rev from before a benchmark mode existed; what it calls must exist in rev)."""
-    root = _repo_root()
-    sha = _git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}", cwd=root)
-    if sha.returncode:
+    driver="this": this version's benchmark package is copied into the worktree and run there, so the same driver
+    measures rev's code (for a rev from before a benchmark mode existed; what it calls must exist in rev)."""
+    root = worktree.repo_root()
+    commit = worktree.resolve(rev, root)
+    if commit is None:
         return None, f"baseline {rev}: not a commit of {root}"
-    commit = sha.stdout.strip()
     who = f"baseline {rev} ({commit[:10]})"
-    if _git("cat-file", "-e", f"{commit}:glm53/engine/host_bench.py", cwd=root).returncode:
+    own = worktree.first_file(commit, BENCH_FILES, root)
+    if own is None:
         return None, f"{who} lacks `glm53 bench host-step`: only this version's numbers"
     if driver == "this":
         who += " measured by this version's benchmark"
-    elif nvme is not None and not _has_nvme_mode(commit, root):
+    elif nvme is not None and '"--nvme"' not in worktree.show(commit, own, root):
         return None, (f"{who} lacks `bench host-step --nvme`: only this version's numbers (`--baseline-driver this` "
                       "runs this version's benchmark on its code)")
-    tmp = Path(tempfile.mkdtemp(prefix="glm53-host-bench-"))
-    tree = tmp / "tree"
+    args = ["--json", "--baseline", "none", *_cli_args(opts, nvme)]
     try:
-        added = _git("worktree", "add", "--detach", str(tree), commit, cwd=root)
-        if added.returncode:
-            return None, f"baseline {rev}: git worktree add failed: {added.stderr.strip()}"
-        if driver == "this":
-            for rel in DRIVER_FILES:
-                shutil.copyfile(root / rel, tree / rel)
-        built = _baseline_library(root, tree)
-        if built:
-            return None, f"{who}: {built}"
-        # `-m` puts the worktree first on sys.path, ahead of the installed (editable) glm53.
-        env = dict(os.environ, PYTHONPATH=str(tree))
-        proc = subprocess.run([sys.executable, "-m", "glm53", "bench", "host-step", "--json", "--baseline", "none",
-                               *_cli_args(opts, nvme)], cwd=tree, env=env, capture_output=True, text=True)
-        if proc.returncode:
-            return None, f"{who} failed: {proc.stderr.strip()[-2000:]}"
-        return json.loads(proc.stdout), who
-    finally:
-        _git("worktree", "remove", "--force", str(tree), cwd=root)
-        shutil.rmtree(tmp, ignore_errors=True)
-        _git("worktree", "prune", cwd=root)
-
-
-def _baseline_library(root: Path, tree: Path) -> str | None:
-    """Give the baseline worktree its compiled library (git ignores it): without it the baseline would run its
-    pure-Python fallbacks (the store read on Python threads) and compare unlike with like. This tree's library
-    where the kernel's sources are the same (their hash is compiled in and checked at load), else one built from the
-    baseline's own sources. None when it has one, else why not."""
-    import importlib.util
-
-    here = sorted((root / "glm53" / "cpu_lane").glob("_expert_kernel*.so"))
-    if not here:
-        return None  # this tree has none either: both run the same fallbacks
-    from glm53.cpu_lane import buildinfo
-    from store import native_build
-
-    same = True  # both libraries (the CPU kernel's, the store's) built from the same sources as this tree's
-    for rel, ours in (("glm53/cpu_lane/buildinfo.py", buildinfo), ("store/native_build.py", native_build)):
-        info = tree / rel
-        if not info.exists():
-            same = False
-            break
-        spec = importlib.util.spec_from_file_location(f"_glm53_baseline_{info.stem}", info)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        same = same and mod.source_hash(info.parent) == ours.source_hash()
-    if same:
-        for lib in here + sorted((root / "store").glob("_native*.so")):
-            shutil.copyfile(lib, tree / lib.relative_to(root))
-        return None
-    print("building the baseline's compiled library from its own sources (a minute or more)", file=sys.stderr,
-          flush=True)
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree,
-                          capture_output=True, text=True)
+        with worktree.baseline_tree(commit, root) as tree:
+            if driver == "this":
+                shutil.rmtree(tree / "glm53" / "bench", ignore_errors=True)
+                shutil.copytree(root / "glm53" / "bench", tree / "glm53" / "bench",
+                                ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+                proc = subprocess.run([sys.executable, "-c", DRIVER, *args], cwd=tree, env=worktree.tree_env(tree),
+                                      capture_output=True, text=True)
+            else:
+                proc = worktree.run_glm53(tree, ["bench", "host-step", *args])
+    except worktree.BaselineError as exc:
+        return None, f"{who}: {exc}"
     if proc.returncode:
-        return f"its compiled library did not build: {proc.stderr.strip()[-1000:]}"
-    return None
+        return None, f"{who} failed: {proc.stderr.strip()[-2000:]}"
+    return json.loads(proc.stdout), who
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------
@@ -360,11 +305,11 @@ def _print_nvme(run: dict, log) -> None:
 
 
 def _print_emulated(runs: list[dict], log) -> None:
-    """The emulated disk and GPU's figures per batch size: each reader's, then the ratio of their step times."""
+    """The emulated disk and GPU's figures per batch size."""
     first = runs[0]["emulated"]
     log(f"emulated disk and GPU: a record ({first['record_bytes']} B) takes {first['disk_ms_per_record']:g} ms read "
         f"alone, reads in flight sharing that rate; the GPU busy {first['gpu_ms_per_layer']:g} ms per layer step; "
-        f"{first['runs']} timed runs of each reader, alternating, {first['steps']} decode steps each")
+        f"{first['runs']} timed runs, {first['steps']} decode steps each")
     for run in runs:
         em = run["emulated"]
         for name, r in em["readers"].items():
@@ -379,9 +324,6 @@ def _print_emulated(runs: list[dict], log) -> None:
             log(f"    per step: {r['demand_reads']:.2f} demand and {r['prefetch_reads']:.2f} guess reads; guesses "
                 f"issued {g['issued']:.2f}, in time {g['hits']:.2f}, late {g['late']:.2f} (under way "
                 f"{g['late_under_way']:.2f}), wasted {g['wasted']:.2f}; demand misses {g['demand_misses']:.2f}")
-        for name, ratio in em["ratios"].items():
-            log(f"  bsz {run['bsz']} ratio default / {name} per step: {ratio['median']:.3f} (median of "
-                f"{', '.join(f'{x:.3f}' for x in ratio['rounds'])}; totals {ratio['total']:.3f})")
 
 
 def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
@@ -427,7 +369,7 @@ def _ints(spec: str) -> tuple[int, ...]:
 
 
 def register_bench(bench_sub: Any) -> None:
-    from glm53.engine.host_bench_nvme import EmulationOptions, NvmeBenchOptions
+    from glm53.bench.host_step_nvme import EmulationOptions, NvmeBenchOptions
 
     d, dn = HostBenchOptions(), NvmeBenchOptions()
     p = bench_sub.add_parser("host-step", help="host microseconds per decoded MoE layer step (MoeStepper.resolve on "
@@ -463,13 +405,12 @@ def register_bench(bench_sub: Any) -> None:
     de = EmulationOptions()
     p.add_argument("--disk-ms-per-record", type=float, default=de.disk_ms_per_record, metavar="MS",
                    help="--nvme: then also decode against an emulated disk on which one of the bench store's records "
-                        "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6), the defaults "
-                        "against no cap on guess reads and against guesses read by what a right one saved")
+                        "takes MS ms read alone and reads in flight share that rate (GPU machine: ~6)")
     p.add_argument("--gpu-ms-per-layer", type=float, default=de.gpu_ms_per_layer, metavar="MS",
                    help="--nvme: then also decode with an emulated GPU, busy MS ms from each layer step's launch to "
                         "the next router output (GPU machine: ~0.6)")
     p.add_argument("--emulated-runs", type=int, default=de.runs, metavar="N",
-                   help=f"timed runs of each reader on the emulated disk, alternating (default {de.runs})")
+                   help=f"timed runs on the emulated disk (default {de.runs})")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE",
                    help="write the results as JSON to FILE (bare --json: to stdout, instead of the report)")
     p.set_defaults(func=cmd_bench_host_step)
@@ -477,7 +418,7 @@ def register_bench(bench_sub: Any) -> None:
 
 def _nvme_options(args: argparse.Namespace) -> Any:
     """The --nvme options, or None (not asked for, or out of range)."""
-    from glm53.engine.host_bench_nvme import NvmeBenchOptions
+    from glm53.bench.host_step_nvme import NvmeBenchOptions
 
     if not args.nvme or not (0 < args.ram_share <= 1 and 0 <= args.recall <= 1 and args.store_threads >= 1):
         return None
@@ -486,11 +427,18 @@ def _nvme_options(args: argparse.Namespace) -> Any:
 
 def _emulation_options(args: argparse.Namespace) -> Any:
     """The emulated disk and GPU's options, or None where neither is asked for."""
-    from glm53.engine.host_bench_nvme import EmulationOptions
+    from glm53.bench.host_step_nvme import EmulationOptions
 
     if not (args.disk_ms_per_record or args.gpu_ms_per_layer):
         return None
     return EmulationOptions(args.disk_ms_per_record, args.gpu_ms_per_layer, args.emulated_runs)
+
+
+def main(argv: list[str]) -> int:
+    """`bench host-step ARGV` alone (the baseline driver's entry on an older tree's code)."""
+    parser = argparse.ArgumentParser(prog="glm53 bench")
+    register_bench(parser.add_subparsers(dest="bench", required=True))
+    return cmd_bench_host_step(parser.parse_args(["host-step", *argv]))
 
 
 def cmd_bench_host_step(args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
-"""Copiers for tests (no tests here): copies that do not land by themselves, so a reader that does not wait for
-its copy reads the old bytes and the test sees it."""
+"""Copiers that stand in for the GPU's copy stream on the CPU, for the benchmarks and the tests: copies that do not
+land by themselves (HeldCopier, GpuLikeCopier: a reader that does not wait for its copy reads the old bytes and the
+test sees it), and copies whose tickets land at the next layer step (StepCopier: the host's cost of a stream-side
+wait, for bench host-step --nvme)."""
 
 from __future__ import annotations
 
@@ -55,3 +57,36 @@ class GpuLikeCopier(HeldCopier):
         for t in self.ordered:
             t.wait()
         self.ordered.clear()
+
+
+class StepTicket:
+    __slots__ = ("copier", "issued", "landed")
+
+    def __init__(self, copier: StepCopier, issued: int):
+        self.copier, self.issued, self.landed = copier, issued, False
+
+    def done(self) -> bool:
+        return self.landed or self.copier.steps > self.issued
+
+    def wait(self) -> None:
+        self.landed = True
+
+
+class StepCopier(Copier):
+    """Copies that run at once on the CPU but whose tickets land only when the next layer step begins
+    (`step_begins`) or someone waits on them; the compute side's waits on them are stream-side (no host wait)."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu")
+        self.steps = 0
+
+    def copy(self, dst, src, after=None):
+        dst.copy_(src)
+        return StepTicket(self, self.steps)
+
+    def order_compute_after(self, tickets: list) -> None:
+        """Deliberately no host wait: on the GPU the kernels wait for these copies on the device and the host goes
+        on, which is the cost this benchmark measures (the copies land at the next step instead)."""
+
+    def step_begins(self) -> None:
+        self.steps += 1

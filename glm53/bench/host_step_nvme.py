@@ -20,14 +20,13 @@ before launch (resolve() with what it runs inside) is what the GPU waits for; th
 
 With `--disk-ms-per-record` / `--gpu-ms-per-layer` (EmulationOptions) it also replays decode against an emulated
 disk and GPU (`emulate`), to study store read scheduling on a machine whose store comes from the page cache: the
-emulated disk (glm53.cpu_lane.emulated_disk) gives every read in flight a share of one fixed rate,
+bench's emulated disk (glm53.bench.emulated_disk, a hook on the store's reads) gives every read in flight a share of one fixed rate,
 set so that one of the bench store's (tiny) records takes the given ms, as a 9 MiB record takes ~6 ms on the GPU
 machine's rate-capped disk; and after each layer step's launch the emulated GPU is busy for the given ms before the
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
 it reports is wall time per decode step (bsz tokens), store waits and GPU sleeps included, the store's busy share
-and the guesses' fate, for the default reader and stepper against each variant of EMULATED_VARIANTS (no cap on the
-guess reads; guesses read by what a right one recently saved), runs alternating, and the ratios of their
-step times.
+and the guesses' fate, for the reader and stepper the engine runs (a variant to compare with runs from its own
+commit's tree: `--baseline REV`).
 """
 
 from __future__ import annotations
@@ -70,12 +69,6 @@ class EmulationOptions:
         return self.disk_ms_per_record > 0 or self.gpu_ms_per_layer > 0
 
 
-# What `emulate` compares, as (reader options, stepper attributes): the default (guess reads capped as
-# open_nvme_tier calibrates the cap; guesses read as far as the store's load makes worth it), one with no cap
-# (bench.py's nvme-exact-guessesall) and one reading guesses only as far as the share of a read a right one
-# recently saved makes worth it (nvme-exact-guesssaving).
-EMULATED_VARIANTS = {"default": (None, {}), "no_cap": ({"prefetch_at_once": 1 << 10}, {}),
-                     "guess_saving": (None, {"guess_by_saving": True})}
 SETTLE_STEPS = 10  # warm-up steps run emulated, after the rest at the page cache's speed
 
 
@@ -107,42 +100,6 @@ class StoreFixture:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _gpu_like_copier() -> Any:
-    """A Copier whose copies run at once on the CPU but whose tickets land only when the next layer step begins
-    (`step_begins`) or someone waits on them; the compute side's waits on them are stream-side (no host wait)."""
-    from glm53.tiers.copier import Copier
-
-    class StepTicket:
-        __slots__ = ("copier", "issued", "landed")
-
-        def __init__(self, copier: Any, issued: int):
-            self.copier, self.issued, self.landed = copier, issued, False
-
-        def done(self) -> bool:
-            return self.landed or self.copier.steps > self.issued
-
-        def wait(self) -> None:
-            self.landed = True
-
-    class StepCopier(Copier):
-        def __init__(self) -> None:
-            super().__init__("cpu")
-            self.steps = 0
-
-        def copy(self, dst: Any, src: Any, after: Any = None) -> Any:
-            dst.copy_(src)
-            return StepTicket(self, self.steps)
-
-        def order_compute_after(self, tickets: list) -> None:
-            """Deliberately no host wait: on the GPU the kernels wait for these copies on the device and the host
-            goes on, which is the cost this benchmark measures (the copies land at the next step instead)."""
-
-        def step_begins(self) -> None:
-            self.steps += 1
-
-    return StepCopier()
 
 
 def guesses(trace: np.ndarray, num_experts: int, recall: float, seed: int) -> np.ndarray:
@@ -181,6 +138,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     """The nvme tier on `store` warmed from the routing of a first stretch of the trace (as saved statistics warm a
     real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay.
     reader_options: further options of the store reader (prefetch_at_once)."""
+    from glm53.bench.copiers import StepCopier
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
     from glm53.tiers.policy import zipf_trace
@@ -194,7 +152,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
                          seed=opts.seed * 1000 + li).reshape(-1, bsz, opts.top_k) for li in range(opts.layers)]
     guessed = [guesses(t, opts.experts, nopts.recall, opts.seed * 1000 + 500 + li) for li, t in enumerate(traces)]
     counts = np.stack([np.bincount(t[: max(1, opts.warmup)].ravel(), minlength=opts.experts) for t in traces])
-    copier = _gpu_like_copier()
+    copier = StepCopier()
     # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
     reader = StoreReader(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug,
                          **(reader_options or {}))
@@ -360,26 +318,19 @@ def emulated_rate(store: Path, disk_ms_per_record: float) -> tuple[float, int]:
     return (disk_ms_per_record * 1e-3 / record if disk_ms_per_record > 0 else 0.0), record
 
 
-def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int,
-                 reader_options: dict | None, stepper_attrs: dict | None = None) -> dict:
-    """One timed replay on the emulated disk and GPU with one reader: reader_options None calibrates the guess
-    reads' cap as open_nvme_tier does (on the emulated disk), else they are the reader's options; stepper_attrs are
-    set on the stepper. Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
+def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
+    """One timed replay on the emulated disk and GPU, the guess reads' cap calibrated as open_nvme_tier does (on the
+    emulated disk). Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
     settles to the disk's); then the timed steps, emulated."""
-    from glm53.cpu_lane.emulated_disk import emulated_disk
+    from glm53.bench.emulated_disk import emulated_disk
     from glm53.tiers.nvme_open import calibrate_prefetch
     from store.format import read_header
 
     rate, _ = emulated_rate(store, emu.disk_ms_per_record)
     gpu_s = emu.gpu_ms_per_layer * 1e-3
-    gain = None
-    if reader_options is None:
-        with emulated_disk(rate):
-            at_once, gain = calibrate_prefetch(store, read_header(store), True, 1, nopts.store_threads)
-        reader_options = {"prefetch_at_once": at_once}
-    rig = build(opts, nopts, store, bsz, reader_options)
-    for name, value in (stepper_attrs or {}).items():
-        setattr(rig.stepper, name, value)
+    with emulated_disk(rate):
+        at_once, gain = calibrate_prefetch(store, read_header(store), True, 1, nopts.store_threads)
+    rig = build(opts, nopts, store, bsz, {"prefetch_at_once": at_once})
     try:
         settle = min(SETTLE_STEPS, opts.warmup)
         replay(rig, range(opts.warmup - settle))
@@ -410,30 +361,17 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
 
 
 def emulate(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
-    """The default reader and stepper against each other variant of EMULATED_VARIANTS on the emulated disk and GPU:
-    `emu.runs` runs of each, alternating (in order, then in reverse, ...), so that a drift of the machine touches
-    all alike. Per variant the runs' mean figures (step_ms: wall ms per decode step of bsz tokens, store waits and
+    """The engine's reader and stepper on the emulated disk and GPU, `emu.runs` runs: the runs' mean figures (step_ms: wall ms per decode step of bsz tokens, store waits and
     GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not counted:
     the work after launch overlaps the GPU's) and gpu_ms (the emulated GPU's, as set); store_busy: the share of the
     step time the store had a read under way; store_load: the tier's own measure of it, as the lookahead sees it at
     the end; guess_saving and guess_floor at the end; demand and guess reads per step; guesses per step: issued, in
-    time (hits), late (of them under way), wasted, and demand misses), and per other variant the ratio of step
-    times default / variant, the median of each round's and of the totals."""
+    time (hits), late (of them under way), wasted, and demand misses)."""
     rate, record = emulated_rate(store, emu.disk_ms_per_record)
-    names = list(EMULATED_VARIANTS)
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    for i in range(max(1, emu.runs)):
-        for name in names if i % 2 == 0 else names[::-1]:
-            runs[name].append(emulated_run(opts, nopts, emu, store, bsz, *EMULATED_VARIANTS[name]))
-    readers = {name: _mean_run(rs) for name, rs in runs.items()}
-    ratios = {}
-    for name in names[1:]:
-        rounds = [a["step_ms"] / b["step_ms"] for a, b in zip(runs["default"], runs[name], strict=True)]
-        ratios[name] = {"median": float(np.median(rounds)), "rounds": rounds,
-                        "total": sum(r["step_ms"] for r in runs["default"]) / sum(r["step_ms"] for r in runs[name])}
+    runs = [emulated_run(opts, nopts, emu, store, bsz) for _ in range(max(1, emu.runs))]
     return {"disk_ms_per_record": emu.disk_ms_per_record, "gpu_ms_per_layer": emu.gpu_ms_per_layer,
             "record_bytes": record, "seconds_per_byte": rate, "runs": max(1, emu.runs), "steps": opts.steps,
-            "readers": readers, "ratios": ratios}
+            "readers": {"default": _mean_run(runs)}}
 
 
 def _mean_run(runs: list[dict]) -> dict:

@@ -73,7 +73,7 @@ class BenchResult:
         return "\n".join(lines)
 
 
-def _drop_cache(path: Path) -> None:
+def drop_cache(path: Path) -> None:
     """Evict a file's clean pages so a pass reads the disk, not RAM (no root or drop_caches needed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -286,7 +286,7 @@ def _run(opts: BenchOptions, log, made: list[Path]) -> BenchResult:
             write_expert_checkpoint(model, layers=1 + layers, dense_layers=1, experts=per_layer, mtp_layers=0,
                                     **REAL)
         for f in model.glob("*.safetensors"):
-            _drop_cache(f)
+            drop_cache(f)
         store = opts.workdir / "bench.glm53"
         store.unlink(missing_ok=True)
         made.append(store)

@@ -141,6 +141,7 @@ def _mean(ws: list[Window], key: str) -> float:
 
 def build_store(opts: NvmeBenchOptions, log, made: list[Path]) -> tuple[Path, Path]:
     """(checkpoint, store): the given ones, or a synthetic full-width pair written into the workdir."""
+    from glm53.bench.store import drop_cache
     from store.pack import PackOptions, pack_store
     from store.synth import write_expert_checkpoint
 
@@ -159,16 +160,8 @@ def build_store(opts: NvmeBenchOptions, log, made: list[Path]) -> tuple[Path, Pa
                      log=lambda m: None)
     log(f"bench nvme: packed {res.records} records in {res.seconds:.1f} s")
     for f in model.glob("*.safetensors"):  # the checkpoint is only needed for the start-up verify now
-        _drop_cache(f)
+        drop_cache(f)
     return model, store
-
-
-def _drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def routing(opts: NvmeBenchOptions, steps: int, warm_steps: int = 1000):
@@ -249,7 +242,7 @@ def plan_for(opts: NvmeBenchOptions, store: Path):
 
 
 def raw_pass(store: Path, keys, threads: int) -> float:
-    from store.bench import raw_random
+    from glm53.bench.store import raw_random
     from store.directio import alloc_slots
     from store.format import read_header
 
@@ -368,7 +361,7 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
 
 
 def run_bench(opts: NvmeBenchOptions, log=print) -> NvmeBenchResult:
-    from store.bench import scratch
+    from glm53.bench.store import scratch
 
     with scratch(opts.workdir, opts.keep) as made:
         return _run(opts, log, made)

@@ -5,9 +5,8 @@ results.md, ninth session) it spent about 2.5x as long per copy as in fast mode,
 Two suspects: Python threads taking the GIL each time a read lands, and the native read pool's threads taking the
 cores and the memory bandwidth. This times one piece of the planning thread's kind of work (a step's copies of
 slot-sized pinned buffers to the device, queued through the tiers' Copier, and a little Python bookkeeping) alone,
-beside a StoreReader's reads (queued, read and finished by native threads; the copies queued in one call into
-torch, and one call per copy), and beside the same reads handed straight to the native pread by a plain thread
-pool (the cores and memory as busy, a Python thread per read).
+beside a StoreReader's reads (queued, read and finished by native threads), and beside the same reads handed
+straight to the native pread by a plain thread pool (the cores and memory as busy, a Python thread per read).
 """
 
 from __future__ import annotations
@@ -90,14 +89,10 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
         for _ in range(4):  # warm: first copies, first reads (the parts' hashes kept)
             alone()
             beside(reader_start, reader_finish)
-        times = {"alone": [], "reader": [], "reader_copyeach": []}
-        batched = copier.batched
+        times = {"alone": [], "reader": []}
         for _ in range(reps):  # interleaved, so drift falls on all
             times["alone"].append(alone())
             times["reader"].append(beside(reader_start, reader_finish))
-            copier.batched = False  # one copy_ call (one GIL release) per copy, as before the batch
-            times["reader_copyeach"].append(beside(reader_start, reader_finish))
-            copier.batched = batched
     if parts > 1:
         fd, _ = open_for_read(store, allow_buffered=True)
         hashes = [np.zeros(parts, np.uint64) for _ in range(READS)]
@@ -114,7 +109,7 @@ def read_contention(store: Path, parts: int, *, device: str = "cuda", reps: int 
             os.close(fd)
     for k, v in times.items():
         out[f"{k}_s"] = statistics.median(v)
-    for k in ("reader", "reader_copyeach", "native"):
+    for k in ("reader", "native"):
         if f"{k}_s" in out:
             out[f"{k}_over_alone"] = out[f"{k}_s"] / out["alone_s"]
     out.update(copies=COPIES, reads=READS, parts=parts, reps=reps)
@@ -125,8 +120,7 @@ def line(res: dict) -> str:
     """The report's line for read_contention's result."""
     text = (f"planning-thread work ({res['copies']} slot copies queued, a little bookkeeping): "
             f"{res['alone_s'] * 1e6:.0f} us alone, {res['reader_s'] * 1e6:.0f} us beside {res['reads']} StoreReader "
-            f"reads in {res['parts']} part(s) (x {res['reader_over_alone']:.2f}; "
-            f"x {res['reader_copyeach_over_alone']:.2f} with one copy_ call per copy)")
+            f"reads in {res['parts']} part(s) (x {res['reader_over_alone']:.2f})")
     if "native_s" in res:
         text += (f", {res['native_s'] * 1e6:.0f} us beside the same reads through a plain thread pool "
                  f"(x {res['native_over_alone']:.2f})")

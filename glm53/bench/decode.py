@@ -1,11 +1,10 @@
 """`glm53 bench decode`: decode speed of the tiered modes next to stock exllamav3 and the PCIe bound, in one run.
 
 One process loads the same full-width synthetic checkpoint once per mode: stock exllamav3 with every routed
-expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact as the engine runs it, exact-eager with
-admissions decided and copied from RAM before the step's kernels instead of after, exact-serial with the host
-instead of the GPU waiting for each step's copies, exact-prestage with the next layer's predicted RAM experts
-copied ahead, fast; and with --modes the nvme modes) with a 24 GB card's share of expert slots (the rest in the pinned RAM tier). Decode windows rotate through
-the modes (interleaved, never compared across sessions). All sample with the same seed, so the exact modes
+expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact, fast, nvme-exact, nvme) with a 24 GB
+card's share of expert slots (the rest in the pinned RAM tier, or the record store with RAM as its cache). Decode
+windows rotate through the modes (interleaved, never compared across sessions). An earlier design is compared by
+running its commit's code side by side (`--baseline REV`: glm53.bench.decode_baseline), not as a mode here. All sample with the same seed, so the exact modes
 generate the same tokens as stock and route the same experts (fast mode is near-exact and may drift). The PCIe
 bound is
     t_bound = (bytes that crossed host -> device per decoded token) / (measured pinned H2D rate) + t_stock,
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import gc
 import json
 import shutil
@@ -26,7 +24,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +45,8 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--work", metavar="DIR", help="where to write the synthetic checkpoint (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and store under --work, and "
                    "reuse them from there on the next run of the same shape (a warm GPU machine keeps /tmp)")
-    p.add_argument("--modes", default="exact,exact-eager,exact-serial,fast",
-                   help="tiered modes to run next to stock (default exact,exact-eager,exact-serial,fast; also "
-                        "exact-prestage, nvme-exact, nvme, and for paired comparisons with nvme-exact: "
-                        + "; ".join(f"{name}: {v.before}" for name, v in VARIANTS.items()) + ")")
+    p.add_argument("--modes", default="exact,fast",
+                   help="tiered modes to run next to stock (default exact,fast; also nvme-exact, nvme)")
     p.add_argument("--cpu-threads", type=int, help="CPU-lane threads in fast mode (default: physical cores - 1)")
     p.add_argument("--ram-fraction", type=float, default=RAM_55G,
                    help=f"nvme modes: RAM tier share of all experts (default {RAM_55G}, what a 55 GiB cap gives the "
@@ -70,55 +65,23 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--profile", metavar="MODE", help="after the windows, decode one more window of MODE under "
                    "cProfile and print where the host's time went (the top functions by own time); with --json, the "
                    "whole profile is saved beside it (.prof)")
+    p.add_argument("--baseline", metavar="REV",
+                   help="also run REV's code (a git worktree of it) on the same checkpoint, windows alternating "
+                        "between this code and REV's, each in its own process; reports this / REV decode tok/s per "
+                        "mode, the median of paired windows (glm53.bench.decode_baseline)")
+    p.add_argument("--baseline-windows", type=int, default=4, metavar="N",
+                   help="--baseline: paired windows, each one run of this code and one of REV's (default 4); with "
+                        "--keep --work, windows already run there are reused")
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="--baseline: REV's code unpacked in DIR (git archive REV | tar -x -C DIR), where this copy "
+                        "has no git history (the GPU machine)")
     p.set_defaults(func=cmd_bench_decode)
 
 
 
 
-@dataclass(frozen=True)
-class Variant:
-    """nvme-exact with one of its parts as it was before a change (or as it might be: `before` then says what the
-    variant tries): run next to nvme-exact, they give the change's effect as nvme-exact / variant, the median of
-    paired windows."""
-    now: str                      # what nvme-exact does
-    before: str                   # what the variant does instead
-    stepper: tuple = ()           # attributes set on the decode stepper after load ("a.b": on what it holds)
-    lookahead_depth: int = 1
-    prestage: bool = False        # TieredMoE(prestage=True): predicted RAM experts copied into staging ahead
-
-
-VARIANTS = {
-    "nvme-exact-ahead2": Variant("store reads started one layer ahead", "store reads started two layers ahead as well",
-                                 lookahead_depth=2),
-    "nvme-exact-waitfirst": Variant("RAM misses cross PCIe while the store reads land",
-                                    "a step's RAM misses wait for its store reads",
-                                    stepper=(("copy_before_store_wait", False),)),
-    "nvme-exact-guesshalf": Variant("guesses read at ranks right more often than the store's load makes worth it",
-                                    "guesses read only at ranks right more often than not",
-                                    stepper=(("guess_by_load", False), ("guess_by_saving", False))),
-    "nvme-exact-copyeach": Variant("a step's copies queued in one call into torch", "one copy_ call per copy",
-                                   stepper=(("tiers.copier.batched", False),)),
-    "nvme-exact-prestage": Variant("a step's RAM misses copied once its router has run", "the next layer's likely "
-                                   "RAM experts also copied into staging ahead, while this layer runs (tried: in "
-                                   "the nvme modes the PCIe link has time to spare, the planning thread has not)",
-                                   prestage=True),
-    "nvme-exact-readsfirst": Variant("a step with no store read to wait for starts its reads ahead, and frees RAM "
-                                     "for the next step's, after launch", "reads ahead before launch, RAM room found by each read",
-                                     stepper=(("reads_after_launch", False),)),
-    "nvme-exact-guesssaving": Variant("guesses read at ranks right often enough for the store's load, as if every "
-                                      "right guess saved a whole read", "a right guess counted as saving the share "
-                                      "of its read done when its layer ran (tried in the eleventh session)",
-                                      stepper=(("guess_by_saving", True),)),
-}
-MODES = ("exact", "exact-eager", "exact-serial", "exact-prestage", "fast", "nvme-exact", "nvme", *VARIANTS)
+MODES = ("exact", "fast", "nvme-exact", "nvme")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
-
-
-def set_path(obj: Any, name: str, value: Any) -> None:
-    """setattr along a dotted name: "tiers.copier.batched" sets obj.tiers.copier.batched (a variant's attribute of
-    what the stepper holds)."""
-    *path, attr = name.split(".")
-    setattr(functools.reduce(getattr, path, obj), attr, value)
 
 
 def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -212,7 +175,7 @@ def _disk_probe(store: Path, records: int = 96, threads: int = 8):
     each time (no pass re-reads what a disk cache may hold from the last)."""
     import random
 
-    from glm53.tiers.nvme_bench import raw_pass
+    from glm53.bench.nvme import raw_pass
     from store.format import read_header
 
     keys, rng = sorted(read_header(store).index), random.Random(2)
@@ -223,7 +186,7 @@ def _disk_as_it_is(emulated_Bps: float | None) -> Any:
     """A block in which the emulated disk (if the bench turned it on) is off."""
     if not emulated_Bps:
         return contextlib.nullcontext()
-    from glm53.cpu_lane.emulated_disk import emulated_disk
+    from glm53.bench.emulated_disk import emulated_disk
 
     return emulated_disk(0.0)
 
@@ -254,6 +217,54 @@ def paired_ratio(rows: list[dict], mode: str, ref: str) -> float:
     return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
 
 
+class _Releases:
+    """What one job's streamed results say of its tokens and times. exllamav3 releases a job's tokens in batches: it
+    holds them while their text ends in an incomplete character (multi-byte text, a byte-level tokenizer), and an
+    ending job's last tokens (a stop token among them) come in the final result's "held". So tokens are counted from
+    each result's token_ids and the final result's counts, never one per result: the decode is timed from the first
+    release to the last, over the tokens sampled after the first release's."""
+
+    def __init__(self, t0: float, snapshot: Any):
+        self.t0, self.snapshot = t0, snapshot
+        self.ids: list[int] = []
+        self.first = self.last = None
+        self.first_count = 0  # tokens out by the first release: sampled before the decode's clock starts
+        self.snap0: Any = None
+        self.final: dict | None = None
+
+    def add(self, r: dict) -> None:
+        if r.get("stage") != "streaming":
+            return
+        got = r.get("token_ids")
+        if got is not None and got.numel():
+            now = time.perf_counter()
+            if self.first is None:
+                self.first, self.first_count, self.snap0 = now, got.shape[-1], self.snapshot()
+            self.ids += got[0].tolist()
+            self.last = now
+        if r.get("eos"):
+            held = (r.get("held") or {}).get("token_ids")
+            if held is not None:
+                self.ids += held[0].tolist()
+            self.final = r
+            if self.first is None:  # nothing released before the end: one release, untimed decode
+                self.first = self.last = time.perf_counter()
+                self.first_count, self.snap0 = len(self.ids), self.snapshot()
+
+    def done(self) -> tuple[list[int], float, float, int, Any]:
+        """(token ids, first release time, last release time, tokens decoded in between, the snapshot at the first)."""
+        if self.final is None:
+            raise RuntimeError("the job ended without a final result (eos)")
+        total = int(self.final.get("new_tokens", len(self.ids)))
+        return self.ids, self.first, self.last, max(0, total - self.first_count), self.snap0
+
+    def prefill_s(self) -> float:
+        """Enqueue to the first token; where the first release held several tokens, exllamav3's own prefill time
+        (when it gives one), as the release came only after those tokens' decode steps."""
+        reported = float(self.final.get("time_prefill") or 0.0) if self.final else 0.0
+        return reported if self.first_count > 1 and reported > 0 else self.first - self.t0
+
+
 class _Runner:
     """One loaded model (stock, or a tiered mode) with its generator."""
 
@@ -270,19 +281,12 @@ class _Runner:
         self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = None
         if slots is not None:
-            variant = VARIANTS.get(mode, Variant("", ""))
-            prestage = mode == "exact-prestage" or variant.prestage
-            self.tiered = TieredMoE(self.model, model_dir, slots, lookahead=True if prestage else None,
-                                    prestage=prestage, nvme_open=nvme_open if mode.startswith("nvme") else None,
-                                    overlap_copies=mode != "exact-serial",
-                                    lookahead_depth=variant.lookahead_depth,
-                                    admit_after_launch=mode not in ("exact-eager", "exact-serial"))
+            self.tiered = TieredMoE(self.model, model_dir, slots,
+                                    nvme_open=nvme_open if mode.startswith("nvme") else None)
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:
             self.tiered.populate()
-            for name, value in variant.stepper:
-                set_path(self.tiered.stepper, name, value)
             if mode in ("fast", "nvme"):
                 from glm53.cpu_lane.calibrate import default_threads
 
@@ -301,29 +305,21 @@ class _Runner:
         before = self.tiered.snapshot() if self.tiered is not None else None  # the prompt's store reads
         t0 = time.perf_counter()
         self.gen.enqueue(job)
-        first = last = None
-        snap0 = None
-        ids: list[int] = []
+        timing = _Releases(t0, lambda: self.tiered.snapshot() if self.tiered else None)
         while self.gen.num_remaining_jobs():
             for r in self.gen.iterate():
-                if r.get("stage") == "streaming" and "token_ids" in r:
-                    now = time.perf_counter()
-                    ids += r["token_ids"][0].tolist()
-                    if first is None:
-                        first = now
-                        snap0 = self.tiered.snapshot() if self.tiered else None
-                    last = now
-        out = {"prefill_s": first - t0, "decode_tok_s": (len(ids) - 1) / (last - first), "tokens": ids}
+                timing.add(r)
+        ids, first, last, n, snap0 = timing.done()
+        out = {"prefill_s": timing.prefill_s(), "tokens": ids, "decoded_tokens": n,
+               "decode_tok_s": n / (last - first) if n > 0 and last > first else float("nan")}
         if self.tiered is not None:
             snap1 = self.tiered.snapshot()
-            n = len(ids) - 1
+            n = max(1, n)
             h2d = sum(snap1["bytes"][k] - snap0["bytes"][k] for k in ("ram_to_vram", "ram_to_staging"))
             d2h = snap1["bytes"]["vram_to_ram"] - snap0["bytes"]["vram_to_ram"]
             picks = {k: snap1["picks"][k] - snap0["picks"][k] for k in ("vram_hit", "pcie", "cpu", "nvme", "total")}
             la0, la1 = snap0["lookahead"], snap1["lookahead"]
             hits, actual = la1["hits"] - la0["hits"], la1["picks"] - la0["picks"]
-            f0, f1 = la0.get("two_ahead", {}), la1.get("two_ahead", {})
-            far_hits, far_actual = f1.get("hits", 0) - f0.get("hits", 0), f1.get("picks", 0) - f0.get("picks", 0)
             store = snap1["bytes"]["store_to_ram"] - snap0["bytes"]["store_to_ram"]
             if getattr(self.tiered, "nvme", None) is not None:  # the decode's own store picks, not the prompt's
                 out["store_picks_by_layer"] = [b["lanes"]["nvme"] - a["lanes"]["nvme"]
@@ -332,20 +328,19 @@ class _Runner:
                                   for k in ("issued", "hits", "late", "late_under_way", "wasted", "demand_misses")}
                 r0, r1 = snap0.get("store_reads", {}), snap1.get("store_reads", {})
                 if r1.get("busy_s") is not None:  # the share of the decode the store spent reading
-                    out["store_busy"] = (r1["busy_s"] - r0["busy_s"]) / (last - first)
+                    out["store_busy"] = (r1["busy_s"] - r0["busy_s"]) / max(last - first, 1e-9)
                     out["store_idle_after_layer_s"] = [b - a for a, b in zip(r0["idle_after_layer_s"],
                                                                              r1["idle_after_layer_s"], strict=True)]
                     # The prompt's: its store bytes (what a prefill's disk bound is made of) and the disk's busy
                     # share of it (prefill reads most of every layer's experts not held in RAM or VRAM).
                     rb = before.get("store_reads", {})
                     out["prefill_store_bytes"] = snap0["bytes"]["store_to_ram"] - before["bytes"]["store_to_ram"]
-                    out["prefill_store_busy"] = (r0["busy_s"] - rb.get("busy_s", 0.0)) / (first - t0)
+                    out["prefill_store_busy"] = (r0["busy_s"] - rb.get("busy_s", 0.0)) / max(first - t0, 1e-9)
                 out["guess_floor"] = snap1["lookahead"].get("guess_floor")
                 out["guess_saving"] = snap1["lookahead"].get("guess_saving")
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
-                       two_ahead_recall=far_hits / far_actual if far_actual else None,
                        host_us_per_layer_step=1e6 * (snap1["host_seconds"]["plan"] - snap0["host_seconds"]["plan"])
                        / max(1, snap1["layer_steps"] - snap0["layer_steps"]),
                        # Where a decoded token's host time went (the GPU idles through all of it but the lane's):
@@ -376,8 +371,8 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     the RAM tier's share it gave, and the tier's own choice of parts with its timings (calibrate_pieces)."""
     import random
 
+    from glm53.bench.nvme import record_latency
     from glm53.plan import Plan
-    from glm53.tiers.nvme_bench import record_latency
     from glm53.tiers.nvme_open import calibrate_pieces, open_nvme_tier
     from store.format import read_header
 
@@ -474,7 +469,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             log(f"profile of one {profile} window ({tokens} tokens, prefill included):\n{buf.getvalue()}")
         contention = None
         if nvme_open is not None:  # what the store's reads cost the planning thread, for the next change to aim at
-            from glm53.tiers.read_contention import line, read_contention
+            from glm53.bench.read_contention import line, read_contention
 
             with _disk_as_it_is(emulated_disk_Bps):  # what reads cost the planning thread, not how fast they come
                 contention = read_contention(store, engine_parts[0] or 1)
@@ -526,14 +521,13 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 "h2d_MiB_per_token": mean(mode, "h2d_bytes_per_token") / 2**20,
                 "d2h_MiB_per_token": mean(mode, "d2h_bytes_per_token") / 2**20,
                 "lookahead_recall": mean(mode, "lookahead_recall"),
-                "two_ahead_recall": mean(mode, "two_ahead_recall"),
                 "host_us_per_layer_step": mean(mode, "host_us_per_layer_step"),
                 "same_tokens_as_stock": all(a["tokens"] == b["tokens"] for a, b in zip(stock_rows, m_rows, strict=True)),
                 "load_s": runners[mode].load_s,
                 "tiers": runners[mode].tiered.snapshot(),
             }
             if all("guesses" in x for x in m_rows):  # nvme modes: per decoded token, the windows pooled
-                n_tok = sum(len(x["tokens"]) - 1 for x in m_rows)
+                n_tok = max(1, sum(x["decoded_tokens"] for x in m_rows))
                 result["modes"][mode]["decode_store"] = {
                     "picks_by_layer": [sum(col) / n_tok for col in zip(*(x["store_picks_by_layer"] for x in m_rows),
                                                                        strict=True)],
@@ -554,8 +548,6 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 m["over_own_bound_start_rate"] = m["decode_tok_s"] * max(gpu_s, disk_s)
                 m.update(own_bound_beside(rows, mode, rate))
         exact_like = [m for m in modes if m.startswith(("exact", "nvme-exact"))]
-        if "nvme-exact" in modes:
-            result["nvme_exact_over"] = {v: paired_ratio(rows, "nvme-exact", v) for v in modes if v in VARIANTS}
         result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
@@ -609,12 +601,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                          "parts hashed): " + ", ".join(f"{t:.2f} ms in {n}" for n, t in
                                                         res["read_ms_by_parts"].items())
                          + ("; the modes read in " + ", ".join(f"{m} {n}" for m, n in used.items()) if used else ""))
-        for name, ratio in res.get("nvme_exact_over", {}).items():
-            v = VARIANTS[name]
-            far = res["modes"][name].get("two_ahead_recall", float("nan"))
-            lines.append(f"  nvme-exact / {name} ({v.now} / {v.before}): {ratio:.3f}, median of paired windows"
-                         + (f"; recall two layers ahead {far:.2f}" if far == far else ""))
-        for mode in ("nvme-exact", "nvme", *VARIANTS):
+        for mode in ("nvme-exact", "nvme"):
             if mode in res["modes"]:
                 sh = res["modes"][mode]["pick_shares"]
                 m = res["modes"][mode]
@@ -646,7 +633,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                                  f"the prefill; prefill x the disk's bound {ps['over_disk_bound']:.3f}, median of "
                                  f"windows")
         if res.get("read_contention"):
-            from glm53.tiers.read_contention import line
+            from glm53.bench.read_contention import line
 
             lines.append("  " + line(res["read_contention"]))
         if "nvme" in res["modes"] and "fast" in res["modes"]:
@@ -674,17 +661,16 @@ def emulation_problem(gbps: float, modes: Sequence[str]) -> str | None:
         return f"the rate must be above 0 GB/s, got {gbps:g}"
     if not any(m.startswith("nvme") for m in modes):
         return "no nvme mode in --modes: only the nvme modes read the store"
-    from glm53.cpu_lane.emulated_disk import set_emulated_disk
-    from store.native import NativeUnavailable
+    from glm53.bench.emulated_disk import problem
 
-    try:
-        set_emulated_disk(0.0)  # off, as it is by default: only checks the library has it
-    except NativeUnavailable as exc:
-        return str(exc)
-    return None
+    return problem()
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
+    if args.baseline:  # this process only orchestrates: each window runs in its own (decode_baseline)
+        from glm53.bench.decode_baseline import cmd_bench_decode_baseline
+
+        return cmd_bench_decode_baseline(args)
     try:
         import torch
     except ImportError:
@@ -758,7 +744,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                    f"the expert store {store}")
     emulated = args.emulate_disk_GBps * 1e9 if args.emulate_disk_GBps else None
     if emulated is not None:
-        from glm53.cpu_lane.emulated_disk import emulated_disk
+        from glm53.bench.emulated_disk import emulated_disk
 
         disk = emulated_disk(1 / emulated)  # process-wide: only the store's reads go through the native pread
     else:

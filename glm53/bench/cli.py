@@ -1,0 +1,74 @@
+"""`glm53 bench store` and `glm53 bench stream`: their flags and commands, apart from the benchmarks themselves
+(glm53.bench.store, glm53.bench.stream), which import numpy, the store, httpx and uvicorn at their top: the front
+door registers every bench at every start."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register_store(bench_sub: Any) -> None:
+    b = bench_sub.add_parser("store", help="store throughput (pack, full verify, reader) vs the disk's raw O_DIRECT",
+                             description="Pack, full-verify and random-record reader throughput, each printed next "
+                             "to the raw O_DIRECT read rate of the same disk measured in the same run.")
+    b.add_argument("--path", type=Path, help="store file to read (default: pack a synthetic one in --workdir)")
+    b.add_argument("--model", type=Path, help="checkpoint to pack for the pack figure (default: a synthetic one)")
+    b.add_argument("--workdir", type=Path, help="where synthetic files go (default: GLM53_CACHE_DIR/bench-store); "
+                   "must be on the disk you want to measure")
+    b.add_argument("--gb", type=float, default=2.0, help="size of the synthetic checkpoint in GB (default 2)")
+    b.add_argument("--threads", type=int, default=4, help="reader / packer threads (default 4)")
+    b.add_argument("--rounds", type=int, default=3, help="interleaved raw/reader rounds (default 3)")
+    b.add_argument("--keep", action="store_true", help="keep the synthetic files")
+    b.set_defaults(func=cmd_bench_store)
+
+
+def cmd_bench_store(args: argparse.Namespace) -> int:
+    from glm53.bench.store import BenchOptions, run_bench
+    from glm53.settings import load_or_exit
+    from store.errors import StoreError
+
+    settings = load_or_exit()
+    workdir = args.workdir or Path(settings.cache_dir) / "bench-store"
+    opts = BenchOptions(path=args.path, model=args.model, workdir=workdir, gb=args.gb, threads=args.threads,
+                        rounds=args.rounds, keep=args.keep, allow_buffered=settings.allow_buffered_reads)
+    try:
+        print(run_bench(opts, log=lambda m: print(m, file=sys.stderr, flush=True)).render())
+    except StoreError as exc:
+        print(f"glm53 bench store: error: {exc.problem}", file=sys.stderr)
+        if exc.fix:
+            print(f"  fix: {exc.fix}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register_stream(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("stream", help="engine tokens/s vs tokens/s delivered to a streaming client")
+    p.add_argument("--model", metavar="DIR", help="checkpoint directory (overrides GLM53_MODEL_DIR)")
+    p.add_argument("--tokens", type=int, default=256, help="tokens per streamed request (default 256)")
+    p.add_argument("--runs", type=int, default=3, help="measured requests (default 3)")
+    p.set_defaults(func=cmd_bench_stream)
+
+
+def cmd_bench_stream(args: argparse.Namespace) -> int:
+    # The serve path's own settings and engine choice, so the bench streams from what `glm53 serve` would run.
+    from glm53.server.cli import _engine, _settings, setup_logging
+
+    settings = _settings(args)
+    setup_logging(settings.log_level)
+    if args.tokens < 4 or args.runs < 1:
+        print("glm53: bench stream needs --tokens >= 4 and --runs >= 1", file=sys.stderr)
+        return 2
+    engine = _engine(settings)
+    engine.load()
+    try:
+        from glm53.bench.stream import report, run_stream_bench
+
+        results = run_stream_bench(engine, settings, max_tokens=args.tokens, runs=args.runs)
+    finally:
+        engine.close()
+    text, ok = report(results)
+    print(text)
+    return 0 if ok else 1
