@@ -15,7 +15,7 @@ from typing import Any
 
 from glm53.host import Gpu, HostFacts
 from glm53.shape import ModelShape
-from glm53.spec import PAGE, RAM_SPARE_OF_TOP_K, EngineSpec, engine_spec, split_slots
+from glm53.spec import PAGE, RAM_SPARE_OF_TOP_K, RECURRENT_CACHE_BYTES, EngineSpec, engine_spec, split_slots
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -54,6 +54,8 @@ CPU_LANE_FLAGS = ("avx2", "fma", "f16c")
 NVME_READERS = 8
 NVME_READERS_SMALL = 4
 RECORD_ALIGN = 4096
+# In the nvme modes the recurrent checkpoints take at most this share of usable RAM (2 GiB under a 16 GiB cap).
+RECURRENT_SHARE_OF_NVME_RAM = 8
 
 MODES = ("fast", "exact", "nvme", "nvme-exact")
 
@@ -188,8 +190,8 @@ class Plan:
 
 
 # The order decisions are shown in: the mode first, then where it runs, then each tier from fastest to slowest.
-REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "store",
-                "kv_tokens", "engine", "model")
+REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "ram_slots", "recurrent_cache", "cpu_threads",
+                "nvme_threads", "store", "kv_tokens", "engine", "model")
 
 
 def ordered(reasons: dict[str, str]) -> dict[str, str]:
@@ -497,6 +499,7 @@ class _RamTier:
     nvme_threads: int
     budget: str
     record_bytes: int      # one RAM row: an expert's slot image, or a 4 KiB-aligned store record
+    recurrent_cache: int   # host bytes for exllamav3's recurrent-state checkpoints
 
 
 def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, vram: int, ram: _Ram,
@@ -506,9 +509,11 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
     spare = RAM_SPARE_OF_TOP_K * shape.top_k if vram < shape.experts else 0
     if mode not in ("nvme", "nvme-exact"):
         ram_slots = shape.experts - vram + spare
+        recurrent = max(0, min(RECURRENT_CACHE_BYTES, ram.usable - ram.margin - ram_slots * eb))
         reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}): every expert not in VRAM, exclusive "
                                 f"of it, plus {spare} spare rows for admissions' victims; usable RAM "
                                 f"{gib(ram.usable)} ({ram.what})")
+        reasons["recurrent_cache"] = _recurrent_reason(recurrent, "what RAM has left after the tier and the margin")
         reasons["nvme_threads"] = f"0: {mode} mode keeps every expert in VRAM or RAM"
         if settings.store:
             reasons["store"] = f"{settings.store} not used in {mode} mode" + (
@@ -516,13 +521,18 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
             if fit.store_problem:
                 warnings.append(f"GLM53_STORE is set but unusable, and {mode} mode does not need it: "
                                 f"{fit.store_problem}")
-        return _RamTier(ram_slots, 0, 0, "normal", eb)
+        return _RamTier(ram_slots, 0, 0, "normal", eb, recurrent)
     # The RAM tier's rows are store records, each 4 KiB-aligned for O_DIRECT. Prefetched records are budgeted as
     # two layers' picks, double-buffered (one layer on a small host).
     record = -(-eb // RECORD_ALIGN) * RECORD_ALIGN
     staging = (shape.top_k if ram.small else 2 * shape.top_k) * 2
     need = shape.experts_per_layer + 1
-    ram_slots = min(max(need, shape.experts - vram), (ram.usable - ram.margin - staging * record) // record)
+    # The checkpoints come out of the cap before the tier: a share, so that a small cap keeps most of it for experts.
+    recurrent = min(RECURRENT_CACHE_BYTES, ram.usable // RECURRENT_SHARE_OF_NVME_RAM)
+    reasons["recurrent_cache"] = _recurrent_reason(recurrent, f"at most 1/{RECURRENT_SHARE_OF_NVME_RAM} of usable RAM "
+                                                   "in the nvme modes")
+    ram_slots = min(max(need, shape.experts - vram),
+                    (ram.usable - ram.margin - recurrent - staging * record) // record)
     if ram_slots < need:
         raise PlanError(f"usable RAM {gib(ram.usable)} ({ram.what}) holds {max(0, ram_slots)} store records of "
                         f"{human(record)} after the {gib(ram.margin)} margin; the nvme tier needs at least {need} "
@@ -543,7 +553,12 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
                 if ram.capped and facts.memory.limit is not None and suggested * GIB > facts.memory.limit else "")
         warnings.append(f"small host: usable RAM {gib(ram.usable)} < {SMALL_HOST_GIB} GiB, so the RAM tier holds "
                         f"{share} and decode is NVMe-bound{more}")
-    return _RamTier(ram_slots, staging, readers, "small-host" if ram.small else "normal", record)
+    return _RamTier(ram_slots, staging, readers, "small-host" if ram.small else "normal", record, recurrent)
+
+
+def _recurrent_reason(nbytes: int, why: str) -> str:
+    return (f"{gib(nbytes)} of host RAM for recurrent-state checkpoints ({why}; exllamav3's default is "
+            f"{gib(RECURRENT_CACHE_BYTES)}): a prompt that repeats an earlier one's prefix skips its KDA prefill")
 
 
 def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None:
@@ -584,9 +599,10 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
                        kv_tokens=kv_tokens, context=context, max_concurrency=settings.max_concurrency,
                        device=f"cuda:{gpu.index}", staging_slots=staging or None, ram_slots=tier.slots,
                        cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
-                       allow_buffered=settings.allow_buffered_reads, split=split)
+                       allow_buffered=settings.allow_buffered_reads, recurrent_cache_bytes=tier.recurrent_cache,
+                       split=split)
     if not staging:
-        tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes)
+        tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
         pinned = 0
     reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging, {spec.ram_slots} RAM "
                          f"rows, context {spec.context} of {spec.kv_tokens} KV tokens, {spec.max_concurrency} "

@@ -162,6 +162,7 @@ def _value(key: str, out: dict) -> str:
         "cpu_threads": str(out["cpu_threads"]),
         "nvme_threads": str(out["nvme_threads"]),
         "kv_tokens": str(out["kv_tokens"]),
+        "recurrent_cache": gib((out.get("engine") or {}).get("recurrent_cache_bytes") or 0),
         "store": str(out["store"]),
         "engine": _engine_value(out.get("engine")),
         "model": "",  # filled by render from the shape

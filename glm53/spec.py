@@ -19,6 +19,9 @@ ENGINES = ("stock", "exact", "fast", "nvme", "nvme-exact")
 TIERED = ("exact", "fast", "nvme", "nvme-exact")
 PAGE = 256                 # exllamav3's KV page: the cache is a whole number of pages
 PREFILL_CHUNK = 2048       # prompt tokens per forward; exllamav3's default chunk
+# exllamav3's default host budget for recurrent-state checkpoints: what lets a prompt that shares a prefix with an
+# earlier one skip the KDA layers' prefill of it (one checkpoint of GLM-5.3-Flash's 34 KDA layers is ~70 MB).
+RECURRENT_CACHE_BYTES = 4 << 30
 # RAM rows beyond the experts VRAM does not hold: an admission's victim needs a free row before the admitted
 # expert's row is freed (exclusive tiers), and a decode step can admit up to top_k of them.
 RAM_SPARE_OF_TOP_K = 2
@@ -40,6 +43,7 @@ class EngineSpec:
     max_concurrency: int             # requests decoded together
     cache_sequences: int             # recurrent-state slots of the cache (one per concurrent sequence)
     prefill_chunk: int               # prompt tokens per forward
+    recurrent_cache_bytes: int       # host RAM for exllamav3's recurrent-state checkpoints (prefix reuse of KDA layers)
     split: str                       # how the VRAM slots were divided among layers, for the plan's reasons
 
     @property
@@ -107,6 +111,7 @@ def engine_spec(
     store: str | None = None,
     allow_buffered: bool = False,
     prefill_chunk: int = PREFILL_CHUNK,
+    recurrent_cache_bytes: int = RECURRENT_CACHE_BYTES,
     split: str = "uniform",
 ) -> EngineSpec:
     """An EngineSpec with the sizing rules applied: staging defaults to one layer of experts (any prefill chunk
@@ -119,7 +124,8 @@ def engine_spec(
     ctx = min(kv, int(context)) if context else kv
     chunk = max(PAGE, int(prefill_chunk) // PAGE * PAGE)
     common = dict(device=device, kv_tokens=kv, context=ctx, max_concurrency=int(max_concurrency),
-                  cache_sequences=int(max_concurrency), prefill_chunk=chunk, allow_buffered=bool(allow_buffered))
+                  cache_sequences=int(max_concurrency), prefill_chunk=chunk, allow_buffered=bool(allow_buffered),
+                  recurrent_cache_bytes=max(0, int(recurrent_cache_bytes)))
     if engine == "stock":
         return EngineSpec("stock", vram_slots=(), staging_slots=0, ram_slots=0, cpu_threads=0, store_threads=0,
                           store=None, split="every expert in VRAM", **common)

@@ -218,3 +218,21 @@ def test_nvme_serves_the_store_the_plan_allowed(tmp_path, ck, store, monkeypatch
             assert engine.tiered.nvme is not None
         finally:
             engine.close()
+
+
+def test_the_recurrent_checkpoints_are_budgeted_from_ram(tmp_path):
+    """exllamav3 keeps recurrent-state checkpoints in host RAM (its prefix reuse for the KDA layers): the plan sizes
+    them, counts them against a memory cap before the RAM tier, and the engine passes the size on."""
+    roomy = P.plan(host(tmp_path / "a"), M.DEFAULT_SHAPE, settings())
+    assert roomy.engine.recurrent_cache_bytes == 4 * GIB and "recurrent_cache" in roomy.reasons
+    store = "/nvx/experts.glm53"
+    capped = {cap: P.plan(host(tmp_path / str(cap), HostSpec(mem_cap_gib=cap, swap_cap_gib=0, store=store), store),
+                          M.DEFAULT_SHAPE, settings(GLM53_STORE=store)) for cap in (16, 55)}
+    small, big = capped[16].engine, capped[55].engine
+    # an eighth of what a 16 GiB cap leaves usable
+    assert capped[16].mode == "nvme" and 1.9 * GIB < small.recurrent_cache_bytes <= 2 * GIB
+    assert big.recurrent_cache_bytes == 4 * GIB
+    record = -(-M.DEFAULT_SHAPE.expert_bytes // 4096) * 4096
+    for cap, spec in ((16, small), (55, big)):
+        pinned = spec.ram_slots * record
+        assert pinned + spec.recurrent_cache_bytes <= cap * GIB - 2 * GIB  # within the cap, the margin kept

@@ -207,7 +207,8 @@ class Exl3Engine(WorkerEngine):
         self.model, self.cache, self.tiered = model, cache, tiered
         tokenizer = exl.Tokenizer.from_config(config)
         self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=spec.max_concurrency,
-                                       max_chunk_size=spec.prefill_chunk)
+                                       max_chunk_size=spec.prefill_chunk,
+                                       recurrent_cache_size=spec.recurrent_cache_bytes)
         if self.supports_grammar:
             # llguidance's tables for this vocabulary (about a second for 150k tokens), built now rather than on the
             # event loop when the first response_format request arrives; exllamav3 caches them per tokenizer.
