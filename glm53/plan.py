@@ -15,6 +15,7 @@ from typing import Any
 
 from glm53.host import Gpu, HostFacts
 from glm53.shape import ModelShape
+from glm53.spec import PAGE, RAM_SPARE_OF_TOP_K, RECURRENT_CACHE_BYTES, EngineSpec, engine_spec, split_slots
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -53,6 +54,8 @@ CPU_LANE_FLAGS = ("avx2", "fma", "f16c")
 NVME_READERS = 8
 NVME_READERS_SMALL = 4
 RECORD_ALIGN = 4096
+# In the nvme modes the recurrent checkpoints take at most this share of usable RAM (2 GiB under a 16 GiB cap).
+RECURRENT_SHARE_OF_NVME_RAM = 8
 
 MODES = ("fast", "exact", "nvme", "nvme-exact")
 
@@ -169,23 +172,26 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     real_model: dict[str, Any] | None = None  # demo only: what GLM-5.3-Flash would get on this host
+    engine: EngineSpec | None = None          # every size the engine runs with (None: the demo)
 
     JSON_KEYS = ("mode", "device", "gpu_index", "gpu_name", "vram_budget_bytes", "vram_slots",
                  "vram_slots_per_layer", "ram_slots", "ram_tier_bytes", "cpu_threads", "nvme_threads",
-                 "kv_tokens", "budget", "store", "real_model")
+                 "kv_tokens", "budget", "store", "real_model", "engine")
 
     @property
     def exact(self) -> bool:
         return self.mode in ("exact", "nvme-exact")
 
     def to_json(self) -> dict[str, Any]:
-        return {**{k: getattr(self, k) for k in self.JSON_KEYS}, "warnings": list(self.warnings),
+        doc = {k: getattr(self, k) for k in self.JSON_KEYS}
+        doc["engine"] = self.engine.to_json() if self.engine is not None else None
+        return {**doc, "warnings": list(self.warnings),
                 "reasons": ordered(self.reasons), "error": None}
 
 
 # The order decisions are shown in: the mode first, then where it runs, then each tier from fastest to slowest.
-REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "store",
-                "kv_tokens", "model")
+REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "ram_slots", "recurrent_cache", "cpu_threads",
+                "nvme_threads", "store", "kv_tokens", "engine", "model")
 
 
 def ordered(reasons: dict[str, str]) -> dict[str, str]:
@@ -281,39 +287,58 @@ def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu,
     return g, budget(g)
 
 
-def _size_vram(shape: ModelShape, settings, budget: int, reasons: dict, warnings: list) -> tuple[int, int]:
-    """(VRAM expert slots, KV tokens): weights, KV and reserve first; expert slots get the rest."""
+def _size_vram(shape: ModelShape, settings, budget: int, reasons: dict, warnings: list) -> tuple[int, int, int]:
+    """(VRAM expert slots per MoE layer, staging slots, KV tokens): weights, KV, KDA state, staging and reserve
+    first; expert slots get the rest. Staging 0: every expert fits, stock exllamav3 serves (no tiers)."""
     eb = shape.expert_bytes
     state = shape.state_bytes_per_seq * settings.max_concurrency
-    staging = 2 * shape.top_k * eb  # one layer's misses admitted while the next layer's land: double-buffered
-    fixed = shape.always_used_bytes + state + staging + int(VRAM_RESERVE)
+    # One KV page more than the context: exllamav3 reserves a position past a job's last token.
+    kv_of = lambda tokens: (tokens + PAGE) * shape.kv_bytes_per_token  # noqa: E731
+    fixed = shape.always_used_bytes + state + int(VRAM_RESERVE)
+    context = -(-settings.context // PAGE) * PAGE
+    if budget - fixed - kv_of(context) >= shape.all_experts_bytes:
+        kv = kv_of(context)
+        reasons["kv_tokens"] = _kv_reason(shape, settings, context, kv, state)
+        reasons["vram_slots"] = (f"{shape.experts} slots of {human(eb)}: every routed expert fits in the budget "
+                                 f"{gib(budget)} beside the always-used weights {gib(shape.always_used_bytes)}, KV "
+                                 f"{gib(kv)}, KDA state {gib(state)} and the reserve {gib(VRAM_RESERVE)}: stock "
+                                 "exllamav3 serves, no tiers")
+        return shape.experts_per_layer, 0, context
+    # A whole layer's experts of staging: any prefill chunk streams through it, and exact modes stay bit-exact.
+    staging = shape.experts_per_layer
+    fixed += staging * eb
     min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
-    kv_tokens = settings.context
+    kv_tokens = context
     room = budget - fixed - min_slots * eb
-    if kv_tokens * shape.kv_bytes_per_token > room:
-        fit = max(0, room) // max(1, shape.kv_bytes_per_token) // KV_ROUND * KV_ROUND
+    if kv_of(kv_tokens) > room:
+        fit = max(0, room // max(1, shape.kv_bytes_per_token) - PAGE) // KV_ROUND * KV_ROUND
         if fit < MIN_KV_TOKENS:
-            need = fixed + min_slots * eb + MIN_KV_TOKENS * shape.kv_bytes_per_token
+            need = fixed + min_slots * eb + kv_of(MIN_KV_TOKENS)
             raise PlanError(f"VRAM budget {gib(budget)} < {gib(need)} needed for the always-used weights "
                             f"({gib(shape.always_used_bytes)}), {shape.top_k} expert slots per MoE layer, "
-                            f"KV for {MIN_KV_TOKENS} tokens and the {gib(VRAM_RESERVE)} reserve: use a GPU with "
-                            "more free VRAM or raise GLM53_VRAM_BUDGET_GB")
-        warnings.append(f"GLM53_CONTEXT={settings.context} needs {gib(settings.context * shape.kv_bytes_per_token)} "
+                            f"{staging} staging slots, KV for {MIN_KV_TOKENS} tokens and the {gib(VRAM_RESERVE)} "
+                            "reserve: use a GPU with more free VRAM or raise GLM53_VRAM_BUDGET_GB")
+        warnings.append(f"GLM53_CONTEXT={settings.context} needs {gib(kv_of(context))} "
                         f"of KV cache but only {gib(room)} is left after the weights and {shape.top_k} expert "
                         f"slots per layer: context lowered to {fit} tokens; set GLM53_CONTEXT={fit} to silence "
                         "this, or free VRAM")
         kv_tokens = fit
-    kv = kv_tokens * shape.kv_bytes_per_token
-    per_layer = min(shape.experts_per_layer, (budget - fixed - kv) // eb // shape.moe_layers)
+    kv = kv_of(kv_tokens)
+    per_layer = min(shape.experts_per_layer - 1, (budget - fixed - kv) // eb // shape.moe_layers)
     slots = per_layer * shape.moe_layers
-    reasons["kv_tokens"] = (f"{kv_tokens} tokens: {gib(kv)} of MLA cache ({shape.mla_layers} layers, "
-                            f"{shape.kv_bytes_per_token} B/token) plus {gib(state)} of fixed KDA state for "
-                            f"{settings.max_concurrency} sequences (GLM53_MAX_CONCURRENCY)")
+    reasons["kv_tokens"] = _kv_reason(shape, settings, kv_tokens, kv, state)
     reasons["vram_slots"] = (f"{slots} slots of {human(eb)} = {per_layer} per MoE layer x {shape.moe_layers} "
                              f"({100 * slots / shape.experts:.0f}% of experts): budget {gib(budget)} minus "
                              f"always-used weights {gib(shape.always_used_bytes)}, KV {gib(kv)}, KDA state "
-                             f"{gib(state)}, admit staging {gib(staging)}, reserve {gib(VRAM_RESERVE)}")
-    return slots, kv_tokens
+                             f"{gib(state)}, {staging} staging slots ({gib(staging * eb)}: one layer's experts, so "
+                             f"any prefill chunk streams through), reserve {gib(VRAM_RESERVE)}")
+    return per_layer, staging, kv_tokens
+
+
+def _kv_reason(shape: ModelShape, settings, tokens: int, kv: int, state: int) -> str:
+    return (f"{tokens} tokens: {gib(kv)} of MLA cache ({shape.mla_layers} layers, {shape.kv_bytes_per_token} "
+            f"B/token, one page more than the context) plus {gib(state)} of fixed KDA state for "
+            f"{settings.max_concurrency} sequences (GLM53_MAX_CONCURRENCY)")
 
 
 def _store_problem(facts: HostFacts, shape: ModelShape, settings, warnings: list[str]) -> str | None:
@@ -374,14 +399,17 @@ def _cpu_threads(facts: HostFacts, settings, mode: str, reasons: dict, warnings:
     return auto
 
 
-def plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
-    """Decide the mode and size every tier. Raises PlanError (with the fix) when this host cannot serve."""
+def plan(facts: HostFacts, shape: ModelShape, settings, routing: tuple[Any, str] | None = None) -> Plan:
+    """Decide the mode and size every tier. Raises PlanError (with the fix) when this host cannot serve.
+
+    routing: (counts or None, why): the routing statistics an earlier run saved for this checkpoint, which split
+    the VRAM slots among layers (glm53.spec.split_slots)."""
     if not settings.model_dir:
         return _demo_plan(facts, shape, settings)
     warnings: list[str] = []
     reasons: dict[str, str] = {"model": shape.source}
     try:
-        return _plan_real(facts, shape, settings, warnings, reasons)
+        return _plan_real(facts, shape, settings, warnings, reasons, routing)
     except PlanError as exc:
         exc.warnings = warnings + [w for w in exc.warnings if w not in warnings]
         exc.reasons = {**reasons, **exc.reasons}
@@ -470,16 +498,22 @@ class _RamTier:
     staging_records: int
     nvme_threads: int
     budget: str
+    record_bytes: int      # one RAM row: an expert's slot image, or a 4 KiB-aligned store record
+    recurrent_cache: int   # host bytes for exllamav3's recurrent-state checkpoints
 
 
-def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, slots: int, ram: _Ram,
+def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, vram: int, ram: _Ram,
               reasons: dict[str, str], warnings: list[str]) -> _RamTier:
     """Exclusive RAM tier: every non-VRAM expert in fast/exact; what the memory allows in the nvme modes."""
     eb = shape.expert_bytes
+    spare = RAM_SPARE_OF_TOP_K * shape.top_k if vram < shape.experts else 0
     if mode not in ("nvme", "nvme-exact"):
-        ram_slots = shape.experts - slots
+        ram_slots = shape.experts - vram + spare
+        recurrent = max(0, min(RECURRENT_CACHE_BYTES, ram.usable - ram.margin - ram_slots * eb))
         reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}): every expert not in VRAM, exclusive "
-                                f"of it; usable RAM {gib(ram.usable)} ({ram.what})")
+                                f"of it, plus {spare} spare rows for admissions' victims; usable RAM "
+                                f"{gib(ram.usable)} ({ram.what})")
+        reasons["recurrent_cache"] = _recurrent_reason(recurrent, "what RAM has left after the tier and the margin")
         reasons["nvme_threads"] = f"0: {mode} mode keeps every expert in VRAM or RAM"
         if settings.store:
             reasons["store"] = f"{settings.store} not used in {mode} mode" + (
@@ -487,12 +521,24 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
             if fit.store_problem:
                 warnings.append(f"GLM53_STORE is set but unusable, and {mode} mode does not need it: "
                                 f"{fit.store_problem}")
-        return _RamTier(ram_slots, 0, 0, "normal")
-    # Prefetched records land in pinned staging first: two layers' picks, double-buffered (one layer on a small host).
+        return _RamTier(ram_slots, 0, 0, "normal", eb, recurrent)
+    # The RAM tier's rows are store records, each 4 KiB-aligned for O_DIRECT. Prefetched records are budgeted as
+    # two layers' picks, double-buffered (one layer on a small host).
+    record = -(-eb // RECORD_ALIGN) * RECORD_ALIGN
     staging = (shape.top_k if ram.small else 2 * shape.top_k) * 2
-    ram_slots = max(0, min(shape.experts - slots, (ram.usable - ram.margin - staging * eb) // eb))
+    need = shape.experts_per_layer + 1
+    # The checkpoints come out of the cap before the tier: a share, so that a small cap keeps most of it for experts.
+    recurrent = min(RECURRENT_CACHE_BYTES, ram.usable // RECURRENT_SHARE_OF_NVME_RAM)
+    reasons["recurrent_cache"] = _recurrent_reason(recurrent, f"at most 1/{RECURRENT_SHARE_OF_NVME_RAM} of usable RAM "
+                                                   "in the nvme modes")
+    ram_slots = min(max(need, shape.experts - vram),
+                    (ram.usable - ram.margin - recurrent - staging * record) // record)
+    if ram_slots < need:
+        raise PlanError(f"usable RAM {gib(ram.usable)} ({ram.what}) holds {max(0, ram_slots)} store records of "
+                        f"{human(record)} after the {gib(ram.margin)} margin; the nvme tier needs at least {need} "
+                        f"(one layer's {shape.experts_per_layer} experts plus one): raise the memory cap")
     share = f"{100 * ram_slots / shape.experts:.0f}% of experts"
-    reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}, {share}): usable RAM {gib(ram.usable)} "
+    reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * record)}, {share}): usable RAM {gib(ram.usable)} "
                             f"({ram.what}) minus a {gib(ram.margin)} margin and {staging} NVMe staging records; the "
                             "rest are read from the store")
     readers = NVME_READERS_SMALL if ram.small else NVME_READERS
@@ -507,7 +553,12 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
                 if ram.capped and facts.memory.limit is not None and suggested * GIB > facts.memory.limit else "")
         warnings.append(f"small host: usable RAM {gib(ram.usable)} < {SMALL_HOST_GIB} GiB, so the RAM tier holds "
                         f"{share} and decode is NVMe-bound{more}")
-    return _RamTier(ram_slots, staging, readers, "small-host" if ram.small else "normal")
+    return _RamTier(ram_slots, staging, readers, "small-host" if ram.small else "normal", record, recurrent)
+
+
+def _recurrent_reason(nbytes: int, why: str) -> str:
+    return (f"{gib(nbytes)} of host RAM for recurrent-state checkpoints ({why}; exllamav3's default is "
+            f"{gib(RECURRENT_CACHE_BYTES)}): a prompt that repeats an earlier one's prefix skips its KDA prefill")
 
 
 def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None:
@@ -525,19 +576,40 @@ def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None
                         f"(--memory {cap}g --memory-swap {cap}g)")
 
 
-def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str]) -> Plan:
+def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
+               routing: Any) -> Plan:
     gpu, budget = _pick_gpu(facts, settings, reasons)
-    slots, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
+    per_layer, staging, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
+    counts, why = routing if routing is not None else (None, "no routing statistics read")
+    if staging:
+        vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts)
+        split += f"; {why}" if counts is None else ""
+    else:
+        vram, split = (shape.experts_per_layer,) * shape.moe_layers, "every expert in VRAM"
     ram = _ram(facts)
-    fit = _fit(facts, shape, settings, slots, ram, warnings)
+    fit = _fit(facts, shape, settings, sum(vram), ram, warnings)
     mode = _choose_mode(fit, settings, reasons, warnings)
-    tier = _size_ram(facts, shape, settings, mode, fit, slots, ram, reasons, warnings)
-    pinned = (tier.slots + tier.staging_records) * shape.expert_bytes
+    tier = _size_ram(facts, shape, settings, mode, fit, sum(vram), ram, reasons, warnings)
+    pinned = (tier.slots + tier.staging_records) * tier.record_bytes
     _memory_warnings(facts, pinned, warnings)
     cpu_threads = _cpu_threads(facts, settings, mode, reasons, warnings)
-    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, slots, slots // shape.moe_layers, tier.slots,
+    context = min(settings.context, shape.max_context or settings.context)
+    spec = engine_spec(mode if staging else "stock", moe_layers=shape.moe_layers,
+                       experts_per_layer=shape.experts_per_layer, top_k=shape.top_k, vram_slots=vram,
+                       kv_tokens=kv_tokens, context=context, max_concurrency=settings.max_concurrency,
+                       device=f"cuda:{gpu.index}", staging_slots=staging or None, ram_slots=tier.slots,
+                       cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
+                       allow_buffered=settings.allow_buffered_reads, recurrent_cache_bytes=tier.recurrent_cache,
+                       split=split)
+    if not staging:
+        tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
+        pinned = 0
+    reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging, {spec.ram_slots} RAM "
+                         f"rows, context {spec.context} of {spec.kv_tokens} KV tokens, {spec.max_concurrency} "
+                         f"sequences, prefill chunks of {spec.prefill_chunk}")
+    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
                 pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
-                reasons)
+                reasons, engine=spec)
 
 
 def _demo_plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:

@@ -51,6 +51,7 @@ class Inputs:
     warnings: list[str]
     model_error: str | None = None   # the checkpoint is there but unreadable: a refusal, reported like one
     model_mounted: bool = False
+    routing: tuple = (None, "no checkpoint mounted")  # saved routing statistics (counts or None, why)
 
 
 def gather(args, root: str) -> Inputs:
@@ -84,7 +85,18 @@ def inputs(settings: S.Settings, root: str = "/") -> Inputs:
         from glm53.cpu_lane import kernel
 
         facts = replace(facts, lane_kernel_error=kernel.unavailable_reason())
-    return Inputs(settings, facts, shape, warnings, error, mounted)
+    routing = _routing(settings, model, shape) if mounted and error is None else (None, "no checkpoint mounted")
+    return Inputs(settings, facts, shape, warnings, error, mounted, routing)
+
+
+def _routing(settings: S.Settings, model_dir: Path, shape: M.ModelShape) -> tuple:
+    """The routing statistics an earlier run of this checkpoint saved under the cache dir: they split the VRAM
+    slots among layers (the plan) and warm the tiers (the engine)."""
+    from glm53.tiers.policy import load_routing_stats, routing_key, routing_stats_path
+
+    key = routing_key(model_dir)
+    return load_routing_stats(routing_stats_path(Path(settings.cache_dir).expanduser(), key), key, shape.moe_layers,
+                              shape.experts_per_layer)
 
 
 def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:
@@ -92,7 +104,7 @@ def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:
     try:
         if inp.model_error:
             raise P.PlanError(inp.model_error)
-        plan = P.plan(inp.facts, inp.shape, inp.settings)
+        plan = P.plan(inp.facts, inp.shape, inp.settings, inp.routing)
         plan.warnings[:0] = inp.warnings
         out = plan.to_json()
     except P.PlanError as exc:
@@ -108,7 +120,7 @@ def current_plan(settings: S.Settings) -> tuple[P.Plan, Inputs]:
     inp = inputs(settings)
     if inp.model_error:
         raise P.PlanError(inp.model_error, inp.warnings)
-    plan = P.plan(inp.facts, inp.shape, inp.settings)
+    plan = P.plan(inp.facts, inp.shape, inp.settings, inp.routing)
     plan.warnings[:0] = inp.warnings
     return plan, inp
 
@@ -150,10 +162,26 @@ def _value(key: str, out: dict) -> str:
         "cpu_threads": str(out["cpu_threads"]),
         "nvme_threads": str(out["nvme_threads"]),
         "kv_tokens": str(out["kv_tokens"]),
+        "recurrent_cache": gib((out.get("engine") or {}).get("recurrent_cache_bytes") or 0),
         "store": str(out["store"]),
+        "engine": _engine_value(out.get("engine")),
         "model": "",  # filled by render from the shape
         "real_model": str((out.get("real_model") or {}).get("mode") or "refused"),
     }.get(key, "")
+
+
+def _engine_value(spec: dict | None) -> str:
+    """What loads: the engine and its VRAM slots per MoE layer, run-length encoded (128 x42 or 130 x2, 127 x40)."""
+    if not spec:
+        return ""
+    runs: list[list[int]] = []
+    for s in spec["vram_slots"]:
+        if runs and runs[-1][0] == s:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1])
+    slots = ", ".join(f"{s} x{n}" for s, n in runs) or "all"
+    return f"{spec['engine']}: VRAM slots per MoE layer {slots}; staging {spec['staging_slots']}"
 
 
 def render(out: dict, facts: H.HostFacts) -> str:

@@ -43,6 +43,7 @@ class ModelShape:
     mla_layers: int
     mtp_layer: int | None         # index of the MTP head's layer (skipped for serving)
     source: str                   # where the numbers came from, for the plan's reasons
+    max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
 
     @property
     def experts(self) -> int:
@@ -128,6 +129,7 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
     state = _state_per_seq(layers - mla, int(lin.get("num_heads", tc.get("linear_num_heads", 32))),
                            int(lin.get("head_dim", tc.get("linear_head_dim", 128))))
     mtp = layers if int(tc.get("num_nextn_predict_layers", 0) or 0) > 0 else None
+    native = int(tc.get("max_position_embeddings") or 0) or None
 
     sizes: dict[str, int] = {}
     files = sorted(root.glob("*.safetensors"))
@@ -138,7 +140,7 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
         inter = int(tc.get("moe_intermediate_size", 2048))
         return ModelShape(hidden, layers, moe_from_config, n_experts, top_k, _expert_bytes(hidden, inter, 3.0),
                           DEFAULT_SHAPE.always_used_bytes, kv, state, mla, mtp,
-                          f"{root}/config.json; no *.safetensors yet, so sizes are 3 bpw estimates")
+                          f"{root}/config.json; no *.safetensors yet, so sizes are 3 bpw estimates", native)
 
     per_expert: dict[tuple[int, int], int] = defaultdict(int)
     always = 0
@@ -163,4 +165,4 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
                          f"{n_experts} (incomplete download?)")
     # Slots must hold the largest expert; in a well-formed checkpoint they are all the same size.
     return ModelShape(hidden, layers, len(moe_layers), n_experts, top_k, max(per_expert.values()), always, kv,
-                      state, mla, mtp, f"{root} ({len(files)} safetensors headers)")
+                      state, mla, mtp, f"{root} ({len(files)} safetensors headers)", native)

@@ -33,12 +33,13 @@ def reference_engine(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     each layer's experts in VRAM so the PCIe lane and evictions are exercised too.
     """
     if os.environ.get("GLM53_TEST_ENGINE", "reference") == "exl3":
+        from specs import spec_for
+
         from glm53.engine.exl3_engine import Exl3Engine
         from glm53.fixture.exl3 import write_exl3_checkpoint
 
         path = write_exl3_checkpoint(tmp_path_factory.mktemp("exl3-tiny") / "model", seed=0)
-        engine = Exl3Engine(path, mode="exact", slots_per_layer=4, kv_tokens=4096, context_length=4096,
-                            max_running=8)
+        engine = Exl3Engine(path, spec_for(path, "exact", 4, device="cuda:0", max_concurrency=8))
     else:
         from glm53.engine.reference import ReferenceEngine
 

@@ -70,10 +70,10 @@ def test_report_has_a_line_per_mode_and_the_targets():
 
 def test_nvme_opener_measures_the_disk(tmp_path):
     ck, store = make_store(tmp_path, layers=3, experts=16)
-    opener, rate, latency, share, (parts, timing) = B.nvme_opener(ck, store, 0.75, threads=2)
+    tier, rate, latency, share, (parts, timing) = B.nvme_opener(ck, store, 0.75, threads=2)
     assert share == 0.75  # 24 of the 2 MoE layers x 16 experts
     assert B.nvme_opener(ck, store, 0.1, threads=2)[3] == 17 / 32  # one layer's 16 experts plus one
-    assert callable(opener) and rate > 0
+    assert tier.ram_slots == 24 and tier.store == store and rate > 0
     assert set(latency) == {1, 4, 8} and all(t > 0 for t in latency.values())
     assert parts == 1 and all(t > 0 for t in timing.values())  # records under 1 MiB: one part
 

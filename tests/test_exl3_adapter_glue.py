@@ -13,6 +13,7 @@ import fake_exllamav3 as F
 import numpy as np
 import pytest
 import torch
+from specs import spec_for
 
 from glm53.engine import exl3_adapter as A
 from glm53.fixture.exl3 import write_exl3_checkpoint
@@ -58,10 +59,13 @@ def stock_model(ck, interm=torch.half) -> F.Model:
     return _stock[key]
 
 
-def tiered_model(ck, interm=torch.half, slots=SLOTS, **kw) -> tuple[F.Model, A.TieredMoE]:
-    """The fake model with TieredMoE installed and populated (the engine's lifecycle)."""
+def tiered_model(ck, interm=torch.half, slots=SLOTS, staging_slots=None, nvme_open=None,
+                 **kw) -> tuple[F.Model, A.TieredMoE]:
+    """The fake model with TieredMoE installed and populated (the engine's lifecycle); sized by nvme_open's spec in
+    the nvme modes, else by an exact-mode spec of `slots` per layer."""
     model = F.Model.from_config(F.Config.from_directory(str(ck)), interm_dtype=interm)
-    tiered = A.TieredMoE(model, ck, slots, device="cpu", **kw)
+    spec = nvme_open.spec if nvme_open is not None else spec_for(ck, "exact", slots, staging_slots=staging_slots)
+    tiered = A.TieredMoE(model, ck, spec, nvme_open=nvme_open, **kw)
     tiered.install()
     model.load("cpu")
     tiered.populate()
@@ -134,21 +138,17 @@ def generous(lane):
     return lane
 
 
-def nvme_opener(store, ck, ram_records: int, mode: str):
-    """TieredMoE's nvme_open on the CPU: the store through a RAM tier of `ram_records` records."""
-    from glm53.plan import Plan
+def nvme_opener(store, ck, ram_records: int, mode: str, slots=SLOTS, staging_slots=None):
+    """TieredMoE's nvme_open on the CPU: the store through a RAM tier of `ram_records` records; `.spec` sizes both."""
     from glm53.tiers.nvme_open import open_nvme_tier
-    from store.format import read_header
 
-    extent = read_header(store).max_extent
-    plan = Plan(mode=mode, device="cpu", gpu_index=None, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
-                vram_slots_per_layer=0, ram_slots=ram_records, ram_tier_bytes=ram_records * extent, cpu_threads=1,
-                nvme_threads=2, kv_tokens=4096, budget="normal", store=str(store))
+    spec = spec_for(ck, mode, slots, staging_slots=staging_slots, store=str(store), ram_slots=ram_records,
+                    store_threads=2)
 
-    def open_(slots, staging):
-        return open_nvme_tier(store, ck, plan, device="cpu", vram_slots=slots, staging_slots=staging, warm=False,
-                              pin=False)
+    def open_():
+        return open_nvme_tier(store, ck, spec, warm=False, pin=False)
 
+    open_.spec = spec
     return open_
 
 
@@ -320,7 +320,8 @@ def test_recompute_gives_the_exact_path_numbers(ck):
 def test_nvme_exact_is_bit_identical_to_stock(ck, store):
     stock = stock_model(ck)
     # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops.
-    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True, nvme_open=nvme_opener(store, ck, 20, "nvme-exact"))
+    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True,
+                                 nvme_open=nvme_opener(store, ck, 20, "nvme-exact", [2, 2, 2]))
     try:
         drive(stock, model, schedule(8, 30), 8, bit_identical, tiered)
         snap = tiered.snapshot()
@@ -350,7 +351,7 @@ def test_nvme_prefill_reads_ahead_only_what_the_router_run_ahead_names(tmp_path_
     reads = {}
     for guess in (False, True):
         model, tiered = tiered_model(wide, slots=[2, 2, 2], lookahead=guess,
-                                     nvme_open=nvme_opener(wide_store, wide, 70, "nvme-exact"))
+                                     nvme_open=nvme_opener(wide_store, wide, 70, "nvme-exact", [2, 2, 2]))
         try:
             drive(stock, model, rows, 4, bit_identical, tiered)
             snap = tiered.snapshot()
@@ -369,7 +370,7 @@ def test_nvme_mode_with_the_lane(ck, store):
 
     stock = stock_model(ck, torch.float)
     model, tiered = tiered_model(ck, torch.float, slots=[2, 2, 2], lookahead=True,
-                                 nvme_open=nvme_opener(store, ck, 24, "nvme"))
+                                 nvme_open=nvme_opener(store, ck, 24, "nvme", [2, 2, 2]))
     try:
         # A cold start (no routing statistics): RAM holds no expert yet, and the lane's PCIe calibration must run.
         assert tiered.tiers.ram.in_use() == 0
@@ -396,7 +397,7 @@ def test_close_restores_the_modules(ck, order):
     stock = stock_model(ck)
     model = F.Model.from_config(F.Config.from_directory(str(ck)))
     before = [(m.gates, m.ups, m.downs, list(m.modules)) for m in model.moe()]
-    tiered = A.TieredMoE(model, ck, SLOTS, device="cpu", lookahead=False)
+    tiered = A.TieredMoE(model, ck, spec_for(ck, "exact", SLOTS), lookahead=False)
     tiered.install()
     if order == "installed-only":
         tiered.close()

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import fake_exllamav3 as F
 import pytest
+from specs import spec_for
 from test_reference_engine import BOOL_OBJECT
 
 from glm53.engine.interface import EngineError, EngineNotReady, PromptProgress, SamplingParams, TokenEvent
@@ -48,24 +49,12 @@ def store(ck, tmp_path_factory):
     return out
 
 
-def nvme_plan(store, ram_records: int):
-    from glm53.plan import Plan
-    from store.format import read_header
-
-    extent = read_header(store).max_extent
-    return Plan(mode="nvme-exact", device="cpu", gpu_index=None, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
-                vram_slots_per_layer=0, ram_slots=ram_records, ram_tier_bytes=ram_records * extent, cpu_threads=1,
-                nvme_threads=2, kv_tokens=4096, budget="normal", store=str(store))
-
-
 @contextlib.contextmanager
 def running(ck, mode: str = "stock", **kw) -> Iterator:
+    """The engine in `mode` on the checkpoint: SLOTS VRAM slots per layer, sized otherwise by glm53.spec's rules."""
     from glm53.engine.exl3_engine import Exl3Engine
 
-    if mode != "stock":
-        kw.setdefault("slots_per_layer", SLOTS)
-    kw.setdefault("kv_tokens", 4096)
-    engine = Exl3Engine(ck, mode=mode, device="cpu", max_running=4, **kw)
+    engine = Exl3Engine(ck, spec_for(ck, mode, 0 if mode == "stock" else SLOTS, **kw))
     engine.load()
     try:
         yield engine
@@ -189,7 +178,7 @@ def test_nvme_exact_mode_equals_stock_from_the_store(stock, ck, store):
     prompt = stock.tokenize("Hello there, how are you?")
     want = greedy_run(stock, prompt)
     # 48 experts, 9 in VRAM; the RAM tier holds 20 records: store reads and drops.
-    with running(ck, "nvme-exact", plan=nvme_plan(store, 20)) as engine:
+    with running(ck, "nvme-exact", store=str(store), ram_slots=20, store_threads=2) as engine:
         got = greedy_run(engine, prompt)
         assert [(e.token_id, e.logprob) for e in got] == [(e.token_id, e.logprob) for e in want]
         assert engine.fault() is None
@@ -414,7 +403,7 @@ def test_moe_cpu_split_is_refused(ck, monkeypatch):
     from glm53.engine.exl3_engine import Exl3Engine
 
     monkeypatch.setenv("EXL3_MOE_CPU_SPLIT", "1")
-    engine = Exl3Engine(ck, mode="exact", slots_per_layer=SLOTS, kv_tokens=4096, device="cpu")
+    engine = Exl3Engine(ck, spec_for(ck, "exact", SLOTS))
     with pytest.raises(EngineError, match="EXL3_MOE_CPU_SPLIT"):
         engine.load()
     assert not engine.ready

@@ -14,6 +14,7 @@ import gc
 import time
 
 import pytest
+from specs import spec_for
 
 from glm53.fixture.exl3 import write_exl3_checkpoint
 
@@ -32,7 +33,9 @@ def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True,
     cache = Cache(model, max_num_tokens=4096)
     tiered = None
     if slots is not None:
-        tiered = TieredMoE(model, model_dir, slots, staging_slots=staging, admit=admit, nvme_open=nvme)
+        spec = nvme.spec if nvme is not None else spec_for(model_dir, "exact", slots, staging_slots=staging,
+                                                            device="cuda:0")
+        tiered = TieredMoE(model, model_dir, spec, admit=admit, nvme_open=nvme)
         tiered.install()
     t0 = time.perf_counter()
     model.load(device=torch.device("cuda:0"))
@@ -141,7 +144,7 @@ def test_engine_serves_exact_mode(tmp_path, exl3):
     from glm53.engine.interface import SamplingParams, TokenEvent
 
     path = write_exl3_checkpoint(tmp_path / "tiny", router_skew=(0.25, 0.5))
-    engine = Exl3Engine(path, mode="exact", slots_per_layer=3, kv_tokens=4096, max_running=4)
+    engine = Exl3Engine(path, spec_for(path, "exact", 3, device="cuda:0"))
     engine.load()
     try:
         prompt = engine.tokenize("Hello there, how are you?")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+from specs import spec_for
 from test_gpu_engine import assert_bit_identical, greedy_runs, prompts_for
 
 from glm53.fixture.exl3 import write_exl3_checkpoint
@@ -29,21 +30,17 @@ def pack(model_dir, out):
     return out
 
 
-def nvme_open(store, model_dir, ram_records: int, mode: str):
-    """TieredMoE's nvme_open: the store through a RAM tier of `ram_records` records."""
-    from glm53.plan import Plan
+def nvme_open(store, model_dir, ram_records: int, mode: str, slots: int):
+    """TieredMoE's nvme_open: the store through a RAM tier of `ram_records` records; `.spec` sizes both."""
     from glm53.tiers.nvme_open import open_nvme_tier
-    from store.format import read_header
 
-    extent = read_header(store).max_extent
-    plan = Plan(mode=mode, device="cuda:0", gpu_index=0, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
-                vram_slots_per_layer=0, ram_slots=ram_records, ram_tier_bytes=ram_records * extent, cpu_threads=1,
-                nvme_threads=4, kv_tokens=4096, budget="normal", store=str(store))
+    spec = spec_for(model_dir, mode, slots, device="cuda:0", store=str(store), ram_slots=ram_records,
+                    store_threads=4)
 
-    def open_(slots, staging):
-        return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
-                              warm=False, pin=True)
+    def open_():
+        return open_nvme_tier(store, model_dir, spec, warm=False, pin=True)
 
+    open_.spec = spec
     return open_
 
 
@@ -57,7 +54,9 @@ def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None) 
     model = Model.from_config(Config.from_directory(str(model_dir)))
     tiered = None
     if slots is not None:
-        tiered = TieredMoE(model, model_dir, slots, nvme_open=nvme)
+        spec = nvme.spec if nvme is not None else spec_for(model_dir, "fast" if lane_threads else "exact", slots,
+                                                            device="cuda:0", cpu_threads=lane_threads or 0)
+        tiered = TieredMoE(model, model_dir, spec, nvme_open=nvme)
         tiered.install()
     model.load(device=torch.device("cuda:0"))
     try:
@@ -137,7 +136,7 @@ def test_tiny_nvme_exact_bit_identical(tmp_path, exl3):
     prompts = prompts_for(200)
     stock = greedy_runs(path, prompts, steps)
     # 3 MoE layers x 16 experts, 2 VRAM slots each; RAM holds 17 of the 42 others: constant store reads.
-    got = greedy_runs(path, prompts, steps, slots=2, nvme=nvme_open(store, path, 17, "nvme-exact"))
+    got = greedy_runs(path, prompts, steps, slots=2, nvme=nvme_open(store, path, 17, "nvme-exact", 2))
     assert_bit_identical(stock, got, steps)
     s = got["stats"]
     assert s["mode"] == "nvme-exact" and s["picks"]["nvme"] > 0 and s["ram_drops"] > 0
@@ -150,6 +149,6 @@ def test_tiny_nvme_mode_kl_and_top1(tmp_path, exl3):
     store = pack(path, tmp_path / "experts.glm53")
     windows = windows_for(200, 160)
     stock, _ = paired_logits(path, windows)
-    got, stats = paired_logits(path, windows, slots=2, lane_threads=4, nvme=nvme_open(store, path, 20, "nvme"))
+    got, stats = paired_logits(path, windows, slots=2, lane_threads=4, nvme=nvme_open(store, path, 20, "nvme", 2))
     assert stats["mode"] == "nvme"
     _near_exact("tiny nvme, 2 slots/layer, 20 RAM records", stock, got, stats)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from test_cpu_lane import HIDDEN, LAYOUT, NUM_EXPERTS, NUM_LAYERS, TOP_K, make_experts, reference_forward, rel_err
-from test_nvme_tier_support import make_store, nvme_plan, record
+from test_nvme_tier_support import make_store, nvme_spec, record
 
 from glm53.bench.copiers import GpuLikeCopier, HeldCopier
 from glm53.cpu_lane.lane import CpuLane
@@ -357,8 +357,8 @@ def small_nvme_tier(packed):
     from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = packed
-    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
-    return open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False)
+    plan = nvme_spec(store, ram_records=17, vram_slots=[2, 2], mode="nvme-exact", staging_slots=16)
+    return open_nvme_tier(store, ck, plan, warm=False)
 
 
 def test_nvme_exact_reads_store_misses_before_use_and_prefetches_ahead(packed):
@@ -478,8 +478,8 @@ def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packe
     from glm53.tiers.tiers import FROM_STORE
 
     ck, store = packed
-    plan = nvme_plan(store, ram_records=17, vram_slots=4, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[2, 2], staging_slots=16, warm=False) as tier:
+    plan = nvme_spec(store, ram_records=17, vram_slots=[2, 2], mode="nvme-exact", staging_slots=16)
+    with open_nvme_tier(store, ck, plan, warm=False) as tier:
         stepper = MoeStepper(tier.tiers, [2, 2], 16, nvme=tier)
         seen = []
 
@@ -504,8 +504,8 @@ def test_after_launch_frees_ram_for_the_next_reads_but_never_the_steps_own_exper
     from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=3, experts=16)  # 2 MoE layers
-    plan = nvme_plan(store, ram_records=17, vram_slots=2, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1], staging_slots=16, warm=False) as tier:
+    plan = nvme_spec(store, ram_records=17, vram_slots=[1, 1], mode="nvme-exact", staging_slots=16)
+    with open_nvme_tier(store, ck, plan, warm=False) as tier:
         t = tier.tiers
         for e in range(16):
             t.fetch_to_ram(0, e)
@@ -529,8 +529,8 @@ def test_after_launch_keeps_the_steps_experts_and_the_guessed_ones_for_the_comin
     from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
-    plan = nvme_plan(store, ram_records=17, vram_slots=3, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1, 1], staging_slots=16, warm=False) as tier:
+    plan = nvme_spec(store, ram_records=17, vram_slots=[1, 1, 1], mode="nvme-exact", staging_slots=16)
+    with open_nvme_tier(store, ck, plan, warm=False) as tier:
         t = tier.tiers
         stepper = MoeStepper(t, [1, 1, 1], 16, nvme=tier, admit=False)
         real_keep_free, step_experts, handed = tier.keep_free, {}, []
@@ -564,8 +564,8 @@ def test_a_step_with_no_store_read_starts_its_reads_ahead_after_launch_and_makes
     from glm53.tiers.nvme_open import open_nvme_tier
 
     ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
-    plan = nvme_plan(store, ram_records=17, vram_slots=3, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1, 1], staging_slots=16, warm=False) as tier:
+    plan = nvme_spec(store, ram_records=17, vram_slots=[1, 1, 1], mode="nvme-exact", staging_slots=16)
+    with open_nvme_tier(store, ck, plan, warm=False) as tier:
         t = tier.tiers
         for e in range(4):
             t.fetch_to_ram(0, e)  # this step's picks, already in RAM
@@ -596,8 +596,8 @@ def test_nvme_prefill_reads_the_next_layer_ahead(packed):
     ck, store = packed
     rng = np.random.default_rng(0)
     prompt = [np.stack([rng.permutation(16)[:4] for _ in range(10)]) for _ in range(2)]  # 10-row prefill chunks
-    plan = nvme_plan(store, ram_records=24, vram_slots=2, mode="nvme-exact")
-    with open_nvme_tier(store, ck, plan, vram_slots=[1, 1], staging_slots=16, warm=False) as tier:
+    plan = nvme_spec(store, ram_records=24, vram_slots=[1, 1], mode="nvme-exact", staging_slots=16)
+    with open_nvme_tier(store, ck, plan, warm=False) as tier:
         stepper = MoeStepper(tier.tiers, [1, 1], 16, nvme=tier)
         stepper.resolve(0, prompt[0], decode=False)
         assert stepper.prefetched > 0 and tier.tiers.stats.snapshot()["prefetch"]["issued"] == stepper.prefetched

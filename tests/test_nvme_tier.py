@@ -14,7 +14,7 @@ from test_nvme_tier_support import (
     Direct,
     check_bytes,
     make_store,
-    nvme_plan,
+    nvme_spec,
     read_in_parts,
     route,
     slot_forward,
@@ -59,7 +59,7 @@ def test_tiered_through_the_store_equals_direct(packed, direct, monkeypatch, see
     rng = np.random.default_rng(seed)
     ram = int(rng.integers(EXPERTS + 1, EXPERTS + 6))  # a RAM tier smaller than the experts VRAM leaves out
     vram = int(rng.integers(0, 2 * EXPERTS // 2))
-    plan = nvme_plan(store, ram, vram)
+    plan = nvme_spec(store, ram, vram)
     stats = None
     if seed % 2:
         stats = ck.parent / f"routing-{seed}.json"
@@ -105,7 +105,7 @@ def test_record_layout_is_the_vram_slot_image():
 
 def test_prefetch_lands_before_demand(packed, direct):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, 2 * EXPERTS, 0)) as tier:
         forward = slot_forward(tier.layout)
         ids = np.array([[3, 5, 7, 11], [5, 7, 13, 2]])
         w = torch.rand(2, 4)
@@ -124,7 +124,7 @@ def test_prefetch_lands_before_demand(packed, direct):
 
 def test_recall_and_waste_of_a_partial_predictor(packed):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_plan(store, 2 * EXPERTS, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, 2 * EXPERTS, 0)) as tier:
         forward = slot_forward(tier.layout)
         tier.prefetch([(0, e) for e in (1, 2, 3, 4, 9)])  # right: 1 2 3 4; wrong: 9
         settle_reads(tier)
@@ -138,7 +138,7 @@ def test_recall_and_waste_of_a_partial_predictor(packed):
 
 def test_prefetch_respects_window_guards_and_protection(packed):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 0)) as tier:
         t = tier.tiers
         assert tier.prefetch([(0, e) for e in range(EXPERTS)], window=5) == 5
         settle_reads(tier)
@@ -167,7 +167,7 @@ def test_a_prefetch_drops_the_weakest_expert_that_is_neither_its_own_pick_nor_pr
     """RAM full of unguarded experts, the weakest of them this prefetch's own picks and one a lane is reading: each
     read drops the weakest of the others (ties: the lowest layer, then the lowest id)."""
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 0)) as tier:
         t = fill_ram(tier)
         t.observe(0, np.arange(4, EXPERTS)[None, :])  # experts 0-3 of layer 0 stay the weakest
         t.observe(1, np.array([[0]]))  # as strong as layer 0's 4-15
@@ -181,7 +181,7 @@ def test_a_prefetch_drops_the_weakest_expert_that_is_neither_its_own_pick_nor_pr
 
 def test_keep_free_drops_the_weakest_experts_not_kept_guarded_or_held(packed):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 0)) as tier:
         t = fill_ram(tier)
         t.observe(0, np.arange(5, EXPERTS)[None, :])  # experts 0-4 of layer 0 are the weakest
         t.observe(1, np.array([[0]]))
@@ -207,7 +207,7 @@ def test_prefill_prefetch_reads_upcoming_layers_without_touching_the_hot_set(pac
     counts[:, :4] = 50.0  # a decode hot set: experts 0-3 of both layers
     from glm53.tiers import save_routing_stats
     save_routing_stats(stats, counts, model_key(read_header(store)))
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 4, 0), stats_path=stats) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 4, 0), stats_path=stats) as tier:
         t = tier.tiers
         hot = [(layer, e) for layer in range(2) for e in range(4)]
         assert all(t.where[k] == Where.RAM for k in hot)
@@ -226,7 +226,7 @@ def test_start_up_warms_vram_and_ram_from_saved_statistics(packed):
     path = ck.parent / "routing-warm.json"
     from glm53.tiers import save_routing_stats
     save_routing_stats(path, counts, key)
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 2), stats_path=path) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 2), stats_path=path) as tier:
         t = tier.tiers
         # split_budget gives both VRAM slots to layer 1, whose top two draw the larger share of its picks; RAM
         # gets the rest of what was ever picked.
@@ -237,7 +237,7 @@ def test_start_up_warms_vram_and_ram_from_saved_statistics(packed):
         check_bytes(tier, store)
         tier.save_routing_stats(path, steps=3)
         assert json.loads(path.read_text())["model"] == key
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 2)) as cold:  # no statistics: RAM fills by demand
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 2)) as cold:  # no statistics: RAM fills by demand
         assert (cold.tiers.where == Where.RAM).sum() == 0 and cold.tiers.vram[0].num_slots == 1
 
 
@@ -245,7 +245,7 @@ def test_a_store_of_another_checkpoint_is_refused_with_the_pack_command(packed, 
     ck, store = packed
     other, _ = make_store(tmp_path, layers=LAYERS, experts=EXPERTS, seed=1)
     with pytest.raises(StoreRefused) as ei:
-        open_nvme_tier(store, other, nvme_plan(store, EXPERTS + 1, 0))
+        open_nvme_tier(store, other, nvme_spec(store, EXPERTS + 1, 0))
     assert ei.value.fix == f"glm53 pack-store --model {other} --out {store}"
     assert str(store) in ei.value.problem and "different checkpoint" in ei.value.problem
 
@@ -260,7 +260,7 @@ def test_a_damaged_store_is_refused_with_the_pack_command(packed, tmp_path, wher
     data[offset] ^= 0xFF
     bad.write_bytes(bytes(data))
     with pytest.raises(StoreRefused) as ei:
-        open_nvme_tier(bad, ck, nvme_plan(store, EXPERTS + 1, 0))
+        open_nvme_tier(bad, ck, nvme_spec(store, EXPERTS + 1, 0))
     assert ei.value.fix == f"glm53 pack-store --model {ck} --out {bad}"
     assert f"glm53 pack-store --model {ck} --out {bad}" in str(ei.value)
 
@@ -268,9 +268,9 @@ def test_a_damaged_store_is_refused_with_the_pack_command(packed, tmp_path, wher
 def test_plans_the_tier_cannot_serve_are_refused(packed):
     ck, store = packed
     with pytest.raises(ValueError, match="needs at least 17"):
-        open_nvme_tier(store, ck, nvme_plan(store, EXPERTS, 0))
+        open_nvme_tier(store, ck, nvme_spec(store, EXPERTS, 0))
     with pytest.raises(ValueError, match="mode is fast"):
-        open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 0, mode="fast"))
+        open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 0, mode="fast"))
 
 
 def test_the_arena_is_the_plan_budget_never_more(packed):
@@ -278,9 +278,9 @@ def test_the_arena_is_the_plan_budget_never_more(packed):
     rows of one record extent, and reads never take the tier past it."""
     ck, store = packed
     extent = read_header(store).max_extent
-    with open_nvme_tier(store, ck, nvme_plan(store, 100, 4)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, 100, 4)) as tier:
         assert tier.tiers.ram.num_slots == 2 * EXPERTS - 4
-    plan = nvme_plan(store, EXPERTS + 3, 0)
+    plan = nvme_spec(store, EXPERTS + 3, 0)
     with open_nvme_tier(store, ck, plan) as tier:
         assert tier.budget_bytes == plan.ram_tier_bytes == (EXPERTS + 3) * extent
         assert all(tier.arena[r].ctypes.data % 4096 == 0 for r in range(tier.tiers.ram.num_slots))
@@ -331,7 +331,7 @@ def test_the_engine_can_fix_vram_slots_and_hand_in_its_slot_tensors(packed):
 
     layout = slot_layout(read_header(store), [1, 2])
     arenas = [torch.zeros((s, layout.nbytes), dtype=torch.uint8) for s in (3, 1)]
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 1, 4), vram_slots=[3, 1], vram_storage=arenas) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, [3, 1]), vram_storage=arenas) as tier:
         assert [v.num_slots for v in tier.tiers.vram] == [3, 1]
         assert all(v.storage.data_ptr() == a.data_ptr() for v, a in zip(tier.tiers.vram, arenas, strict=True))
         check_bytes(tier, store)
@@ -341,7 +341,7 @@ def test_the_tier_reads_through_the_store_reader_and_refuses_to_open_without_its
     from store import native
 
     ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=2)
+    plan = nvme_spec(store, 2 * EXPERTS, 0, threads=2)
     with open_nvme_tier(store, ck, plan) as tier:
         assert type(tier.reader) is StoreReader and tier.reader.threads == 2  # the plan's
     monkeypatch.setattr(native, "_LIB", None)
@@ -355,7 +355,7 @@ def test_the_tier_reads_in_the_part_count_it_timed_fastest_when_it_opened(packed
     import glm53.tiers.nvme_open as nvme_mod
 
     ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0)
+    plan = nvme_spec(store, 2 * EXPERTS, 0)
     with open_nvme_tier(store, ck, plan) as tier:  # records under 1 MiB here: one part is all there is to time
         assert list(tier.read_timing) == [1] and tier.reader.pieces == 1
     seen = []
@@ -384,7 +384,7 @@ def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when
     import glm53.tiers.nvme_open as nvme_mod
 
     ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0, threads=4)
+    plan = nvme_spec(store, 2 * EXPERTS, 0, threads=4)
     with open_nvme_tier(store, ck, plan) as tier:  # timed for real on this store's records
         gain = tier.two_at_once_gain
         assert gain is None or gain > 0
@@ -404,7 +404,7 @@ def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monke
     import glm53.tiers.nvme as nvme_mod
 
     ck, store = packed
-    plan = nvme_plan(store, 2 * EXPERTS, 0)
+    plan = nvme_spec(store, 2 * EXPERTS, 0)
     with open_nvme_tier(store, ck, plan) as tier:
         assert tier.load() == 1.0
         busy = [0.0]

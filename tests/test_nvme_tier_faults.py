@@ -24,7 +24,7 @@ from test_nvme_tier_support import (
     check_bytes,
     check_wrong_guesses_dropped,
     make_store,
-    nvme_plan,
+    nvme_spec,
     read_in_parts,
     slot_forward,
 )
@@ -74,7 +74,7 @@ class Site:
         with pytest.MonkeyPatch.context() as mp:
             read_in_parts(mp, parts)
             tier = self.stack.enter_context(open_nvme_tier(
-                self.path, self.ck, nvme_plan(self.path, ram, 0, threads=threads), timeout_s=timeout_s, warm=warm,
+                self.path, self.ck, nvme_spec(self.path, ram, 0, threads=threads), timeout_s=timeout_s, warm=warm,
                 **kw))
         assert tier.reader.pieces == parts
         return tier

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_plan, route, slot_forward
+from test_nvme_tier_support import HIDDEN, Direct, check_bytes, make_store, nvme_spec, route, slot_forward
 
 from glm53.tiers import Where, tiered_moe
 from glm53.tiers.nvme_open import open_nvme_tier
@@ -24,7 +24,7 @@ def test_pinned_arena_and_vram_equal_direct(packed):
     ck, store = packed
     direct = Direct(ck)
     rng = np.random.default_rng(0)
-    with open_nvme_tier(store, ck, nvme_plan(store, EXPERTS + 4, 8), device="cuda") as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 4, 8, device="cuda")) as tier:
         t = tier.tiers
         assert t.ram.pinned and t.ram.flat(0).is_pinned() and t.ram.storage.is_pinned()
         assert t.vram[0].storage.is_cuda

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_nvme_tier_support import make_store, nvme_plan
+from test_nvme_tier_support import make_store, nvme_spec
 
 from glm53.bench.store import drop_cache
 from glm53.tiers.nvme import NvmeTier
@@ -96,7 +96,7 @@ def tier_host_bytes(tier: NvmeTier) -> int:
 
 def test_rss_stays_within_budget_and_reads_leave_no_page_cache(packed):
     ck, store = packed
-    plan = nvme_plan(store, RAM_RECORDS, 0)
+    plan = nvme_spec(store, RAM_RECORDS, 0)
     cached_record_bytes(store)
     drop_cache(store)
     assert cached_record_bytes(store) == 0, "could not empty the page cache of the store"
@@ -188,7 +188,7 @@ def child_main(store: str, ck: str, buffered: str) -> None:
 
         D.open_direct = refuse
     store_path = Path(store)
-    with open_nvme_tier(store_path, Path(ck), nvme_plan(store_path, RAM_RECORDS, 0), allow_buffered=buffered == "1",
+    with open_nvme_tier(store_path, Path(ck), nvme_spec(store_path, RAM_RECORDS, 0, allow_buffered=buffered == "1"),
                         warm=False) as tier:
         print("READY", json.dumps({"tier_bytes": tier_host_bytes(tier)}), flush=True)
         assert sys.stdin.readline().strip() == "GO"

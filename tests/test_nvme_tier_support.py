@@ -10,10 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from specs import store_spec
 
 import store.reader as R
 from glm53.exl3ref import Exl3Linear, expert_forward, read_exl3_linear
-from glm53.plan import Plan
+from glm53.spec import EngineSpec
 from glm53.tiers import SlotLayout, Where, combine, group_picks
 from store.format import read_header
 from store.pack import PackOptions, pack_store
@@ -33,12 +34,11 @@ def make_store(root: Path, *, layers: int = 3, experts: int = 16, seed: int = 0,
     return ck, out
 
 
-def nvme_plan(store: Path, ram_records: int, vram_slots: int, threads: int = 2, mode: str = "nvme") -> Plan:
-    """An nvme plan whose RAM tier is exactly `ram_records` records of this store."""
-    extent = read_header(store).max_extent
-    return Plan(mode=mode, device="cpu", gpu_index=None, gpu_name=None, vram_budget_bytes=0, vram_slots=vram_slots,
-                vram_slots_per_layer=0, ram_slots=ram_records, ram_tier_bytes=ram_records * extent, cpu_threads=1,
-                nvme_threads=threads, kv_tokens=4096, budget="normal", store=str(store))
+def nvme_spec(store: Path, ram_records: int, vram_slots: int | list[int], threads: int = 2, mode: str = "nvme",
+              **kw) -> EngineSpec:
+    """An nvme-mode spec whose RAM tier is exactly `ram_records` records of this store, with `vram_slots` VRAM
+    slots per layer (a list) or in all (split evenly, as the plan splits without routing statistics)."""
+    return store_spec(store, ram_records, vram_slots, threads=threads, engine=mode, **kw)
 
 
 def slot_forward(layout: SlotLayout):

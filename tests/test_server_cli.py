@@ -153,25 +153,3 @@ def test_serve_end_to_end(hf_model_dir, tmp_path):
     assert order == sorted(order), log
     # uvicorn's own (premature) startup line is replaced by the one logged after loading.
     assert sum("Application startup complete" in x for x in lines) == 1
-
-
-@pytest.mark.parametrize("mode", ["fast", "exact", "nvme", "nvme-exact"])
-def test_the_gpu_engine_runs_in_the_plan_mode(tmp_path, mode):
-    # Constructing the engine touches no GPU: what it would load is decided here, from the plan.
-    from glm53 import shape as M
-    from glm53.engine.exl3_engine import Exl3Engine, engine_for_plan
-    from glm53.plan import Plan
-
-    store = str(tmp_path / "experts.glm53") if mode.startswith("nvme") else ""
-    plan = Plan(mode=mode, device="cuda:0", gpu_index=0, gpu_name="test", vram_budget_bytes=0, vram_slots=1300,
-                vram_slots_per_layer=40, ram_slots=2000, ram_tier_bytes=2000 * 9 * 2**20, cpu_threads=7,
-                nvme_threads=4 if store else 0, kv_tokens=8192, budget="normal", store=store)
-    engine = engine_for_plan(tmp_path, settings(), plan, M.DEFAULT_SHAPE)
-    assert isinstance(engine, Exl3Engine) and engine.mode == mode and engine.cpu_threads == 7
-    assert engine.slots_per_layer < 40 and engine.staging_slots == M.DEFAULT_SHAPE.experts_per_layer
-    assert engine.plan is plan
-    if mode.startswith("nvme"):
-        with pytest.raises(ValueError, match="needs the plan with its expert store"):
-            Exl3Engine(tmp_path, mode=mode, slots_per_layer=4, plan=None)
-    everything = Plan(**{**plan.__dict__, "vram_slots_per_layer": M.DEFAULT_SHAPE.experts_per_layer})
-    assert engine_for_plan(tmp_path, settings(), everything, M.DEFAULT_SHAPE).mode == "stock"

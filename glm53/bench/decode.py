@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -269,7 +270,7 @@ class _Runner:
     """One loaded model (stock, or a tiered mode) with its generator."""
 
     def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int, mode: str = "exact",
-                 cpu_threads: int | None = None, nvme_open: Any = None):
+                 cpu_threads: int | None = None, store_tier: StoreTier | None = None):
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
@@ -281,16 +282,15 @@ class _Runner:
         self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = None
         if slots is not None:
-            self.tiered = TieredMoE(self.model, model_dir, slots,
-                                    nvme_open=nvme_open if mode.startswith("nvme") else None)
+            spec = bench_spec(model_dir, mode, slots, cache_tokens, cpu_threads, store_tier)
+            self.tiered = TieredMoE(self.model, model_dir, spec, nvme_open=store_tier.opener(model_dir, spec)
+                                    if spec.nvme else None)
             self.tiered.install()
         self.model.load(device=torch.device("cuda:0"))
         if self.tiered is not None:
             self.tiered.populate()
-            if mode in ("fast", "nvme"):
-                from glm53.cpu_lane.calibrate import default_threads
-
-                self.tiered.start_lane(cpu_threads or default_threads())
+            if self.tiered.spec.lane:
+                self.tiered.start_lane(self.tiered.spec.cpu_threads)
         self.gen = Generator(model=self.model, cache=self.cache, tokenizer=Tokenizer.from_config(config),
                              max_batch_size=1)
         self.load_s = time.perf_counter() - t0
@@ -363,17 +363,48 @@ class _Runner:
         torch.cuda.empty_cache()
 
 
+@dataclass(frozen=True)
+class StoreTier:
+    """The nvme modes' store and RAM tier, as the bench sizes them (not from a host's plan)."""
+    store: Path
+    ram_slots: int
+    threads: int
+    allow_buffered: bool
+
+    def opener(self, model_dir: Path, spec: Any) -> Any:
+        from glm53.tiers.nvme_open import open_nvme_tier
+
+        return lambda: open_nvme_tier(self.store, model_dir, spec, warm=False)
+
+
+def bench_spec(model_dir: Path, mode: str, slots: int, cache_tokens: int, cpu_threads: int | None,
+               store_tier: StoreTier | None) -> Any:
+    """The EngineSpec of a tiered mode at `slots` VRAM slots per layer: the plan's sizing rules (glm53.spec) on
+    the checkpoint's shape, with the bench's RAM tier in the nvme modes."""
+    from glm53.cpu_lane.calibrate import default_threads
+    from glm53.shape import from_checkpoint
+    from glm53.spec import engine_spec
+
+    shape = from_checkpoint(model_dir)
+    nvme = mode.startswith("nvme")
+    return engine_spec(mode, moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,
+                       top_k=shape.top_k, vram_slots=slots, kv_tokens=cache_tokens, max_concurrency=1,
+                       device="cuda:0", cpu_threads=cpu_threads or default_threads(),
+                       ram_slots=store_tier.ram_slots if nvme else None, store_threads=store_tier.threads if nvme else 0,
+                       store=str(store_tier.store) if nvme else None,
+                       allow_buffered=store_tier.allow_buffered if nvme else False)
+
+
 def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int = 8,
-                allow_buffered: bool = False) -> tuple[Any, float, dict, float, tuple[int, dict]]:
-    """TieredMoE's nvme_open for a RAM tier of `ram_fraction` of all experts, the store's raw O_DIRECT
+                allow_buffered: bool = False) -> tuple[StoreTier, float, dict, float, tuple[int, dict]]:
+    """The nvme modes' store tier for a RAM tier of `ram_fraction` of all experts, the store's raw O_DIRECT
     random-read rate (bytes/s) measured now over a layer's worth of its records, and the median seconds one record
     read alone takes, by how many parallel pieces it is read in (Python threads, no check: the disk's own figure),
     the RAM tier's share it gave, and the tier's own choice of parts with its timings (calibrate_pieces)."""
     import random
 
     from glm53.bench.nvme import record_latency
-    from glm53.plan import Plan
-    from glm53.tiers.nvme_open import calibrate_pieces, open_nvme_tier
+    from glm53.tiers.nvme_open import calibrate_pieces
     from store.format import read_header
 
     head = read_header(store)
@@ -382,20 +413,13 @@ def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int 
     # at the 16 GiB fraction falls just under that, so it gets that minimum (printed as the fraction it is).
     per_layer = max(sum(1 for k in keys if k[0] == layer) for layer in {k[0] for k in keys})
     ram = max(round(ram_fraction * len(keys)), per_layer + 1)
-    plan = Plan(mode="nvme", device="cuda:0", gpu_index=0, gpu_name=None, vram_budget_bytes=0, vram_slots=0,
-                vram_slots_per_layer=0, ram_slots=ram, ram_tier_bytes=ram * head.max_extent, cpu_threads=0,
-                nvme_threads=threads, kv_tokens=0, budget="normal", store=str(store))
     rate = _disk_probe(store, records=288, threads=threads)()  # the same pass as beside each window
     lone = random.Random(1).sample(keys, min(len(keys), 24))
     latency = {parts: record_latency(store, lone, parts) for parts in (1, 4, 8)}
     # What the tier does when it opens (each mode's open times it again): through the native pread, parts hashed.
     read_parts = calibrate_pieces(store, head, allow_buffered)
 
-    def open_(slots: list[int], staging: int) -> Any:
-        return open_nvme_tier(store, model_dir, plan, device="cuda:0", vram_slots=slots, staging_slots=staging,
-                              warm=False, allow_buffered=allow_buffered)
-
-    return open_, rate, latency, ram / len(keys), read_parts
+    return StoreTier(store, ram, threads, allow_buffered), rate, latency, ram / len(keys), read_parts
 
 
 def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_tokens: int,

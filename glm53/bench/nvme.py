@@ -229,16 +229,18 @@ def predict(actual, scores, mode: str, sigma: float, rng) -> list[int]:
 
 
 def plan_for(opts: NvmeBenchOptions, store: Path):
-    from glm53.plan import Plan
-    from store.format import read_header
+    """The nvme tier's EngineSpec for the bench's fractions: VRAM slots split evenly over the layers."""
+    import numpy as np
 
-    extent = read_header(store).max_extent
+    from glm53.spec import engine_spec
+    from glm53.tiers.policy import split_budget
+
     total = opts.layers * opts.experts
     ram = max(opts.experts + 1, round(opts.ram_fraction * total))
-    return Plan(mode="nvme", device="cpu", gpu_index=None, gpu_name=None, vram_budget_bytes=0,
-                vram_slots=round(opts.vram_fraction * total), vram_slots_per_layer=0, ram_slots=ram,
-                ram_tier_bytes=ram * extent, cpu_threads=1, nvme_threads=opts.threads, kv_tokens=0, budget="normal",
-                store=str(store))
+    vram = split_budget(np.zeros((opts.layers, opts.experts)), round(opts.vram_fraction * total))
+    return engine_spec("nvme", moe_layers=opts.layers, experts_per_layer=opts.experts, top_k=opts.top_k,
+                       vram_slots=[int(s) for s in vram], kv_tokens=0, device="cpu", staging_slots=2, ram_slots=ram,
+                       cpu_threads=1, store_threads=opts.threads, store=str(store))
 
 
 def raw_pass(store: Path, keys, threads: int) -> float:

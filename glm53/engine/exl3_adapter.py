@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from glm53.engine.moe_step import MoeStepper
+from glm53.spec import EngineSpec, staging_for
 from store.safetensors_header import read_safetensors_header
 
 log = logging.getLogger("glm53.engine")
@@ -296,34 +297,31 @@ class TieredMoE:
         self,
         model: Any,
         model_dir: str | os.PathLike,
-        slots_per_layer: int | Sequence[int],
+        spec: EngineSpec,
         *,
-        staging_slots: int | None = None,
-        device: Any = None,
         counts: np.ndarray | None = None,
         admit: bool = True,
         policy_factory: Callable[[int], Any] | None = None,
-        ram_spare: int | None = None,
         read_threads: int = 8,
-        nvme_open: Callable[[list[int], int], Any] | None = None,
+        nvme_open: Callable[[], Any] | None = None,
         lookahead: bool | None = None,
     ):
-        """staging_slots: device slots for misses streamed without admission, shared by every layer (default: one
-        layer's worth of experts, so any prefill chunk fits). counts: saved routing statistics (num_moe_layers,
-        num_experts) to warm the VRAM cache and the policies. admit=False: misses are only streamed.
-        nvme_open(vram_slots, staging_slots) -> NvmeTier: the nvme modes (glm53.tiers.nvme_open.open_nvme_tier with
-        warm=False, bound to the store and the plan). lookahead: run the next MoE layer's router on each decode
-        step's input and start the store reads of its predicted experts one layer ahead (default: in the nvme
-        modes; elsewhere it would only admit ahead, over the PCIe link decode is already bound by). device: the CUDA
-        device exllamav3 runs on (default cuda:0); a CPU device (the CPU tests, under a fake exllamav3) gets
-        unpinned host buffers and no stream synchronisation, and is otherwise the same code. A decode step's copies
+        """spec: the sizes (glm53.spec.EngineSpec): VRAM slots per MoE layer, the staging slots shared by every
+        layer, the RAM tier's rows, the device (a CPU device, under the fake exllamav3 in the CPU tests, gets
+        unpinned host buffers and no stream synchronisation, and is otherwise the same code). counts: saved routing
+        statistics (num_moe_layers, num_experts) to warm the VRAM cache and the policies. admit=False: misses are
+        only streamed. nvme_open() -> NvmeTier: the nvme modes (glm53.tiers.nvme_open.open_nvme_tier with
+        warm=False, bound to the store and the spec). lookahead: run the next MoE layer's router on each decode step's
+        input and start the store reads of its predicted experts one layer ahead (default: in the nvme modes;
+        elsewhere it would only admit ahead, over the PCIe link decode is already bound by). A decode step's copies
         are waited for by the GPU, not the host, and its admissions are decided and copied (device to device, from
         staging) once its kernels are queued (glm53.engine.moe_step)."""
         import torch
 
         self.model = model
         self.model_dir = Path(model_dir)
-        self.device = torch.device(device if device is not None else "cuda:0")
+        self.spec = spec
+        self.device = torch.device(spec.device)
         self.pin = self.device.type == "cuda"  # page-locked host buffers (async copies) only where there is CUDA
         self.admit = admit
         self.counts = counts
@@ -343,26 +341,23 @@ class TieredMoE:
                 raise Exl3TierError(f"{m.key}: already an expert slice (TP or CPU split); not supported with tiers")
             if not m.gated or len(m.gates) != m.num_experts:
                 raise Exl3TierError(f"{m.key}: expected gated experts (gate/up/down per expert)")
-        budgets = [int(slots_per_layer)] * len(mods) if np.isscalar(slots_per_layer) else [int(s) for s in slots_per_layer]
+        budgets = list(spec.vram_slots)
         if len(budgets) != len(mods):
-            raise ValueError(f"{len(budgets)} slot budgets for {len(mods)} MoE layers")
+            raise Exl3TierError(f"the spec has VRAM slots for {len(budgets)} MoE layers, the model {len(mods)}: the "
+                                "plan was made for another checkpoint")
         if any(not 0 <= s <= self.num_experts for s in budgets):
-            raise ValueError(f"slots per layer must be in [0, {self.num_experts}], got {budgets}")
-        self.staging_slots = self.num_experts if staging_slots is None else int(staging_slots)
-        if self.staging_slots < self.top_k:
-            raise ValueError(f"staging_slots {self.staging_slots} < top_k {self.top_k}: a decode step could not run")
-        # exllamav3 masks ids outside [routing_first, routing_last) only when that interval is not all num_experts
-        # (block_sparse_mlp: "maxe - mine == num_experts" means no split): keep it so, so that a masked pick (the
-        # CPU lane's) can never index past the slot tables.
-        while any(s + self.staging_slots == self.num_experts for s in budgets):
-            self.staging_slots += 1
+            raise Exl3TierError(f"VRAM slots per layer must be in [0, {self.num_experts}], got {budgets}")
+        self.staging_slots = spec.staging_slots
+        if self.staging_slots < self.top_k or staging_for(budgets, self.num_experts, self.staging_slots) != \
+                self.staging_slots:
+            raise Exl3TierError(f"{self.staging_slots} staging slots cannot serve VRAM slots {budgets} of "
+                                f"{self.num_experts} experts, top-{self.top_k} (glm53.spec.staging_for)")
         self.layers = [
             _Layer(m, [(g.key, u.key, d.key) for g, u, d in zip(m.gates, m.ups, m.downs, strict=True)], s,
                    (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))
             for m, s in zip(mods, budgets, strict=True)
         ]
         self.layout = self._layout()
-        self.ram_spare = 2 * self.top_k if ram_spare is None else ram_spare
         self.nvme_open = nvme_open
         self.lookahead = nvme_open is not None if lookahead is None else lookahead
         self.tiers: Any = None
@@ -420,15 +415,14 @@ class TieredMoE:
 
         if self._installed:
             raise RuntimeError("install() runs once")
-        total = len(self.layers) * self.num_experts
         slots = [layer.slots for layer in self.layers]
         if self.nvme_open is not None:
-            self.nvme = self.nvme_open(slots, self.staging_slots)
+            self.nvme = self.nvme_open()
             self.tiers = self.nvme.tiers
             self._adopt_store_layout(self.nvme.layout)
         else:
             self.tiers = ExpertTiers(
-                self.layout, self.num_experts, slots, total - sum(slots) + self.ram_spare,
+                self.layout, self.num_experts, slots, self.spec.ram_slots,
                 keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
                 staging_slots=self.staging_slots, pin=self.pin,
             )

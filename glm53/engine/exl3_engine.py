@@ -20,10 +20,8 @@ page cache recognises the shared prefix, so only the tail is prefilled again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -32,14 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
 from glm53.engine.worker import END, Request, WorkerEngine
+from glm53.spec import PAGE, EngineSpec, engine_spec
 
 log = logging.getLogger("glm53.engine")
 
-PAGE = 256  # exllamav3's KV page: cache sizes are whole pages
+DEMO_KV_TOKENS = 32768  # the GPU demo's KV cache: plenty for trying the API, small beside any card
 
 EXL3_DEMO_DIR = "demo-model-exl3"
 EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
@@ -101,12 +98,6 @@ def gpu_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-def model_key(model_dir: Path) -> str:
-    """Identity of a checkpoint for saved routing statistics: directory name + config.json hash."""
-    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
-    return f"{Path(model_dir).name}-{digest}"
-
-
 TIERED_MODES = ("exact", "fast", "nvme", "nvme-exact")
 
 
@@ -120,34 +111,6 @@ def _llguidance_filter() -> Any:
     return LLGuidanceFilter if llguidance_available else None
 
 
-def layer_slots(slots: int | list[int], counts: Any, top_k: int) -> int | list[int]:
-    """VRAM slots per MoE layer: the plan's uniform count, or, with routing statistics saved by an earlier run,
-    the same total split where each slot buys the most hit rate (skewed layers get more, flat ones fewer; every
-    layer keeps at least top_k, or its uniform share if that is smaller). An explicit per-layer list is kept."""
-    if counts is None or not isinstance(slots, int | np.integer):
-        return slots
-    from glm53.tiers.policy import split_budget
-
-    counts = np.asarray(counts, np.float64)
-    num_layers, num_experts = counts.shape
-    per_layer = split_budget(counts, int(slots) * num_layers, min_per_layer=min(top_k, int(slots)))
-    return [int(s) for s in np.minimum(per_layer, num_experts)]
-
-
-def slots_from_plan(plan: Any, shape: Any, staging_slots: int | None = None) -> tuple[str, int, int]:
-    """(mode, slots per layer, staging slots) for a Plan: stock when every expert fits, else exact.
-
-    The plan reserves 2 x top_k staging experts; exact mode stages a whole layer's worth by default (any prefill
-    chunk fits and stays bit-exact), so the extra staging comes out of the per-layer cache slots."""
-    experts = shape.experts_per_layer
-    if plan.vram_slots_per_layer >= experts:
-        return "stock", experts, 0
-    staging = experts if staging_slots is None else staging_slots
-    extra = max(0, staging - 2 * shape.top_k)
-    per_layer = max(0, plan.vram_slots_per_layer - math.ceil(extra / max(1, shape.moe_layers)))
-    return "exact", per_layer, staging
-
-
 class Exl3Engine(WorkerEngine):
     """Engine (glm53.engine.interface) on exllamav3. Construct, then load() (blocking, from a worker thread)."""
 
@@ -159,40 +122,23 @@ class Exl3Engine(WorkerEngine):
     def __init__(
         self,
         model_dir: Path,
+        spec: EngineSpec,
         *,
         model_id: str = "glm-5.3-flash",
-        mode: str = "exact",
-        slots_per_layer: int | list[int] | None = None,
-        staging_slots: int | None = None,
-        kv_tokens: int = 131072,
-        context_length: int | None = None,
-        max_running: int = 8,
-        prefill_chunk: int = 2048,
-        device: str = "cuda:0",
         routing_stats_dir: Path | None = None,
         admit: bool = True,
-        cpu_threads: int = 0,
-        plan: Any = None,
     ) -> None:
-        """mode: "stock" (every expert in VRAM) or a tiered mode (TIERED_MODES). cpu_threads: the CPU lane's threads
-        in fast and nvme modes (0: physical cores - 1). plan: the nvme modes' Plan (its store and RAM budget)."""
-        if mode not in ("stock", *TIERED_MODES):
-            raise ValueError(f"mode must be 'stock' or one of {TIERED_MODES}, got {mode!r}")
-        if mode != "stock" and slots_per_layer is None:
-            raise ValueError(f"{mode} mode needs slots_per_layer (VRAM expert slots per MoE layer)")
-        if mode.startswith("nvme") and (plan is None or not getattr(plan, "store", None)):
-            raise ValueError(f"{mode} mode needs the plan with its expert store (GLM53_STORE)")
-        super().__init__(model_dir, model_id=model_id, context_length=context_length, max_running=max_running)
-        self.mode = mode
-        self.slots_per_layer = slots_per_layer
-        self.staging_slots = staging_slots
-        self.kv_tokens = max(PAGE, kv_tokens // PAGE * PAGE)
-        self.prefill_chunk = max(PAGE, prefill_chunk // PAGE * PAGE)
-        self.device = device
+        """spec: every size this engine runs with (glm53.spec; the plan's, or engine_spec's for a shape of the
+        caller's own). routing_stats_dir: where routing statistics are read at load (to warm the tiers) and
+        saved at close. admit=False: misses are only streamed, never admitted into VRAM."""
+        if spec.nvme and not spec.store:
+            raise ValueError(f"{spec.engine} mode needs the expert store (GLM53_STORE)")
+        super().__init__(model_dir, model_id=model_id, context_length=spec.context, max_running=spec.max_concurrency)
+        self.spec = spec
+        self.mode = spec.engine
+        self.device = spec.device
         self.routing_stats_dir = Path(routing_stats_dir) if routing_stats_dir else None
         self.admit = admit
-        self.cpu_threads = cpu_threads
-        self.plan = plan
         self.model: Any = None
         self.cache: Any = None
         self.generator: Any = None
@@ -225,24 +171,21 @@ class Exl3Engine(WorkerEngine):
             raise EngineError("EXL3_MOE_CPU_SPLIT / EXL3_MOE_CPU_OFFLOAD are set: glm53 tiers the experts itself; "
                               "unset them")
         model = exl.Model.from_config(config)
+        spec = self.spec
         # One page more than the context: exllamav3 reserves a position past a job's last token (a job needs
         # prompt + max_new_tokens + 1 positions), so without it the last token of the context is cut ("length" a
         # token early) and a prompt of context_length - 1 tokens cannot be enqueued at all.
-        cache = exl.Cache(model, max_num_tokens=self.kv_tokens + PAGE, max_batch_size=max(16, self.max_running))
+        cache = exl.Cache(model, max_num_tokens=spec.kv_tokens + PAGE, max_batch_size=spec.cache_sequences)
         tiered = None
-        if self.mode != "stock":
+        if spec.tiered:
             counts = self._saved_counts(model)
-            mods = A.moe_modules(model)
-            slots = layer_slots(self.slots_per_layer, counts, mods[0].num_experts_per_tok) if mods else \
-                self.slots_per_layer
-            tiered = A.TieredMoE(model, self.model_dir, slots, staging_slots=self.staging_slots,
-                                 device=self.device, counts=counts, admit=self.admit, nvme_open=self._nvme_open())
+            tiered = A.TieredMoE(model, self.model_dir, spec, counts=counts, admit=self.admit,
+                                 nvme_open=self._nvme_open())
             tiered.install()
-            log.info("%s mode: %s VRAM slots per MoE layer x %d layers, %d shared staging slots, %d experts in "
-                     "the pinned RAM tier (%.1f GiB)%s", self.mode, self.slots_per_layer, len(tiered.layers),
-                     tiered.staging_slots, tiered.tiers.ram.num_slots,
-                     tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30,
-                     f", the rest read from {self.plan.store}" if tiered.nvme is not None else "")
+            log.info("%s mode: VRAM slots per MoE layer %s (%s), %d shared staging slots, %d experts in the pinned "
+                     "RAM tier (%.1f GiB)%s", self.mode, list(spec.vram_slots), spec.split, tiered.staging_slots,
+                     tiered.tiers.ram.num_slots, tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30,
+                     f", the rest read from {spec.store}" if tiered.nvme is not None else "")
 
         def shards(done: int, total: int) -> None:
             log.info("Loading safetensors checkpoint shards: %d%% Completed | %d/%d", 100 * done // total, done, total)
@@ -263,17 +206,20 @@ class Exl3Engine(WorkerEngine):
             undo()
         self.model, self.cache, self.tiered = model, cache, tiered
         tokenizer = exl.Tokenizer.from_config(config)
-        self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=self.max_running,
-                                       max_chunk_size=self.prefill_chunk)
+        self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=spec.max_concurrency,
+                                       max_chunk_size=spec.prefill_chunk,
+                                       recurrent_cache_size=spec.recurrent_cache_bytes)
         if self.supports_grammar:
             # llguidance's tables for this vocabulary (about a second for 150k tokens), built now rather than on the
             # event loop when the first response_format request arrives; exllamav3 caches them per tokenizer.
             from exllamav3.generator.filter.llguidance import create_ll_tokenizer
 
             create_ll_tokenizer(tokenizer)
-        native = int(getattr(config, "max_position_embeddings", 0) or 0) or self.kv_tokens
-        limit = min(self.kv_tokens, native)
-        self.context_length = min(self.context_length, limit) if self.context_length else limit
+        native = int(getattr(config, "max_position_embeddings", 0) or 0) or spec.kv_tokens
+        if native < self.context_length:
+            # The plan read max_position_embeddings from the same config.json, so only a hand-made spec gets here.
+            log.warning("context %d lowered to the model's max_position_embeddings %d", self.context_length, native)
+            self.context_length = native
         log.info("Loading weights took %.1f s", time.perf_counter() - t0)
         self._warmup()
         self._start_worker("glm53-exl3-engine")
@@ -289,22 +235,19 @@ class Exl3Engine(WorkerEngine):
 
         tiered.populate(experts)
         log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
-        if self.mode in ("fast", "nvme"):
-            from glm53.cpu_lane.calibrate import default_threads
-
-            tiered.start_lane(self.cpu_threads or default_threads())
+        if self.spec.lane:
+            tiered.start_lane(self.spec.cpu_threads)
 
     def _nvme_open(self) -> Any:
         """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
-        if not self.mode.startswith("nvme"):
+        if not self.spec.nvme:
             return None
         from glm53.tiers.nvme_open import open_nvme_tier
 
-        plan, model_dir, device = self.plan, self.model_dir, self.device
+        spec, model_dir = self.spec, self.model_dir
 
-        def open_(slots: list[int], staging: int) -> Any:
-            return open_nvme_tier(plan.store, model_dir, plan, device=device, vram_slots=slots,
-                                  staging_slots=staging, warm=False)
+        def open_() -> Any:
+            return open_nvme_tier(spec.store, model_dir, spec, warm=False)
 
         return open_
 
@@ -313,11 +256,12 @@ class Exl3Engine(WorkerEngine):
             return None
         from glm53.engine.exl3_adapter import moe_modules
         from glm53.tiers import load_routing_stats, routing_stats_path
+        from glm53.tiers.policy import routing_key
 
         mods = moe_modules(model)
         if not mods:
             return None
-        key = model_key(self.model_dir)
+        key = routing_key(self.model_dir)
         counts, reason = load_routing_stats(routing_stats_path(self.routing_stats_dir, key), key, len(mods),
                                             mods[0].num_experts)
         log.info("routing statistics: %s", reason)
@@ -354,8 +298,9 @@ class Exl3Engine(WorkerEngine):
         if self.tiered is None or self.routing_stats_dir is None or self.tiered.tiers is None:
             return
         from glm53.tiers import routing_stats_path, save_routing_stats
+        from glm53.tiers.policy import routing_key
 
-        key = model_key(self.model_dir)
+        key = routing_key(self.model_dir)
         try:
             save_routing_stats(routing_stats_path(self.routing_stats_dir, key), self.tiered.routing_counts(), key,
                                steps=self.tiered.steps)
@@ -488,7 +433,7 @@ class Exl3Engine(WorkerEngine):
             return  # a cancelled job's late result
         if r.get("stage") == "prefill":
             # A continuation job's prefill comes after the request's first tokens: progress is for the prompt only.
-            if not req.generated and r.get("max_progress", 0) > self.prefill_chunk:
+            if not req.generated and r.get("max_progress", 0) > self.spec.prefill_chunk:
                 req.emit(PromptProgress(int(r["curr_progress"]), int(r["max_progress"])))
             return
         if r.get("stage") != "streaming":
@@ -560,34 +505,27 @@ class Exl3Engine(WorkerEngine):
             log.debug("clear_queue on shutdown failed", exc_info=True)
 
 
-def engine_for_plan(model_dir: Path, settings: Any, plan: Any, shape: Any) -> Exl3Engine:
-    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: the plan's mode, or stock when
-    every expert fits in VRAM."""
-    fits, per_layer, staging = slots_from_plan(plan, shape)
-    mode = "stock" if fits == "stock" else plan.mode
-    return Exl3Engine(
-        model_dir,
-        model_id=settings.model_id,
-        mode=mode,
-        slots_per_layer=per_layer if mode != "stock" else None,
-        staging_slots=staging if mode != "stock" else None,
-        cpu_threads=plan.cpu_threads,
-        plan=plan,
-        kv_tokens=plan.kv_tokens,
-        context_length=settings.context,
-        max_running=settings.max_concurrency,
-        device=plan.device if str(plan.device).startswith("cuda") else "cuda:0",
-        routing_stats_dir=Path(settings.cache_dir).expanduser(),
-    )
+def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Exl3Engine:
+    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: exactly the plan's EngineSpec."""
+    if plan.engine is None:
+        raise ValueError(f"a {plan.mode} plan has no engine spec")
+    return Exl3Engine(model_dir, plan.engine, model_id=settings.model_id,
+                      routing_stats_dir=Path(settings.cache_dir).expanduser())
+
+
+def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineSpec:
+    """The no-model demo on a GPU: the tiny EXL3 fixture in exact mode with a quarter of its experts in VRAM, so
+    the demo exercises the tiers and the PCIe lane like the real model does."""
+    from glm53.shape import from_checkpoint
+
+    shape = from_checkpoint(model_dir)
+    return engine_spec("exact", moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,
+                       top_k=shape.top_k, vram_slots=max(1, shape.experts_per_layer // 4),
+                       kv_tokens=min(settings.context, DEMO_KV_TOKENS),
+                       context=min(settings.context, shape.max_context or settings.context),
+                       max_concurrency=settings.max_concurrency, device=device, split="a quarter of each layer")
 
 
 def demo_engine(cache_dir: Path, settings: Any) -> tuple[Exl3Engine, Path]:
-    """The no-model demo on a GPU: the tiny EXL3 fixture, exact mode with a quarter of the experts in VRAM, so the
-    demo exercises the tiers and PCIe lane like the real model does."""
     model_dir = ensure_exl3_demo_model(Path(cache_dir).expanduser())
-    cfg = json.loads((model_dir / "config.json").read_text())
-    text = cfg.get("text_config") or cfg
-    experts = int(text.get("n_routed_experts") or text.get("num_experts") or 16)
-    engine = Exl3Engine(model_dir, model_id=settings.model_id, mode="exact", slots_per_layer=max(1, experts // 4),
-                        kv_tokens=min(settings.context, 32768), max_running=settings.max_concurrency)
-    return engine, model_dir
+    return Exl3Engine(model_dir, demo_spec(model_dir, settings), model_id=settings.model_id), model_dir

@@ -86,7 +86,7 @@ def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
         plan, inp = current_plan(settings.with_overrides(model_dir=str(model_dir)))
     except PlanError as exc:
         raise EngineChoiceError(str(exc)) from None
-    engine = engine_for_plan(model_dir, settings, plan, inp.shape)
+    engine = engine_for_plan(model_dir, settings, plan)
     banner = [f"serving {model_dir} (EXL3) on the exllamav3 engine, {engine.mode} mode, plan mode {plan.mode}",
               *plan.warnings]
     return EngineChoice(engine, model_dir, False, banner)

@@ -1,7 +1,7 @@
 """Opening the nvme tier: the store checked against the mounted checkpoint, its reads timed on this disk, the tiers
-sized from the plan and warmed from saved routing statistics. glm53.tiers.nvme is the tier once open.
+sized by the plan's EngineSpec and warmed from saved routing statistics. glm53.tiers.nvme is the tier once open.
 
-    tier = open_nvme_tier(store, model_dir, plan, stats_path=...)   # or StoreRefused, naming the pack-store fix
+    tier = open_nvme_tier(store, model_dir, spec, stats_path=...)   # or StoreRefused, naming the pack-store fix
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from glm53.spec import EngineSpec
 from store import native
 from store.errors import StoreError
 from store.format import StoreHeader, read_header
@@ -21,7 +21,7 @@ from store.reader import StoreReader
 from store.verify import pack_command, quick_verify
 
 from .nvme import DEFAULT_TIMEOUT_S, NvmeTier, model_key
-from .policy import Policy, ScoredPolicy, load_routing_stats, split_budget
+from .policy import Policy, ScoredPolicy, load_routing_stats
 
 log = logging.getLogger("glm53.tiers.nvme")  # one log for the tier, opening or open
 
@@ -40,47 +40,31 @@ class StoreRefused(StoreError):
     """The store cannot serve the mounted checkpoint (another checkpoint's, damaged, unreadable)."""
 
 
-def ram_slots_for(plan, stride: int, num_layers: int, num_experts: int, vram_total: int) -> int:
-    """RAM arena rows: as many records as the plan's RAM tier bytes hold (never more), and no more than every
-    expert VRAM does not hold. At least one layer's experts plus one are needed (a step may pick all of them)."""
-    budget = int(plan.ram_tier_bytes) // stride
-    need = num_experts + 1
-    if budget < need:
-        raise ValueError(f"the plan's RAM tier ({plan.ram_tier_bytes} bytes) holds {budget} records of {stride} bytes;"
-                         f" the nvme tier needs at least {need} (one layer's {num_experts} experts plus one)")
-    return min(budget, max(need, num_layers * num_experts - vram_total))
-
-
 def open_nvme_tier(
     store_path: str | Path,
     model_dir: str | Path,
-    plan,
+    spec: EngineSpec,
     *,
-    device: torch.device | str | None = None,
     stats_path: str | Path | None = None,
-    allow_buffered: bool = False,
     verify_sample: int = 8,
     timeout_s: float = DEFAULT_TIMEOUT_S,
-    threads: int | None = None,
     pin: bool | None = None,
     policy_factory: Callable[[int], Policy] = ScoredPolicy,
     warm: bool = True,
-    vram_slots: Sequence[int] | None = None,
     vram_storage: Sequence[torch.Tensor] | None = None,
-    staging_slots: int = 2,
 ) -> NvmeTier:
-    """Verify the store against the mounted checkpoint, size the tiers from the plan, warm them from saved routing
-    statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or a damaged
-    store, NativeUnavailable (naming the rebuild command) where the store's native library is not built, ValueError
-    for a plan that is not an nvme plan or whose RAM tier is too small. vram_slots: per-layer VRAM
-    slots when the engine has already fixed them (default: the plan's total split by the saved statistics);
-    vram_storage: the engine's per-layer slot tensors to adopt. staging_slots: device rows for misses streamed
-    without admission (the engine's P). Each record is read in the count of parallel parts that reads one alone
+    """Verify the store against the mounted checkpoint, size the tiers as the spec says (glm53.spec: VRAM slots per
+    layer, staging rows, RAM rows, reader threads, the device, whether buffered reads are allowed), warm them from
+    saved routing statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or
+    a damaged store, NativeUnavailable (naming the rebuild command) where the store's native library is not built,
+    ValueError for a spec that is not an nvme mode's or does not fit the store. vram_storage: the engine's
+    per-layer slot tensors to adopt. Each record is read in the count of parallel parts that reads one alone
     fastest here, and at most the count of guess reads at once that does not slow a demand read, both timed now
     (`tier.read_timing`, `tier.two_at_once_gain`)."""
-    if plan.mode not in ("nvme", "nvme-exact"):
-        raise ValueError(f"the plan's mode is {plan.mode}: the nvme tier serves the nvme and nvme-exact modes")
+    if not spec.nvme:
+        raise ValueError(f"the spec's engine is {spec.engine}: the nvme tier serves the nvme and nvme-exact modes")
     native.library()  # NativeUnavailable before any work: the store is read only through the native queue
+    allow_buffered = spec.allow_buffered
     store_path, model_dir = Path(store_path), Path(model_dir)
     rep = quick_verify(store_path, model_dir, sample=verify_sample, allow_buffered=allow_buffered)
     if not rep.ok:
@@ -91,8 +75,12 @@ def open_nvme_tier(
     num_experts = per_layer[layers[0]]
     if set(per_layer.values()) != {num_experts}:
         raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
+    if len(spec.vram_slots) != len(layers) or spec.ram_slots < num_experts + 1:
+        raise ValueError(f"the spec (VRAM slots for {len(spec.vram_slots)} layers, {spec.ram_slots} RAM rows) does "
+                         f"not fit the store's {len(layers)} layers of {num_experts} experts (at least "
+                         f"{num_experts + 1} RAM rows: one layer's experts plus one)")
     read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered)
-    n_threads = threads or plan.nvme_threads or 4
+    n_threads = spec.store_threads or 4
     at_once, at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces, n_threads)
     reader = StoreReader(store_path, allow_buffered=allow_buffered, verify=True, header=header, pieces=read_pieces,
                          threads=n_threads, prefetch_at_once=at_once)
@@ -101,13 +89,9 @@ def open_nvme_tier(
         if stats_path is not None:
             counts, why = load_routing_stats(stats_path, model_key(header), len(layers), num_experts)
         log.info("nvme tier: %s", why)
-        basis = np.zeros((len(layers), num_experts)) if counts is None else counts
-        vram = (np.asarray(vram_slots, np.int64) if vram_slots is not None
-                else split_budget(basis, min(int(plan.vram_slots), len(layers) * num_experts)))
-        ram = ram_slots_for(plan, reader.max_extent, len(layers), num_experts, int(vram.sum()))
-        tier = NvmeTier(reader, num_experts, vram.tolist(), ram, layers=layers,
-                        device=plan.device if device is None else device, pin=pin, policy_factory=policy_factory,
-                        timeout_s=timeout_s, vram_storage=vram_storage, staging_slots=staging_slots)
+        tier = NvmeTier(reader, num_experts, list(spec.vram_slots), spec.ram_slots, layers=layers,
+                        device=spec.device, pin=pin, policy_factory=policy_factory, timeout_s=timeout_s,
+                        vram_storage=vram_storage, staging_slots=spec.staging_slots)
     except BaseException:
         reader.close()
         raise

@@ -305,6 +305,14 @@ def hot_order(counts: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(counts, np.float64), kind="stable")
 
 
+def routing_key(model_dir: str | os.PathLike) -> str:
+    """The identity a checkpoint's routing statistics are saved under: its directory name and config.json hash."""
+    import hashlib
+
+    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
+    return f"{Path(model_dir).name}-{digest}"
+
+
 def routing_stats_path(cache_dir: str | os.PathLike, model_key: str) -> Path:
     """Where one model's routing statistics live under the cache dir (one file per model identity)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_key)

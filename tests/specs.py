@@ -1,0 +1,39 @@
+"""EngineSpecs for test checkpoints and stores: the plan's sizing rules (glm53.spec.engine_spec) applied to a
+shape read from the files, as the plan would read it, without a host to plan for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from glm53.shape import from_checkpoint
+from glm53.spec import EngineSpec, engine_spec
+from glm53.tiers.policy import split_budget
+from store.format import read_header
+
+
+def spec_for(ck: str | Path, engine: str = "exact", vram_slots: int | list[int] = 0, *, device: str = "cpu",
+             kv_tokens: int = 4096, max_concurrency: int = 4, **kw) -> EngineSpec:
+    """The spec of `engine` for checkpoint `ck` with `vram_slots` per MoE layer (the rest as the plan sizes it)."""
+    shape = from_checkpoint(ck)
+    kw.setdefault("context", min(kv_tokens, shape.max_context or kv_tokens))
+    if engine in ("fast", "nvme"):
+        kw.setdefault("cpu_threads", 1)
+    return engine_spec(engine, moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,
+                       top_k=shape.top_k, vram_slots=vram_slots, kv_tokens=kv_tokens,
+                       max_concurrency=max_concurrency, device=device, **kw)
+
+
+def store_spec(store: str | Path, ram_records: int, vram_slots: int | list[int], *, threads: int = 2,
+               engine: str = "nvme", device: str = "cpu", staging_slots: int = 2, **kw) -> EngineSpec:
+    """An nvme-mode spec for a packed store: `ram_records` RAM rows, `vram_slots` VRAM slots per layer (a list),
+    or in all (an int, split evenly as the plan splits without routing statistics)."""
+    head = read_header(store)
+    layers = sorted({e.layer for e in head.entries})
+    experts = sum(1 for e in head.entries if e.layer == layers[0])
+    if isinstance(vram_slots, int):
+        vram_slots = [int(s) for s in split_budget(np.zeros((len(layers), experts)), vram_slots)]
+    return engine_spec(engine, moe_layers=len(layers), experts_per_layer=experts, top_k=min(2, experts),
+                       vram_slots=vram_slots, kv_tokens=4096, device=device, staging_slots=staging_slots,
+                       ram_slots=ram_records, cpu_threads=1, store_threads=threads, store=str(store), **kw)

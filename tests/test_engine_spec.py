@@ -1,0 +1,238 @@
+"""The plan is the only source of sizes: glm53.spec's rules, the plan's EngineSpec, and an engine loaded from a plan
+realising exactly the spec (under the fake exllamav3, on a generated checkpoint and a real store)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import fake_exllamav3 as F
+import numpy as np
+import pytest
+from fakehost import HostSpec, write_host
+
+from glm53 import host as H
+from glm53 import plan as P
+from glm53 import settings as S
+from glm53 import shape as M
+from glm53.fixture.exl3 import write_exl3_checkpoint
+from glm53.spec import PAGE, engine_spec, split_slots, staging_for
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1 << 30
+
+
+# ---- the sizing rules ---------------------------------------------------------------------------------------
+
+
+def test_split_slots_follow_the_saved_skew_and_keep_the_total():
+    rng = np.random.default_rng(0)
+    flat = rng.uniform(9, 11, 64)
+    skewed = np.r_[np.full(8, 200.0), np.full(56, 1.0)]
+    counts = np.stack([flat, skewed, flat])
+    got, how = split_slots(12, 3, 64, 4, counts)
+    assert sum(got) == 36 and min(got) >= 4 and "saved routing statistics" in how
+    # The skewed layer's 8 hot experts take 97% of its picks: 8 slots cover them, and its other slots buy more
+    # hit rate in the flat layers.
+    assert got == (14, 8, 14)
+    assert split_slots(12, 3, 64, 4, None)[0] == (12, 12, 12)  # no statistics: uniform
+    assert split_slots(2, 3, 64, 4, counts)[0] == (2, 2, 2)  # fewer slots than top_k: all even
+    uniform, why = split_slots(12, 3, 64, 4, counts[:2])  # statistics of another shape are not used
+    assert uniform == (12, 12, 12) and "not (3, 64)" in why
+
+
+def test_engine_spec_applies_the_staging_and_ram_rules():
+    spec = engine_spec("exact", moe_layers=3, experts_per_layer=16, top_k=4, vram_slots=[3, 5, 4], kv_tokens=5000)
+    assert spec.staging_slots == 16 and spec.ram_slots == 48 - 12 + 2 * 4  # every other expert, plus the spare
+    assert spec.kv_tokens == 4864 and spec.context == 4864 and spec.cache_sequences == spec.max_concurrency
+    assert spec.cpu_threads == 0 and spec.store_threads == 0 and spec.store is None
+    # A layer whose slots plus staging would be all its experts gets one staging row more (exllamav3's masking).
+    assert staging_for([12, 4], 16, 4) == 5
+    assert engine_spec("exact", moe_layers=2, experts_per_layer=16, top_k=4, vram_slots=[12, 4], kv_tokens=4096,
+                       staging_slots=4).staging_slots == 5
+    stock = engine_spec("stock", moe_layers=3, experts_per_layer=16, top_k=4, kv_tokens=4096)
+    assert stock.vram_slots == () and stock.ram_slots == 0 and not stock.tiered
+    with pytest.raises(ValueError, match="needs ram_slots"):
+        engine_spec("nvme-exact", moe_layers=3, experts_per_layer=16, top_k=4, vram_slots=2, kv_tokens=4096)
+    with pytest.raises(ValueError, match="at least 17"):
+        engine_spec("nvme-exact", moe_layers=3, experts_per_layer=16, top_k=4, vram_slots=2, kv_tokens=4096,
+                    ram_slots=16, store="/s")
+    with pytest.raises(ValueError, match="cpu_threads >= 1"):
+        engine_spec("fast", moe_layers=3, experts_per_layer=16, top_k=4, vram_slots=2, kv_tokens=4096)
+    with pytest.raises(ValueError, match="3 MoE layers"):
+        engine_spec("exact", moe_layers=3, experts_per_layer=16, top_k=4, vram_slots=[2, 2], kv_tokens=4096)
+
+
+# ---- the plan's spec ----------------------------------------------------------------------------------------
+
+
+def settings(**env: str) -> S.Settings:
+    return S.load(environ={"GLM53_MODEL_DIR": "/model", **env}, dotenv=None)
+
+
+def host(tmp_path, spec=HostSpec(), store: str | None = None) -> H.HostFacts:
+    return H.read_host(write_host(tmp_path, spec), store=store)
+
+
+def test_the_plan_splits_vram_by_saved_routing_statistics(tmp_path):
+    facts, s, shape = host(tmp_path), settings(), M.DEFAULT_SHAPE
+    uniform = P.plan(facts, shape, s)
+    counts = np.ones((42, 288))
+    counts[:21, :16] = 500.0  # half the layers route most picks to 16 experts
+    split = P.plan(facts, shape, s, (counts, "saved"))
+    a, b = uniform.engine, split.engine
+    assert sum(b.vram_slots) == sum(a.vram_slots) == split.vram_slots  # the same budget, divided differently
+    assert len(set(a.vram_slots)) == 1 and max(b.vram_slots[21:]) > max(b.vram_slots[:21]) >= 8
+    assert "saved routing statistics" in b.split and "saved routing statistics" in split.reasons["engine"]
+    assert split.ram_slots == b.ram_slots == 42 * 288 - sum(b.vram_slots) + 16
+
+
+def test_everything_in_vram_is_stock(tmp_path):
+    small = replace(M.DEFAULT_SHAPE, moe_layers=2, always_used_bytes=GIB)
+    p = P.plan(host(tmp_path), small, settings())
+    assert p.mode == "exact" and p.engine.engine == "stock" and p.ram_slots == 0 and p.ram_tier_bytes == 0
+    assert p.vram_slots == small.experts and "stock exllamav3 serves" in p.reasons["vram_slots"]
+
+
+def test_plan_json_and_text_show_the_spec(tmp_path):
+    root = write_host(tmp_path / "host", HostSpec())
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "GLM53_MODEL_DIR": "/model",
+           "GLM53_CACHE_DIR": str(tmp_path / "cache")}
+    run = [sys.executable, "-m", "glm53", "plan", "--host-root", str(root)]
+    done = subprocess.run([*run, "--json"], capture_output=True, text=True, cwd=ROOT, timeout=60, env=env)
+    out = json.loads(done.stdout)
+    spec = out["engine"]
+    assert spec["engine"] == out["mode"] == "fast" and sum(spec["vram_slots"]) == out["vram_slots"]
+    assert spec["ram_slots"] == out["ram_slots"] and spec["kv_tokens"] == out["kv_tokens"]
+    assert spec["staging_slots"] == 288 and spec["cpu_threads"] == out["cpu_threads"]
+    text = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, timeout=60, env=env).stdout
+    per_layer = spec["vram_slots"][0]
+    assert f"fast: VRAM slots per MoE layer {per_layer} x42; staging 288" in text
+
+
+# ---- what loads is what the plan says -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    return write_exl3_checkpoint(tmp_path_factory.mktemp("spec") / "ck", router_skew=(0.25, 0.5))
+
+
+@pytest.fixture(scope="module")
+def store(ck, tmp_path_factory):
+    from store.pack import PackOptions, pack_store
+
+    out = tmp_path_factory.mktemp("spec-store") / "experts.glm53"
+    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
+    return out
+
+
+def planned(tmp_path, ck, mode: str, routing=None, host_spec=HostSpec(), **env: str) -> P.Plan:
+    """The plan on a fake 24 GB host for the tiny checkpoint, its experts weighed as 700 MiB each so that a few per
+    layer fit in VRAM (the plan sizes bytes; the engine realises counts)."""
+    shape = replace(M.from_checkpoint(ck), expert_bytes=700 << 20)
+    s = S.load(environ={"GLM53_MODEL_DIR": str(ck), "GLM53_MODE": mode, "GLM53_CONTEXT": "8192",
+                        "GLM53_MAX_CONCURRENCY": "3", "GLM53_CPU_THREADS": "1", **env}, dotenv=None)
+    return P.plan(host(tmp_path, host_spec, s.store or None), shape, s, routing)
+
+
+def realised(engine) -> dict:
+    """The sizes a loaded engine runs with, read from what it built."""
+    t = engine.tiered
+    gen, cache = engine.generator, engine.cache
+    out = {"kv_tokens": cache.max_num_tokens - PAGE, "cache_sequences": cache.max_batch_size,
+           "max_concurrency": gen.max_batch_size, "prefill_chunk": gen.max_chunk_size,
+           "context": engine.context_length}
+    if t is not None:
+        lane = t.stepper.lane
+        out.update(vram_slots=tuple(layer.slots for layer in t.layers), staging_slots=t.staging_slots,
+                   ram_slots=t.tiers.ram.num_slots, cpu_threads=lane.threads if lane is not None else 0)
+    return out
+
+
+def expected(spec) -> dict:
+    keys = ("kv_tokens", "cache_sequences", "max_concurrency", "prefill_chunk", "context")
+    out = {k: getattr(spec, k) for k in keys}
+    if spec.tiered:
+        out.update(vram_slots=spec.vram_slots, staging_slots=spec.staging_slots, ram_slots=spec.ram_slots,
+                   cpu_threads=spec.cpu_threads)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_a_loaded_engine_realises_the_plan(tmp_path, ck, mode):
+    from glm53.engine.exl3_engine import Exl3Engine, engine_for_plan
+
+    counts = np.ones((3, 16))
+    counts[0, :2] = 100.0
+    plan = planned(tmp_path, ck, mode, (counts, "saved"))
+    spec = plan.engine
+    assert spec.engine == mode and len(set(spec.vram_slots)) > 1  # split by the statistics
+    assert engine_for_plan(ck, settings(), plan).spec is spec
+    with F.installed():
+        engine = Exl3Engine(ck, replace(spec, device="cpu"))
+        engine.load()
+        try:
+            assert realised(engine) == expected(spec)
+        finally:
+            engine.close()
+
+
+@pytest.mark.parametrize("buffered", [False, True])
+def test_nvme_serves_the_store_the_plan_allowed(tmp_path, ck, store, monkeypatch, buffered):
+    """GLM53_ALLOW_BUFFERED_READS=1 on a filesystem without O_DIRECT: the plan accepts the store, and so does the
+    engine (it once opened the store without the setting and refused what the plan approved)."""
+    import store.directio as D
+    from glm53.engine.exl3_engine import Exl3Engine
+    from glm53.tiers.nvme_open import StoreRefused
+    from store.errors import DirectIOUnsupported
+
+    def refuse(path, flags=0):
+        raise DirectIOUnsupported("O_DIRECT refused (the test's filesystem)")
+
+    fake_store = "/nvx/experts.glm53"
+    spec_host = HostSpec(mem_cap_gib=40, swap_cap_gib=0, store=fake_store, store_bytes=48 * (700 << 20),
+                         mounts=(("/", "overlay"), ("/nvx", "tmpfs"), ("/model", "ext4")))
+    env = {"GLM53_STORE": fake_store, "GLM53_ALLOW_BUFFERED_READS": "1" if buffered else "0"}
+    if not buffered:
+        with pytest.raises(P.PlanError, match="O_DIRECT"):
+            planned(tmp_path, ck, "nvme-exact", host_spec=spec_host, **env)
+        plan_spec = replace(planned(tmp_path, ck, "nvme-exact", host_spec=spec_host, GLM53_STORE=fake_store,
+                                    GLM53_ALLOW_BUFFERED_READS="1").engine, allow_buffered=False)
+    else:
+        plan_spec = planned(tmp_path, ck, "nvme-exact", host_spec=spec_host, **env).engine
+        assert plan_spec.allow_buffered and plan_spec.ram_slots >= 17
+    monkeypatch.setattr(D, "open_direct", refuse)
+    with F.installed():
+        engine = Exl3Engine(ck, replace(plan_spec, device="cpu", store=str(store)))
+        if not buffered:
+            with pytest.raises(StoreRefused):
+                engine.load()
+            return
+        engine.load()
+        try:
+            assert realised(engine) == expected(engine.spec)
+            assert engine.tiered.nvme is not None
+        finally:
+            engine.close()
+
+
+def test_the_recurrent_checkpoints_are_budgeted_from_ram(tmp_path):
+    """exllamav3 keeps recurrent-state checkpoints in host RAM (its prefix reuse for the KDA layers): the plan sizes
+    them, counts them against a memory cap before the RAM tier, and the engine passes the size on."""
+    roomy = P.plan(host(tmp_path / "a"), M.DEFAULT_SHAPE, settings())
+    assert roomy.engine.recurrent_cache_bytes == 4 * GIB and "recurrent_cache" in roomy.reasons
+    store = "/nvx/experts.glm53"
+    capped = {cap: P.plan(host(tmp_path / str(cap), HostSpec(mem_cap_gib=cap, swap_cap_gib=0, store=store), store),
+                          M.DEFAULT_SHAPE, settings(GLM53_STORE=store)) for cap in (16, 55)}
+    small, big = capped[16].engine, capped[55].engine
+    # an eighth of what a 16 GiB cap leaves usable
+    assert capped[16].mode == "nvme" and 1.9 * GIB < small.recurrent_cache_bytes <= 2 * GIB
+    assert big.recurrent_cache_bytes == 4 * GIB
+    record = -(-M.DEFAULT_SHAPE.expert_bytes // 4096) * 4096
+    for cap, spec in ((16, small), (55, big)):
+        pinned = spec.ram_slots * record
+        assert pinned + spec.recurrent_cache_bytes <= cap * GIB - 2 * GIB  # within the cap, the margin kept
