@@ -69,7 +69,7 @@ def test_tiered_through_the_store_equals_direct(packed, direct, monkeypatch, see
         read_in_parts(monkeypatch, parts)
     with open_nvme_tier(store, ck, plan, stats_path=stats) as tier:
         assert tier.reader.pieces == (parts or 1)
-        assert tier.budget_bytes <= plan.ram_tier_bytes
+        assert tier.budget_bytes <= plan.ram_slots * tier.stride
         tier.check_invariants()
         forward = slot_forward(tier.layout)
         cpu_share = rng.random()
@@ -226,10 +226,14 @@ def test_start_up_warms_vram_and_ram_from_saved_statistics(packed):
     path = ck.parent / "routing-warm.json"
     from glm53.tiers import save_routing_stats
     save_routing_stats(path, counts, key)
-    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 2), stats_path=path) as tier:
+    # The plan's split of two VRAM slots by these statistics (glm53.spec.split_slots): both to layer 1, whose top
+    # two draw the larger share of its picks.
+    from glm53.spec import split_slots
+
+    assert split_slots(1, 2, EXPERTS, 0, counts)[0] == (0, 2)
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, [0, 2]), stats_path=path) as tier:
         t = tier.tiers
-        # split_budget gives both VRAM slots to layer 1, whose top two draw the larger share of its picks; RAM
-        # gets the rest of what was ever picked.
+        # The statistics warm the VRAM slots with each layer's hottest and RAM with the rest of what was picked.
         assert sorted(np.flatnonzero(t.vram[1].resident()).tolist()) == [1, 2] and t.vram[0].num_slots == 0
         ram = {(lay, int(e)) for lay, e in zip(*np.nonzero(t.where == Where.RAM), strict=True)}
         assert ram == {(0, 5), (0, 6), (0, 7)}
@@ -267,22 +271,20 @@ def test_a_damaged_store_is_refused_with_the_pack_command(packed, tmp_path, wher
 
 def test_plans_the_tier_cannot_serve_are_refused(packed):
     ck, store = packed
-    with pytest.raises(ValueError, match="needs at least 17"):
-        open_nvme_tier(store, ck, nvme_spec(store, EXPERTS, 0))
-    with pytest.raises(ValueError, match="mode is fast"):
+    with pytest.raises(ValueError, match="at least 17"):
+        nvme_spec(store, EXPERTS, 0)  # the spec cannot even be made
+    with pytest.raises(ValueError, match="engine is fast"):
         open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, 0, mode="fast"))
 
 
 def test_the_arena_is_the_plan_budget_never_more(packed):
-    """A RAM budget larger than every non-VRAM expert is not spent; a smaller one is spent exactly, in aligned
-    rows of one record extent, and reads never take the tier past it."""
+    """The spec's RAM rows are spent exactly (the plan caps them at the experts VRAM leaves out), in aligned rows of
+    one record extent, and reads never take the tier past them."""
     ck, store = packed
     extent = read_header(store).max_extent
-    with open_nvme_tier(store, ck, nvme_spec(store, 100, 4)) as tier:
-        assert tier.tiers.ram.num_slots == 2 * EXPERTS - 4
     plan = nvme_spec(store, EXPERTS + 3, 0)
     with open_nvme_tier(store, ck, plan) as tier:
-        assert tier.budget_bytes == plan.ram_tier_bytes == (EXPERTS + 3) * extent
+        assert tier.budget_bytes == plan.ram_slots * tier.stride == (EXPERTS + 3) * extent
         assert all(tier.arena[r].ctypes.data % 4096 == 0 for r in range(tier.tiers.ram.num_slots))
         rng = np.random.default_rng(0)
         for _ in range(60):
@@ -390,7 +392,7 @@ def test_the_tier_caps_guess_reads_at_once_by_what_two_reads_at_once_gained_when
         assert gain is None or gain > 0
         assert tier.reader.prefetch_at_once == T.pick_prefetch_at_once(gain, tier.reader.threads)
         assert tier.read_summary()["prefetch_at_once"] == tier.reader.prefetch_at_once
-    for timed, want in ((1.05, 1), (1.8, plan.nvme_threads - 1)):
+    for timed, want in ((1.05, 1), (1.8, plan.store_threads - 1)):
         monkeypatch.setattr(nvme_mod, "time_two_at_once", lambda *a, timed=timed, **k: timed)
         with caplog.at_level("INFO", logger=nvme_mod.log.name), open_nvme_tier(store, ck, plan) as tier:
             assert tier.reader.prefetch_at_once == want and tier.read_summary()["two_at_once_gain"] == timed

@@ -104,7 +104,7 @@ def test_rss_stays_within_budget_and_reads_leave_no_page_cache(packed):
     peak, worst = [base], [0]
 
     with open_nvme_tier(store, ck, plan) as tier:
-        assert tier.budget_bytes <= plan.ram_tier_bytes
+        assert tier.budget_bytes <= plan.ram_slots * tier.stride
         cached = cached_record_bytes(store)
         assert cached <= HEADER_READAHEAD
 

@@ -390,8 +390,8 @@ def _run(opts: NvmeBenchOptions, log, made: list[Path]) -> NvmeBenchResult:
     res = NvmeBenchResult(
         f"glm53 bench nvme, {time.strftime('%Y-%m-%d %H:%M %Z')}, {platform.node()}, {os.cpu_count()} CPUs; {store} "
         f"({len(head.entries)} records of {head.max_extent / 2**20:.2f} MiB, {opts.layers} layers x {opts.experts}); "
-        f"RAM tier {plan.ram_slots} records ({plan.ram_slots / total:.0%}), VRAM {plan.vram_slots} "
-        f"({plan.vram_slots / total:.0%}); {opts.threads} reader threads; top-{opts.top_k}; {opts.tokens} tokens per "
+        f"RAM tier {plan.ram_slots} records ({plan.ram_slots / total:.0%}), VRAM {sum(plan.vram_slots)} "
+        f"({sum(plan.vram_slots) / total:.0%}); {opts.threads} reader threads; top-{opts.top_k}; {opts.tokens} tokens per "
         f"window, {opts.rounds} interleaved rounds; {opts.compute_ms:g} ms compute per layer")
     res.compute_s_per_token = opts.layers * opts.compute_ms / 1e3
     res.record_bytes = head.max_extent
