@@ -44,7 +44,7 @@ PAGE = 256  # exllamav3's KV page: cache sizes are whole pages
 EXL3_DEMO_DIR = "demo-model-exl3"
 EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
 # Bump when the fixture writer's output changes, so cached demo checkpoints are rebuilt.
-EXL3_DEMO_RECIPE = {"recipe": 1, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
+EXL3_DEMO_RECIPE = {"recipe": 2, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
 
 
 @dataclass(eq=False, kw_only=True)
