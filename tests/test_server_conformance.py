@@ -526,3 +526,182 @@ def test_stream_rate_ratio(reference_engine):
     runs = run_stream_bench(reference_engine, settings(), max_tokens=48, runs=1)
     # The benchmark's target is 0.98 on a quiet machine; CI shares 2 cores with other tests, so be lenient.
     assert runs[0].tokens == 48 and runs[0].ratio > 0.9, runs
+
+
+# -- the GLM-5.3-Flash chat contract (issue 24): thinking, effort, re-attachment, usage, bad input -----------
+
+
+def tokenize_chat(server, **body) -> dict:
+    r = httpx.post(server.url + "/tokenize", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+OFF_WAYS = [{"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"},
+            {"reasoning_effort": "minimal"}, {"max_reasoning_tokens": 0}]
+
+
+@pytest.mark.parametrize("off", OFF_WAYS, ids=["enable_thinking", "none", "minimal", "budget0"])
+def test_thinking_off_gives_no_reasoning(client, server, off):
+    # The real template opens <think> whatever it is told: the server closes the block (the trained empty one).
+    prompt = tokenize_chat(server, messages=user("hi"), **off)["prompt"]
+    assert prompt.rstrip("\n").endswith("<think></think>")
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=12, seed=seed,
+                                           extra_body=off)
+        msg = r.choices[0].message
+        assert msg.reasoning_content is None and "</think>" not in (msg.content or "")
+        assert r.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_reasoning_effort_reaches_the_prompt(server, variant):
+    def effort_line(**kw) -> str:
+        prompt = tokenize_chat(server, messages=user("hi"), **kw)["prompt"]
+        assert prompt.endswith("<think>")  # thinking stays on
+        return prompt
+
+    if variant == "glm53":
+        assert "<|system|>Reasoning Effort: High<|user|>" in effort_line()  # the server's default
+        assert "Reasoning Effort: Low<" in effort_line(reasoning_effort="low")
+        assert "Reasoning Effort: High<" in effort_line(reasoning_effort="medium")
+        assert "Reasoning Effort: High<" in effort_line(reasoning_effort="high")
+        assert "Reasoning Effort: Max<" in effort_line(reasoning_effort="max")
+        assert "Reasoning Effort: Max<" in effort_line(chat_template_kwargs={"reasoning_effort": "max"})
+    else:  # a template without the variable renders the same prompt: the effort cannot reach it, thinking still can
+        assert effort_line(reasoning_effort="low") == effort_line(reasoning_effort="high")
+    r = httpx.post(server.url + "/tokenize", json={"messages": user("hi"),
+                                                   "chat_template_kwargs": {"reasoning_effort": "extreme"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs.reasoning_effort"
+
+
+def test_default_effort_setting(variant_dir, variant):
+    engine = ReferenceEngine(variant_dir, max_running=2)
+    with ServerThread(create_app(engine, settings(reasoning_effort="none"))) as srv:
+        assert wait_until(lambda: httpx.get(srv.url + "/ready").status_code == 200, timeout=60)
+        assert tokenize_chat(srv, messages=user("hi"))["prompt"].rstrip("\n").endswith("<think></think>")
+        on = tokenize_chat(srv, messages=user("hi"), reasoning_effort="low")["prompt"]
+        assert on.endswith("<think>") and (variant != "glm53" or "Reasoning Effort: Low" in on)
+
+
+def test_max_reasoning_tokens_lowers_the_budget(client):
+    r = client.chat.completions.create(model=MODEL, messages=user("Think."), max_tokens=30, temperature=0,
+                                       logprobs=True, extra_body={"max_reasoning_tokens": 3})
+    tokens = [t.token for t in r.choices[0].logprobs.content]
+    assert "</think>" in tokens and tokens.index("</think>") <= 3
+    assert 0 < r.usage.completion_tokens_details.reasoning_tokens <= 4
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # the reference engine has no prefix cache
+
+
+def test_reasoning_reattached_over_agent_turns(client, server):
+    """A client that drops reasoning_content: the server puts its own reasoning back (seen through /tokenize)."""
+    msgs = user("Plan the fix.")
+    first = client.chat.completions.create(model=MODEL, messages=msgs, tools=AGENT_TOOLS, max_tokens=24, seed=4)
+    m1 = first.choices[0].message
+    assert m1.reasoning_content
+    msgs = [*msgs, {"role": "assistant", "content": m1.content,
+                    **({"tool_calls": [c.model_dump() for c in m1.tool_calls]} if m1.tool_calls else {})},
+            *user("Now run the tests.")]
+    call = client.chat.completions.create(model=MODEL, messages=msgs, tools=AGENT_TOOLS, max_tokens=100, seed=5,
+                                          tool_choice="required", parallel_tool_calls=False)
+    c2 = call.choices[0].message.tool_calls[0]
+    msgs = [*msgs, {"role": "assistant", "content": None, "tool_calls": [c2.model_dump()]},
+            {"role": "tool", "tool_call_id": c2.id, "content": "3 passed"}]
+    third = client.chat.completions.create(model=MODEL, messages=msgs, tools=AGENT_TOOLS, max_tokens=24, seed=6)
+    m3 = third.choices[0].message
+    assert m3.reasoning_content
+    msgs = [*msgs, {"role": "assistant", "content": m3.content,
+                    **({"tool_calls": [c.model_dump() for c in m3.tool_calls]} if m3.tool_calls else {})},
+            *user("Thanks.")]
+    # Every assistant turn above comes back without its reasoning; the prompt has it again.
+    prompt = tokenize_chat(server, messages=msgs, tools=AGENT_TOOLS, chat_template_kwargs={"clear_thinking": False})
+    text = prompt["prompt"]
+    assert f"<think>{m1.reasoning_content.strip()}</think>" in text
+    assert f"<think>{m3.reasoning_content.strip()}</think>" in text
+    assert "<tool_call>" + c2.function.name in text and "3 passed" in text
+    assert client_detok(client, prompt["tokens"]) == text
+    # A turn the server never produced gets nothing.
+    stranger = [*user("q"), {"role": "assistant", "content": "an answer from elsewhere"}, *user("more")]
+    assert "<think></think>an answer" in tokenize_chat(server, messages=stranger)["prompt"].replace("\n", "")
+
+
+def test_tokenize_mirrors_the_chat_request(server):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    t = tokenize_chat(server, messages=user("Weather?"), tools=TOOLS, tool_choice=named)
+    # A forced call runs without thinking: the prompt the route runs has the closed block.
+    assert t["prompt"].rstrip("\n").endswith("<think></think>") and t["count"] == len(t["tokens"])
+    hidden = tokenize_chat(server, messages=user("Weather?"), tools=TOOLS, tool_choice="none")["prompt"]
+    assert "get_weather" not in hidden
+    r = httpx.post(server.url + "/tokenize", json={"messages": user("x"), "tools": TOOLS,
+                                                   "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+
+
+BAD_CHAT = [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense",
+                                                                             "properties": 5}}}]},
+     "tools.0.function.parameters.type"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}]},
+     "tools.0.function.parameters.properties"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {}, "required": ["x"]}}}]}, "tools.0.function.parameters.required"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools.0.function.name"),
+    ({"stream": "yes"}, "stream"),
+    ({"max_tokens": "5"}, "max_tokens"),
+    ({"messages": [*user("x"), {"role": "tool", "content": "r"}]}, "messages.1"),
+    ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"max_reasoning_tokens": -1}, "max_reasoning_tokens"),
+]
+
+
+@pytest.mark.parametrize("extra,param", BAD_CHAT)
+def test_bad_chat_input_is_a_400_naming_the_field(server, extra, param):
+    body = {"model": MODEL, "messages": user("x"), "max_tokens": 2, **extra}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    assert (r.json()["error"]["param"] or "").startswith(param), r.json()
+
+
+def test_lone_surrogate_is_a_400(server):
+    raw = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+    for route in ("/v1/chat/completions", "/tokenize"):
+        r = httpx.post(server.url + route, content=raw)
+        assert r.status_code == 400, r.text
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a\\udfff", "max_tokens": 2}')
+    assert r.status_code == 400, r.text
+
+
+def test_huge_body_is_refused_fast_and_never_stalls_a_stream(server):
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def stream() -> None:
+        body = {"model": MODEL, "messages": user("stream on"), "max_tokens": 60, "stream": True, "seed": 7,
+                "chat_template_kwargs": {"enable_thinking": False}}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+            last = None
+            for line in r.iter_lines():
+                now = time.perf_counter()
+                if line.startswith("data: {"):
+                    if last is not None:
+                        gaps.append(now - last)
+                    last = now
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.3)
+    big = json.dumps({"model": MODEL, "messages": user("river " * 1_750_000)}).encode()  # ~10.5 MB
+    started = time.perf_counter()
+    r = httpx.post(server.url + "/v1/chat/completions", content=big, timeout=60)
+    took = time.perf_counter() - started
+    t.join(timeout=120)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert took < 1.0, took
+    assert done.is_set() and len(gaps) > 10 and max(gaps) < 0.5, max(gaps)
+    # Under the body limit but over what the context can hold: refused before the tokenizer runs.
+    long = user("x" * 1_000_000)
+    started = time.perf_counter()
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": long}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert time.perf_counter() - started < 1.0
