@@ -76,7 +76,8 @@ class TokenEvent:
     top_logprobs: list[tuple[str, float]] | None = None  # top-n (token text, logprob), most likely first
     finish_reason: str | None = None  # "stop" (stop token) | "length" (max_tokens or context full) | None
     forced: bool = False  # True for tokens the engine injected (reasoning budget), not sampled
-    # On a generation's first event: how many prompt tokens were served from a prefix cache (None: no cache).
+    # How many prompt tokens were served from a prefix cache, on any one event of a generation (the exllamav3
+    # engine knows it at the end); None on the others, and everywhere on an engine without one (usage says 0).
     cached_tokens: int | None = None
 
 

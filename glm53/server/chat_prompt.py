@@ -157,11 +157,17 @@ class Prompt:
     stuffed_tool: bool  # the prompt ends inside a forced tool call (engines without grammar support)
 
 
+def close_think(text: str) -> str:
+    """A prompt rendered for no thinking that still ends inside an open `<think>` (the real template opens it
+    unconditionally): closed, so the model sees the empty block it was trained on for "no reasoning"."""
+    return text + THINK_CLOSE if text.rstrip().endswith(THINK_OPEN) else text
+
+
 def finish_prompt(text: str, thinking: Thinking, *, force_call: bool, named: str | None) -> Prompt:
     """The server's own changes to a rendered prompt: the think block closed when thinking is off; a forced
     call opened where no grammar can force it."""
-    if not thinking.on and text.rstrip().endswith(THINK_OPEN):
-        text += THINK_CLOSE
+    if not thinking.on:
+        text = close_think(text)
     stuffed = False
     if force_call:
         text += TOOL_CALL_OPEN + (f"{named}\n" if named else "")

@@ -153,7 +153,8 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
             now = time.perf_counter()
             if tally.first_token_at is None:
                 tally.first_token_at = now
-                tally.cached_tokens = ev.cached_tokens or 0
+            if ev.cached_tokens is not None:
+                tally.cached_tokens = ev.cached_tokens
             tally.last_token_at = now
             tally.completion_tokens += 1
             pending += 1
