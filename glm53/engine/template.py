@@ -20,7 +20,8 @@ class TemplateError(ValueError):
     """The messages could not be rendered (bad roles, template raise_exception): a 400 for the client."""
 
 
-def _arguments(value: Any) -> Any:
+def parse_arguments(value: Any) -> Any:
+    """A tool call's arguments as a dict where they are a JSON object (string or not), else as given."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
@@ -43,10 +44,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             call = dict(call)
             if isinstance(call.get("function"), dict):
                 fn = dict(call["function"])
-                fn["arguments"] = _arguments(fn.get("arguments", {}))
+                fn["arguments"] = parse_arguments(fn.get("arguments", {}))
                 call["function"] = fn
             elif "arguments" in call:
-                call["arguments"] = _arguments(call["arguments"])
+                call["arguments"] = parse_arguments(call["arguments"])
             fixed.append(call)
         out.append({**m, "tool_calls": fixed})
     return out

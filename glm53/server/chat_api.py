@@ -95,7 +95,6 @@ class ChatPrompt:
     tools: list[dict]
     parse_tools: bool
     named: str | None  # a named tool_choice
-    required: bool  # tool_choice "required"
     grammar: str | None
 
 
@@ -145,7 +144,7 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
     prompt = finish_prompt(text, thinking, force_call=forced and not use_grammar and add_generation_prompt,
                            named=named)
     ids = tokenize_prompt(state, prompt.text)
-    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, choice == "required", grammar)
+    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar)
 
 
 @dataclass

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from glm53.engine.template import parse_arguments
 from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 from glm53.server.errors import bad_request
 
@@ -82,12 +83,8 @@ def probe_layout(engine: Any) -> Layout:
 
 
 def _canonical_args(args: Any) -> str:
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return args
-    return json.dumps(args, sort_keys=True, ensure_ascii=False)
+    parsed = parse_arguments(args)
+    return parsed if isinstance(parsed, str) else json.dumps(parsed, sort_keys=True, ensure_ascii=False)
 
 
 def turn_key(content: str | None, tool_calls: list[dict] | None) -> str:
