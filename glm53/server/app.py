@@ -35,6 +35,7 @@ ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/
 
 
 JSON_HEADER = (b"content-type", b"application/json")
+DRAIN_LIMIT_BYTES = 64 << 20  # a refused body is read and dropped up to this much (then the connection closes)
 
 
 class RequestMetrics:
@@ -85,6 +86,7 @@ class RequestMetrics:
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await self._too_large(send, int(length), limit, route)
+            await _drain(receive, DRAIN_LIMIT_BYTES)
             return None
         if length is not None:
             return receive
@@ -96,6 +98,8 @@ class RequestMetrics:
             body += message.get("body", b"")
             if len(body) > limit:
                 await self._too_large(send, len(body), limit, route)
+                if message.get("more_body", False):
+                    await _drain(receive, DRAIN_LIMIT_BYTES)
                 return None
             if not message.get("more_body", False):
                 break
@@ -119,6 +123,17 @@ class RequestMetrics:
                     "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
         self.state.metrics.observe_request(route, 413)
+
+
+async def _drain(receive: Receive, most: int) -> None:
+    """Read and drop the rest of a refused body (cheap: no parsing), so a client that writes its whole request
+    before reading gets the 413 rather than a connection reset; a body beyond `most` is cut off."""
+    seen = 0
+    while seen <= most:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
 
 
 def _api_key_dependency(key: str):
