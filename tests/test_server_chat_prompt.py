@@ -128,3 +128,13 @@ def test_auto_none_named_and_parallel(ll):
     assert accepts(ll, none, "Just text.") and not accepts(ll, none, W + "</tool_call>")
     named = tool_call_grammar(TOOLS, ids, choice="named", named="ping", parallel=True)
     assert accepts(ll, named, "<tool_call>ping</tool_call>") and not accepts(ll, named, W + "</tool_call>")
+
+
+def test_refs_into_the_parameters_definitions(ll):
+    tools = [{"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "$defs": {"pt": {"type": "object", "properties": {"x": {"type": "integer"}},
+                                           "required": ["x"], "additionalProperties": False}},
+        "properties": {"to": {"$ref": "#/$defs/pt"}}, "required": ["to"]}}}]
+    g = tool_call_grammar(tools, ll[1].convert_tokens_to_ids, choice="required", named=None, parallel=True)
+    ok = '<tool_call>move<arg_key>to</arg_key><arg_value>{"x":3}</arg_value></tool_call>'
+    assert accepts(ll, g, ok) and not accepts(ll, g, ok.replace('{"x":3}', '{"y":3}'))

@@ -61,7 +61,7 @@ def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _value(schema: dict[str, Any]) -> str:
+def _value(schema: dict[str, Any], defs: dict[str, Any]) -> str:
     enum = schema.get("enum")
     if schema.get("type") == "string" or (isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum)):
         if isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
@@ -70,7 +70,8 @@ def _value(schema: dict[str, Any]) -> str:
         if isinstance(lo, int) or isinstance(hi, int):  # bounded: a length the schema allows, in characters
             return f"/(.|\\n){{{max(lo or 0, 0)},{'' if hi is None else max(hi, 0)}}}/"
         return "STR"  # raw text, as the template writes string values
-    return "%json " + json.dumps({**_COMPACT, **schema}, separators=(",", ":"), ensure_ascii=False)
+    # A property's `$ref`s point into the parameters' own definitions: they travel with it.
+    return "%json " + json.dumps({**_COMPACT, **defs, **schema}, separators=(",", ":"), ensure_ascii=False)
 
 
 def tool_call_grammar(tools: list[dict], token_id: Callable[[str], int | None], *, choice: str,
@@ -91,11 +92,12 @@ def tool_call_grammar(tools: list[dict], token_id: Callable[[str], int | None], 
         params = fn.get("parameters") or {}
         props = params.get("properties") or {}
         required = set(params.get("required") or [])
+        defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
         pairs = []
         for k, (key, schema) in enumerate(props.items()):
             rule = f"a{n}_{k}"
             rules.append(f"{rule}: {tag[ARG_KEY_OPEN]} {_lit(key)} {tag[ARG_KEY_CLOSE]} NL? "
-                         f"{tag[ARG_VALUE_OPEN]} {_value(schema)} {tag[ARG_VALUE_CLOSE]} NL?")
+                         f"{tag[ARG_VALUE_OPEN]} {_value(schema, defs)} {tag[ARG_VALUE_CLOSE]} NL?")
             pairs.append(rule if key in required else rule + "?")
         alts.append(f"{_lit(fn['name'])} NL? {' '.join(pairs)}")
     rules.append(f"call: {tag[TOOL_CALL_OPEN]} ({' | '.join(alts)}) {tag[TOOL_CALL_CLOSE]}")
