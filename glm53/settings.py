@@ -111,6 +111,11 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("GLM53_REASONING_BUDGET", "4096",
             "Thinking tokens allowed before the server closes the reasoning block; 0 = unlimited.",
             _int_at_least(0), "integer >= 0"),
+    Setting("GLM53_REASONING_EFFORT", "high",
+            "Default thinking effort when a request sets none: none (off), low, high, or max (the model's own "
+            "default, which deliberates hundreds of tokens even on a one-line question: tens of seconds at "
+            "desktop decode speed). Requests override it with reasoning_effort.",
+            _choice(("none", "low", "high", "max")), "none | low | high | max"),
     Setting("GLM53_MAX_CONCURRENCY", "8", "Requests decoded together; more wait in the queue.",
             _int_at_least(1), "integer >= 1"),
     Setting("GLM53_VRAM_BUDGET_GB", "0",

@@ -18,32 +18,45 @@ if os.environ.get("CI"):
 
 @pytest.fixture(scope="session")
 def hf_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight bf16 Glm5Next checkpoint (seed 0, the demo's shape) with the GLM tokenizer."""
+    """A tiny random-weight bf16 Glm5Next checkpoint (seed 0, the demo's shape) with the GLM tokenizer and the
+    chat template that behaves like the real GLM-5.3-Flash one."""
     from glm53.fixture.hf import write_hf_checkpoint
 
     return write_hf_checkpoint(tmp_path_factory.mktemp("hf-tiny") / "model", seed=0)
 
 
 @pytest.fixture(scope="session")
-def reference_engine(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """The loaded engine the server suites run against. Shared: don't close it or change its settings in a test.
+def hf_model_dir_glm45(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same checkpoint carrying the GLM-4.5-shaped chat template (the second template variant)."""
+    from glm53.fixture.hf import write_hf_checkpoint
 
-    By default the CPU ReferenceEngine on hf_model_dir. With GLM53_TEST_ENGINE=exl3 (the GPU machine) the same
-    suites run against the exllamav3 engine in exact mode on a tiny generated EXL3 checkpoint, with a quarter of
-    each layer's experts in VRAM so the PCIe lane and evictions are exercised too.
-    """
+    return write_hf_checkpoint(tmp_path_factory.mktemp("hf-tiny-glm45") / "model", seed=0, template="glm45")
+
+
+def make_test_engine(hf_dir: Path, tmp_path_factory: pytest.TempPathFactory, template: str):
+    """The engine the server suites run against (not loaded). By default the CPU ReferenceEngine on `hf_dir`.
+    With GLM53_TEST_ENGINE=exl3 (the GPU machine) the exllamav3 engine in exact mode on a tiny generated EXL3
+    checkpoint carrying the same template, with a quarter of each layer's experts in VRAM so the PCIe lane and
+    evictions are exercised too."""
     if os.environ.get("GLM53_TEST_ENGINE", "reference") == "exl3":
         from specs import spec_for
 
         from glm53.engine.exl3_engine import Exl3Engine
         from glm53.fixture.exl3 import write_exl3_checkpoint
 
-        path = write_exl3_checkpoint(tmp_path_factory.mktemp("exl3-tiny") / "model", seed=0)
-        engine = Exl3Engine(path, spec_for(path, "exact", 4, device="cuda:0", max_concurrency=8))
-    else:
-        from glm53.engine.reference import ReferenceEngine
+        path = write_exl3_checkpoint(tmp_path_factory.mktemp(f"exl3-tiny-{template}") / "model", seed=0,
+                                     template=template)
+        return Exl3Engine(path, spec_for(path, "exact", 4, device="cuda:0", max_concurrency=8))
+    from glm53.engine.reference import ReferenceEngine
 
-        engine = ReferenceEngine(hf_model_dir, max_running=8)
+    return ReferenceEngine(hf_dir, max_running=8)
+
+
+@pytest.fixture(scope="session")
+def reference_engine(hf_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """The loaded engine the server suites run against (see make_test_engine), on the GLM-5.3-shaped template.
+    Shared: don't close it or change its settings in a test."""
+    engine = make_test_engine(hf_model_dir, tmp_path_factory, "glm53")
     engine.load()
     yield engine
     engine.close()

@@ -90,9 +90,9 @@ class FakeEngine:
         return "".join(_SPECIALS[i - _BASE] if i >= _BASE else chr(i) for i in ids if 0 <= i < self.vocab_size)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
-                            add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, tools=tools, enable_thinking=enable_thinking,
-                                     add_generation_prompt=add_generation_prompt)
+                            add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+        return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                     **{**(template_kwargs or {}), "enable_thinking": enable_thinking})
 
     # -- generation --
     def cancel(self, request_id: str) -> None:

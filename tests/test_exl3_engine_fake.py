@@ -23,6 +23,7 @@ from test_reference_engine import BOOL_OBJECT
 from glm53.engine.interface import EngineError, EngineNotReady, PromptProgress, SamplingParams, TokenEvent
 from glm53.fixture import tokenizer as gtok
 from glm53.fixture.exl3 import write_exl3_checkpoint
+from glm53.server.chat_prompt import close_think
 
 SLOTS = 3  # VRAM slots per MoE layer (of 16 experts, top-4): most picks miss
 
@@ -96,7 +97,8 @@ def tokens(events) -> list[int]:
 
 def chat(engine, thinking: bool) -> list[int]:
     msgs = [{"role": "user", "content": "JSON please"}]
-    return engine.tokenize(engine.apply_chat_template(msgs, None, thinking))
+    text = engine.apply_chat_template(msgs, None, thinking)
+    return engine.tokenize(text if thinking else close_think(text))  # as the server does
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
@@ -438,3 +440,27 @@ def test_close_fails_in_flight_requests_and_restores_the_model(ck):
             collect(engine, [1, 2], SamplingParams(max_tokens=2))
         assert engine.stats()["tiers"] == {} and engine.fault() is None
         engine.close()  # twice is fine
+
+
+def test_tool_call_grammar_through_the_filter(stock):
+    """The server's tool-call grammar reaches exllamav3's LLGuidanceFilter unchanged: a forced call names the
+    tool and its arguments follow the schema (the same grammar the reference engine applies)."""
+    from glm53.server.chat import ChatStreamParser, merge_tool_calls, tool_param_types
+    from glm53.server.chat_grammar import tool_call_grammar
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"]}}}]
+    grammar = tool_call_grammar(tools, stock.token_id, choice="required", named=None, parallel=False)
+    prompt = chat(stock, thinking=False)
+    for seed in range(3):
+        events = collect(stock, prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=60, grammar=grammar))
+        assert events[-1].finish_reason == "stop"
+        parser = ChatStreamParser(start_in_reasoning=False, parse_tools=True, param_types=tool_param_types(tools))
+        out = parser.feed("".join(e.text for e in events))
+        out.extend(parser.finish())
+        (call,) = merge_tool_calls(out.tool_calls)
+        args = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "get_weather" and set(args) == {"city", "days"}
+        assert isinstance(args["city"], str) and len(args["city"]) <= 8 and 1 <= args["days"] <= 9

@@ -22,6 +22,7 @@ from glm53.engine.interface import (
 )
 from glm53.engine.reference import ReferenceEngine
 from glm53.fixture import tokenizer as gtok
+from glm53.server.chat_prompt import close_think
 
 _ids = iter(range(10**9))
 
@@ -178,7 +179,7 @@ def test_grammar_constrains_the_answer_after_reasoning(reference_engine) -> None
         asyncio.run(collect(eng, [1], SamplingParams(grammar="start: %json {")))
 
     msgs = [{"role": "user", "content": "JSON please"}]
-    no_think = eng.tokenize(eng.apply_chat_template(msgs, None, False))
+    no_think = eng.tokenize(close_think(eng.apply_chat_template(msgs, None, False)))  # as the server does
     for seed in range(3):
         events = asyncio.run(collect(eng, no_think, SamplingParams(max_tokens=30, seed=seed, grammar=grammar)))
         assert events[-1].finish_reason == "stop"  # the grammar completes: nothing more is allowed

@@ -41,7 +41,7 @@ DEMO_KV_TOKENS = 32768  # the GPU demo's KV cache: plenty for trying the API, sm
 EXL3_DEMO_DIR = "demo-model-exl3"
 EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
 # Bump when the fixture writer's output changes, so cached demo checkpoints are rebuilt.
-EXL3_DEMO_RECIPE = {"recipe": 1, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
+EXL3_DEMO_RECIPE = {"recipe": 2, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
 
 
 @dataclass(eq=False, kw_only=True)
@@ -49,6 +49,7 @@ class _Request(Request):
     job: Any = None
     grammar_filter: Any = None  # compiled when the request arrived, for its first job (if the trigger still fits)
     grammar_filter_reasoning: bool = False
+    jobs: int = 0  # jobs started for it (a reasoning-budget continuation is a second)
 
 
 def ensure_exl3_demo_model(cache_dir: Path) -> Path:
@@ -402,6 +403,7 @@ class Exl3Engine(WorkerEngine):
             filters=[self._job_filter(req)] if p.grammar is not None else None,
         )
         self.generator.enqueue(req.job)
+        req.jobs += 1
         if not req.generated:
             self._count_prompt(len(req.prompt))
 
@@ -449,11 +451,15 @@ class Exl3Engine(WorkerEngine):
         end = None
         if r.get("eos") and stop_token is None:
             end = "stop" if r.get("eos_reason") == "end_filter" else "length"
+        # The page cache's reuse of the client's prompt, reported on the request's last token. A continuation
+        # job reuses the request's own pages, which is no prefix-cache hit for the client.
+        cached = r.get("cached_tokens") if r.get("eos") and req.jobs == 1 else None
         for i, t in enumerate(ids):
             if req.done:
                 return
             row = logits[0, i, : self._n_vocab] if logits is not None and i < logits.shape[1] else None
-            self._emit_token(req, t, row, end=end if i == len(ids) - 1 else None)
+            last = i == len(ids) - 1
+            self._emit_token(req, t, row, end=end if last else None, cached=cached if last else None)
             if req.budget_spent and not req.done:
                 # Budget reached mid-stream: stop this job, close the block, continue in a new job.
                 self._stop_job(req)
@@ -465,10 +471,13 @@ class Exl3Engine(WorkerEngine):
             # The job ended with no token to end the request on (not expected from exllamav3): end it here.
             self._finish(req, end or "length")
 
-    def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False, end: str | None = None) -> None:
+    def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False, end: str | None = None,
+                    cached: int | None = None) -> None:
         """end: the finish reason when this token ends the job (the request ends with it, on this event)."""
         # Forced tokens come with row=None: no logits for them, so no logprobs either.
         event = self._token_event(req, token, row, forced, grammar_done=end == "stop")
+        if cached is not None:
+            event.cached_tokens = min(int(cached), len(req.prompt))
         if end is not None and event.finish_reason is None:
             event.finish_reason = end
             event.text += req.detok.flush()

@@ -76,6 +76,9 @@ class TokenEvent:
     top_logprobs: list[tuple[str, float]] | None = None  # top-n (token text, logprob), most likely first
     finish_reason: str | None = None  # "stop" (stop token) | "length" (max_tokens or context full) | None
     forced: bool = False  # True for tokens the engine injected (reasoning budget), not sampled
+    # How many prompt tokens were served from a prefix cache, on any one event of a generation (the exllamav3
+    # engine knows it at the end); None on the others, and everywhere on an engine without one (usage says 0).
+    cached_tokens: int | None = None
 
 
 @dataclass
@@ -138,8 +141,10 @@ class Engine(Protocol):
         tools: list[dict] | None = None,
         enable_thinking: bool = True,
         add_generation_prompt: bool = True,
+        template_kwargs: dict | None = None,
     ) -> str:
-        """Render OpenAI-style messages (and tool JSON schemas) into the GLM prompt text."""
+        """Render OpenAI-style messages (and tool JSON schemas) into the GLM prompt text; `template_kwargs` are
+        further template variables (reasoning_effort, clear_thinking), ignored by a template that lacks them."""
         ...
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:

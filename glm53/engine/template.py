@@ -10,12 +10,18 @@ from __future__ import annotations
 import json
 from typing import Any
 
+# apply_chat_template's own arguments: a client's chat_template_kwargs must not override them.
+_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "tokenize", "add_generation_prompt",
+                       "continue_final_message", "return_dict", "return_tensors", "padding", "truncation",
+                       "max_length", "chat_template", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
 
 class TemplateError(ValueError):
     """The messages could not be rendered (bad roles, template raise_exception): a 400 for the client."""
 
 
-def _arguments(value: Any) -> Any:
+def parse_arguments(value: Any) -> Any:
+    """A tool call's arguments as a dict where they are a JSON object (string or not), else as given."""
     if isinstance(value, str):
         try:
             parsed = json.loads(value)
@@ -38,10 +44,10 @@ def normalize_messages(messages: list[dict]) -> list[dict]:
             call = dict(call)
             if isinstance(call.get("function"), dict):
                 fn = dict(call["function"])
-                fn["arguments"] = _arguments(fn.get("arguments", {}))
+                fn["arguments"] = parse_arguments(fn.get("arguments", {}))
                 call["function"] = fn
             elif "arguments" in call:
-                call["arguments"] = _arguments(call["arguments"])
+                call["arguments"] = parse_arguments(call["arguments"])
             fixed.append(call)
         out.append({**m, "tool_calls": fixed})
     return out
@@ -53,17 +59,21 @@ def render_chat(
     tools: list[dict] | None,
     enable_thinking: bool,
     add_generation_prompt: bool = True,
+    template_kwargs: dict | None = None,
 ) -> str:
-    """The prompt text for `messages` through transformers' apply_chat_template (its sandboxed Jinja)."""
+    """The prompt text for `messages` through transformers' apply_chat_template (its sandboxed Jinja).
+    `template_kwargs` are extra template variables (reasoning_effort, clear_thinking...); a template ignores
+    the ones it does not read."""
     from jinja2.exceptions import TemplateError as JinjaError
 
+    extra = {k: v for k, v in (template_kwargs or {}).items() if k not in _RESERVED}
     try:
         return hf_tokenizer.apply_chat_template(
             normalize_messages(messages),
             tools=tools or None,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
+            **{**extra, "enable_thinking": enable_thinking},
         )
-    except (JinjaError, TypeError, KeyError, AttributeError) as exc:
+    except (JinjaError, TypeError, KeyError, AttributeError, ValueError) as exc:
         raise TemplateError(f"cannot render the chat template: {exc}") from exc

@@ -40,6 +40,7 @@ from glm53.engine.template import render_chat
 
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
 RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window
+LONG_TEXT_CHARS = 1 << 14  # from here on tokenize() releases the GIL (encode_batch); below, encode is faster
 
 
 @dataclass(eq=False)  # identity, not field equality: requests are looked up in the queues with `in` / remove()
@@ -89,6 +90,7 @@ class WorkerEngine(ABC):
         self._pieces: dict[int, str] = {}
         self._think_open: int | None = None
         self._think_close: int | None = None
+        self._max_token_bytes = 0
         self._cv = threading.Condition()
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -152,9 +154,27 @@ class WorkerEngine(ABC):
         self._think_close = self._tok.token_to_id(THINK_CLOSE)
         return text
 
+    @property
+    def max_token_bytes(self) -> int:
+        """Bytes of the vocabulary's longest token: a text of B bytes has at least B / this many tokens."""
+        self._need_tokenizer()
+        if not self._max_token_bytes:
+            # Byte-level vocabularies spell each byte as one character; added tokens are plain text.
+            self._max_token_bytes = max(len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True))
+        return self._max_token_bytes
+
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         self._need_tokenizer()
-        return self._tok.encode(text, add_special_tokens=add_special).ids
+        if not isinstance(text, str):
+            raise TypeError(f"tokenize needs text, got {type(text).__name__}")
+        try:
+            if len(text) < LONG_TEXT_CHARS:
+                return self._tok.encode(text, add_special_tokens=add_special).ids
+            # encode() holds the GIL for its whole run (a 5 MB text stalls every other thread for seconds);
+            # encode_batch releases it, so long prompts never pause the engine's thread or other streams.
+            return self._tok.encode_batch([text], add_special_tokens=add_special)[0].ids
+        except TypeError as exc:  # text the tokenizer cannot take (e.g. a lone surrogate): the caller's error
+            raise ValueError(f"the text cannot be tokenized: {exc}") from None
 
     def detokenize(self, ids: list[int]) -> str:
         self._need_tokenizer()
@@ -165,9 +185,9 @@ class WorkerEngine(ABC):
         return self._tok.token_to_id(token)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, enable_thinking: bool = True,
-                            add_generation_prompt: bool = True) -> str:
+                            add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
         self._need_tokenizer()
-        return render_chat(self._hf_tok, messages, tools, enable_thinking, add_generation_prompt)
+        return render_chat(self._hf_tok, messages, tools, enable_thinking, add_generation_prompt, template_kwargs)
 
     def _need_tokenizer(self) -> None:
         if self._tok is None:

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
 from glm53.server import chat_api, completions_api, errors
-from glm53.server.common import ServerState, check_model, check_ready
+from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
 from glm53.server.errors import APIError, bad_request
 from glm53.server.metrics import Metrics
 from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -35,6 +35,7 @@ ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/
 
 
 JSON_HEADER = (b"content-type", b"application/json")
+DRAIN_LIMIT_BYTES = 64 << 20  # a refused body is read and dropped up to this much (then the connection closes)
 
 
 class RequestMetrics:
@@ -50,14 +51,17 @@ class RequestMetrics:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if scope.get("method") == "POST":
-            headers = [h for h in scope.get("headers", []) if h[0] != b"content-type"]
-            scope = {**scope, "headers": headers + [JSON_HEADER]}
-        status = 500
         path = scope.get("path", "")
         if path.startswith("/v1/models/"):
             path = "/v1/models/{model}"
         route = path if path in ROUTES or path == "/v1/models/{model}" else "other"
+        if scope.get("method") == "POST":
+            headers = [h for h in scope.get("headers", []) if h[0] != b"content-type"]
+            scope = {**scope, "headers": headers + [JSON_HEADER]}
+            receive = await self._bounded_body(scope, receive, send, route)
+            if receive is None:
+                return
+        status = 500
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status
@@ -72,6 +76,64 @@ class RequestMetrics:
         finally:
             counts["in_flight"] -= 1
             self.state.metrics.observe_request(route, status)
+
+
+    async def _bounded_body(self, scope: Scope, receive: Receive, send: Send, route: str) -> Receive | None:
+        """Refuse a body larger than any prompt the context can hold before it is read (by its content-length)
+        or as soon as it grows past the limit (chunked): 413, in well under a second, whatever it carries.
+        Returns the receive to hand on (the body replayed), or None once the 413 was sent."""
+        limit = self.state.max_body_bytes()
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._too_large(send, int(length), limit, route)
+            await _drain(receive, DRAIN_LIMIT_BYTES)
+            return None
+        if length is not None:
+            return receive
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            body += message.get("body", b"")
+            if len(body) > limit:
+                await self._too_large(send, len(body), limit, route)
+                if message.get("more_body", False):
+                    await _drain(receive, DRAIN_LIMIT_BYTES)
+                return None
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": bytes(body), "more_body": False}
+            return await receive()
+
+        return replay
+
+    async def _too_large(self, send: Send, size: int, limit: int, route: str) -> None:
+        err = APIError(413, f"The request body has {size} bytes, more than the {limit} bytes any prompt that fits "
+                            f"this server's context ({self.state.engine.context_length} tokens) can take. Send a "
+                            "shorter conversation.", code="request_too_large")
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        self.state.metrics.observe_request(route, 413)
+
+
+async def _drain(receive: Receive, most: int) -> None:
+    """Read and drop the rest of a refused body (cheap: no parsing), so a client that writes its whole request
+    before reading gets the 413 rather than a connection reset; a body beyond `most` is cut off."""
+    seen = 0
+    while seen <= most:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
+        seen += len(message.get("body", b""))
 
 
 def _api_key_dependency(key: str):
@@ -126,7 +188,8 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
     metrics = Metrics(engine)
     state = ServerState(engine=engine, settings=settings, metrics=metrics,
                         model_id=getattr(settings, "model_id", "") or engine.model_id,
-                        reasoning_budget=int(getattr(settings, "reasoning_budget", 0) or 0))
+                        reasoning_budget=int(getattr(settings, "reasoning_budget", 0) or 0),
+                        reasoning_effort=getattr(settings, "reasoning_effort", "high"))
     if ping_interval is not None:
         state.ping_interval = ping_interval
 
@@ -200,18 +263,14 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of prompt or messages.", param="prompt")
         if body.prompt is not None:
-            ids = await asyncio.to_thread(engine.tokenize, body.prompt, body.add_special_tokens)
-        else:
-            kwargs = body.chat_template_kwargs or {}
-            messages = chat_api.template_messages(body.messages or [])
-            tools = [t.model_dump(exclude_none=True) for t in body.tools or []] or None
-            try:
-                text = engine.apply_chat_template(messages, tools, bool(kwargs.get("enable_thinking", True)),
-                                                  body.add_generation_prompt)
-            except Exception as exc:  # noqa: BLE001 - jinja errors are the caller's message sequence
-                raise bad_request(f"The messages could not be rendered: {exc}", param="messages") from None
-            ids = await asyncio.to_thread(engine.tokenize, text, False)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+            ids = await asyncio.to_thread(tokenize_prompt, state, body.prompt, body.add_special_tokens, "prompt")
+            return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
+        # The prompt the chat route would run for the same fields, every server change included (a closed
+        # think block, re-attached reasoning, an opened forced call).
+        chat = await asyncio.to_thread(chat_api.build_chat_prompt, state, body,
+                                       add_generation_prompt=body.add_generation_prompt)
+        return {"tokens": chat.ids, "count": len(chat.ids), "max_model_len": engine.context_length,
+                "prompt": chat.prompt.text}
 
     @app.post("/detokenize", dependencies=auth, tags=["extras"])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

@@ -94,6 +94,8 @@ def tool_param_types(tools: list[dict] | None) -> dict[str, dict[str, str]]:
     for tool in tools or []:
         fn = tool.get("function") or {}
         props = (fn.get("parameters") or {}).get("properties") or {}
+        if not isinstance(props, dict):
+            props = {}
         types = {}
         for key, schema in props.items():
             if isinstance(schema, dict) and isinstance(schema.get("type"), str):
@@ -156,9 +158,16 @@ class ChatStreamParser:
             pass
         return out
 
-    def finish(self) -> Delta:
-        """End of generation: release held text; close an unfinished tool call so its arguments stay JSON."""
+    def finish(self, truncated: bool = False) -> Delta:
+        """End of generation: release held text. An unfinished tool call is closed so its arguments stay JSON,
+        unless the generation was `truncated` (max_tokens): then its arguments stay as generated, cut off
+        where the model was, as OpenAI's do (finish_reason "length" says they are incomplete)."""
         out = Delta()
+        if truncated and self.state in (self.TOOL_BODY, self.ARG_KEY, self.AFTER_KEY, self.ARG_VALUE):
+            if self.state == self.ARG_VALUE:
+                self._emit_arg(out, self.buf, partial=True)
+            self.buf, self.state = "", self.CONTENT
+            return out
         rest, self.buf = self.buf, ""
         if self.state == self.REASONING:
             self._emit(out, rest, reasoning=True)
@@ -266,10 +275,14 @@ class ChatStreamParser:
             return True
         raise AssertionError(f"parser state {state}")
 
-    def _emit_arg(self, out: Delta, raw: str | None) -> None:
+    def _emit_arg(self, out: Delta, raw: str | None, partial: bool = False) -> None:
         declared = self.param_types.get(self.tool_name, {}).get(self.arg_key)
-        value = None if raw is None else convert_arg_value(raw, declared)
-        piece = json.dumps(self.arg_key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+        if partial:  # the value as far as it was generated: a string left open, anything else verbatim
+            text = (raw or "").lstrip("\n")
+            value_json = json.dumps(text, ensure_ascii=False)[:-1] if declared == "string" else text
+        else:
+            value_json = json.dumps(None if raw is None else convert_arg_value(raw, declared), ensure_ascii=False)
+        piece = json.dumps(self.arg_key, ensure_ascii=False) + ": " + value_json
         out.tool_calls.append(ToolCallDelta(self.tool_index, arguments=("{" if not self.args_emitted else ", ") + piece))
         self.args_emitted += 1
         self.arg_key = ""

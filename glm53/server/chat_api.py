@@ -14,13 +14,13 @@ from fastapi.responses import Response
 from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.chat import (
     THINK_CLOSE,
-    THINK_OPEN,
-    TOOL_CALL_OPEN,
     ChatStreamParser,
     Delta,
     merge_tool_calls,
     tool_param_types,
 )
+from glm53.server.chat_grammar import check_tool_schemas, tool_call_grammar
+from glm53.server.chat_prompt import Prompt, Thinking, finish_prompt, reattach, resolve_thinking
 from glm53.server.common import (
     Job,
     ServerState,
@@ -34,10 +34,11 @@ from glm53.server.common import (
     respond,
     sampling_params,
     stream_usage_requested,
+    tokenize_prompt,
 )
 from glm53.server.errors import bad_request
 from glm53.server.generation import Tally, TokenLogprob, choice_steps
-from glm53.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from glm53.server.protocol import ChatCompletionRequest, ChatFields, ChatMessage, NamedToolChoice
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_keepalive
 
 
@@ -86,46 +87,74 @@ def _arguments(args: str | dict) -> dict | str:
 
 
 @dataclass
-class ChatPlan:
-    req: ChatCompletionRequest
-    prompt_ids: list[int]
-    start_in_reasoning: bool
+class ChatPrompt:
+    """Everything the chat route decides before generating; /tokenize returns the same prompt."""
+
+    prompt: Prompt
+    ids: list[int]
+    tools: list[dict]
     parse_tools: bool
-    forced_tool: str | None  # a named tool_choice
-    force_any_tool: bool  # tool_choice "required"
-    param_types: dict[str, dict[str, str]]
-    params: list[SamplingParams]
-    logprobs: bool
-    runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
+    named: str | None  # a named tool_choice
+    grammar: str | None
 
 
-def _build_prompt(state: ServerState, req: ChatCompletionRequest) -> tuple[str, bool, str | None, bool]:
-    engine = state.engine
-    kwargs = req.chat_template_kwargs or {}
-    enable_thinking = bool(kwargs.get("enable_thinking", kwargs.get("thinking", True)))
+def _tool_choice(req: ChatFields, tools: list[dict]) -> tuple[str, str | None]:
     choice = req.tool_choice
-    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    if choice is not None and choice != "none" and choice != "auto" and not tools:
+    if choice is not None and choice not in ("none", "auto") and not tools:
         raise bad_request("tool_choice needs tools.", param="tool_choice")
-    named = None
     if isinstance(choice, NamedToolChoice):
         named = choice.function.name
         if named not in {t["function"]["name"] for t in tools}:
             raise bad_request(f"tool_choice names {named!r}, which is not in tools.", param="tool_choice")
-    forced = named is not None or choice == "required"
+        return "named", named
+    return (choice or "auto"), None
+
+
+def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_prompt: bool = True,
+                      response_format: Any = None, parallel: bool = True) -> ChatPrompt:
+    """Render and tokenize (blocking: call it in a worker thread, never on the event loop)."""
+    engine = state.engine
+    kwargs = req.chat_template_kwargs or {}
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    check_tool_schemas(tools)
+    choice, named = _tool_choice(req, tools)
+    forced = choice in ("named", "required")
+    thinking = resolve_thinking(kwargs, req.reasoning_effort, req.max_reasoning_tokens, state.reasoning_effort,
+                                state.reasoning_budget)
     if forced:
-        # Forcing a call by ending the prompt inside one: thinking would have to come first, so it is off.
-        enable_thinking = False
+        # A forced call comes first: reasoning before it could end the turn (an end-of-turn token sampled inside
+        # the think block, where no grammar applies) without the call the client demanded.
+        thinking = Thinking(False, thinking.effort, thinking.budget)
     shown_tools = tools if tools and choice != "none" else None
-    messages = template_messages(req.messages)
+    messages = reattach(template_messages(req.messages or []), state.reasoning_memory)
+    template_kwargs = {**kwargs, "enable_thinking": thinking.on}
+    if thinking.on or "reasoning_effort" not in kwargs:
+        template_kwargs["reasoning_effort"] = thinking.effort
     try:
-        text = engine.apply_chat_template(messages, shown_tools, enable_thinking)
+        text = engine.apply_chat_template(messages, shown_tools, thinking.on, add_generation_prompt, template_kwargs)
     except Exception as exc:  # jinja2 errors: a message sequence the template cannot render
         raise bad_request(f"The messages could not be rendered with the chat template: {exc}",
                           param="messages") from None
-    if forced:
-        text += TOOL_CALL_OPEN + (f"{named}\n" if named else "")
-    return text, bool(shown_tools), named, choice == "required"
+    answer = grammar_for(engine, response_format)
+    grammar = answer
+    use_grammar = getattr(engine, "supports_grammar", False) and tools and add_generation_prompt
+    if use_grammar:
+        grammar = tool_call_grammar(tools, engine.token_id, choice=choice, named=named, parallel=parallel,
+                                    answer=answer)
+    prompt = finish_prompt(text, thinking, force_call=forced and not use_grammar and add_generation_prompt,
+                           named=named)
+    ids = tokenize_prompt(state, prompt.text)
+    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar)
+
+
+@dataclass
+class ChatPlan:
+    req: ChatCompletionRequest
+    chat: ChatPrompt
+    param_types: dict[str, dict[str, str]]
+    params: list[SamplingParams]
+    logprobs: bool
+    runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
 
 
 async def plan_chat(state: ServerState, req: ChatCompletionRequest, job: Job) -> ChatPlan:
@@ -135,24 +164,26 @@ async def plan_chat(state: ServerState, req: ChatCompletionRequest, job: Job) ->
     engine = state.engine
     if req.n > 1 and req.tool_choice not in (None, "auto", "none"):
         raise bad_request("n > 1 is not supported together with a forced tool_choice.", param="n")
-    grammar = grammar_for(engine, req.response_format)
     # Rendering and tokenizing a long prompt takes a while; keep the event loop free for running streams.
-    text, parse_tools, named, required = await asyncio.to_thread(_build_prompt, state, req)
-    prompt_ids = await asyncio.to_thread(engine.tokenize, text, False)
+    chat = await asyncio.to_thread(build_chat_prompt, state, req, response_format=req.response_format,
+                                   parallel=req.parallel_tool_calls is not False)
+    prompt_ids = chat.ids
     job.prompt_tokens = len(prompt_ids)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), engine.context_length)
-    start_in_reasoning = text.rstrip().endswith(THINK_OPEN)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    budget = chat.prompt.thinking.budget
+    end_ids = None
+    if chat.prompt.start_in_reasoning and budget is not None:
+        end_ids = await asyncio.to_thread(engine.tokenize, THINK_CLOSE + state.layout().after_think, False)
     params = []
     for i in range(req.n):
-        p = sampling_params(req, engine, max_tokens=max_tokens, index=i, logprobs=logprobs, grammar=grammar)
-        if start_in_reasoning and state.reasoning_budget > 0:
-            p.reasoning_budget = state.reasoning_budget
-            p.reasoning_end_ids = engine.tokenize(THINK_CLOSE + "\n", False)
+        p = sampling_params(req, engine, max_tokens=max_tokens, index=i, logprobs=logprobs, grammar=chat.grammar)
+        if end_ids is not None:
+            p.reasoning_budget = budget
+            p.reasoning_end_ids = list(end_ids)
         params.append(p)
-    plan = ChatPlan(req, prompt_ids, start_in_reasoning, parse_tools, named, required,
-                    tool_param_types([t.model_dump() for t in req.tools or []]), params, req.logprobs)
+    plan = ChatPlan(req, chat, tool_param_types(chat.tools), params, req.logprobs)
     plan.runs = await open_runs(engine, prompt_ids, params, job)
     return plan
 
@@ -167,21 +198,32 @@ class ChoiceEvent:
 
 async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -> AsyncIterator[ChoiceEvent]:
     rid, tally, events = plan.runs[index]
-    parser = ChatStreamParser(start_in_reasoning=plan.start_in_reasoning, parse_tools=plan.parse_tools,
+    chat = plan.chat
+    parser = ChatStreamParser(start_in_reasoning=chat.prompt.start_in_reasoning, parse_tools=chat.parse_tools,
                               param_types=plan.param_types)
-    if plan.forced_tool or plan.force_any_tool:
-        first = parser.begin_tool_call(plan.forced_tool)
+    whole = Delta()  # the turn as the client gets it, remembered with its reasoning
+    if chat.prompt.stuffed_tool:
+        first = parser.begin_tool_call(chat.named)
         if first:
+            whole.extend(first)
             yield ChoiceEvent(index, first, [], None)
     steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop, tally)
     try:
         async for step in steps:
+            if parser.in_reasoning:
+                tally.reasoning_tokens += step.tokens
             delta = parser.feed(step.text) if step.text else Delta()
             reason = step.finish_reason
             if reason:
-                delta.extend(parser.finish())
+                # Cut off by max_tokens: a call keeps the arguments as generated (no invented closing).
+                delta.extend(parser.finish(truncated=reason == "length"))
                 if reason == "stop" and parser.tool_calls_seen:
                     reason = "tool_calls"
+            whole.extend(delta)
+            if reason:
+                calls = merge_tool_calls(whole.tool_calls)
+                state.reasoning_memory.remember(whole.content if whole.content or not calls else None, calls,
+                                                whole.reasoning)
             if delta or step.logprobs or reason:
                 yield ChoiceEvent(index, delta, step.logprobs, reason)
     finally:

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
+from glm53.server.chat_prompt import Layout, ReasoningMemory, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
 from glm53.server.metrics import Metrics
@@ -23,6 +24,10 @@ from glm53.server.sse import SSEResponse, wait_for_disconnect
 
 T = TypeVar("T")
 PING_INTERVAL_S = 3.0
+# A token is a few bytes of text; JSON escaping (\\uXXXX) can make one character six. Tool schemas and the
+# envelope get the base allowance.
+BODY_BASE_BYTES = 1 << 20
+BODY_BYTES_PER_TOKEN = 32
 
 
 @dataclass
@@ -32,8 +37,21 @@ class ServerState:
     metrics: Metrics
     model_id: str
     reasoning_budget: int  # 0 = unlimited
+    reasoning_effort: str = "high"  # the default effort (GLM53_REASONING_EFFORT): none | low | high | max
     ping_interval: float = PING_INTERVAL_S
     load_error: str | None = None
+    reasoning_memory: ReasoningMemory = field(default_factory=ReasoningMemory)
+    _layout: Layout | None = None
+
+    def max_body_bytes(self) -> int:
+        """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
+        return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
+
+    def layout(self) -> Layout:
+        """How the checkpoint's template writes a turn (learned once, by rendering one)."""
+        if self._layout is None:
+            self._layout = probe_layout(self.engine)
+        return self._layout
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -83,6 +101,25 @@ def grammar_for(engine: Engine, fmt: ResponseFormat | None) -> str | None:
         # spend its whole budget on spaces and newlines between tokens the grammar allows.
         schema = {"x-guidance": {"whitespace_flexible": False}, **schema}
     return "start: %json " + json.dumps(schema, separators=(",", ":"))
+
+
+def tokenize_prompt(state: ServerState, text: str, add_special: bool = False, param: str = "messages") -> list[int]:
+    """Prompt text -> ids, in a worker thread (the tokenizer releases the GIL on long texts). A text that cannot
+    fit the context even at the vocabulary's longest token is refused before the tokenizer sees it."""
+    engine = state.engine
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"The {param} text is not valid Unicode: a lone surrogate ({text[exc.start]!r}) at "
+                          f"character {exc.start}. Send UTF-8 text (escape pairs must be complete).",
+                          param=param) from None
+    longest = getattr(engine, "max_token_bytes", 0)
+    if longest and size > longest * engine.context_length:
+        raise context_exceeded(-(-size // longest), engine.context_length, param, at_least=True)
+    try:
+        return engine.tokenize(text, add_special)
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"The {param} text could not be tokenized: {exc}", param=param) from None
 
 
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, context: int, param: str = "messages") -> int:
@@ -142,9 +179,14 @@ class Job:
     def completion_tokens(self) -> int:
         return sum(t.completion_tokens for t in self.tallies)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        # cached_tokens: prompt tokens the engine served from its prefix cache (0 where it has none); each
+        # choice prefills the same prompt, so the first choice's count is the request's.
+        cached = self.tallies[0].cached_tokens if self.tallies else 0
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached},
+                "completion_tokens_details": {"reasoning_tokens": sum(t.reasoning_tokens for t in self.tallies)}}
 
     def cancel(self) -> None:
         for rid in self.request_ids:

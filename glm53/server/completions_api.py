@@ -24,6 +24,7 @@ from glm53.server.common import (
     respond,
     sampling_params,
     stream_usage_requested,
+    tokenize_prompt,
 )
 from glm53.server.errors import bad_request
 from glm53.server.generation import Step, Tally, TokenLogprob, choice_steps
@@ -59,7 +60,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
     out = []
     for item in raw:
         if isinstance(item, str):
-            out.append(Prompt(engine.tokenize(item, True), item))
+            out.append(Prompt(tokenize_prompt(state, item, True, "prompt"), item))
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", param="prompt")

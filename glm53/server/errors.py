@@ -44,9 +44,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
-def context_exceeded(prompt_tokens: int, context: int, param: str = "messages") -> APIError:
+def context_exceeded(prompt_tokens: int, context: int, param: str = "messages", at_least: bool = False) -> APIError:
+    has = f"at least {prompt_tokens}" if at_least else f"{prompt_tokens}"
     return APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                         f"{prompt_tokens} tokens (at least one token must be left for the reply).",
+                         f"{has} tokens (at least one token must be left for the reply).",
                     param=param, code="context_length_exceeded")
 
 

@@ -32,6 +32,7 @@ class Step:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    tokens: int = 0  # engine tokens consumed since the previous step (its text may lag them: stop strings)
 
 
 @dataclass
@@ -39,6 +40,8 @@ class Tally:
     """Per-choice counters that usage and the latency metrics are computed from."""
 
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, those generated inside the think block (chat)
+    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache
     first_token_at: float | None = None
     last_token_at: float | None = None
 
@@ -142,6 +145,7 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
     ("stop" | "length")."""
     matcher = StopMatcher(stops) if stops else None
     engine_done = False  # the engine finished on its own; otherwise it is told to stop (stop string, error, client gone)
+    pending = 0  # tokens not yet reported in a step
     try:
         async for ev in events:
             if isinstance(ev, PromptProgress):
@@ -149,19 +153,22 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
             now = time.perf_counter()
             if tally.first_token_at is None:
                 tally.first_token_at = now
+            if ev.cached_tokens is not None:
+                tally.cached_tokens = ev.cached_tokens
             tally.last_token_at = now
             tally.completion_tokens += 1
+            pending += 1
             # The end-of-turn token (<|user|>, <|endoftext|>...) ends the reply; it is not part of it.
             text = "" if ev.finish_reason == "stop" and ev.token_id in end_ids else ev.text
             lp = _logprob(ev)
             if matcher is None:
-                step = Step(text, [lp] if lp else [], ev.finish_reason)
+                step = Step(text, [lp] if lp else [], ev.finish_reason, pending)
             else:
                 released, items, matched = matcher.feed(text, lp)
                 if matched:
-                    yield Step(released, items, "stop")
+                    yield Step(released, items, "stop", pending)
                     return
-                step = Step(released, items, ev.finish_reason)
+                step = Step(released, items, ev.finish_reason, pending)
                 if ev.finish_reason:
                     rest, more = matcher.flush()
                     step.text += rest
@@ -171,6 +178,7 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
                 yield step
                 return
             if step.text or step.logprobs:
+                pending = 0
                 yield step
         raise EngineError("the engine ended the generation without a finish reason")
     finally:

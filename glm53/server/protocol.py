@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
 
 MAX_N = 16
 MAX_STOPS = 16
@@ -18,6 +18,10 @@ MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Token ids are 32-bit in every tokenizer backend; larger numbers overflow there instead of being "unknown".
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# OpenAI's rule for function names (it rejects anything else with a 400).
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+# OpenAI's reasoning_effort values, plus the template's own "max".
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "max"]
 
 
 class _Model(BaseModel):
@@ -26,7 +30,7 @@ class _Model(BaseModel):
 
 
 class FunctionDef(_Model):
-    name: Annotated[str, Field(min_length=1, max_length=128)]
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -38,7 +42,7 @@ class Tool(_Model):
 
 
 class ToolChoiceFunction(_Model):
-    name: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
 
 
 class NamedToolChoice(_Model):
@@ -76,6 +80,12 @@ class ChatMessage(_Model):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
+    @model_validator(mode="after")
+    def _tool_message_names_its_call(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        return self
+
 
 class StreamOptions(_Model):
     include_usage: bool = False
@@ -95,15 +105,15 @@ class ResponseFormat(_Model):
 
 class SamplingFields(_Model):
     model: str | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | list[str] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    stream: bool = False
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -121,16 +131,26 @@ class SamplingFields(_Model):
         return stops
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatFields(_Model):
+    """What decides a chat prompt: shared by /v1/chat/completions and /tokenize (which mirrors it)."""
+
+    model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Thinking control: none/minimal = off, low, medium/high = the template's high, max (see docs/chat.md).
+    reasoning_effort: ReasoningEffort | None = None
+    # Lowers the server's GLM53_REASONING_BUDGET for this request; 0 turns thinking off.
+    max_reasoning_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+
+
+class ChatCompletionRequest(SamplingFields, ChatFields):
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -142,14 +162,14 @@ class CompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
 
 
-class TokenizeRequest(_Model):
-    model: str | None = None
+class TokenizeRequest(ChatFields):
+    """A raw `prompt`, or the fields of a chat request (messages, tools, tool_choice, chat_template_kwargs,
+    reasoning_effort...): then the prompt the chat route would run, every server change included."""
+
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    tools: list[Tool] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None  # type: ignore[assignment]
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Model):
