@@ -15,7 +15,8 @@ from glm53 import __version__
 
 # Order is the order of `glm53 --help`.
 COMMAND_MODULES = (
-    "glm53.server.cli",      # serve, bench stream
+    "glm53.serve.cli",       # serve
+    "glm53.server.cli",      # bench stream
     "glm53.planning_cli",    # plan, preflight
     "glm53.settings_cli",    # settings
     "glm53.fixture.cli",     # fixture

@@ -1,24 +1,10 @@
-"""`glm53 serve` and `glm53 bench stream`. Heavy imports (torch, FastAPI) happen inside the commands."""
+"""`glm53 bench stream` (moving to glm53/bench/); the engine comes from glm53.serve, like `glm53 serve`'s."""
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import logging
 import sys
 from typing import Any
-
-log = logging.getLogger("glm53.server")
-
-LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
-
-
-def register(sub: Any) -> None:
-    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (the demo model when none is configured)")
-    p.add_argument("--model", metavar="DIR", help="checkpoint directory (overrides GLM53_MODEL_DIR)")
-    p.add_argument("--host", help="bind address (overrides GLM53_HOST)")
-    p.add_argument("--port", type=int, help="TCP port (overrides GLM53_PORT)")
-    p.set_defaults(func=cmd_serve)
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -29,110 +15,15 @@ def register_bench(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_stream)
 
 
-class _DropUvicornStartupLine(logging.Filter):
-    """uvicorn says "Application startup complete" before the weights are loaded; launchers read that phrase
-    as "ready", so the app logs it itself once the model can answer."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Application startup complete")
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
-    logging.getLogger("uvicorn.error").addFilter(_DropUvicornStartupLine())
-    if level != "debug":
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per benchmark request is noise
-
-
-def uvicorn_log_config(level: str) -> dict:
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": LOG_FORMAT}},
-        "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stderr"}},
-        "loggers": {
-            "uvicorn": {"handlers": ["stderr"], "level": level.upper(), "propagate": False},
-            "uvicorn.access": {"handlers": ["stderr"], "level": "WARNING" if level != "debug" else "INFO",
-                               "propagate": False},
-        },
-    }
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def bind_refusal(settings: Any) -> str | None:
-    """Why start-up must refuse to bind, or None. An open, key-less API on a reachable address lets anyone
-    on the network run the model; that must be asked for explicitly."""
-    if is_loopback(settings.host) or settings.api_key or settings.allow_no_api_key:
-        return None
-    return (f"refusing to listen on {settings.host} without an API key: set GLM53_API_KEY (clients then send "
-            f"'Authorization: Bearer <key>'), or GLM53_ALLOW_NO_API_KEY=1 if the network in front is trusted.")
-
-
-def _settings(args: argparse.Namespace) -> Any:
-    from glm53 import settings as S
-
-    settings = S.load_or_exit()
-    overrides = {k: v for k, v in (("model_dir", getattr(args, "model", None)),
-                                   ("host", getattr(args, "host", None)),
-                                   ("port", getattr(args, "port", None))) if v is not None}
-    if "port" in overrides and not 1 <= overrides["port"] <= 65535:
-        print(f"glm53: --port {overrides['port']} is not a TCP port (1..65535)", file=sys.stderr)
-        raise SystemExit(2)
-    return settings.with_overrides(**overrides) if overrides else settings
-
-
-def _engine(settings: Any) -> Any:
-    from glm53.server.engines import EngineChoiceError, choose_engine
-
-    try:
-        choice = choose_engine(settings)
-    except EngineChoiceError as exc:
-        print(f"glm53: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    for line in choice.banner:
-        log.info("%s", line)
-    return choice.engine
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
-    setup_logging(settings.log_level)
-    refusal = bind_refusal(settings)
-    if refusal:
-        print(f"glm53: {refusal}", file=sys.stderr)
-        return 2
-    engine = _engine(settings)
-
-    import uvicorn
-
-    from glm53.server.app import create_app
-
-    app = create_app(engine, settings)
-    log.info("HTTP on http://%s:%s (model %s loading; /health answers now, /ready once loaded)",
-             settings.host, settings.port, settings.model_id)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(settings.log_level),
-                            timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    logging.getLogger("uvicorn.error").addFilter(_DropUvicornStartupLine())
-    server.run()
-    return 0
-
-
 def cmd_bench_stream(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    from glm53.serve.cli import settings_from_args, setup_logging, start_engine
+
+    settings = settings_from_args(args)
     setup_logging(settings.log_level)
     if args.tokens < 4 or args.runs < 1:
         print("glm53: bench stream needs --tokens >= 4 and --runs >= 1", file=sys.stderr)
         return 2
-    engine = _engine(settings)
+    engine = start_engine(settings)
     engine.load()
     try:
         from glm53.server.bench import report, run_stream_bench
