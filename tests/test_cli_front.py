@@ -1,0 +1,41 @@
+"""The `glm53` front door as a user meets it: through a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_")}
+    env.update(extra)
+    return env
+
+
+def test_a_closed_stdout_ends_quietly(tmp_path):
+    # `glm53 plan --json | head -1`: the reader is gone before the plan is printed.
+    p = subprocess.Popen([sys.executable, "-m", "glm53", "plan", "--json"], cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    p.wait(timeout=60)
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
+    assert p.returncode == 141
+
+
+def test_help_says_that_bare_glm53_serves():
+    p = subprocess.run([sys.executable, "-m", "glm53", "--help"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0
+    assert "with no command runs `glm53 serve`" in " ".join(p.stdout.split())
+
+
+def test_a_bad_bool_lists_the_accepted_words():
+    p = subprocess.run([sys.executable, "-m", "glm53", "plan"], cwd=ROOT, env=_env(GLM53_EXACT="maybe"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "GLM53_EXACT='maybe' is invalid" in p.stderr and "1/0, true/false, yes/no, on/off" in p.stderr
