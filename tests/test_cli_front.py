@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -39,3 +40,18 @@ def test_a_bad_bool_lists_the_accepted_words():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "GLM53_EXACT='maybe' is invalid" in p.stderr and "1/0, true/false, yes/no, on/off" in p.stderr
+
+
+def test_the_demo_plan_reports_the_context_the_demo_serves(tmp_path):
+    from glm53 import settings as S
+    from glm53.serve.choice import choose_engine
+
+    env = _env(GLM53_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-m", "glm53", "plan", "--json"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    out = json.loads(p.stdout)
+    assert out["mode"] == "demo" and "demo checkpoint" in out["reasons"]["kv_tokens"]
+    settings = S.load(environ={k: v for k, v in env.items() if k.startswith("GLM53_")}, dotenv=None)
+    choice = choose_engine(settings)
+    assert choice.demo and choice.engine.kind == "reference-cpu"  # this machine has no GPU
+    assert out["kv_tokens"] == choice.engine.context_length == 4096

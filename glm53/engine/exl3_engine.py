@@ -584,10 +584,12 @@ def engine_for_plan(model_dir: Path, settings: Any, plan: Any, shape: Any) -> Ex
 def demo_engine(cache_dir: Path, settings: Any) -> tuple[Exl3Engine, Path]:
     """The no-model demo on a GPU: the tiny EXL3 fixture, exact mode with a quarter of the experts in VRAM, so the
     demo exercises the tiers and PCIe lane like the real model does."""
+    from glm53.plan import DEMO_CONTEXT
+
     model_dir = ensure_exl3_demo_model(Path(cache_dir).expanduser())
     cfg = json.loads((model_dir / "config.json").read_text())
     text = cfg.get("text_config") or cfg
     experts = int(text.get("n_routed_experts") or text.get("num_experts") or 16)
     engine = Exl3Engine(model_dir, model_id=settings.model_id, mode="exact", slots_per_layer=max(1, experts // 4),
-                        kv_tokens=min(settings.context, 32768), max_running=settings.max_concurrency)
+                        kv_tokens=min(settings.context, DEMO_CONTEXT["gpu"]), max_running=settings.max_concurrency)
     return engine, model_dir
