@@ -92,3 +92,14 @@ def test_stopped_while_loading_says_so_and_never_ready(hf_model_dir, tmp_path):
     after = out.split("Application shutdown complete", 1)[1]
     assert "ready" not in after, out
     assert "the load is abandoned" in out
+
+
+def test_a_store_without_a_model_is_warned_about(tmp_path):
+    p = _run(["serve", "--port", str(_free_port())], {"GLM53_CACHE_DIR": str(tmp_path),
+                                                     "GLM53_STORE": str(tmp_path / "experts.glm53")})
+    try:
+        lines = _lines_until(p, "GLM53_STORE=")
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    assert lines[-1].startswith("WARNING") and "GLM53_MODEL_DIR is empty" in lines[-1]

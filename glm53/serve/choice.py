@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ class EngineChoice:
     model_dir: Path
     demo: bool
     banner: list[str]
+    warnings: list[str] = field(default_factory=list)
 
 
 def read_config(model_dir: Path) -> dict:
@@ -94,20 +95,32 @@ def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
 
 def choose_engine(settings: Any) -> EngineChoice:
     if not settings.model_dir:
-        from glm53.engine.exl3_engine import demo_engine, gpu_engine_available
+        choice = _demo(settings)
+        if settings.store:
+            choice.warnings.append(f"GLM53_STORE={settings.store} is ignored: GLM53_MODEL_DIR is empty, and the "
+                                   "demo model uses no store; set GLM53_MODEL_DIR to the checkpoint the store was "
+                                   "packed from (or unset GLM53_STORE)")
+        return choice
+    return _configured(settings)
 
-        if gpu_engine_available():
-            engine, model_dir = demo_engine(Path(settings.cache_dir), settings)
-            return EngineChoice(engine, model_dir, True, [DEMO_BANNER, f"demo checkpoint {model_dir} (synthetic EXL3) "
-                                                          "on the exllamav3 engine, exact mode (output is random text)"])
-        from glm53.engine.demo import ensure_demo_model
 
-        model_dir = ensure_demo_model(Path(settings.cache_dir))
-        config = read_config(model_dir)
-        banner = [DEMO_BANNER,
-                  f"demo checkpoint {model_dir} on the CPU reference backend (output is random text)"]
-        return EngineChoice(_reference(model_dir, settings, config), model_dir, True, banner)
+def _demo(settings: Any) -> EngineChoice:
+    from glm53.engine.exl3_engine import demo_engine, gpu_engine_available
 
+    if gpu_engine_available():
+        engine, model_dir = demo_engine(Path(settings.cache_dir), settings)
+        return EngineChoice(engine, model_dir, True, [DEMO_BANNER, f"demo checkpoint {model_dir} (synthetic EXL3) "
+                                                      "on the exllamav3 engine, exact mode (output is random text)"])
+    from glm53.engine.demo import ensure_demo_model
+
+    model_dir = ensure_demo_model(Path(settings.cache_dir))
+    config = read_config(model_dir)
+    banner = [DEMO_BANNER,
+              f"demo checkpoint {model_dir} on the CPU reference backend (output is random text)"]
+    return EngineChoice(_reference(model_dir, settings, config), model_dir, True, banner)
+
+
+def _configured(settings: Any) -> EngineChoice:
     model_dir = Path(settings.model_dir).expanduser()
     if not model_dir.is_dir():
         raise EngineChoiceError(f"GLM53_MODEL_DIR={settings.model_dir} is not a directory.")

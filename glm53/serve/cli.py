@@ -102,6 +102,8 @@ def start_engine(settings: Any) -> Any:
         raise SystemExit(2) from None
     for line in choice.banner:
         log.info("%s", line)
+    for line in choice.warnings:
+        log.warning("%s", line)
     return choice.engine
 
 
