@@ -55,3 +55,10 @@ def test_the_demo_plan_reports_the_context_the_demo_serves(tmp_path):
     choice = choose_engine(settings)
     assert choice.demo and choice.engine.kind == "reference-cpu"  # this machine has no GPU
     assert out["kv_tokens"] == choice.engine.context_length == 4096
+
+
+def test_fixture_help_gives_the_real_expert_size():
+    p = subprocess.run([sys.executable, "-m", "glm53", "fixture", "--help"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=60)
+    text = " ".join(p.stdout.split())
+    assert "288 experts of 9.04 MiB per layer" in text and "3K MiB" not in text
