@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
@@ -154,14 +153,3 @@ def test_a_store_in_ram_backed_storage_is_told_what_it_costs(ck, tmp_path, capsy
     assert main(["pack-store", "--model", str(ck), "--out", str(tmp_path / "s.glm53"), "--no-verify"]) == 0
     assert "which is RAM" not in capsys.readouterr().err
 
-
-def test_sigterm_mid_pack_exits_143_with_the_resume_hint(ck, tmp_path):
-    from test_store_pack import journaled, start_slow_pack
-
-    out = tmp_path / "s.glm53"
-    proc = start_slow_pack(ck, out)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 143, err
-    assert "interrupted after" in err and "rerun the same command" in err
-    assert not out.exists() and journaled(out) >= 3
