@@ -75,7 +75,9 @@ def test_an_ipv6_address_is_logged_with_brackets(hf_model_dir, tmp_path):
              {"GLM53_CACHE_DIR": str(tmp_path)})
     try:
         lines = _lines_until(p, "glm53 ready")
-        assert f"http://[::1]:{port}" in "\n".join(lines)
+        log = "\n".join(lines)
+        assert f"HTTP on http://[::1]:{port}" in log and f"Uvicorn running on http://[::1]:{port}" in log
+        assert f"at http://[::1]:{port}/v1" in lines[-1], log
         assert httpx.get(f"http://[::1]:{port}/health").status_code == 200
     finally:
         p.terminate()

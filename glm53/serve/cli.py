@@ -160,6 +160,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
              http_url(settings.host, settings.port), settings.model_id)
     config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level), timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    logging.getLogger("uvicorn.error").addFilter(_DropUvicornStartupLine())
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(_DropUvicornStartupLine())
+    # uvicorn names its address only when it binds it itself; the socket is listening already, so say it here.
+    uvicorn_log.info("Uvicorn running on %s (Press CTRL+C to quit)", http_url(settings.host, settings.port))
     server.run(sockets=[sock])
     return 0
