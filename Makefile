@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 GLM53  := $(VENV)/bin/glm53
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-gpu lint plan preflight settings fmt clean
+.PHONY: serve test test-gpu lint plan preflight settings fmt clean build-image
 
 $(STAMP): pyproject.toml setup.py docker/install.sh $(wildcard glm53/cpu_lane/*.cpp glm53/cpu_lane/*.h store/csrc/*.cpp store/csrc/*.h glm53/bench/*.cpp)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ preflight: $(STAMP)
 
 settings: $(STAMP)
 	$(GLM53) settings --write
+
+# The image README's Docker section builds; one CUDA arch (8.6 = RTX 30xx) compiles much faster than all of them.
+TORCH_CUDA_ARCH_LIST ?= 8.6
+build-image:
+	docker build --build-arg TORCH_CUDA_ARCH_LIST=$(TORCH_CUDA_ARCH_LIST) -t glm53 .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -3,7 +3,7 @@
 # Used by the Dockerfile, by `make` (into .venv) and by CI, so one script is what everyone proves.
 #   docker/install.sh [PYTHON] [EXTRAS]      e.g. docker/install.sh .venv/bin/python dev
 # Torch: a CPU build where there is no NVIDIA driver, else the CUDA build PyPI serves; TORCH_SPEC (and
-# TORCH_INDEX, the index for a CPU build) override.
+# TORCH_INDEX, the index for a CPU build) override. The line "install: torch... from ..." says which index.
 set -euo pipefail
 python=${1:-python3}
 extras=${2:-}
@@ -16,16 +16,31 @@ if [ -z "${TORCH_SPEC:-}" ]; then
   else
     TORCH_SPEC="torch==2.13.0"   # enough for the demo and tests
     # PyPI's Linux wheel of torch is the CUDA build (several GB of libraries): take the CPU build from
-    # PyTorch's own index; a machine that cannot reach it (an offline mirror) falls back to its configured one.
+    # PyTorch's own index; a machine that cannot reach it (an offline mirror) uses its configured one.
     TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
   fi
 fi
 if ! "$python" -c "import torch" >/dev/null 2>&1; then
-  echo "install: $TORCH_SPEC${TORCH_INDEX:+ from $TORCH_INDEX}"
-  if [ -z "${TORCH_INDEX:-}" ] || ! "${pip[@]}" --retries 1 --timeout 30 --index-url "$TORCH_INDEX" "$TORCH_SPEC"; then
-    [ -n "${TORCH_INDEX:-}" ] && echo "install: $TORCH_INDEX not usable here; $TORCH_SPEC from the configured index"
-    "${pip[@]}" "$TORCH_SPEC"
+  # Decide the index once, with one short probe: pip itself would retry an unreachable index for minutes,
+  # printing a "Retrying" warning each time, before anything could fall back.
+  index=()
+  from="the configured index (${PIP_INDEX_URL:-pip.conf or PyPI})"
+  if [ -n "${TORCH_INDEX:-}" ]; then
+    if "$python" - "$TORCH_INDEX" >/dev/null 2>&1 <<'PY'
+import sys
+import urllib.request
+
+urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5).close()
+PY
+    then
+      index=(--index-url "$TORCH_INDEX")
+      from=$TORCH_INDEX
+    else
+      from="$from, as $TORCH_INDEX is not reachable from here"
+    fi
   fi
+  echo "install: $TORCH_SPEC from $from"
+  "${pip[@]}" "${index[@]}" "$TORCH_SPEC"
 fi
 target="$root"
 [ -n "$extras" ] && target="${root}[${extras}]"

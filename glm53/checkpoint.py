@@ -276,6 +276,7 @@ class VerifyResult:
     warnings: list[str] = field(default_factory=list)
     unverified: list[str] = field(default_factory=list)  # lock entries whose size or hash the lock does not know
     hashed: list[str] = field(default_factory=list)
+    unhashed: list[str] = field(default_factory=list)  # size matched; the lock's sha256 not checked (quick check)
     repaired: int = 0
     tensors: int = 0
 
@@ -283,7 +284,11 @@ class VerifyResult:
         return not self.problems and not (strict and self.unverified)
 
 
-def verify(root: Path, lock: Lock, *, repair: bool = False, progress: bool = True) -> VerifyResult:
+def verify(root: Path, lock: Lock, *, repair: bool = False, progress: bool = True, hash_limit: int | None = None,
+           missing_index_entries_are_problems: bool = True) -> VerifyResult:
+    """Check `root` against `lock`. hash_limit: files larger than this are checked by size only (the quick
+    check at start-up). missing_index_entries_are_problems=False reports them as a warning (exllamav3 reads
+    the headers, so serving does not need the index repaired)."""
     root = Path(root)
     r = VerifyResult()
     if not root.is_dir():
@@ -304,8 +309,10 @@ def verify(root: Path, lock: Lock, *, repair: bool = False, progress: bool = Tru
             r.problems.append(f"{name}: {p.stat().st_size} bytes, the lock says {e.size} "
                               f"({'truncated' if p.stat().st_size < e.size else 'too long'})")
             continue
-        if e.sha256 is not None:
+        if e.sha256 is not None and (hash_limit is None or p.stat().st_size <= hash_limit):
             to_hash[name] = target
+        elif e.sha256 is not None:
+            r.unhashed.append(name)
         if not lock.fully_known(name):
             r.unverified.append(name)
     extra = sorted(on_disk - set(lock.files))
@@ -352,13 +359,72 @@ def verify(root: Path, lock: Lock, *, repair: bool = False, progress: bool = Tru
             repair_index(root, rep.missing)
             r.repaired = len(rep.missing)
             r.warnings.append(msg + f"; added them to the index ({INDEX}{UPSTREAM_SUFFIX} keeps the upstream one)")
-        else:
+        elif missing_index_entries_are_problems:
             r.problems.append(msg + "; fix: glm53 model verify DIR --repair-index")
+        else:
+            r.warnings.append(msg + f"; fix: glm53 model verify {root} --repair-index")
     if upstream_index and (why := _repaired_index_ok(root, where)) is not None:
         r.problems.append(f"{INDEX} differs from the upstream index in ways a repair does not explain: {why}")
     if not rep.present and len(list(root.glob("*.safetensors"))) > 1:
         r.warnings.append(f"no {INDEX}: exllamav3 does not need it, but loaders that read it will fail")
     return r
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Which lock applies, and the quick check at start-up
+
+QUICK_HASH_LIMIT = 16 << 20   # at start-up only the small files (config, index, tokenizer) are hashed
+
+
+def claims_pinned(config: dict) -> bool:
+    """Does config.json describe GLM-5.3-Flash (its layer count, width and experts)? Generated test checkpoints,
+    narrower or shallower, do not, so no lock applies to them."""
+    from glm53.shape import DEFAULT_SHAPE as real
+
+    text = config.get("text_config") or config
+    try:
+        dims = (int(text["num_hidden_layers"]), int(text["hidden_size"]),
+                int(text.get("n_routed_experts") or text["num_experts"]))
+    except (KeyError, TypeError, ValueError):
+        return False
+    return dims == (real.layers, real.hidden, real.experts_per_layer)
+
+
+def lock_for(root: Path, config: dict, locks: Path = DATA_DIR) -> Lock | None:
+    """The shipped lock this checkpoint claims to match: one whose config.json sha256 is the checkpoint's, or,
+    where a lock does not know that hash, any lock when the config has the pinned model's shape."""
+    config_path = Path(root) / "config.json"
+    digest = hashlib.sha256(config_path.read_bytes()).hexdigest() if config_path.is_file() else None
+    claims = claims_pinned(config)
+    for path in sorted(Path(locks).glob("*.lock.json")):
+        lock = load_lock(path)
+        known = lock.files.get("config.json")
+        if (known and known.sha256 and known.sha256 == digest) or claims:
+            return lock
+    return None
+
+
+def quick_check(root: Path, lock: Lock) -> VerifyResult:
+    """What start-up can afford: names and sizes against the lock, the small files' sha256, the headers against
+    the index. Weights are not hashed (glm53 model verify does that)."""
+    return verify(root, lock, progress=False, hash_limit=QUICK_HASH_LIMIT, missing_index_entries_are_problems=False)
+
+
+def quick_check_lines(r: VerifyResult, lock: Lock, root: Path) -> list[str]:
+    """The start-up log lines of a quick check that found no problem: never "verified" for what was not."""
+    lines = [f"checkpoint identity: {root} has the names and sizes of {lock.pinned} that its lock knows"
+             f"{f', and the sha256 of {len(r.hashed)} small files' if r.hashed else ''}"]
+    if r.unverified:
+        lines.append(f"checkpoint identity NOT VERIFIED: the lock knows neither size nor sha256 of "
+                     f"{len(r.unverified)} file(s) ({', '.join(r.unverified[:4])}{', …' if len(r.unverified) > 4 else ''})"
+                     f": only their presence was checked")
+    if r.unhashed:
+        lines.append(f"checkpoint identity: sha256 of {len(r.unhashed)} weight file(s) not checked at start-up: "
+                     f"run `glm53 model verify {root}` for that")
+    if not lock.complete:
+        lines.append("checkpoint identity NOT VERIFIED for files the lock does not name (its file list is incomplete)")
+    lines += [f"checkpoint warning: {w}" for w in r.warnings]
+    return lines
 
 
 def report(r: VerifyResult, lock: Lock, root: Path, strict: bool) -> str:

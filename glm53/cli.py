@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from glm53 import __version__
 
 # Order is the order of `glm53 --help`.
 COMMAND_MODULES = (
+    "glm53.serve.cli",       # serve
     "glm53.bench",           # bench: every benchmark
-    "glm53.server.cli",      # serve
     "glm53.planning_cli",    # plan, preflight
     "glm53.settings_cli",    # settings
     "glm53.fixture.cli",     # fixture
@@ -25,8 +26,12 @@ COMMAND_MODULES = (
 )
 
 
+BARE_SERVES = "`glm53` with no command runs `glm53 serve` (what the container does by default)."
+EXIT_SIGPIPE = 141  # what a shell reports for a program ended by SIGPIPE (`glm53 plan --json | head`)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="glm53", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="glm53", description=__doc__.splitlines()[0], epilog=BARE_SERVES)
     parser.add_argument("--version", action="version", version=f"glm53 {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     bench = None
@@ -49,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         # Bare `glm53` serves: that is what the container does by default.
         args = parser.parse_args(["serve"])
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader of stdout closed it (`| head`): nothing left to say and no one to say it to. Point stdout
+        # at /dev/null so the interpreter's final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_SIGPIPE
     except KeyboardInterrupt:
         print("glm53: interrupted", file=sys.stderr)
         return 130

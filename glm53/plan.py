@@ -612,6 +612,11 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
                 reasons, engine=spec)
 
 
+# The demo checkpoints' windows: the CPU one (glm53.engine.demo's config, 4,096 positions) and what
+# glm53.engine.exl3_engine.demo_engine gives the synthetic EXL3 one. The demo serves min(GLM53_CONTEXT, this).
+DEMO_CONTEXT = {"cpu": 4096, "gpu": 32768}
+
+
 def _demo_plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
     """No model configured: serve the generated tiny model, and say what the real model would get here."""
     warnings: list[str] = []
@@ -635,5 +640,9 @@ def _demo_plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
     }
     if gpu is None:
         reasons["cpu_threads"] = f"{threads}: physical cores minus one, for the CPU reference backend"
+    window = DEMO_CONTEXT["gpu" if gpu else "cpu"]
+    kv_tokens = min(settings.context, window)
+    reasons["kv_tokens"] = (f"{kv_tokens} tokens: GLM53_CONTEXT={settings.context}, capped by the demo "
+                            f"checkpoint's {window}-token window")
     return Plan("demo", device, gpu.index if gpu else None, gpu.name if gpu else None, 0, 0, 0, 0, 0, threads, 0,
-                settings.context, "demo", None, warnings, reasons, real_model)
+                kv_tokens, "demo", None, warnings, reasons, real_model)

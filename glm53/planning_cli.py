@@ -275,18 +275,24 @@ def check_pinning(plan: P.Plan | None, facts: H.HostFacts) -> Check:
                               f"{P.gib(free)} free of {P.gib(total)} VRAM")
 
 
+RAM_FS = ("tmpfs", "ramfs")
+
+
 def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings) -> Check:
-    """O_DIRECT-read up to 256 MiB of the store with a page-aligned buffer, and time it."""
+    """O_DIRECT-read up to 256 MiB of the store with a page-aligned buffer, and time it. A store the user named
+    that cannot be read this way blocks (serving would refuse it), unless buffered reads are allowed."""
     st = facts.store
     if st is None:
         return Check("o_direct", "skip", "no store configured (GLM53_STORE is empty)")
-    blocks = plan is not None and plan.mode in ("nvme", "nvme-exact") and not settings.allow_buffered_reads
     if not st.exists:
         return Check("o_direct", "fail", f"store {st.path} not found: run the pack-store container first: "
-                                         f"{P.pack_store_command(st.path)}", blocks)
+                                         f"{P.pack_store_command(st.path)}", True)
     if not st.odirect:
-        return Check("o_direct", "fail", f"{st.path} on {st.fstype}: {st.odirect_how}: put the store on ext4 or xfs",
-                     blocks)
+        if settings.allow_buffered_reads:
+            return Check("o_direct", "fail", f"{st.path} on {st.fstype}: {st.odirect_how}: served with buffered "
+                                             f"reads (GLM53_ALLOW_BUFFERED_READS=1), slower; ext4 or xfs is faster")
+        return Check("o_direct", "fail", f"{st.path} on {st.fstype}: {st.odirect_how}: put the store on ext4 or xfs "
+                                         f"(or set GLM53_ALLOW_BUFFERED_READS=1 to serve it slower, buffered)", True)
     chunk, total = 8 * P.MIB, min(256 * P.MIB, (st.size or 0) // H.ODIRECT_BLOCK * H.ODIRECT_BLOCK)
     fd = os.open(st.path, os.O_RDONLY | os.O_DIRECT)
     buf = mmap.mmap(-1, chunk)
@@ -299,7 +305,7 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
             done += got
         secs = time.perf_counter() - t0
     except OSError as exc:
-        return Check("o_direct", "fail", f"O_DIRECT read of {st.path} failed: {exc.strerror}", blocks)
+        return Check("o_direct", "fail", f"O_DIRECT read of {st.path} failed: {exc.strerror}", True)
     finally:
         buf.close()
         os.close(fd)
@@ -308,12 +314,30 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
     return Check("o_direct", "ok", f"{st.odirect_how}{rate}")
 
 
+def check_store_place(facts: H.HostFacts, settings: S.Settings) -> Check:
+    """Where the store lives: a store without a model is unused, and one in RAM-backed storage costs its size
+    in RAM (the mount table's fs type says which)."""
+    st = facts.store
+    if st is None:
+        return Check("store_fs", "skip", "no store configured")
+    if not settings.model_dir:
+        return Check("store_fs", "fail", f"GLM53_STORE={settings.store} is set but GLM53_MODEL_DIR is empty: the "
+                                         "demo model does not use a store; set GLM53_MODEL_DIR to the checkpoint "
+                                         "the store was packed from (or unset GLM53_STORE)", True)
+    if st.fstype in RAM_FS:
+        held = P.gib(st.size) if st.size else "the whole store"
+        return Check("store_fs", "fail", f"{st.path} is on {st.fstype} ({st.mount_point}), which is RAM: {held} "
+                                         "stay in RAM, counting against the memory an nvme mode is meant to save; "
+                                         "put the store on an NVMe drive (ext4 or xfs)")
+    return Check("store_fs", "ok", f"{st.path} on {st.fstype or 'an unknown filesystem'}")
+
+
 def check_store_header(plan: P.Plan | None, settings: S.Settings, model_dir: str | None) -> Check:
     """Decode the store's header and sample records (store.verify's quick check, as start-up runs it)."""
     path = settings.store
     if not path:
         return Check("store", "skip", "no store configured")
-    blocks = plan is not None and plan.mode in ("nvme", "nvme-exact")
+    blocks = True  # the user named this store: a damaged one is never "fine for now"
     try:
         from store import format as store_format
     except ImportError as exc:
@@ -339,7 +363,8 @@ def check_store_header(plan: P.Plan | None, settings: S.Settings, model_dir: str
 def run_preflight(args) -> int:
     inp = gather(args, "/")
     plan, out = make_plan(inp)
-    checks = [check_pinning(plan, inp.facts), check_odirect(plan, inp.facts, inp.settings),
+    checks = [check_pinning(plan, inp.facts), check_store_place(inp.facts, inp.settings),
+              check_odirect(plan, inp.facts, inp.settings),
               check_store_header(plan, inp.settings, inp.settings.model_dir if inp.model_mounted else None)]
     blocked = [c for c in checks if c.status == "fail" and c.blocks]
     out["checks"] = [c.to_json() for c in checks]

@@ -29,6 +29,9 @@ class SettingsError(ValueError):
         self.warnings = list(warnings or [])
 
 
+BOOL = "bool: 1/0, true/false, yes/no, on/off"
+
+
 def _bool(text: str) -> bool:
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -75,6 +78,13 @@ def _text(text: str) -> str:
     return text.strip()
 
 
+def _host(text: str) -> str:
+    value = text.strip()
+    if not value:
+        raise ValueError("empty")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text.strip())
     if not 1 <= value <= 65535:
@@ -98,14 +108,15 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("GLM53_STORE", "", "Expert record store file made by pack-store; needed by the nvme modes."),
     Setting("GLM53_MODE", "auto", "auto picks from the host; or force fast, exact, nvme, nvme-exact.",
             _choice(MODES), " | ".join(MODES)),
-    Setting("GLM53_EXACT", "0", "In auto mode, prefer the bit-exact variant (exact / nvme-exact).", _bool, "bool"),
-    Setting("GLM53_HOST", "127.0.0.1", "Address the HTTP server binds to."),
+    Setting("GLM53_EXACT", "0", "In auto mode, prefer the bit-exact variant (exact / nvme-exact).", _bool, BOOL),
+    Setting("GLM53_HOST", "127.0.0.1", "Address the HTTP server binds to.", _host,
+            "an address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every interface)"),
     Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),
     Setting("GLM53_MODEL_ID", "glm-5.3-flash", "Model id reported by /v1/models and accepted in requests."),
-    Setting("GLM53_API_KEY", "", "If set, every /v1 request needs 'Authorization: Bearer <key>'."),
+    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>'."),
     Setting("GLM53_ALLOW_NO_API_KEY", "0",
             "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
-            _bool, "bool"),
+            _bool, BOOL),
     Setting("GLM53_CONTEXT", "131072", "Context window in tokens (KV cache size); the plan may lower it to fit.",
             _int_at_least(256), "integer >= 256"),
     Setting("GLM53_REASONING_BUDGET", "4096",
@@ -126,7 +137,7 @@ SCHEMA: tuple[Setting, ...] = (
             _int_at_least(0), "integer >= 0"),
     Setting("GLM53_ALLOW_BUFFERED_READS", "0",
             "Let the store reader fall back to buffered reads where O_DIRECT is unsupported (slower; warned).",
-            _bool, "bool"),
+            _bool, BOOL),
     Setting("GLM53_CACHE_DIR", "~/.cache/glm53",
             "Where the demo model, routing statistics and calibration are kept between runs."),
     Setting("GLM53_LOG_LEVEL", "info", "Log verbosity.", _choice(LOG_LEVELS), " | ".join(LOG_LEVELS)),

@@ -8,10 +8,56 @@ Imports stay inside the commands: the front door imports this module at every st
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_UNSOUND, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_UNSOUND, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
+# statfs(2) f_type of the RAM-backed filesystems
+RAM_FS = {0x01021994: "tmpfs", 0x858458F6: "ramfs"}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `docker stop` sends), taken like Ctrl-C: the work so far is kept and the resume hint said."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave the signal alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def ram_fs(path: Path) -> str | None:
+    """"tmpfs" / "ramfs" when `path` (or, while it does not exist yet, its directory) is on a RAM-backed
+    filesystem, from statfs(2)'s f_type (what the kernel says, whatever the path or mount table look like)."""
+    target = path if path.exists() else path.parent
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if libc.statfs(os.fsencode(target), buf) != 0:
+        return None
+    return RAM_FS.get(ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF)
+
+
+def ram_fs_cost(path: Path, fs: str, size: int | None) -> str:
+    held = f"its {size / 2**30:.1f} GiB" if size else "the whole store"
+    return (f"{path} is on {fs}, which is RAM: {held} stay in RAM, counting against the memory an nvme mode "
+            f"is meant to save (the page cache it bypasses is replaced by the file itself); put the store on an "
+            f"NVMe drive (ext4 or xfs)")
 
 
 def register(sub) -> None:
@@ -64,10 +110,16 @@ def cmd_pack(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    fs = ram_fs(args.out)
+    if fs:
+        log(f"warning: {ram_fs_cost(args.out, fs, None)}")
     try:
-        result = pack_store(opts, log=log, warn=lambda m: log(f"warning: {m}"))
+        with _sigterm_as_interrupt():
+            result = pack_store(opts, log=log, warn=lambda m: log(f"warning: {m}"))
     except PackInterrupted as exc:
         _err("pack-store", exc)
+        if isinstance(exc.__cause__, Terminated):
+            return EXIT_TERMINATED
         return EXIT_INTERRUPTED if isinstance(exc.__cause__, KeyboardInterrupt) else EXIT_UNSOUND
     except StoreError as exc:
         _err("pack-store", exc)
@@ -82,7 +134,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from store.verify import full_verify, quick_verify
+    from store.verify import full_verify, pack_command, quick_verify
 
     settings = _settings()
     path = args.path or (Path(settings.store) if settings.store else None)
@@ -94,6 +146,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     def warn(msg: str) -> None:
         print(f"glm53 verify-store: warning: {msg}", file=sys.stderr)
+
+    if not path.is_file():
+        what = "is a directory, not a store file" if path.is_dir() else "does not exist"
+        print(f"glm53 verify-store: error: {path} {what}: nothing was checked\n"
+              f"  fix: pass the store file pack-store wrote, or make it: {pack_command(path, model)}", file=sys.stderr)
+        return EXIT_UNSOUND
+    fs = ram_fs(path)
+    if fs:
+        warn(ram_fs_cost(path, fs, path.stat().st_size))
 
     if args.quick:
         rep = quick_verify(path, model, sample=args.sample, allow_buffered=settings.allow_buffered_reads, warn=warn)

@@ -353,11 +353,14 @@ def test_cli_preflight_on_this_machine(tmp_path):
                           capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     out = json.loads(done.stdout)
-    assert out["mode"] == "demo" and done.returncode == 0 and out["blocked"] is False
+    # A store the user named is checked as if it were served: without a model it is unused, and this one is junk.
+    assert out["mode"] == "demo" and done.returncode == 2 and out["blocked"] is True
     checks = {c["name"]: c for c in out["checks"]}
-    assert set(checks) == {"pin", "o_direct", "store"}
+    assert set(checks) == {"pin", "store_fs", "o_direct", "store"}
     assert checks["o_direct"]["detail"].startswith("probe:")
-    assert checks["store"]["status"] in ("fail", "skip") and not checks["store"]["blocks"]
+    assert checks["store_fs"]["blocks"] and "GLM53_MODEL_DIR is empty" in checks["store_fs"]["detail"]
+    assert checks["store"]["status"] == "fail" and checks["store"]["blocks"]
+    assert "preflight: store_fs: GLM53_STORE=" in done.stderr and "preflight: store: " in done.stderr
 
 
 # ---------------------------------------------------------------- the pin proof (preflight and start-up)

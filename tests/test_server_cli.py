@@ -16,9 +16,9 @@ import pytest
 
 from glm53 import settings as S
 from glm53.cli import build_parser
-from glm53.server import cli as server_cli
-from glm53.server import engines
-from glm53.server.engines import EngineChoiceError, choose_engine
+from glm53.serve import choice as engines
+from glm53.serve import cli as serve_cli
+from glm53.serve.choice import EngineChoiceError, choose_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def settings(**env: str):
     ("0.0.0.0", {"allow_no_api_key": "1"}, False),
 ])
 def test_bind_refusal(host, env, refused):
-    reason = server_cli.bind_refusal(settings(host=host, **env))
+    reason = serve_cli.bind_refusal(settings(host=host, **env))
     assert (reason is not None) == refused
     if refused:
         assert "GLM53_API_KEY" in reason and "GLM53_ALLOW_NO_API_KEY=1" in reason
@@ -46,7 +46,7 @@ def test_bind_refusal(host, env, refused):
 def test_commands_are_registered():
     parser = build_parser()
     args = parser.parse_args(["serve", "--model", "/m", "--host", "127.0.0.1", "--port", "8001"])
-    assert args.func is server_cli.cmd_serve and (args.model, args.port) == ("/m", 8001)
+    assert args.func is serve_cli.cmd_serve and (args.model, args.port) == ("/m", 8001)
     from glm53.bench import cli as bench_cli
 
     args = parser.parse_args(["bench", "stream", "--tokens", "64"])

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 
 from glm53.cli import main
@@ -61,8 +65,9 @@ def test_verify_store_takes_the_settings(ck, tmp_path, capsys, monkeypatch):
 
 def test_missing_store_and_missing_model(tmp_path, capsys):
     assert main(["verify-store", str(tmp_path / "none.glm53")]) == 1
-    o = capsys.readouterr().out
-    assert "does not exist" in o and "glm53 pack-store" in o
+    o = capsys.readouterr()
+    assert "does not exist: nothing was checked" in o.err and "glm53 pack-store" in o.err
+    assert "0 of 0 records" not in o.out + o.err
     assert main(["pack-store", "--model", str(tmp_path / "nomodel"), "--out", str(tmp_path / "s")]) == 1
     e = capsys.readouterr().err
     assert "error: model directory" in e and "fix:" in e
@@ -112,3 +117,36 @@ def test_the_store_never_imports_torch():
     assert subprocess.run([sys.executable, "-c", code], cwd=repo).returncode == 0
     for p in (repo / "store").glob("*.py"):
         assert "import torch" not in p.read_text(), p
+
+
+def _dev_shm_dir(tmp_path):
+    from store.cli import ram_fs
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or ram_fs(shm) != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm here")
+    d = shm / f"glm53-test-{os.getpid()}-{tmp_path.name}"
+    d.mkdir()
+    return d
+
+
+def test_a_store_in_ram_backed_storage_is_told_what_it_costs(ck, tmp_path, capsys, monkeypatch):
+    d = _dev_shm_dir(tmp_path)
+    monkeypatch.setenv("GLM53_ALLOW_BUFFERED_READS", "1")  # kernels before 6.6: tmpfs has no O_DIRECT
+    try:
+        out = d / "experts.glm53"
+        assert main(["pack-store", "--model", str(ck), "--out", str(out), "--no-verify"]) == 0
+        err = capsys.readouterr().err
+        assert f"{out} is on tmpfs, which is RAM" in err and "counting against the memory" in err
+        assert main(["verify-store", str(out), "--model", str(ck), "--quick"]) == 0
+        err = capsys.readouterr().err
+        assert "is on tmpfs, which is RAM: its" in err and "GiB stay in RAM" in err
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    # ... and a store on a disk is not (tmp_path is not tmpfs here, or the test above proves nothing)
+    from store.cli import ram_fs
+
+    assert ram_fs(tmp_path) is None or pytest.skip("tmp_path is on tmpfs here")
+    assert main(["pack-store", "--model", str(ck), "--out", str(tmp_path / "s.glm53"), "--no-verify"]) == 0
+    assert "which is RAM" not in capsys.readouterr().err
+

@@ -466,12 +466,13 @@ def test_sigkill_mid_pack_then_resume(ck, clean, tmp_path):
     assert out.read_bytes() == clean.read_bytes()
 
 
-def test_ctrl_c_mid_pack_exits_130_and_resumes(ck, clean, tmp_path):
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])  # Ctrl-C; docker stop
+def test_ctrl_c_or_sigterm_mid_pack_exits_with_the_hint_and_resumes(ck, clean, tmp_path, sig, status):
     out = tmp_path / "s.glm53"
     proc = start_slow_pack(ck, out)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130, err
+    assert proc.returncode == status, err
     assert "interrupted after" in err and "rerun the same command" in err
     assert not out.exists() and journaled(out) >= 3
     res = pack_store(opts(ck, out), log=Log())

@@ -54,14 +54,14 @@ def register_stream(bench_sub: Any) -> None:
 
 def cmd_bench_stream(args: argparse.Namespace) -> int:
     # The serve path's own settings and engine choice, so the bench streams from what `glm53 serve` would run.
-    from glm53.server.cli import _engine, _settings, setup_logging
+    from glm53.serve.cli import settings_from_args, setup_logging, start_engine
 
-    settings = _settings(args)
+    settings = settings_from_args(args)
     setup_logging(settings.log_level)
     if args.tokens < 4 or args.runs < 1:
         print("glm53: bench stream needs --tokens >= 4 and --runs >= 1", file=sys.stderr)
         return 2
-    engine = _engine(settings)
+    engine = start_engine(settings)
     engine.load()
     try:
         from glm53.bench.stream import report, run_stream_bench

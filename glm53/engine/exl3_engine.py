@@ -36,7 +36,6 @@ from glm53.spec import PAGE, EngineSpec, engine_spec
 
 log = logging.getLogger("glm53.engine")
 
-DEMO_KV_TOKENS = 32768  # the GPU demo's KV cache: plenty for trying the API, small beside any card
 
 EXL3_DEMO_DIR = "demo-model-exl3"
 EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
@@ -525,12 +524,13 @@ def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Exl3Engine:
 def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineSpec:
     """The no-model demo on a GPU: the tiny EXL3 fixture in exact mode with a quarter of its experts in VRAM, so
     the demo exercises the tiers and the PCIe lane like the real model does."""
+    from glm53.plan import DEMO_CONTEXT
     from glm53.shape import from_checkpoint
 
     shape = from_checkpoint(model_dir)
     return engine_spec("exact", moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,
                        top_k=shape.top_k, vram_slots=max(1, shape.experts_per_layer // 4),
-                       kv_tokens=min(settings.context, DEMO_KV_TOKENS),
+                       kv_tokens=min(settings.context, DEMO_CONTEXT["gpu"]),
                        context=min(settings.context, shape.max_context or settings.context),
                        max_concurrency=settings.max_concurrency, device=device, split="a quarter of each layer")
 

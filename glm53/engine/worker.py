@@ -137,7 +137,7 @@ class WorkerEngine(ABC):
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         from glm53.fixture.hf import quiet_transformers
-        from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN
+        from glm53.markup import THINK_CLOSE, THINK_OPEN
 
         with quiet_transformers():
             self._hf_tok = AutoTokenizer.from_pretrained(self.model_dir)

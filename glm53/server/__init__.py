@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server: `create_app(engine, settings)`; `glm53 serve` lives in server.cli."""
+"""The OpenAI-compatible HTTP server: `create_app(engine, settings)`; `glm53 serve` lives in glm53.serve."""
 
 from __future__ import annotations
 
@@ -12,4 +12,9 @@ def create_app(engine: Any, settings: Any, **kw: Any) -> Any:
     return _create_app(engine, settings, **kw)
 
 
-__all__ = ["create_app"]
+def http_url(host: str, port: int) -> str:
+    """The URL a client would use; an IPv6 literal needs brackets (http://[::1]:30000)."""
+    return f"http://[{host.strip('[]')}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+__all__ = ["create_app", "http_url"]

@@ -8,21 +8,23 @@ which is what launchers that parse the log wait for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
-from glm53.server import chat_api, completions_api, errors
+from glm53.server import chat_api, completions_api, errors, http_url
 from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
 from glm53.server.errors import APIError, bad_request
 from glm53.server.metrics import Metrics
@@ -136,22 +138,66 @@ async def _drain(receive: Receive, most: int) -> None:
         seen += len(message.get("body", b""))
 
 
-def _api_key_dependency(key: str):
-    async def require_key(request: Request) -> None:
-        if not key:
-            return
-        auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>'.",
-                           code="invalid_api_key")
+# What answers without the key: liveness and readiness probes, and the Prometheus scrape (docs/configuration.md).
+OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
 
-    return require_key
+
+class ApiKeyGate:
+    """With GLM53_API_KEY set, every route but OPEN_ROUTES needs 'Authorization: Bearer <key>' (the docs and
+    /stats included). Pure ASGI, so the key is checked before the body is read: a client without the key
+    learns nothing about what it sent."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    def allowed(self, scope: Scope) -> bool:
+        if not self.key or scope.get("path", "") in OPEN_ROUTES:
+            return True
+        auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>'.",
+                       code="invalid_api_key")
+        body = json.dumps(err.body()).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def _shard_count(engine: Engine) -> int:
     model_dir = getattr(engine, "model_dir", None)
     return len(list(Path(model_dir).glob("*.safetensors"))) if model_dir else 0
+
+
+async def _in_daemon_thread(fn: Any) -> None:
+    """Run fn in a daemon thread and await it. Not asyncio.to_thread: the interpreter joins those at exit, so a
+    server stopped mid-load would wait for the whole load and then log the engine's "ready" after shutdown.
+    A load abandoned this way dies with the process (nothing it holds outlives it)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(exc: BaseException | None) -> None:
+        if not done.done():
+            done.set_exception(exc) if exc is not None else done.set_result(None)
+
+    def run() -> None:
+        try:
+            fn()
+            result = None
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped meanwhile
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name="glm53-load", daemon=True).start()
+    await done
 
 
 async def _load_in_background(state: ServerState, on_ready: Any) -> None:
@@ -162,7 +208,7 @@ async def _load_in_background(state: ServerState, on_ready: Any) -> None:
     if shards:
         log.info("Loading safetensors checkpoint shards: 0%% Completed | 0/%d", shards)
     try:
-        await asyncio.to_thread(engine.load)
+        await _in_daemon_thread(engine.load)
     except Exception as exc:  # noqa: BLE001 - keep serving /health and a clear 503 instead of dying silently
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("model load failed: %s", state.load_error, exc_info=exc)
@@ -176,10 +222,9 @@ async def _load_in_background(state: ServerState, on_ready: Any) -> None:
 def _announce_ready(state: ServerState) -> None:
     s = state.settings
     log.info("Application startup complete")
-    host = getattr(s, "host", "127.0.0.1")
-    port = getattr(s, "port", 30000)
-    log.info("glm53 ready: serving %s (%s engine, context %d) at http://%s:%s/v1", state.model_id,
-             state.engine.kind, state.engine.context_length, host, port)
+    url = http_url(getattr(s, "host", "127.0.0.1"), getattr(s, "port", 30000))
+    log.info("glm53 ready: serving %s (%s engine, context %d) at %s/v1", state.model_id,
+             state.engine.kind, state.engine.context_length, url)
 
 
 def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = None) -> FastAPI:
@@ -204,17 +249,21 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
         try:
             yield
         finally:
-            if loader is not None and not loader.done():
+            loading = loader is not None and not loader.done()
+            if loading:
+                # Closing an engine mid-load races the load; the process is about to end, which frees it all.
                 loader.cancel()
-            if owns:
+                log.info("stopped while the model was loading: the load is abandoned")
+            elif owns:
                 await asyncio.to_thread(engine.close)
 
     app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API serving GLM-5.3-Flash.")
     app.state.glm53 = state
     errors.install(app)
+    # Added first, so inside the metrics: refused requests are counted too.
+    app.add_middleware(ApiKeyGate, key=getattr(settings, "api_key", "") or "")
     app.add_middleware(RequestMetrics, state=state)
-    auth = [Depends(_api_key_dependency(getattr(settings, "api_key", "") or ""))]
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, str]:
@@ -236,26 +285,26 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
         return {"id": state.model_id, "object": "model", "created": int(metrics.started), "owned_by": "glm53",
                 "max_model_len": engine.context_length}
 
-    @app.get("/v1/models", dependencies=auth, tags=["openai"])
+    @app.get("/v1/models", tags=["openai"])
     async def list_models() -> dict[str, Any]:
         # Launchers treat a 200 here as "ready": answer 503 until the model can generate.
         check_ready(state)
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model}", dependencies=auth, tags=["openai"])
+    @app.get("/v1/models/{model}", tags=["openai"])
     async def get_model(model: str) -> dict[str, Any]:
         check_model(state, model)
         return model_card()
 
-    @app.post("/v1/chat/completions", dependencies=auth, tags=["openai"])
+    @app.post("/v1/chat/completions", tags=["openai"])
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await chat_api.chat_completions(state, request, body)
 
-    @app.post("/v1/completions", dependencies=auth, tags=["openai"])
+    @app.post("/v1/completions", tags=["openai"])
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await completions_api.completions(state, request, body)
 
-    @app.post("/tokenize", dependencies=auth, tags=["extras"])
+    @app.post("/tokenize", tags=["extras"])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         """Token ids of a raw `prompt`, or of `messages` rendered with the chat template."""
         check_model(state, body.model)
@@ -272,7 +321,7 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
         return {"tokens": chat.ids, "count": len(chat.ids), "max_model_len": engine.context_length,
                 "prompt": chat.prompt.text}
 
-    @app.post("/detokenize", dependencies=auth, tags=["extras"])
+    @app.post("/detokenize", tags=["extras"])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         check_model(state, body.model)
         check_ready(state)

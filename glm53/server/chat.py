@@ -20,8 +20,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-# The GLM markup strings; the fixture tokenizer defines them once (they are the real model's strings too).
-from glm53.fixture.tokenizer import (
+from glm53.markup import (
     ARG_KEY_CLOSE,
     ARG_KEY_OPEN,
     ARG_VALUE_CLOSE,

@@ -18,7 +18,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from glm53.fixture.tokenizer import (
+from glm53.markup import (
     ARG_KEY_CLOSE,
     ARG_KEY_OPEN,
     ARG_VALUE_CLOSE,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from glm53.engine.template import parse_arguments
-from glm53.fixture.tokenizer import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
+from glm53.markup import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 from glm53.server.errors import bad_request
 
 # OpenAI's reasoning_effort -> the template's effort ("none" = thinking off).

@@ -1,12 +1,19 @@
-"""`glm53 serve` (`glm53 bench stream`: glm53.bench). Heavy imports (torch, FastAPI) happen inside the commands."""
+"""`glm53 serve`: settings -> engine choice (host facts -> plan -> engine, in glm53.serve.choice) -> app -> HTTP.
+
+Heavy imports (torch, FastAPI) happen inside the command, so `glm53 --help` stays fast.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import ipaddress
 import logging
+import socket
 import sys
 from typing import Any
+
+from glm53.server import http_url
 
 log = logging.getLogger("glm53.server")
 
@@ -68,7 +75,7 @@ def bind_refusal(settings: Any) -> str | None:
             f"'Authorization: Bearer <key>'), or GLM53_ALLOW_NO_API_KEY=1 if the network in front is trusted.")
 
 
-def _settings(args: argparse.Namespace) -> Any:
+def settings_from_args(args: argparse.Namespace) -> Any:
     from glm53 import settings as S
 
     settings = S.load_or_exit()
@@ -78,11 +85,15 @@ def _settings(args: argparse.Namespace) -> Any:
     if "port" in overrides and not 1 <= overrides["port"] <= 65535:
         print(f"glm53: --port {overrides['port']} is not a TCP port (1..65535)", file=sys.stderr)
         raise SystemExit(2)
+    if "host" in overrides and not overrides["host"].strip():
+        print(f"glm53: --host is empty (allowed: {S.BY_NAME['GLM53_HOST'].allowed})", file=sys.stderr)
+        raise SystemExit(2)
     return settings.with_overrides(**overrides) if overrides else settings
 
 
-def _engine(settings: Any) -> Any:
-    from glm53.server.engines import EngineChoiceError, choose_engine
+def start_engine(settings: Any) -> Any:
+    """The engine these settings choose (not loaded yet), its banner logged; exit 2 with the reason if none."""
+    from glm53.serve.choice import EngineChoiceError, choose_engine
 
     try:
         choice = choose_engine(settings)
@@ -91,28 +102,67 @@ def _engine(settings: Any) -> Any:
         raise SystemExit(2) from None
     for line in choice.banner:
         log.info("%s", line)
+    for line in choice.warnings:
+        log.warning("%s", line)
     return choice.engine
 
 
+class PortError(RuntimeError):
+    """The listening socket cannot be had; the message names the port and the setting that moves it."""
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before anything slow happens (demo generation, the plan, the
+    load), so a port in use is reported at once; uvicorn is handed this very socket, so nothing can take the
+    port in between."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise PortError(f"cannot listen on {host}: {exc.strerror} (set GLM53_HOST or --host to an address of "
+                        f"this machine)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortError(f"port {port} on {host} is already in use (another glm53 or server?): stop it, or "
+                            f"pick another port with GLM53_PORT=<port> (or --port)") from None
+        raise PortError(f"cannot listen on {http_url(host, port)}: {exc.strerror} (GLM53_HOST / GLM53_PORT "
+                        f"choose the address)") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings = settings_from_args(args)
     setup_logging(settings.log_level)
     refusal = bind_refusal(settings)
     if refusal:
         print(f"glm53: {refusal}", file=sys.stderr)
         return 2
-    engine = _engine(settings)
+    try:
+        sock = listen(settings.host, settings.port)
+    except PortError as exc:
+        print(f"glm53: {exc}", file=sys.stderr)
+        return 2
+    engine = start_engine(settings)
 
     import uvicorn
 
     from glm53.server.app import create_app
 
     app = create_app(engine, settings)
-    log.info("HTTP on http://%s:%s (model %s loading; /health answers now, /ready once loaded)",
-             settings.host, settings.port, settings.model_id)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_config=uvicorn_log_config(settings.log_level),
-                            timeout_graceful_shutdown=5)
+    log.info("HTTP on %s (model %s loading; /health answers now, /ready once loaded)",
+             http_url(settings.host, settings.port), settings.model_id)
+    config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level), timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
-    logging.getLogger("uvicorn.error").addFilter(_DropUvicornStartupLine())
-    server.run()
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addFilter(_DropUvicornStartupLine())
+    # uvicorn names its address only when it binds it itself; the socket is listening already, so say it here.
+    uvicorn_log.info("Uvicorn running on %s (Press CTRL+C to quit)", http_url(settings.host, settings.port))
+    server.run(sockets=[sock])
     return 0
