@@ -673,24 +673,28 @@ def test_lone_surrogate_is_a_400(server):
 
 def test_huge_body_is_refused_fast_and_never_stalls_a_stream(server):
     gaps: list[float] = []
-    done = threading.Event()
+    done, decoding = threading.Event(), threading.Event()
 
     def stream() -> None:
-        body = {"model": MODEL, "messages": user("stream on"), "max_tokens": 60, "stream": True, "seed": 7,
+        body = {"model": MODEL, "messages": user("stream on"), "max_tokens": 200, "stream": True, "seed": 7,
                 "chat_template_kwargs": {"enable_thinking": False}}
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
-            last = None
+            last, chunks = None, 0
             for line in r.iter_lines():
                 now = time.perf_counter()
                 if line.startswith("data: {"):
-                    if last is not None:
+                    chunks += 1
+                    # From the first token on (the role chunk comes before the prefill): gaps of a running decode.
+                    if last is not None and chunks > 2:
                         gaps.append(now - last)
                     last = now
+                    if chunks == 2:
+                        decoding.set()
         done.set()
 
     t = threading.Thread(target=stream)
     t.start()
-    time.sleep(0.3)
+    assert decoding.wait(60), "the stream never produced a token"
     big = json.dumps({"model": MODEL, "messages": user("river " * 1_750_000)}).encode()  # ~10.5 MB
     started = time.perf_counter()
     r = httpx.post(server.url + "/v1/chat/completions", content=big, timeout=60)

@@ -120,7 +120,7 @@ def test_the_store_never_imports_torch():
 
 
 def _dev_shm_dir(tmp_path):
-    from store.cli import ram_fs
+    from glm53.store_cli import ram_fs
 
     shm = Path("/dev/shm")
     if not shm.is_dir() or ram_fs(shm) != "tmpfs":
@@ -144,7 +144,7 @@ def test_a_store_in_ram_backed_storage_is_told_what_it_costs(ck, tmp_path, capsy
     finally:
         shutil.rmtree(d, ignore_errors=True)
     # ... and a store on a disk is not (tmp_path is not tmpfs here, or the test above proves nothing)
-    from store.cli import ram_fs
+    from glm53.store_cli import ram_fs
 
     assert ram_fs(tmp_path) is None or pytest.skip("tmp_path is on tmpfs here")
     assert main(["pack-store", "--model", str(ck), "--out", str(tmp_path / "s.glm53"), "--no-verify"]) == 0
