@@ -243,3 +243,15 @@ def test_a_baseline_worktree_gets_the_compiled_library_of_its_sources(tmp_path):
         assert probe.stdout.strip() == "True", probe.stderr
     finally:
         _git("worktree", "remove", "--force", str(tree))
+
+
+def test_a_baseline_tree_runs_ahead_of_the_pythonpath_it_inherits(monkeypatch, tmp_path):
+    """The GPU machine installs exllamav3 through PYTHONPATH: a baseline process must keep it, behind its tree."""
+    import os
+
+    from glm53.bench import worktree
+
+    monkeypatch.setenv("PYTHONPATH", "/tmp/site")
+    assert worktree.tree_env(tmp_path)["PYTHONPATH"] == f"{tmp_path}{os.pathsep}/tmp/site"
+    monkeypatch.delenv("PYTHONPATH")
+    assert worktree.tree_env(tmp_path)["PYTHONPATH"] == str(tmp_path)

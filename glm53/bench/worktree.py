@@ -65,8 +65,10 @@ def baseline_tree(commit: str, root: Path | None = None) -> Iterator[Path]:
 
 def tree_env(tree: Path) -> dict[str, str]:
     """The environment for a process running tree's code: `-m` puts the cwd first on sys.path, and PYTHONPATH
-    keeps the tree ahead of the installed (editable) glm53 in the processes it starts too."""
-    return dict(os.environ, PYTHONPATH=str(tree))
+    keeps the tree ahead of the installed (editable) glm53 in the processes it starts too, ahead of what PYTHONPATH
+    already held (where exllamav3 may be installed, as on the GPU machine)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree), *([rest] if rest else [])]))
 
 
 def run_glm53(tree: Path, args: Sequence[str], **kw) -> subprocess.CompletedProcess:
