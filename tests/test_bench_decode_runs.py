@@ -115,6 +115,9 @@ def test_paired_windows_alternate_the_sides_and_take_the_median_of_their_ratios(
     res.update(commit="b38dea7" + "0" * 33)
     text = P.report(res, "b38dea7")
     assert "3 paired windows" in text and "this / b38dea7 1.020, median of paired windows" in text
+    # Over each process's own stock run the drift cancels: every mode ran at the same share of stock on both sides.
+    assert res["modes"]["exact"]["ratios_of_stock"] == pytest.approx([1.0, 1.0, 1.0])
+    assert "over each process's stock 1.000" in text and res["modes"]["stock"]["over_baseline_of_stock"] is None
 
 
 @pytest.mark.skipif(subprocess.run(["git", "cat-file", "-e", "HEAD"], cwd=REPO, capture_output=True).returncode != 0,
