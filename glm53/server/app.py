@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
-from glm53.server import chat_api, completions_api, errors
+from glm53.server import anthropic_api, chat_api, completions_api, errors, responses_api
 from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
 from glm53.server.errors import APIError, bad_request
 from glm53.server.metrics import Metrics
@@ -30,8 +30,8 @@ from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 
 log = logging.getLogger("glm53.server")
 
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/ready", "/metrics", "/stats",
-          "/tokenize", "/detokenize")
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize")
 
 
 JSON_HEADER = (b"content-type", b"application/json")
@@ -85,7 +85,7 @@ class RequestMetrics:
         limit = self.state.max_body_bytes()
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await self._too_large(send, int(length), limit, route)
+            await self._too_large(scope, send, int(length), limit, route)
             await _drain(receive, DRAIN_LIMIT_BYTES)
             return None
         if length is not None:
@@ -97,7 +97,7 @@ class RequestMetrics:
                 break
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._too_large(send, len(body), limit, route)
+                await self._too_large(scope, send, len(body), limit, route)
                 if message.get("more_body", False):
                     await _drain(receive, DRAIN_LIMIT_BYTES)
                 return None
@@ -114,11 +114,11 @@ class RequestMetrics:
 
         return replay
 
-    async def _too_large(self, send: Send, size: int, limit: int, route: str) -> None:
+    async def _too_large(self, scope: Scope, send: Send, size: int, limit: int, route: str) -> None:
         err = APIError(413, f"The request body has {size} bytes, more than the {limit} bytes any prompt that fits "
                             f"this server's context ({self.state.engine.context_length} tokens) can take. Send a "
                             "shorter conversation.", code="request_too_large")
-        body = json.dumps(err.body()).encode()
+        body = json.dumps(errors.body_for(scope.get("path", ""), err)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -142,9 +142,11 @@ def _api_key_dependency(key: str):
             return
         auth = request.headers.get("authorization", "")
         scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>'.",
-                           code="invalid_api_key")
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            scheme, token = "bearer", request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>' "
+                                "(or 'x-api-key: <GLM53_API_KEY>').", code="invalid_api_key")
 
     return require_key
 
@@ -254,6 +256,20 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
     @app.post("/v1/completions", dependencies=auth, tags=["openai"])
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await completions_api.completions(state, request, body)
+
+    @app.post("/v1/messages", dependencies=auth, tags=["anthropic"])
+    async def messages(request: Request, body: anthropic_api.MessagesRequest) -> Response:
+        """Anthropic's Messages API (Claude Code, the anthropic SDK): see docs/clients.md."""
+        return await anthropic_api.messages(state, request, body)
+
+    @app.post("/v1/messages/count_tokens", dependencies=auth, tags=["anthropic"])
+    async def count_tokens(body: anthropic_api.CountTokensRequest) -> dict[str, int]:
+        return await anthropic_api.count_tokens(state, body)
+
+    @app.post("/v1/responses", dependencies=auth, tags=["openai"])
+    async def responses(request: Request, body: responses_api.ResponsesRequest) -> Response:
+        """OpenAI's Responses API, without stored state (store and previous_response_id are refused)."""
+        return await responses_api.responses(state, request, body)
 
     @app.post("/tokenize", dependencies=auth, tags=["extras"])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
