@@ -236,7 +236,8 @@ def test_errors_are_anthropic_shaped(server, client):
     big = json.dumps({"model": "x", "max_tokens": 5, "messages": user("river " * 1_750_000)}).encode()
     anthropic_error(httpx.post(url, content=big, timeout=60), 413, "request_too_large")
     with pytest.raises(anthropic.BadRequestError) as exc:
-        client.messages.create(model=MODEL, max_tokens=5, messages=user("x"), temperature=1.5)
+        # temperature is Anthropic's 0..1 (the SDK sends it as an extra field)
+        client.messages.create(model=MODEL, max_tokens=5, messages=user("x"), extra_body={"temperature": 1.5})
     assert exc.value.body["error"]["type"] == "invalid_request_error"
     # The OpenAI routes on the same server keep OpenAI's shape.
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": user("x"), "temperature": -1})
@@ -266,3 +267,22 @@ def test_ping_events_during_a_long_prefill():
     assert names[0] == "message_start" and names[1:4] == ["ping"] * 3, names
     first_block = names.index("content_block_start")
     assert "ping" not in names[first_block:] and names[-2:] == ["message_delta", "message_stop"]
+
+
+def test_output_config_effort_and_json_format(client, server, engine):
+    low = prompt_of(server, {"model": "x", "max_tokens": 5, "messages": user("hi"), "output_config": {"effort": "low"}})
+    high = prompt_of(server, {"model": "x", "max_tokens": 5, "messages": user("hi"),
+                              "output_config": {"effort": "max"}})
+    if "Reasoning Effort" in low:  # the GLM-5.3 template has an effort variable; GLM-4.5-shaped ones do not
+        assert "Reasoning Effort: Low" in low and "Reasoning Effort: Max" in high
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    kw = dict(model=MODEL, max_tokens=40, messages=user("JSON please"), thinking=OFF, extra_body={"seed": 0},
+              output_config={"format": {"type": "json_schema", "schema": schema}})
+    if not engine.supports_grammar:
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.create(**kw)
+        return
+    r = client.messages.create(**kw)
+    assert r.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(r.content[0].text), schema)

@@ -61,8 +61,18 @@ class ToolChoice(_Model):
 
 
 class ThinkingConfig(_Model):
-    type: Literal["enabled", "disabled", "adaptive"]
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+
+class OutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class CountTokensRequest(_Model):
@@ -72,6 +82,7 @@ class CountTokensRequest(_Model):
     tools: list[ToolDef] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -180,6 +191,11 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         fields["chat_template_kwargs"] = {"enable_thinking": thinking.type != "disabled"}
         if thinking.type == "enabled" and thinking.budget_tokens is not None:
             fields["max_reasoning_tokens"] = thinking.budget_tokens
+    config = req.output_config
+    if config is not None and config.effort is not None:
+        fields["reasoning_effort"] = "max" if config.effort == "xhigh" else config.effort
+    if config is not None and config.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": config.format.schema_}}
     if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
         fields["parallel_tool_calls"] = False
     if isinstance(req, MessagesRequest):
