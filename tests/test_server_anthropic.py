@@ -10,50 +10,36 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
-from server_support import FakeEngine, ServerThread, wait_until
+from server_support import (
+    RUN_TESTS_PARAMS,
+    WEATHER_PARAMS,
+    FakeEngine,
+    ServerThread,
+    server_settings,
+    variant_engine,
+    wait_until,
+)
 
-from glm53 import settings as S
 from glm53.server import create_app
 from glm53.server.anthropic_api import MessagesRequest, to_chat
 
 MODEL = "glm-5.3-flash"
 BUDGET = 8  # the server's reasoning budget: thinking closes after at most 8 tokens
-WEATHER = {"name": "get_weather", "description": "Current weather for a city",
-           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                             "unit": {"type": "string", "enum": ["c", "f"]}},
-                            "required": ["city"]}}
-RUN_TESTS = {"name": "run_tests", "description": "Run a test file",
-             "input_schema": {"type": "object", "additionalProperties": False,
-                              "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 10},
-                                             "verbose": {"type": "boolean"},
-                                             "repeat": {"type": "integer", "minimum": 1, "maximum": 9}},
-                              "required": ["path", "repeat"]}}
+WEATHER = {"name": "get_weather", "description": "Current weather for a city", "input_schema": WEATHER_PARAMS}
+RUN_TESTS = {"name": "run_tests", "description": "Run a test file", "input_schema": RUN_TESTS_PARAMS}
 TOOLS = [WEATHER, RUN_TESTS]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 OFF = {"type": "disabled"}
 
 
-def settings(**env: str):
-    return S.load(environ={f"GLM53_{k.upper()}": str(v) for k, v in env.items()}, dotenv=None)
-
-
 @pytest.fixture(scope="module", params=["glm53", "glm45"])
 def engine(request, tmp_path_factory):
-    """The engine on the GLM-5.3-shaped template (the session's), or one on the GLM-4.5-shaped template."""
-    if request.param == "glm53":
-        yield request.getfixturevalue("reference_engine")
-        return
-    from conftest import make_test_engine
-
-    engine = make_test_engine(request.getfixturevalue("hf_model_dir_glm45"), tmp_path_factory, "glm45")
-    engine.load()
-    yield engine
-    engine.close()
+    yield from variant_engine(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(create_app(engine, settings(reasoning_budget=BUDGET))) as srv:
+    with ServerThread(create_app(engine, server_settings(reasoning_budget=BUDGET))) as srv:
         yield srv
 
 
@@ -245,7 +231,7 @@ def test_errors_are_anthropic_shaped(server, client):
 
 
 def test_api_key_by_x_api_key_or_bearer(engine):
-    with ServerThread(create_app(engine, settings(api_key="sekrit"))) as srv:
+    with ServerThread(create_app(engine, server_settings(api_key="sekrit"))) as srv:
         kw = dict(model=MODEL, max_tokens=2, messages=user("hi"), thinking=OFF)
         with pytest.raises(anthropic.AuthenticationError) as exc:
             anthropic.Anthropic(base_url=srv.url, api_key="wrong", max_retries=0).messages.create(**kw)
@@ -259,7 +245,7 @@ def test_api_key_by_x_api_key_or_bearer(engine):
 
 def test_ping_events_during_a_long_prefill():
     engine = FakeEngine(prefill_delay=0.4)
-    with ServerThread(create_app(engine, settings(), ping_interval=0.05)) as srv:
+    with ServerThread(create_app(engine, server_settings(), ping_interval=0.05)) as srv:
         assert wait_until(lambda: httpx.get(srv.url + "/ready").status_code == 200)
         body = {"model": "x", "max_tokens": 20, "messages": user("hi"), "stream": True, "thinking": OFF}
         with httpx.stream("POST", srv.url + "/v1/messages", json=body) as r:

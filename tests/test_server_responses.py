@@ -10,49 +10,28 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_support import ServerThread
+from server_support import RUN_TESTS_PARAMS, WEATHER_PARAMS, ServerThread, server_settings, variant_engine
 
-from glm53 import settings as S
 from glm53.server import create_app
 
 MODEL = "glm-5.3-flash"
 BUDGET = 8
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                           "unit": {"type": "string", "enum": ["c", "f"]}},
-                          "required": ["city"]}}
-RUN_TESTS = {"type": "function", "name": "run_tests", "description": "Run a test file",
-             "parameters": {"type": "object", "additionalProperties": False,
-                            "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 10},
-                                           "verbose": {"type": "boolean"},
-                                           "repeat": {"type": "integer", "minimum": 1, "maximum": 9}},
-                            "required": ["path", "repeat"]}}
+           "parameters": WEATHER_PARAMS}
+RUN_TESTS = {"type": "function", "name": "run_tests", "description": "Run a test file", "parameters": RUN_TESTS_PARAMS}
 TOOLS = [WEATHER, RUN_TESTS]
 SCHEMAS = {t["name"]: t["parameters"] for t in TOOLS}
 OFF = {"effort": "none"}
 
 
-def settings(**env: str):
-    return S.load(environ={f"GLM53_{k.upper()}": str(v) for k, v in env.items()}, dotenv=None)
-
-
 @pytest.fixture(scope="module", params=["glm53", "glm45"])
 def engine(request, tmp_path_factory):
-    """The engine on the GLM-5.3-shaped template (the session's), or one on the GLM-4.5-shaped template."""
-    if request.param == "glm53":
-        yield request.getfixturevalue("reference_engine")
-        return
-    from conftest import make_test_engine
-
-    engine = make_test_engine(request.getfixturevalue("hf_model_dir_glm45"), tmp_path_factory, "glm45")
-    engine.load()
-    yield engine
-    engine.close()
+    yield from variant_engine(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with ServerThread(create_app(engine, settings(reasoning_budget=BUDGET))) as srv:
+    with ServerThread(create_app(engine, server_settings(reasoning_budget=BUDGET))) as srv:
         yield srv
 
 
