@@ -102,7 +102,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("GLM53_HOST", "127.0.0.1", "Address the HTTP server binds to."),
     Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),
     Setting("GLM53_MODEL_ID", "glm-5.3-flash", "Model id reported by /v1/models and accepted in requests."),
-    Setting("GLM53_API_KEY", "", "If set, every /v1 request needs 'Authorization: Bearer <key>'."),
+    Setting("GLM53_API_KEY", "", "If set, every /v1 request needs 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."),
     Setting("GLM53_ALLOW_NO_API_KEY", "0",
             "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
             _bool, "bool"),

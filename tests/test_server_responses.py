@@ -152,3 +152,17 @@ def test_stateless_and_errors(server, client):
     openai_error(httpx.post(url, json={"input": "x" * 20000}), 400)
     r = client.responses.create(model=MODEL, input="hi", store=False, max_output_tokens=2, reasoning=OFF)
     assert r.store is False
+
+
+def test_text_format_json_schema(client, engine):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    kw = dict(model=MODEL, input="JSON please", max_output_tokens=40, reasoning=OFF, extra_body={"seed": 0},
+              text={"format": {"type": "json_schema", "name": "check", "schema": schema}})
+    if not engine.supports_grammar:
+        with pytest.raises(openai.BadRequestError):
+            client.responses.create(**kw)
+        return
+    r = client.responses.create(**kw)
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)

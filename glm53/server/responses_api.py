@@ -58,6 +58,16 @@ class Reasoning(_Model):
     summary: str | None = None
 
 
+class TextFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class TextConfig(_Model):
+    format: TextFormat | None = None
+
+
 class ResponsesRequest(_Model):
     model: str | None = None
     input: str | Annotated[list[InputItem], Field(min_length=1)]
@@ -69,6 +79,7 @@ class ResponsesRequest(_Model):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     reasoning: Reasoning | None = None
+    text: TextConfig | None = None
     stream: StrictBool = False
     store: StrictBool | None = None
     previous_response_id: str | None = None
@@ -157,7 +168,10 @@ def to_chat(req: ResponsesRequest) -> Any:
     if isinstance(choice, NamedFunction):
         choice = {"type": "function", "function": {"name": choice.name}}
     effort = req.reasoning.effort if req.reasoning else None
-    return chat_request({"messages": _messages(req), "tools": tools or None, "tool_choice": choice,
+    fmt = req.text.format if req.text else None
+    response_format = None if fmt is None else {"type": fmt.type, "json_schema": {"name": fmt.name or "response",
+                                                                                  "schema": fmt.schema_}}
+    return chat_request({"response_format": response_format,"messages": _messages(req), "tools": tools or None, "tool_choice": choice,
                          "parallel_tool_calls": req.parallel_tool_calls, "max_tokens": req.max_output_tokens,
                          "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed,
                          "reasoning_effort": "max" if effort == "xhigh" else effort})
@@ -211,7 +225,8 @@ class Reply:
                 "store": False, "temperature": req.temperature, "top_p": req.top_p,
                 "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) or req.tool_choice is None
                 else req.tool_choice.model_dump(),
-                "tools": [t.model_dump(exclude_none=True) for t in req.tools or []], "text": {"format": {"type": "text"}},
+                "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
+                "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {"format": {"type": "text"}},
                 "truncation": "disabled", "metadata": req.metadata or {},
                 "usage": usage(self.job) if status != "in_progress" else None}
 
