@@ -58,13 +58,20 @@ def prompt_of(server, body: dict) -> str:
     return httpx.post(server.url + "/tokenize", json=chat).json()["prompt"]
 
 
-def test_any_model_name_is_served_and_named(client):
-    r = client.messages.create(model="claude-sonnet-4-5", max_tokens=6, messages=user("hi"), thinking=OFF,
-                               extra_body={"seed": 3})
+def test_any_model_name_is_served_and_named(client, engine):
+    kw = dict(max_tokens=6, messages=user("hi"), thinking=OFF, extra_body={"seed": 3})
+    r = client.messages.create(model="claude-sonnet-4-5", **kw)
     assert r.type == "message" and r.role == "assistant" and r.model == MODEL
     assert r.stop_reason in ("end_turn", "max_tokens")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text
-    assert r.usage.output_tokens <= 6 and r.usage.input_tokens > 0 and r.usage.cache_read_input_tokens == 0
+    assert r.usage.output_tokens <= 6 and r.usage.input_tokens > 0
+    again = client.messages.create(model="claude-opus-4-1", **kw)
+    # The prompt's tokens are either computed or read from the prefix cache (the exllamav3 engine's page cache,
+    # whole pages only; the CPU reference engine has none).
+    total = r.usage.input_tokens + r.usage.cache_read_input_tokens
+    assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
+    if engine.kind == "reference-cpu":
+        assert again.usage.cache_read_input_tokens == 0
 
 
 def test_max_tokens_and_stop_sequence(client):
@@ -213,6 +220,9 @@ def test_errors_are_anthropic_shaped(server, client):
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]
     assert "messages.0.content.0" in anthropic_error(
         httpx.post(url, json={"model": "x", "max_tokens": 5, "messages": image}), 400, "invalid_request_error")
+    prefill = [*user("hi"), {"role": "assistant", "content": "Sure,"}]
+    assert "prefill" in anthropic_error(httpx.post(url, json={"model": "x", "max_tokens": 5, "messages": prefill}),
+                                        400, "invalid_request_error")
     server_tool = [{"type": "web_search_20250305", "name": "web_search"}]
     anthropic_error(httpx.post(url, json={"model": "x", "max_tokens": 5, "messages": user("x"), "tools": server_tool}),
                     400, "invalid_request_error")

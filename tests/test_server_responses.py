@@ -47,7 +47,7 @@ def test_string_input(client):
     assert [i.type for i in r.output] == ["message"] and r.output_text and r.output[0].role == "assistant"
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens <= 6
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    assert r.usage.input_tokens_details.cached_tokens == 0
+    assert 0 <= r.usage.input_tokens_details.cached_tokens <= r.usage.input_tokens  # the prefix cache's share
 
 
 def test_max_output_tokens_is_incomplete(client):

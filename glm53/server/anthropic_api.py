@@ -166,6 +166,9 @@ def _tool_choice(choice: ToolChoice | None) -> Any:
 
 def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
     """The chat request this Messages request means (model left out: any name is served)."""
+    if req.messages[-1].role == "assistant":
+        raise bad_request("The last message is an assistant turn (a prefill), which this server does not continue: "
+                          "end the conversation with a user turn.", param=f"messages.{len(req.messages) - 1}.role")
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
