@@ -16,6 +16,7 @@ import uvicorn
 
 from glm53.engine.interface import ContextLengthExceeded, EngineNotReady, SamplingParams, TokenEvent
 from glm53.fixture import tokenizer as gtok
+from glm53.server import create_app
 
 _SPECIALS = list(gtok.ADDED_TOKENS)
 _BASE = 0x110000  # above every code point: specials get ids that no character has
@@ -238,3 +239,14 @@ RUN_TESTS_PARAMS = {"type": "object", "additionalProperties": False,
                                    "verbose": {"type": "boolean"},
                                    "repeat": {"type": "integer", "minimum": 1, "maximum": 9}},
                     "required": ["path", "repeat"]}
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def serve_variant(request, tmp_path_factory, **env: str) -> Iterator[ServerThread]:
+    """For a module fixture parametrized over the two template variants: a server on variant_engine's engine
+    (as `.engine`), with the given settings."""
+    for engine in variant_engine(request, tmp_path_factory):
+        with ServerThread(create_app(engine, server_settings(**env))) as srv:
+            srv.engine = engine
+            yield srv

@@ -11,12 +11,13 @@ import httpx
 import jsonschema
 import pytest
 from server_support import (
+    OK_SCHEMA,
     RUN_TESTS_PARAMS,
     WEATHER_PARAMS,
     FakeEngine,
     ServerThread,
+    serve_variant,
     server_settings,
-    variant_engine,
     wait_until,
 )
 
@@ -33,14 +34,13 @@ OFF = {"type": "disabled"}
 
 
 @pytest.fixture(scope="module", params=["glm53", "glm45"])
-def engine(request, tmp_path_factory):
-    yield from variant_engine(request, tmp_path_factory)
+def server(request, tmp_path_factory):
+    yield from serve_variant(request, tmp_path_factory, reasoning_budget=BUDGET)
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(create_app(engine, server_settings(reasoning_budget=BUDGET))) as srv:
-        yield srv
+def engine(server):
+    return server.engine
 
 
 @pytest.fixture(scope="module")
@@ -271,8 +271,7 @@ def test_output_config_effort_and_json_format(client, server, engine):
                               "output_config": {"effort": "max"}})
     if "Reasoning Effort" in low:  # the GLM-5.3 template has an effort variable; GLM-4.5-shaped ones do not
         assert "Reasoning Effort: Low" in low and "Reasoning Effort: Max" in high
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
+    schema = OK_SCHEMA
     kw = dict(model=MODEL, max_tokens=40, messages=user("JSON please"), thinking=OFF, extra_body={"seed": 0},
               output_config={"format": {"type": "json_schema", "schema": schema}})
     if not engine.supports_grammar:

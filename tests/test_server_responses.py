@@ -10,9 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_support import RUN_TESTS_PARAMS, WEATHER_PARAMS, ServerThread, server_settings, variant_engine
-
-from glm53.server import create_app
+from server_support import OK_SCHEMA, RUN_TESTS_PARAMS, WEATHER_PARAMS, serve_variant
 
 MODEL = "glm-5.3-flash"
 BUDGET = 8
@@ -25,14 +23,13 @@ OFF = {"effort": "none"}
 
 
 @pytest.fixture(scope="module", params=["glm53", "glm45"])
-def engine(request, tmp_path_factory):
-    yield from variant_engine(request, tmp_path_factory)
+def server(request, tmp_path_factory):
+    yield from serve_variant(request, tmp_path_factory, reasoning_budget=BUDGET)
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(create_app(engine, server_settings(reasoning_budget=BUDGET))) as srv:
-        yield srv
+def engine(server):
+    return server.engine
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +152,7 @@ def test_stateless_and_errors(server, client):
 
 
 def test_text_format_json_schema(client, engine):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
+    schema = OK_SCHEMA
     kw = dict(model=MODEL, input="JSON please", max_output_tokens=40, reasoning=OFF, extra_body={"seed": 0},
               text={"format": {"type": "json_schema", "name": "check", "schema": schema}})
     if not engine.supports_grammar:
