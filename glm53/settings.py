@@ -113,7 +113,7 @@ SCHEMA: tuple[Setting, ...] = (
             "an address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every interface)"),
     Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),
     Setting("GLM53_MODEL_ID", "glm-5.3-flash", "Model id reported by /v1/models and accepted in requests."),
-    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>'."),
+    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."),
     Setting("GLM53_ALLOW_NO_API_KEY", "0",
             "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
             _bool, BOOL),

@@ -9,13 +9,14 @@ import json
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import jinja2
 import uvicorn
 
 from glm53.engine.interface import ContextLengthExceeded, EngineNotReady, SamplingParams, TokenEvent
 from glm53.fixture import tokenizer as gtok
+from glm53.server import create_app
 
 _SPECIALS = list(gtok.ADDED_TOKENS)
 _BASE = 0x110000  # above every code point: specials get ids that no character has
@@ -205,3 +206,47 @@ def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float 
             return True
         time.sleep(interval)
     return pred()
+
+
+def server_settings(**env: str):
+    """Server settings from GLM53_* values (no environment, no .env file)."""
+    from glm53 import settings as S
+
+    return S.load(environ={f"GLM53_{k.upper()}": str(v) for k, v in env.items()}, dotenv=None)
+
+
+def variant_engine(request, tmp_path_factory) -> Iterator:
+    """For a fixture parametrized over the two chat-template variants: the session's loaded engine on the
+    GLM-5.3-shaped template, or a loaded one on the GLM-4.5-shaped template (closed afterwards)."""
+    if request.param == "glm53":
+        yield request.getfixturevalue("reference_engine")
+        return
+    from conftest import make_test_engine
+
+    engine = make_test_engine(request.getfixturevalue("hf_model_dir_glm45"), tmp_path_factory, "glm45")
+    engine.load()
+    yield engine
+    engine.close()
+
+
+# Tool argument schemas for the agent-format suites. Bounded values: the grammar keeps a random-weight model's
+# arguments to what the schema allows, so a call completes within a few dozen tokens.
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "unit": {"type": "string", "enum": ["c", "f"]}},
+                  "required": ["city"]}
+RUN_TESTS_PARAMS = {"type": "object", "additionalProperties": False,
+                    "properties": {"path": {"type": "string", "minLength": 1, "maxLength": 10},
+                                   "verbose": {"type": "boolean"},
+                                   "repeat": {"type": "integer", "minimum": 1, "maximum": 9}},
+                    "required": ["path", "repeat"]}
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def serve_variant(request, tmp_path_factory, **env: str) -> Iterator[ServerThread]:
+    """For a module fixture parametrized over the two template variants: a server on variant_engine's engine
+    (as `.engine`), with the given settings."""
+    for engine in variant_engine(request, tmp_path_factory):
+        with ServerThread(create_app(engine, server_settings(**env))) as srv:
+            srv.engine = engine
+            yield srv

@@ -24,7 +24,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
-from glm53.server import chat_api, completions_api, errors, http_url
+from glm53.server import anthropic_api, chat_api, completions_api, errors, http_url, responses_api
 from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
 from glm53.server.errors import APIError, bad_request
 from glm53.server.metrics import Metrics
@@ -32,8 +32,8 @@ from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 
 log = logging.getLogger("glm53.server")
 
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/health", "/ready", "/metrics", "/stats",
-          "/tokenize", "/detokenize")
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize")
 
 
 JSON_HEADER = (b"content-type", b"application/json")
@@ -87,7 +87,7 @@ class RequestMetrics:
         limit = self.state.max_body_bytes()
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await self._too_large(send, int(length), limit, route)
+            await self._too_large(scope, send, int(length), limit, route)
             await _drain(receive, DRAIN_LIMIT_BYTES)
             return None
         if length is not None:
@@ -99,7 +99,7 @@ class RequestMetrics:
                 break
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._too_large(send, len(body), limit, route)
+                await self._too_large(scope, send, len(body), limit, route)
                 if message.get("more_body", False):
                     await _drain(receive, DRAIN_LIMIT_BYTES)
                 return None
@@ -116,11 +116,11 @@ class RequestMetrics:
 
         return replay
 
-    async def _too_large(self, send: Send, size: int, limit: int, route: str) -> None:
+    async def _too_large(self, scope: Scope, send: Send, size: int, limit: int, route: str) -> None:
         err = APIError(413, f"The request body has {size} bytes, more than the {limit} bytes any prompt that fits "
                             f"this server's context ({self.state.engine.context_length} tokens) can take. Send a "
                             "shorter conversation.", code="request_too_large")
-        body = json.dumps(err.body()).encode()
+        body = json.dumps(errors.body_for(scope.get("path", ""), err)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -154,17 +154,19 @@ class ApiKeyGate:
     def allowed(self, scope: Scope) -> bool:
         if not self.key or scope.get("path", "") in OPEN_ROUTES:
             return True
-        auth = dict(scope.get("headers", [])).get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self.key)
+        headers = dict(scope.get("headers", []))
+        scheme, _, token = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            token = headers.get(b"x-api-key", b"").decode("latin-1")
+        return hmac.compare_digest(token.strip().encode("latin-1"), self.key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.allowed(scope):
             await self.app(scope, receive, send)
             return
-        err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>'.",
-                       code="invalid_api_key")
-        body = json.dumps(err.body()).encode()
+        err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>' (or 'x-api-key: "
+                            "<GLM53_API_KEY>').", code="invalid_api_key")
+        body = json.dumps(errors.body_for(scope.get("path", ""), err)).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
@@ -303,6 +305,20 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
     @app.post("/v1/completions", tags=["openai"])
     async def completions(request: Request, body: CompletionRequest) -> Response:
         return await completions_api.completions(state, request, body)
+
+    @app.post("/v1/messages", tags=["anthropic"])
+    async def messages(request: Request, body: anthropic_api.MessagesRequest) -> Response:
+        """Anthropic's Messages API (Claude Code, the anthropic SDK): see docs/clients.md."""
+        return await anthropic_api.messages(state, request, body)
+
+    @app.post("/v1/messages/count_tokens", tags=["anthropic"])
+    async def count_tokens(body: anthropic_api.CountTokensRequest) -> dict[str, int]:
+        return await anthropic_api.count_tokens(state, body)
+
+    @app.post("/v1/responses", tags=["openai"])
+    async def responses(request: Request, body: responses_api.ResponsesRequest) -> Response:
+        """OpenAI's Responses API, without stored state (store and previous_response_id are refused)."""
+        return await responses_api.responses(state, request, body)
 
     @app.post("/tokenize", tags=["extras"])
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
+from pydantic import ValidationError
 
 from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.chat import (
@@ -147,6 +148,16 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
     return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar)
 
 
+def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another wire format (Anthropic Messages, Responses) translates into: every format
+    runs the chat route's one path from here on. What the chat model refuses is a 400 naming the field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise bad_request(f"Invalid request: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
 @dataclass
 class ChatPlan:
     req: ChatCompletionRequest
@@ -194,6 +205,7 @@ class ChoiceEvent:
     delta: Delta
     logprobs: list[TokenLogprob]
     finish_reason: str | None
+    stop_sequence: str | None = None
 
 
 async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -> AsyncIterator[ChoiceEvent]:
@@ -225,7 +237,7 @@ async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -
                 state.reasoning_memory.remember(whole.content if whole.content or not calls else None, calls,
                                                 whole.reasoning)
             if delta or step.logprobs or reason:
-                yield ChoiceEvent(index, delta, step.logprobs, reason)
+                yield ChoiceEvent(index, delta, step.logprobs, reason, step.stop_sequence)
     finally:
         await steps.aclose()
 

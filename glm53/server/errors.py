@@ -40,6 +40,26 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# Anthropic's Messages routes answer in Anthropic's error shape (its SDK and Claude Code read error.type); every
+# other route in OpenAI's.
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_body(err: APIError) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def body_for(path: str, err: APIError) -> dict[str, Any]:
+    """The error body in the shape the route's clients read."""
+    if path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/"):
+        return anthropic_body(err)
+    return err.body()
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -61,8 +81,8 @@ def from_engine_error(exc: Exception) -> APIError:
     return APIError(500, f"Generation failed: {exc}", code="engine_error")
 
 
-def json_error(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+def json_error(err: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    return JSONResponse(body_for(path, err), status_code=err.status, headers=headers)
 
 
 def _loc_param(loc: tuple) -> str | None:
@@ -93,31 +113,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return json_error(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return json_error(exc, path=request.url.path)
 
     @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
         err = from_engine_error(exc)
         if err.status >= 500:
             log.error("engine error: %s", exc)
-        return json_error(err)
+        return json_error(err, path=request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return json_error(bad_request(message, param=param))
+        return json_error(bad_request(message, param=param), path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             detail = "Unknown route. The API lives under /v1 (see /docs)."
         err = APIError(exc.status_code, detail, code=None)
-        return json_error(err, headers=getattr(exc, "headers", None))
+        return json_error(err, headers=getattr(exc, "headers", None), path=request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not bad input: log it with the traceback and answer in the same shape.
         log.exception("unhandled error")
-        return json_error(APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error"))
+        return json_error(APIError(500, f"Internal server error: {type(exc).__name__}", code="internal_error"),
+                          path=request.url.path)

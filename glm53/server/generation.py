@@ -33,6 +33,7 @@ class Step:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     tokens: int = 0  # engine tokens consumed since the previous step (its text may lag them: stop strings)
+    stop_sequence: str | None = None  # the stop string that ended the choice (Anthropic's stop_sequence)
 
 
 @dataclass
@@ -52,6 +53,7 @@ class StopMatcher:
     def __init__(self, stops: list[str]) -> None:
         self.stops = tuple(stops)
         self.buf = ""
+        self.matched: str | None = None
         # (start, end, item) of each token's text inside buf, so logprobs leave together with their text.
         self.pending: list[tuple[int, int, Any]] = []
 
@@ -64,7 +66,7 @@ class StopMatcher:
         if tag is not None:
             cut = len(before)
             items = [it for s, _, it in self.pending if s < cut]
-            self.buf, self.pending = "", []
+            self.buf, self.pending, self.matched = "", [], tag
             return before, items, True
         cut = len(before)
         items = [it for _, e, it in self.pending if e <= cut]
@@ -166,7 +168,7 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
             else:
                 released, items, matched = matcher.feed(text, lp)
                 if matched:
-                    yield Step(released, items, "stop", pending)
+                    yield Step(released, items, "stop", pending, matcher.matched)
                     return
                 step = Step(released, items, ev.finish_reason, pending)
                 if ev.finish_reason:

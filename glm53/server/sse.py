@@ -29,6 +29,11 @@ def frame(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+def event_frame(event: str, obj: Any) -> bytes:
+    """A named SSE event (Anthropic's and the Responses API's streams name each event)."""
+    return b"event: " + event.encode() + b"\n" + frame(obj)
+
+
 async def wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()

@@ -1,0 +1,330 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API (what Claude Code and the anthropic
+SDK send), translated into the chat route's request and run through the same path (chat_api.plan_chat and
+run_choice: one prompt builder, thinking control, reasoning re-attachment, tool grammar, usage).
+
+Any `model` is accepted (Claude Code names its own tiers) and the reply names the served model. Errors on these
+routes are in Anthropic's shape (errors.body_for picks it by path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any, Literal
+
+import jiter
+from fastapi import Request
+from fastapi.responses import Response
+from pydantic import Field, StrictBool, StrictInt
+
+from glm53.server.blocks import Block, BlockEvent, BlockSequence
+from glm53.server.chat_api import ChatPlan, build_chat_prompt, chat_request, plan_chat, run_choice
+from glm53.server.common import Job, ServerState, check_ready, respond
+from glm53.server.errors import APIError, anthropic_body, bad_request, from_engine_error
+from glm53.server.protocol import SEED_MAX, SEED_MIN, TOOL_NAME, ChatCompletionRequest, _Model
+from glm53.server.sse import PING, event_frame, with_keepalive
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class ContentBlock(_Model):
+    """Any content block; which fields a type needs is checked when it is translated (naming the block)."""
+
+    type: str
+    text: str | None = None
+    thinking: str | None = None
+    signature: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list[ContentBlock] | None = None
+    is_error: bool | None = None
+
+
+class Message(_Model):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class ToolDef(_Model):
+    type: str | None = None  # client tools only: absent or "custom"
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoice(_Model):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class ThinkingConfig(_Model):
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+
+
+class OutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
+
+
+class CountTokensRequest(_Model):
+    model: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[ContentBlock] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    output_config: OutputConfig | None = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: Annotated[StrictInt, Field(ge=1)]
+    temperature: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    stop_sequences: list[str] | None = None
+    metadata: dict[str, Any] | None = None
+    stream: StrictBool = False
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None  # an extension: reproducible sampling
+
+
+def _texts(blocks: list[ContentBlock], where: str) -> str:
+    out = []
+    for j, b in enumerate(blocks):
+        if b.type != "text" or b.text is None:
+            raise bad_request(f"{where}.{j}: only text blocks are supported here (got {b.type!r}).",
+                              param=f"{where}.{j}")
+        out.append(b.text)
+    return "\n".join(out)
+
+
+def _assistant(blocks: list[ContentBlock], where: str) -> dict[str, Any]:
+    reasoning, text, calls = [], [], []
+    for j, b in enumerate(blocks):
+        if b.type == "thinking":  # replayed thinking is the turn's reasoning
+            reasoning.append(b.thinking or "")
+        elif b.type == "redacted_thinking":
+            continue  # encrypted by another server: nothing this model can read
+        elif b.type == "text":
+            text.append(b.text or "")
+        elif b.type == "tool_use":
+            if not b.id or not b.name:
+                raise bad_request(f"{where}.{j}: a tool_use block needs id and name.", param=f"{where}.{j}")
+            calls.append({"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input or {}}})
+        else:
+            raise bad_request(f"{where}.{j}: an assistant turn may hold text, thinking and tool_use blocks "
+                              f"(got {b.type!r}).", param=f"{where}.{j}")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if reasoning:
+        msg["reasoning_content"] = "".join(reasoning)
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _user(blocks: list[ContentBlock], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for j, b in enumerate(blocks):
+        if b.type == "text" and b.text is not None:
+            texts.append(b.text)
+        elif b.type == "tool_result":
+            if texts:
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            if not b.tool_use_id:
+                raise bad_request(f"{where}.{j}: a tool_result block needs tool_use_id.", param=f"{where}.{j}")
+            result = b.content if isinstance(b.content, str) else _texts(b.content or [], f"{where}.{j}.content")
+            # The chat template has no error flag for a tool response: the text says it.
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                        "content": f"Error: {result}" if b.is_error else result})
+        else:
+            raise bad_request(f"{where}.{j}: only text and tool_result blocks are supported in a user turn "
+                              f"(got {b.type!r}).", param=f"{where}.{j}")
+    if texts:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _tool_choice(choice: ToolChoice | None) -> Any:
+    if choice is None or choice.type == "auto":
+        return None
+    if choice.type == "tool":
+        if not choice.name:
+            raise bad_request("tool_choice of type 'tool' needs name.", param="tool_choice.name")
+        return {"type": "function", "function": {"name": choice.name}}
+    return {"any": "required", "none": "none"}[choice.type]
+
+
+def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request this Messages request means (model left out: any name is served)."""
+    if req.messages[-1].role == "assistant":
+        raise bad_request("The last message is an assistant turn (a prefill), which this server does not continue: "
+                          "end the conversation with a user turn.", param=f"messages.{len(req.messages) - 1}.role")
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
+        messages.append({"role": "system", "content": system})
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            messages.append({"role": m.role, "content": m.content})
+        elif m.role == "assistant":
+            messages.append(_assistant(m.content, where))
+        else:
+            messages.extend(_user(m.content, where))
+    tools = []
+    for i, t in enumerate(req.tools or []):
+        if t.type not in (None, "custom"):
+            raise bad_request(f"tools.{i}: server tools ({t.type!r}) are not available here; declare client tools "
+                              "with name, description and input_schema.", param=f"tools.{i}.type")
+        tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
+                                                       "parameters": t.input_schema}})
+    fields: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req.tool_choice)}
+    thinking = req.thinking
+    if thinking is not None:
+        fields["chat_template_kwargs"] = {"enable_thinking": thinking.type != "disabled"}
+        if thinking.type == "enabled" and thinking.budget_tokens is not None:
+            fields["max_reasoning_tokens"] = thinking.budget_tokens
+    config = req.output_config
+    if config is not None and config.effort is not None:
+        fields["reasoning_effort"] = "max" if config.effort == "xhigh" else config.effort
+    if config is not None and config.format is not None:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"schema": config.format.schema_}}
+    if req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use:
+        fields["parallel_tool_calls"] = False
+    if isinstance(req, MessagesRequest):
+        fields.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                      stop=req.stop_sequences, seed=req.seed)
+    return chat_request(fields)
+
+
+# -- replies ---------------------------------------------------------------------------------------------------
+
+
+def usage(job: Job) -> dict[str, int]:
+    # Anthropic counts prompt tokens read from the cache apart from input_tokens; their sum is the prompt.
+    u = job.usage()
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def _tool_input(arguments: str) -> Any:
+    # A call cut off by max_tokens has incomplete JSON: the part generated, parsed as the SDK parses a stream.
+    return jiter.from_json(arguments.encode(), partial_mode="trailing-strings") if arguments else {}
+
+
+def _block_json(block: Block, whole: bool) -> dict[str, Any]:
+    if block.kind == "thinking":
+        return {"type": "thinking", "thinking": block.text if whole else "", "signature": ""}
+    if block.kind == "text":
+        return {"type": "text", "text": block.text if whole else ""}
+    return {"type": "tool_use", "id": block.call_id, "name": block.name,
+            "input": _tool_input(block.text) if whole else {}}
+
+
+def _stop(reason: str | None, stop_sequence: str | None) -> tuple[str | None, str | None]:
+    if stop_sequence is not None:
+        return "stop_sequence", stop_sequence
+    return STOP_REASONS.get(reason or "", reason), None
+
+
+def _message(state: ServerState, job: Job, content: list[dict], reason: str | None,
+             stop_sequence: str | None) -> dict[str, Any]:
+    return {"id": job.id, "type": "message", "role": "assistant", "model": state.model_id, "content": content,
+            "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage(job)}
+
+
+async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, Any]:
+    seq = BlockSequence()
+    reason = stop_sequence = None
+    events = run_choice(state, plan, job, 0)
+    try:
+        async for ev in events:
+            seq.feed(ev.delta)
+            if ev.finish_reason:
+                reason, stop_sequence = _stop(ev.finish_reason, ev.stop_sequence)
+    finally:
+        await events.aclose()
+        job.finish()
+    seq.finish()
+    return _message(state, job, [_block_json(b, True) for b in seq.blocks], reason, stop_sequence)
+
+
+_DELTAS = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
+           "tool": ("input_json_delta", "partial_json")}
+
+
+def _block_frames(ev: BlockEvent) -> list[bytes]:
+    index = ev.block.index
+    if ev.type == "start":
+        return [event_frame("content_block_start", {"type": "content_block_start", "index": index,
+                                                    "content_block": _block_json(ev.block, False)})]
+    if ev.type == "delta":
+        kind, key = _DELTAS[ev.block.kind]
+        return [event_frame("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                    "delta": {"type": kind, key: ev.piece}})]
+    out = []
+    if ev.block.kind == "thinking":  # no signature is made (the field exists for clients that read it)
+        out.append(event_frame("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                       "delta": {"type": "signature_delta", "signature": ""}}))
+    out.append(event_frame("content_block_stop", {"type": "content_block_stop", "index": index}))
+    return out
+
+
+PING_EVENT = event_frame("ping", {"type": "ping"})
+
+
+async def _stream(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator[bytes]:
+    seq = BlockSequence()
+    reason = stop_sequence = None
+    events = with_keepalive(run_choice(state, plan, job, 0), state.ping_interval)
+    try:
+        yield event_frame("message_start", {"type": "message_start", "message": _message(state, job, [], None, None)})
+        async for ev in events:
+            if ev is PING:  # a long prefill (or a wait for a slot): keep the client's read timeout at bay
+                yield PING_EVENT
+                continue
+            for be in seq.feed(ev.delta):
+                for chunk in _block_frames(be):
+                    yield chunk
+            if ev.finish_reason:
+                reason, stop_sequence = _stop(ev.finish_reason, ev.stop_sequence)
+        for be in seq.finish():
+            for chunk in _block_frames(be):
+                yield chunk
+        yield event_frame("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                                            "usage": usage(job)})
+        yield event_frame("message_stop", {"type": "message_stop"})
+    except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
+        err = exc if isinstance(exc, APIError) else from_engine_error(exc)
+        yield event_frame("error", anthropic_body(err))
+    finally:
+        await events.aclose()
+        job.finish()
+
+
+async def messages(state: ServerState, request: Request, req: MessagesRequest) -> Response:
+    job = Job(state, "msg")
+    plan = await plan_chat(state, to_chat(req), job)
+    return await respond(request, job, req.stream, lambda: _stream(state, plan, job),
+                         lambda: _collect(state, plan, job))
+
+
+async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict[str, int]:
+    """The prompt the same /v1/messages request would run, counted (input_tokens + cache_read_input_tokens of
+    its usage)."""
+    check_ready(state)
+    chat = to_chat(req)
+    prompt = await asyncio.to_thread(build_chat_prompt, state, chat, parallel=chat.parallel_tool_calls is not False)
+    return {"input_tokens": len(prompt.ids)}
