@@ -1,7 +1,7 @@
 """Host facts: what this machine (or container) has, read relative to a root directory.
 
 Everything is read from `root/proc/...`, `root/sys/...` and, for GPUs, `root/nvidia-smi.csv` when a fake root
-is given, so tests describe a host as a small file tree (tests/fakehost.py). With the real root ("/") GPUs
+is given, so tests describe a host as a small file tree (tests/support/fakehost.py). With the real root ("/") GPUs
 come from running nvidia-smi and the store's O_DIRECT support from a real read. Nothing here decides
 anything: glm53/plan.py turns these facts into a plan. A fact that cannot be read is None (unknown), never
 a guess, and a note says why.

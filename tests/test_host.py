@@ -1,4 +1,4 @@
-"""Host facts read from fake trees (tests/fakehost.py) and, where it is harmless, from this machine."""
+"""Host facts read from fake trees (tests/support/fakehost.py) and, where it is harmless, from this machine."""
 
 from __future__ import annotations
 

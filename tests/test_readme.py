@@ -60,7 +60,7 @@ def test_the_first_examples_get_an_answer(server):
 
 def test_the_route_list_is_the_apps():
     line = next(x for x in README.splitlines() if x.startswith("| `glm53 serve`"))
-    listed = set(re.findall(r"`(/[a-z0-9/]+)`", line))
+    listed = set(re.findall(r"`(/[a-z0-9/_]+)`", line))
     assert listed == set(ROUTES), (listed ^ set(ROUTES))
 
 

@@ -1,5 +1,5 @@
 """Every benchmark of glm53, registered once under `glm53 bench`. No product module imports this package
-(tests/test_bench_imports.py scans for it): the product runs one hot path, and what a benchmark must inject (the
+(tests/bench/test_bench_imports.py scans for it): the product runs one hot path, and what a benchmark must inject (the
 emulated drive) goes through a narrow hook the product never installs (glm53.bench.emulated_disk).
 
   decode           exact / fast / nvme modes next to stock exllamav3 and the PCIe bound (GPU); --baseline REV

@@ -4,7 +4,7 @@ The library (`_expert_kernel*.so`, built from kernel*.cpp by setup.py at `pip in
 expert's MLP for a few activation rows directly from the EXL3 bytes of its slot image, wherever those lie (the
 RAM tier's arena, a store record, a numpy copy): nothing is copied or decoded ahead. Numerics: the decoded
 weights are bit-identical to exllamav3's; Hadamard transforms, sums and the clamped SwiGLU run in fp32, so an
-expert's output is "near-exact" (relative error ~1e-6 against float64 maths, see tests/test_cpu_lane_kernel.py).
+expert's output is "near-exact" (relative error ~1e-6 against float64 maths, see tests/cpu_lane/test_cpu_lane_kernel.py).
 
     kern = CpuKernel(threads=8, cpus=pick_cpus(8))
     y = kern.forward(slot_bytes, layout, x)          # x (rows, hidden) float32 -> y (rows, hidden) float32

@@ -2,7 +2,7 @@
 
 Supported: exllamav3 1.6.5 (layer-split loading, one CUDA device). `check_contract()` verifies every hook below
 at start-up and fails with the missing piece named, before any weight is read. The CPU tests run this glue end to
-end against a fake exllamav3 that imitates these hooks (tests/fake_exllamav3.py, tests/test_exl3_adapter_glue.py)
+end against a fake exllamav3 that imitates these hooks (tests/support/fake_exllamav3.py, tests/engine/test_exl3_adapter_glue.py)
 on a CPU device, where host buffers are not pinned and there is no stream to synchronise.
 
 How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:

@@ -4,7 +4,7 @@
 #   STEPS=bench bash tests/gpu/session.sh               # a subset (default: all, what is owed first; one call runs
 #                                                        # at most 10 min, so give bench and nvme a call each)
 # First it builds the CPU-lane kernel for the machine's Python (the working tree carries no build). Steps:
-#   tiers     the tier machinery on CUDA (tests/test_tiers_gpu.py, tests/test_nvme_tier_gpu.py: copy ordering,
+#   tiers     the tier machinery on CUDA (tests/tiers/test_tiers_gpu.py, tests/tiers/test_nvme_tier_gpu.py: copy ordering,
 #             batched copies, pinned arenas; under a minute: STEPS=tiers,nvmeshm fits one call)
 #   paired    glm53 bench decode --baseline b38dea7: this code against the commit before the one-hot-path work
 #             (issue 23), exact, fast and nvme-exact in paired windows, each window its own process of each
@@ -12,8 +12,8 @@
 #             .baseline in .git/info/exclude, carried); windows kept under /tmp are reused, so repeat the call
 #             until it reports (PAIRS: paired windows, default 3)
 #   tiny      tiers, then fast/nvme KL + top-1 and nvme-exact bit-identity
-#             (tests/test_gpu_modes.py -k tiny), then exact mode
-#             bit-identity and the engine (tests/test_gpu_engine.py -k "tiny or engine")
+#             (tests/engine/test_gpu_modes.py -k tiny), then exact mode
+#             bit-identity and the engine (tests/engine/test_gpu_engine.py -k "tiny or engine")
 #   server    the OpenAI conformance suite against the exllamav3 engine (needs .device-cache/extra, see
 #             tests/gpu/stage_extras.sh)
 #   width     full-width checks: fast KL/top-1 (2 MoE layers) and exact bit-identity (2 and 3 MoE layers)
@@ -57,21 +57,21 @@ fi
 python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
 stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
 step_tiers() {
-  gpu_pytest tiers 120 tests/test_tiers_gpu.py tests/test_nvme_tier_gpu.py
+  gpu_pytest tiers 120 tests/tiers/test_tiers_gpu.py tests/tiers/test_nvme_tier_gpu.py
 }
 step_tiny() {
   step_tiers
-  gpu_pytest modes-tiny 300 tests/test_gpu_modes.py -k tiny
-  gpu_pytest exact-tiny 240 tests/test_gpu_engine.py -k "tiny or engine"
+  gpu_pytest modes-tiny 300 tests/engine/test_gpu_modes.py -k tiny
+  gpu_pytest exact-tiny 240 tests/engine/test_gpu_engine.py -k "tiny or engine"
 }
 step_server() {
-  GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_server_conformance.py \
+  GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_conformance.py \
     > "$OUT/server.log" 2>&1
   stamp "server rc=$?"
 }
 step_width() {
-  gpu_pytest modes-width 400 tests/test_gpu_modes.py -k glm53_width
-  gpu_pytest exact-width 500 tests/test_gpu_engine.py -k glm53_width
+  gpu_pytest modes-width 400 tests/engine/test_gpu_modes.py -k glm53_width
+  gpu_pytest exact-width 500 tests/engine/test_gpu_engine.py -k glm53_width
 }
 step_bench() {
   timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 128 --windows 3 --profile exact --work /tmp --keep \

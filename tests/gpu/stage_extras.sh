@@ -4,7 +4,7 @@
 # .device-cache/extra. On the GPU machine, after `source .device-cache/setup.sh`:
 #   pip install -q --no-index --no-deps --target /tmp/site-extra .device-cache/extra/*.whl
 #   export PYTHONPATH=$PYTHONPATH:/tmp/site-extra
-#   GLM53_TEST_ENGINE=exl3 python3 -m pytest -q tests/test_server_conformance.py
+#   GLM53_TEST_ENGINE=exl3 python3 -m pytest -q tests/server/test_server_conformance.py
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 dest="$root/.device-cache/extra"

@@ -1,0 +1,442 @@
+"""The exllamav3 adapter's glue end to end on the CPU, against a fake exllamav3 (tests/support/fake_exllamav3.py).
+
+TieredMoE shrinks every FakeBlockSparseMLP of a model built from a generated EXL3 checkpoint to slot Linears on
+the tier arenas (install, load, populate), then each forward goes through its seam (step: ids to the host, the
+stepper's decision, slot ids written back in place; the lane's combine) and the fake's kernels, which compute
+from whatever bytes the slots hold. Every layer output is compared with the same fake module holding all experts
+(stock): exact and nvme-exact bit for bit, fast and nvme (the CPU lane) within 1e-5. close() must give the
+modules back as they were."""
+
+from __future__ import annotations
+
+import fake_exllamav3 as F
+import numpy as np
+import pytest
+import torch
+from specs import spec_for
+
+from glm53.engine import exl3_adapter as A
+from glm53.fixture.exl3 import write_exl3_checkpoint
+
+HIDDEN = 256
+NUM_EXPERTS, TOP_K = 16, 4
+SLOTS = [2, 3, 4]  # VRAM slots of the 3 MoE layers: most picks miss, admissions evict
+SWIGLU_LIMIT = 10.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_exllamav3():
+    with F.installed() as mods:
+        yield mods
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    """4 layers (1 dense, 3 MoE of 16 experts, top-4), skewed routers so some experts are hot."""
+    return write_exl3_checkpoint(tmp_path_factory.mktemp("glue") / "ck", router_skew=(0.25, 0.5), layers=4,
+                                 dense_layers=1, mtp_layers=0)
+
+
+@pytest.fixture(scope="module")
+def store(ck, tmp_path_factory):
+    from store.pack import PackOptions, pack_store
+
+    out = tmp_path_factory.mktemp("glue-store") / "experts.glm53"
+    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
+    return out
+
+
+_stock: dict = {}
+
+
+def stock_model(ck, interm=torch.half) -> F.Model:
+    """The fake model with every expert loaded from the checkpoint: the reference (one per dtype, shared)."""
+    key = (str(ck), interm)
+    if key not in _stock:
+        m = F.Model.from_config(F.Config.from_directory(str(ck)), interm_dtype=interm)
+        m.load("cpu")
+        _stock[key] = m
+    return _stock[key]
+
+
+def tiered_model(ck, interm=torch.half, slots=SLOTS, staging_slots=None, nvme_open=None,
+                 **kw) -> tuple[F.Model, A.TieredMoE]:
+    """The fake model with TieredMoE installed and populated (the engine's lifecycle); sized by nvme_open's spec in
+    the nvme modes, else by an exact-mode spec of `slots` per layer."""
+    model = F.Model.from_config(F.Config.from_directory(str(ck)), interm_dtype=interm)
+    spec = nvme_open.spec if nvme_open is not None else spec_for(ck, "exact", slots, staging_slots=staging_slots)
+    tiered = A.TieredMoE(model, ck, spec, nvme_open=nvme_open, **kw)
+    tiered.install()
+    model.load("cpu")
+    tiered.populate()
+    return model, tiered
+
+
+def rms(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return (x / x.pow(2).mean(-1, keepdim=True).sqrt()).half()
+
+
+def schedule(seed: int, steps: int, prefill_every: int = 7) -> list[int]:
+    """Rows per forward: mostly one (decode), some 2..8 (batched decode), every few a prefill chunk (9..24)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(steps):
+        if prefill_every and i % prefill_every == prefill_every - 1:
+            out.append(int(rng.integers(9, 25)))
+        else:
+            out.append(1 if rng.random() < 0.5 else int(rng.integers(2, 9)))
+    return out
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def drive(stock: F.Model, model: F.Model, rows: list[int], seed: int, check, tiered: A.TieredMoE | None = None):
+    """Forward the same inputs through both models, layer by layer (the next layer's input is the stock output
+    added to the residual and normalised, so a router run ahead sees a related input); check(step, layer, rows,
+    got, want) per layer; invariants every few steps."""
+    rng = np.random.default_rng(seed)
+    for step, n in enumerate(rows):
+        x = rms(torch.from_numpy(rng.standard_normal((1, n, HIDDEN))))
+        for li, (ms, mt) in enumerate(zip(stock.moe(), model.moe(), strict=True)):
+            want = ms.forward(x, {}).clone()
+            got = mt.forward(x, {}).clone()
+            assert got.shape == want.shape == (1, n, HIDDEN) and got.dtype == torch.float
+            check(step, li, n, got, want)
+            x = rms(x.float() + want)
+        if tiered is not None and step % 4 == 0:
+            tiered.check_invariants()
+
+
+def bit_identical(step, li, n, got, want):
+    assert torch.equal(got, want), f"step {step} layer {li} ({n} rows): differs by {float((got - want).abs().max())}"
+
+
+def near(tol):
+    def check(step, li, n, got, want):
+        assert rel_err(got, want) < tol, f"step {step} layer {li} ({n} rows): rel err {rel_err(got, want):.2e}"
+
+    return check
+
+
+def lane_fit():
+    """Costs under which the CPU lane takes a share of most decode steps (as in test_moe_step)."""
+    from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
+
+    cpu = [CpuSample((1,) * n, 2, n * 0.5e-3) for n in (1, 2, 4)] + [CpuSample((1,), 1, 1e-3)]
+    pcie = [PcieSample((1,) * n, n * 0.4e-3) for n in (1, 2, 4)]
+    return LiveFit(cpu, pcie, threads=2)
+
+
+def generous(lane):
+    """A lane whose steps never miss their deadline on a loaded CI host: a recompute rounds the activation to fp16
+    (exllamav3's torch path does), which the 1e-5 comparisons against fp32 intermediates would see. The
+    deadline path has its own tests (test_cpu_lane, test_recompute_gives_the_exact_path_numbers here)."""
+    lane.deadline_for = lambda predicted_seconds: 60.0
+    return lane
+
+
+def nvme_opener(store, ck, ram_records: int, mode: str, slots=SLOTS, staging_slots=None):
+    """TieredMoE's nvme_open on the CPU: the store through a RAM tier of `ram_records` records; `.spec` sizes both."""
+    from glm53.tiers.nvme_open import open_nvme_tier
+
+    spec = spec_for(ck, mode, slots, staging_slots=staging_slots, store=str(store), ram_slots=ram_records,
+                    store_threads=2)
+
+    def open_():
+        return open_nvme_tier(store, ck, spec, warm=False, pin=False)
+
+    open_.spec = spec
+    return open_
+
+
+def masked_picks(model: F.Model, tiered: A.TieredMoE) -> int:
+    """Picks the fake kernels masked; and every slot id they saw was a slot or the layer's masked id."""
+    total = 0
+    for li, m in enumerate(model.moe()):
+        masked_id = tiered.stepper.masked_id(li)
+        for ids in m.fake_stats["slot_ids"]:
+            assert ids.min() >= 0 and ids.max() <= masked_id, f"layer {li}: slot ids {ids} past {masked_id}"
+        total += m.fake_stats["masked"]
+    return total
+
+
+# ---- the fake itself ------------------------------------------------------------------------------------------
+
+
+def test_the_fake_satisfies_the_contract_and_computes_the_reference(ck):
+    from glm53.exl3ref import expert_forward, read_exl3_linear
+
+    A.check_contract()  # through sys.modules: what TieredMoE's imports see
+    m = stock_model(ck).moe()[0]
+    x = rms(torch.from_numpy(np.random.default_rng(0).standard_normal((1, 1, HIDDEN))))
+    y = m.forward(x, {}).clone()
+    ids, w = m.routing_cfg.selected_experts_bsz1[0].tolist(), m.routing_cfg.routing_weights_bsz1[0].float()
+    want = np.zeros(HIDDEN, np.float32)
+    for k, e in enumerate(ids):
+        lins = [read_exl3_linear(ck, f"{m.key}.experts.{e}.{p}_proj") for p in ("gate", "up", "down")]
+        want += np.float32(w[k]) * expert_forward(x[0].double().numpy(), *lins, swiglu_limit=SWIGLU_LIMIT)[0]
+    assert torch.equal(y[0, 0], torch.from_numpy(want))
+    # The prefill (torch) path computes the same picks: a row alone and inside a chunk agree to float rounding.
+    xs = torch.cat([x, rms(torch.from_numpy(np.random.default_rng(1).standard_normal((1, 11, HIDDEN))))], dim=1)
+    assert rel_err(m.forward(xs, {})[0, 0], y[0, 0]) < 1e-6
+
+
+# ---- exact: bit-identical to all experts in "VRAM" ----------------------------------------------------------
+
+
+def test_exact_mode_is_bit_identical_to_stock(ck):
+    stock = stock_model(ck)
+    model, tiered = tiered_model(ck, lookahead=False)
+    try:
+        assert not any(".experts." in k for k in model.config.stc.reads), "exllamav3 read an expert from disk"
+        for li, m in enumerate(model.moe()):
+            assert m.num_local_experts == SLOTS[li] + tiered.staging_slots != NUM_EXPERTS
+            assert (m.routing_first, m.routing_last) == (0, m.num_local_experts)
+            assert m.experts_cfg.min_expert == 0  # the interval is baked: masking is on
+        drive(stock, model, schedule(1, 40), 1, bit_identical, tiered)
+        snap = tiered.snapshot()
+        assert snap["mode"] == "exact" and snap["layer_steps"] == 40 * 3
+        picks = snap["picks"]
+        assert picks["vram_hit"] > 0 and picks["pcie"] > 0 and picks["cpu"] == 0
+        assert snap["admissions"] > 0 and snap["evictions"] > 0
+        # After launch (exllamav3's combine ran it), admissions are device copies from the staging rows.
+        moved = snap["admissions"] * tiered.layout.nbytes
+        assert (snap["bytes"]["staging_to_vram"], snap["bytes"]["ram_to_vram"]) == (moved, 0)
+        assert masked_picks(model, tiered) == 0
+        tiered.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
+
+
+def test_lookahead_runs_and_reports_its_recall(ck):
+    stock = stock_model(ck)
+    model, tiered = tiered_model(ck, lookahead=True)
+    try:
+        drive(stock, model, schedule(2, 40, prefill_every=10), 2, bit_identical, tiered)
+        snap = tiered.snapshot()
+        la = snap["lookahead"]
+        assert tiered.lookahead, "lookahead switched itself off"
+        assert la["steps"] > 0 and la["picks"] > 0 and 0.0 <= la["recall"] <= 1.0
+        assert 0.0 <= la["expert_recall"] <= 1.0 and la["prefetched"] > 0, "no admission started from a prediction"
+        assert set(la["layers"]) == {1, 2}  # layer 0 is never predicted
+        print(f"\nlookahead recall {la['recall']:.3f} (expert recall {la['expert_recall']:.3f}) over {la['steps']} "
+              f"steps, {la['prefetched']} admissions started from predictions")
+    finally:
+        model.unload()
+        tiered.close()
+
+
+# ---- fast: the CPU lane at the seam ---------------------------------------------------------------------------
+
+
+def test_fast_mode_lane_takes_picks_masked_and_added_back(ck):
+    from glm53.cpu_lane.lane import CpuLane
+
+    stock = stock_model(ck, torch.float)  # fp32 intermediates: what the lane computes
+    # Layer 0 has no VRAM slot: with the default 16 staging slots its S + P would be all 16 experts, an interval
+    # exllamav3 treats as "no split" (no masking), so the adapter must take one staging slot more.
+    model, tiered = tiered_model(ck, torch.float, slots=[0, 3, 4], lookahead=True)
+    try:
+        lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
+        tiered.enable_lane(lane, lane_fit())
+        drive(stock, model, schedule(3, 32), 3, near(1e-5), tiered)
+        assert tiered.staging_slots == NUM_EXPERTS + 1 and model.moe()[0].experts_cfg.min_expert == 0
+        snap = tiered.snapshot()
+        assert snap["mode"] == "fast"
+        picks = snap["picks"]
+        assert picks["cpu"] > 0 and picks["pcie"] > 0
+        assert picks["total"] == sum(picks[k] for k in ("vram_hit", "pcie", "cpu", "nvme"))
+        assert masked_picks(model, tiered) == picks["cpu"], "exactly the lane's picks are masked on the GPU side"
+        assert snap["cpu_lane"]["jobs"] > 0 and snap["cpu_lane"]["recomputed_jobs"] == 0
+    finally:
+        model.unload()
+        tiered.close()
+    assert not lane.alive  # closed with the TieredMoE
+
+
+def test_start_lane_calibrates_and_attaches(ck):
+    stock = stock_model(ck, torch.float)
+    model, tiered = tiered_model(ck, torch.float, lookahead=False)
+    try:
+        samples = tiered.measure_pcie(repeats=1)
+        assert [len(s.rows) for s in samples] == [1, 2, 4] and all(s.seconds > 0 for s in samples)
+        tiered.start_lane(threads=1)
+        assert tiered.stepper.lane is not None and tiered.stepper.lane.alive
+        generous(tiered.stepper.lane)
+        drive(stock, model, schedule(4, 8, prefill_every=4), 4, near(1e-5), tiered)
+        snap = tiered.snapshot()
+        assert snap["mode"] == "fast" and "cost_model" in snap["cpu_lane"]
+        assert masked_picks(model, tiered) == snap["picks"]["cpu"]
+    finally:
+        model.unload()
+        tiered.close()
+
+
+def test_recompute_gives_the_exact_path_numbers(ck):
+    """A lane whose kernel raises: that step's jobs go through _recompute (the expert streamed into the last staging
+    slot, run through the slot Linears like exllamav3's torch path) and the layer still equals stock; the lane is
+    off afterwards. With fp16 intermediates the recompute is the very maths of the fake's kernels."""
+    from glm53.cpu_lane.lane import CpuLane
+    from glm53.exl3ref import expert_forward, read_exl3_linear
+    from glm53.tiers import Where
+
+    def broken(jobs, outs, done, cancel):
+        raise RuntimeError("simulated kernel fault")
+
+    stock = stock_model(ck)
+    model, tiered = tiered_model(ck, lookahead=False)
+    try:
+        lane = CpuLane(tiered.layout, threads=1, compute=broken, stats=tiered.tiers.stats)
+        tiered.enable_lane(lane, lane_fit())
+        drive(stock, model, [1, 2, 1, 3, 1, 1], 5, near(1e-5), tiered)
+        snap = tiered.snapshot()
+        assert not lane.alive and "simulated kernel fault" in lane.disabled_reason
+        assert snap["cpu_lane"]["recomputed_jobs"] > 0 and snap["cpu_lane"]["jobs"] == 0
+        assert masked_picks(model, tiered) == snap["cpu_lane"]["recomputed_picks"]
+        # Directly: a RAM expert's recompute equals the reference on the checkpoint's own tensors.
+        li = 1
+        e = int(np.flatnonzero(tiered.tiers.where[li] == Where.RAM)[0])
+        x = rms(torch.from_numpy(np.random.default_rng(6).standard_normal((3, HIDDEN)))).float().numpy()
+        got = tiered._recompute(li, e, x)
+        key = model.moe()[li].key
+        lins = [read_exl3_linear(ck, f"{key}.experts.{e}.{p}_proj") for p in ("gate", "up", "down")]
+        want = expert_forward(x.astype(np.float64), *lins, swiglu_limit=SWIGLU_LIMIT, half_intermediate=True)
+        assert got.dtype == torch.float and got.shape == (3, HIDDEN)
+        np.testing.assert_array_equal(got.numpy(), want)
+        tiered.check_invariants()
+        drive(stock, model, [1, 12, 1], 7, bit_identical, tiered)  # the lane is off: exact again
+    finally:
+        model.unload()
+        tiered.close()
+
+
+# ---- nvme modes: misses through a record store packed from the checkpoint ----------------------------------------
+
+
+def test_nvme_exact_is_bit_identical_to_stock(ck, store):
+    stock = stock_model(ck)
+    # 48 experts, 6 in VRAM; RAM holds 20 of the other 42: constant store reads and drops.
+    model, tiered = tiered_model(ck, slots=[2, 2, 2], lookahead=True,
+                                 nvme_open=nvme_opener(store, ck, 20, "nvme-exact", [2, 2, 2]))
+    try:
+        drive(stock, model, schedule(8, 30), 8, bit_identical, tiered)
+        snap = tiered.snapshot()
+        assert snap["mode"] == "nvme-exact"
+        assert snap["picks"]["nvme"] > 0 and snap["picks"]["cpu"] == 0 and snap["ram_drops"] > 0
+        assert snap["nvme_fault"] is None or not snap["nvme_fault"].get("faults")
+        assert snap["copied_before_store_wait"] > 0, "no RAM miss crossed PCIe while the step's store reads landed"
+        assert snap["lookahead"]["prefetched"] > 0
+        tiered.nvme.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
+
+
+def test_nvme_prefill_reads_ahead_only_what_the_router_run_ahead_names(tmp_path_factory):
+    """A short prompt chunk picks a few of a layer's experts: with the next layer's router run ahead on the chunk,
+    the store reads ahead those (and demand-reads what it missed) instead of the whole layer, and the result is
+    still stock's, bit for bit."""
+    from store.pack import PackOptions, pack_store
+
+    wide = write_exl3_checkpoint(tmp_path_factory.mktemp("glue-wide") / "ck", router_skew=(0.25, 0.5), layers=4,
+                                 dense_layers=1, mtp_layers=0, experts=64, top_k=2)
+    wide_store = wide.parent / "experts.glm53"
+    pack_store(PackOptions(wide, wide_store, threads=2, progress=False, verify=False), log=lambda m: None)
+    stock = stock_model(wide)
+    rows = [9, 12, 10, 16, 9, 11]  # prompt chunks only (more rows than a decode step), ~20 of 64 experts each
+    reads = {}
+    for guess in (False, True):
+        model, tiered = tiered_model(wide, slots=[2, 2, 2], lookahead=guess,
+                                     nvme_open=nvme_opener(wide_store, wide, 70, "nvme-exact", [2, 2, 2]))
+        try:
+            drive(stock, model, rows, 4, bit_identical, tiered)
+            snap = tiered.snapshot()
+            reads[guess] = snap["nvme"]["reads"] + snap["nvme"]["prefetch_reads"]
+            tiered.nvme.check_invariants()
+        finally:
+            model.unload()
+            tiered.close()
+    print(f"\nstore records read over {len(rows)} prompt chunks: {reads[False]} reading whole layers ahead, "
+          f"{reads[True]} reading the router's guess ({reads[True] / reads[False]:.2f}x)")
+    assert reads[True] < 0.7 * reads[False]
+
+
+def test_nvme_mode_with_the_lane(ck, store):
+    from glm53.cpu_lane.lane import CpuLane
+
+    stock = stock_model(ck, torch.float)
+    model, tiered = tiered_model(ck, torch.float, slots=[2, 2, 2], lookahead=True,
+                                 nvme_open=nvme_opener(store, ck, 24, "nvme", [2, 2, 2]))
+    try:
+        # A cold start (no routing statistics): RAM holds no expert yet, and the lane's PCIe calibration must run.
+        assert tiered.tiers.ram.in_use() == 0
+        assert len(tiered.measure_pcie(repeats=1)) == 3
+        tiered.enable_lane(generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats)), lane_fit())
+        drive(stock, model, schedule(9, 24), 9, near(1e-5), tiered)
+        snap = tiered.snapshot()
+        assert snap["mode"] == "nvme" and snap["picks"]["cpu"] > 0 and snap["picks"]["nvme"] > 0
+        # A pick the step had to read from the store counts as "nvme" in picks even when the lane computes it.
+        lane = snap["cpu_lane"]
+        assert masked_picks(model, tiered) == lane["picks"] + lane["recomputed_picks"] > snap["picks"]["cpu"]
+    finally:
+        model.unload()
+        tiered.close()
+
+
+# ---- teardown -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["unload-then-close", "close-then-unload", "installed-only", "load-failed"])
+def test_close_restores_the_modules(ck, order):
+    """Both teardown orders of a running TieredMoE, and a start-up abandoned after install() (before load) or
+    after model.load() (populate never ran, so the seam never opened and unload() alone cannot restore)."""
+    stock = stock_model(ck)
+    model = F.Model.from_config(F.Config.from_directory(str(ck)))
+    before = [(m.gates, m.ups, m.downs, list(m.modules)) for m in model.moe()]
+    tiered = A.TieredMoE(model, ck, spec_for(ck, "exact", SLOTS), lookahead=False)
+    tiered.install()
+    if order == "installed-only":
+        tiered.close()
+    elif order == "load-failed":
+        model.load("cpu")
+        tiered.close()
+        model.unload()
+    else:
+        model.load("cpu")
+        tiered.populate()
+        drive(stock, model, [1, 10], 10, bit_identical, tiered)
+        if order == "unload-then-close":
+            model.unload()
+            tiered.close()
+        else:
+            tiered.close()
+            model.unload()
+    for m, (gates, ups, downs, modules) in zip(model.moe(), before, strict=True):
+        assert m.gates is gates and m.ups is ups and m.downs is downs and m.modules == modules
+        assert m.num_local_experts == NUM_EXPERTS and m.routing_first is None and m.routing_last is None
+        assert m.cpu_split_first is None
+        assert "cpu_split_submit" not in vars(m) and "cpu_split_combine" not in vars(m)
+    # Loaded again, the module is stock exllamav3: every expert from the checkpoint, no seam.
+    model.config.stc.reads.clear()
+    model.load("cpu")
+    assert sum(".experts." in k for k in model.config.stc.reads) == 3 * NUM_EXPERTS * 3 * 3
+    for m in model.moe():
+        m.fake_stats["slot_ids"].clear()
+    drive(stock, model, [1, 3, 12], 11, bit_identical)
+    model.unload()
+
+
+def test_load_progress_reports_each_top_level_module(ck):
+    model = F.Model.from_config(F.Config.from_directory(str(ck)))
+    seen = []
+    undo = A.wrap_load_progress(model, lambda done, total: seen.append((done, total)))
+    model.load("cpu")
+    n = len(model.modules)
+    assert seen == [(i, n) for i in range(1, n + 1)]
+    undo()
+    assert all("load" not in vars(m) for m in model.modules)
+    model.unload()
