@@ -13,6 +13,7 @@ import fake_exllamav3 as F
 import numpy as np
 import pytest
 from fakehost import HostSpec, write_host
+from specs import packed_store
 
 from glm53 import host as H
 from glm53 import plan as P
@@ -123,11 +124,7 @@ def ck(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store(ck, tmp_path_factory):
-    from store.pack import PackOptions, pack_store
-
-    out = tmp_path_factory.mktemp("spec-store") / "experts.glm53"
-    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
-    return out
+    return packed_store(ck, tmp_path_factory.mktemp("spec-store"))
 
 
 def planned(tmp_path, ck, mode: str, routing=None, host_spec=HostSpec(), **env: str) -> P.Plan:

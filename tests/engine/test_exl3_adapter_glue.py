@@ -13,7 +13,7 @@ import fake_exllamav3 as F
 import numpy as np
 import pytest
 import torch
-from specs import spec_for
+from specs import packed_store, spec_for
 
 from glm53.engine import exl3_adapter as A
 from glm53.fixture.exl3 import write_exl3_checkpoint
@@ -39,11 +39,7 @@ def ck(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store(ck, tmp_path_factory):
-    from store.pack import PackOptions, pack_store
-
-    out = tmp_path_factory.mktemp("glue-store") / "experts.glm53"
-    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
-    return out
+    return packed_store(ck, tmp_path_factory.mktemp("glue-store"))
 
 
 _stock: dict = {}

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import fake_exllamav3 as F
 import pytest
-from specs import spec_for
+from specs import packed_store, spec_for
 from test_reference_engine import BOOL_OBJECT
 
 from glm53.engine.interface import EngineError, EngineNotReady, PromptProgress, SamplingParams, TokenEvent
@@ -43,11 +43,7 @@ def ck(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def store(ck, tmp_path_factory):
-    from store.pack import PackOptions, pack_store
-
-    out = tmp_path_factory.mktemp("engine-store") / "experts.glm53"
-    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
-    return out
+    return packed_store(ck, tmp_path_factory.mktemp("engine-store"))
 
 
 @contextlib.contextmanager

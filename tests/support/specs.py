@@ -37,3 +37,12 @@ def store_spec(store: str | Path, ram_records: int, vram_slots: int | list[int],
     return engine_spec(engine, moe_layers=len(layers), experts_per_layer=experts, top_k=min(2, experts),
                        vram_slots=vram_slots, kv_tokens=4096, device=device, staging_slots=staging_slots,
                        ram_slots=ram_records, cpu_threads=1, store_threads=threads, store=str(store), **kw)
+
+
+def packed_store(ck: str | Path, where: Path) -> Path:
+    """The record store packed from checkpoint `ck` into the folder `where`."""
+    from store.pack import PackOptions, pack_store
+
+    out = Path(where) / "experts.glm53"
+    pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
+    return out
