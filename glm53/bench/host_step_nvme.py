@@ -134,10 +134,10 @@ class NvmeRig:
 
 
 def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
-          reader_options: dict | None = None) -> NvmeRig:
+          prefetch_at_once: int | None = None) -> NvmeRig:
     """The nvme tier on `store` warmed from the routing of a first stretch of the trace (as saved statistics warm a
     real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay.
-    reader_options: further options of the store reader (prefetch_at_once)."""
+    prefetch_at_once: the guess reads under way at once, as open_nvme_tier calibrates it (None: the reader's default)."""
     from glm53.bench.copiers import StepCopier
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
@@ -155,7 +155,7 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     copier = StepCopier()
     # Buffered reads where the filesystem refuses O_DIRECT (tmpfs): the time blocked on reads is not measured here.
     reader = StoreReader(store, threads=nopts.store_threads, allow_buffered=True, verify=True, warn=log.debug,
-                         **(reader_options or {}))
+                         **({} if prefetch_at_once is None else {"prefetch_at_once": prefetch_at_once}))
     tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
     try:
         tier.warm(counts)
@@ -330,7 +330,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
     gpu_s = emu.gpu_ms_per_layer * 1e-3
     with emulated_disk(rate):
         at_once, gain = calibrate_prefetch(store, read_header(store), True, 1, nopts.store_threads)
-    rig = build(opts, nopts, store, bsz, {"prefetch_at_once": at_once})
+    rig = build(opts, nopts, store, bsz, at_once)
     try:
         settle = min(SETTLE_STEPS, opts.warmup)
         replay(rig, range(opts.warmup - settle))
