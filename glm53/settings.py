@@ -129,6 +129,10 @@ SCHEMA: tuple[Setting, ...] = (
             _choice(("none", "low", "high", "max")), "none | low | high | max"),
     Setting("GLM53_MAX_CONCURRENCY", "8", "Requests decoded together; more wait in the queue.",
             _int_at_least(1), "integer >= 1"),
+    Setting("GLM53_MAX_QUEUE", "32",
+            "Requests that may wait for a decode slot; beyond it a request gets 429 with Retry-After (Anthropic's "
+            "route: 429 rate_limit_error) at once instead of waiting unseen. 0 = no limit.",
+            _int_at_least(0), "integer >= 0"),
     Setting("GLM53_VRAM_BUDGET_GB", "0",
             "Cap on the VRAM glm53 uses, in GiB; 0 = what the GPU has free. Emulates a smaller card on a big one.",
             _float_at_least(0.0), "number >= 0"),

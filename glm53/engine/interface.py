@@ -40,6 +40,15 @@ class ContextLengthExceeded(EngineError):
         )
 
 
+class QueueFull(EngineError):
+    """Every decode slot is taken and the waiting queue is at its limit: the server answers 429 with Retry-After."""
+
+    def __init__(self, waiting: int, limit: int):
+        self.waiting, self.limit = waiting, limit
+        super().__init__(f"{waiting} requests are already waiting for a decode slot (the limit, GLM53_MAX_QUEUE, is "
+                         f"{limit}): retry shortly")
+
+
 class EngineNotReady(EngineError):
     """The model is not loaded (yet, or any more): the server answers 503."""
 

@@ -33,6 +33,7 @@ from glm53.engine.interface import (
     EngineEvent,
     EngineNotReady,
     GrammarUnsupported,
+    QueueFull,
     SamplingParams,
     TokenEvent,
 )
@@ -83,6 +84,7 @@ class WorkerEngine(ABC):
         self.model_id = model_id
         self.context_length = context_length or 0  # set from the checkpoint by load() when not given
         self.max_running = max(1, max_running)
+        self.max_waiting = 0  # requests that may wait for a slot (0: no limit); beyond it generate() raises QueueFull
         self._hf_tok: Any = None
         self._tok: Any = None  # tokenizers.Tokenizer (fast paths: encode/decode without the HF wrapper)
         self._n_vocab = 0  # real tokenizer entries; the model's padded logits beyond are never sampled
@@ -98,7 +100,7 @@ class WorkerEngine(ABC):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._counters = dict.fromkeys(("requests_total", "requests_finished", "requests_cancelled", "requests_failed",
-                                        "prompt_tokens", "generated_tokens"), 0)
+                                        "requests_refused_queue_full", "prompt_tokens", "generated_tokens"), 0)
         self._rate: deque[tuple[float, int]] = deque()
         self._started = time.monotonic()
 
@@ -240,6 +242,11 @@ class WorkerEngine(ABC):
         with self._cv:
             if request_id in self._by_id:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
+            # Counted against the slots too: a burst arriving before the worker admits any must not be refused
+            # while slots are free.
+            if self.max_waiting and len(self._waiting) + len(self._running) >= self.max_running + self.max_waiting:
+                self._counters["requests_refused_queue_full"] += 1
+                raise QueueFull(len(self._waiting), self.max_waiting)
             self._by_id[request_id] = req
             self._waiting.append(req)
             self._counters["requests_total"] += 1
@@ -291,6 +298,7 @@ class WorkerEngine(ABC):
                 "running": len(self._running),
                 **self._stats_extra(),
                 "max_running": self.max_running,
+                "max_waiting": self.max_waiting,
                 **self._counters,
                 "tokens_per_s": round(rate, 2),
                 "uptime_s": round(now - self._started, 1),

@@ -150,8 +150,10 @@ def choose_engine(settings: Any) -> EngineChoice:
             choice.warnings.append(f"GLM53_STORE={settings.store} is ignored: GLM53_MODEL_DIR is empty, and the "
                                    "demo model uses no store; set GLM53_MODEL_DIR to the checkpoint the store was "
                                    "packed from (or unset GLM53_STORE)")
-        return choice
-    return _configured(settings)
+    else:
+        choice = _configured(settings)
+    choice.engine.max_waiting = settings.max_queue  # beyond it, a request is answered 429 at once
+    return choice
 
 
 def _demo(settings: Any) -> EngineChoice:

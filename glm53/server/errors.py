@@ -13,19 +13,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm53.engine.interface import ContextLengthExceeded, EngineError, EngineNotReady, GrammarUnsupported
+from glm53.engine.interface import ContextLengthExceeded, EngineError, EngineNotReady, GrammarUnsupported, QueueFull
 
 log = logging.getLogger("glm53.server")
 
+QUEUE_RETRY_AFTER_S = 2
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable",
           500: "server_error"}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers
         self.status = status
         self.message = message
         self.param = param
@@ -76,13 +80,17 @@ def from_engine_error(exc: Exception) -> APIError:
         return context_exceeded(exc.prompt_tokens, exc.context_length)
     if isinstance(exc, EngineNotReady):
         return APIError(503, f"The model is not loaded: {exc}", code="model_not_ready")
+    if isinstance(exc, QueueFull):
+        # A slot frees when a running request ends: a few seconds at decode speed, so a short wait is honest.
+        return APIError(429, f"The server is busy: {exc}.", code="rate_limit_exceeded",
+                        headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
     if isinstance(exc, GrammarUnsupported):
         return bad_request(str(exc), param="response_format", code="unsupported_parameter")
     return APIError(500, f"Generation failed: {exc}", code="engine_error")
 
 
 def json_error(err: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
-    return JSONResponse(body_for(path, err), status_code=err.status, headers=headers)
+    return JSONResponse(body_for(path, err), status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
 
 
 def _loc_param(loc: tuple) -> str | None:

@@ -52,6 +52,10 @@ class EngineCollector:
             stats = {}
         for key, name, help_ in (("running", "num_requests_running", "Requests being decoded."),
                                  ("waiting", "num_requests_waiting", "Requests queued for a decode slot."),
+                                 ("max_waiting", "max_requests_waiting",
+                                  "Waiting requests allowed before 429 (GLM53_MAX_QUEUE; 0: no limit)."),
+                                 ("requests_refused_queue_full", "requests_refused_queue_full",
+                                  "Requests answered 429 because the waiting queue was full."),
                                  ("tokens_per_s", "engine_tokens_per_second", "Recent engine decode rate.")):
             yield GaugeMetricFamily(f"glm53_{name}", help_, value=float(stats.get(key) or 0))
         yield GaugeMetricFamily("glm53_engine_ready", "1 once the model is loaded.", value=float(self.engine.ready))

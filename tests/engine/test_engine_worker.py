@@ -18,6 +18,7 @@ from glm53.engine.interface import (
     Engine,
     EngineNotReady,
     GrammarUnsupported,
+    QueueFull,
     SamplingParams,
     TokenEvent,
 )
@@ -265,3 +266,63 @@ def test_an_emit_after_the_consumers_loop_closed_marks_the_request_cancelled(eng
     req.emit("anything")
     assert req.cancelled
     engine.gate.set()
+
+
+def test_a_full_waiting_queue_refuses_at_once_and_frees_as_slots_do(engine) -> None:
+    """max_waiting (GLM53_MAX_QUEUE): with every slot taken and the queue full, a request is refused at once
+    (QueueFull: the server's 429) rather than waiting unseen; once the queue drains, requests are taken again."""
+    engine.max_waiting = 1
+
+    async def run() -> list:
+        engine.gate.clear()
+        held = [asyncio.ensure_future(collect(engine, [1], SamplingParams(max_tokens=2), r)) for r in "abc"]
+        await asyncio.sleep(0.05)
+        assert engine.stats()["running"] == 2 and engine.stats()["waiting"] == 1
+        with pytest.raises(QueueFull, match="GLM53_MAX_QUEUE"):
+            await collect(engine, [1], SamplingParams(max_tokens=2), "d")
+        assert engine.stats()["requests_refused_queue_full"] == 1 and engine.stats()["max_waiting"] == 1
+        engine.gate.set()
+        done = [await h for h in held]
+        done.append(await collect(engine, [1], SamplingParams(max_tokens=2), "e"))  # room again
+        return done
+
+    assert [len(d) for d in asyncio.run(run())] == [2, 2, 2, 2]
+
+
+def test_a_full_queue_is_a_429_with_retry_after_over_http_in_each_apis_shape() -> None:
+    """Through a real server: the refused request gets OpenAI's 429 (Anthropic's rate_limit_error on its route)
+    with Retry-After, at once, and /metrics shows the queue and the refusals."""
+    import httpx
+    from server_support import ServerThread, server_settings
+
+    from glm53.engine.interface import QueueFull as QF
+    from glm53.server.app import create_app
+    from glm53.server.errors import body_for, from_engine_error
+
+    eng = ScriptEngine(max_running=1)
+    eng.load()
+    eng.max_waiting = 1
+    eng.gate.clear()  # nothing decodes: the first request holds the slot, the second waits
+    try:
+        with ServerThread(create_app(eng, server_settings(model_id="script"))) as srv:
+            body = {"model": "script", "prompt": "ab", "max_tokens": 2}
+            held = [threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                     kwargs={"json": body, "timeout": 30}) for _ in range(2)]
+            for t in held:
+                t.start()
+            wait_for(lambda: eng.stats()["running"] + eng.stats()["waiting"] == 2)
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
+            assert r.status_code == 429 and r.headers["retry-after"] == "2", r.text
+            err = r.json()["error"]
+            assert err["code"] == "rate_limit_exceeded" and err["type"] == "rate_limit_error"
+            assert "GLM53_MAX_QUEUE" in err["message"]
+            metrics = httpx.get(srv.url + "/metrics").text
+            assert "glm53_max_requests_waiting 1.0" in metrics and "glm53_requests_refused_queue_full 1.0" in metrics
+            eng.gate.set()
+            for t in held:
+                t.join(30)
+    finally:
+        eng.gate.set()
+        eng.close()
+    shaped = body_for("/v1/messages", from_engine_error(QF(1, 1)))
+    assert shaped["type"] == "error" and shaped["error"]["type"] == "rate_limit_error"
