@@ -92,11 +92,9 @@ def inputs(settings: S.Settings, root: str = "/") -> Inputs:
 def _routing(settings: S.Settings, model_dir: Path, shape: M.ModelShape) -> tuple:
     """The routing statistics an earlier run of this checkpoint saved under the cache dir: they split the VRAM
     slots among layers (the plan) and warm the tiers (the engine)."""
-    from glm53.tiers.policy import load_routing_stats, routing_key, routing_stats_path
+    from glm53.tiers.policy import saved_routing
 
-    key = routing_key(model_dir)
-    return load_routing_stats(routing_stats_path(Path(settings.cache_dir).expanduser(), key), key, shape.moe_layers,
-                              shape.experts_per_layer)
+    return saved_routing(Path(settings.cache_dir).expanduser(), model_dir, shape.moe_layers, shape.experts_per_layer)
 
 
 def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:

@@ -25,7 +25,7 @@ set so that one of the bench store's (tiny) records takes the given ms, as a 9 M
 machine's rate-capped disk; and after each layer step's launch the emulated GPU is busy for the given ms before the
 next layer's router output exists (a sleep, while the host's work after launch and the store's reads go on). What
 it reports is wall time per decode step (bsz tokens), store waits and GPU sleeps included, the store's busy share
-and the guesses' fate, for the reader and stepper the engine runs (a variant to compare with runs from its own
+and the guesses' fate, for the reader and stepper the engine runs (an earlier design to compare with runs from its own
 commit's tree: `--baseline REV`).
 """
 

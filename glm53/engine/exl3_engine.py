@@ -98,7 +98,6 @@ def gpu_engine_available() -> bool:
     return torch.cuda.is_available()
 
 
-TIERED_MODES = ("exact", "fast", "nvme", "nvme-exact")
 
 
 def _llguidance_filter() -> Any:
@@ -255,15 +254,12 @@ class Exl3Engine(WorkerEngine):
         if self.routing_stats_dir is None:
             return None
         from glm53.engine.exl3_adapter import moe_modules
-        from glm53.tiers import load_routing_stats, routing_stats_path
-        from glm53.tiers.policy import routing_key
+        from glm53.tiers.policy import saved_routing
 
         mods = moe_modules(model)
         if not mods:
             return None
-        key = routing_key(self.model_dir)
-        counts, reason = load_routing_stats(routing_stats_path(self.routing_stats_dir, key), key, len(mods),
-                                            mods[0].num_experts)
+        counts, reason = saved_routing(self.routing_stats_dir, self.model_dir, len(mods), mods[0].num_experts)
         log.info("routing statistics: %s", reason)
         return counts
 

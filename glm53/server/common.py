@@ -24,7 +24,7 @@ from glm53.server.sse import SSEResponse, wait_for_disconnect
 
 T = TypeVar("T")
 PING_INTERVAL_S = 3.0
-# A token is a few bytes of text; JSON escaping (\\uXXXX) can make one character six. Tool schemas and the
+# A token is a few bytes of text; JSON's \\u escapes can make one character six bytes. Tool schemas and the
 # envelope get the base allowance.
 BODY_BASE_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 32

@@ -313,6 +313,13 @@ def routing_key(model_dir: str | os.PathLike) -> str:
     return f"{Path(model_dir).name}-{digest}"
 
 
+def saved_routing(cache_dir: str | os.PathLike, model_dir: str | os.PathLike, num_layers: int,
+                  num_experts: int) -> tuple[np.ndarray | None, str]:
+    """The statistics an earlier run of checkpoint `model_dir` saved under `cache_dir`: (counts or None, why)."""
+    key = routing_key(model_dir)
+    return load_routing_stats(routing_stats_path(cache_dir, key), key, num_layers, num_experts)
+
+
 def routing_stats_path(cache_dir: str | os.PathLike, model_key: str) -> Path:
     """Where one model's routing statistics live under the cache dir (one file per model identity)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_key)
