@@ -30,6 +30,10 @@
 #             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
+#   depthprobe  the full-depth fixture (issue 25: 45 layers, 3 dense + 42 MoE, always-used linears at K=5, EXL3
+#             K=6 head; DEPTH_EXPERTS routed experts per layer, default 8: ~10 GB in /tmp, kept and reused) in stock
+#             exllamav3, all in VRAM: load time, then 32 greedy tokens after a 16- and an 8,192-token prompt with
+#             first-token time, decode tok/s, torch's peak allocation and the device memory in use
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
@@ -126,6 +130,12 @@ step_nvme16() {
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
+step_depthprobe() {
+  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 560 python3 -u tests/gpu/depth_probe.py --experts "${DEPTH_EXPERTS:-8}" --work /tmp \
+    --json "$OUT/depthprobe.json" > "$OUT/depthprobe.log" 2>&1
+  local rc=$?
+  stamp "depthprobe rc=$rc $(grep -E '^(fixture|loaded|[0-9]+-token)' "$OUT/depthprobe.log" | tr '\n' ';')"
+}
 step_lane() {
   { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
   timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
@@ -138,6 +148,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane depthprobe)"
   fi
 done
