@@ -43,19 +43,21 @@ def greedy(torch, exl, gen, ids: list[int], tokens: int) -> dict:
     gen.enqueue(job)
     stamps: list[float] = []
     out: list[int] = []
+    first_n = 0
     while gen.num_remaining_jobs():
         for r in gen.iterate():
             new = r.get("token_ids")
             if r.get("stage") == "streaming" and new is not None and new.numel():
                 stamps.append(time.perf_counter())
                 out += new.flatten().tolist()
+                first_n = first_n or len(out)  # tokens held back (a split UTF-8 character) come out together
     torch.cuda.synchronize()
     if len(out) < tokens:
         raise RuntimeError(f"{len(ids)}-token prompt: generated {len(out)} tokens, expected {tokens}")
     decode_s = stamps[-1] - stamps[0]
     return {"prompt_tokens": len(ids), "new_tokens": len(out), "first_token_s": stamps[0] - t0,
             "prefill_tok_s": len(ids) / (stamps[0] - t0), "decode_s": decode_s,
-            "decode_tok_s": (len(stamps) - 1) / decode_s if decode_s > 0 else None,
+            "decode_tok_s": (len(out) - first_n) / decode_s if decode_s > 0 else None,
             "total_s": stamps[-1] - t0, "tokens_head": out[:8], **mem(torch)}
 
 
