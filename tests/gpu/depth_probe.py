@@ -67,6 +67,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp"))
     ap.add_argument("--long", type=int, default=8192, help="the long prompt's tokens (default 8192)")
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompts", default="", help="prompt lengths to run in order (default: 16 and --long)")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last prompt, top 40 by cumulative time")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
@@ -78,7 +80,8 @@ def main() -> int:
                     "write_s": write_fixture(model_dir, args.experts)}
     report["disk_bytes"] = sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))
     print(f"fixture: {report['disk_bytes'] / 1e9:.2f} GB, written in {report['write_s']:.0f} s (0: reused)", flush=True)
-    cache_tokens = -(-(args.long + args.tokens + 256) // 256) * 256
+    lengths = [int(x) for x in args.prompts.split(",") if x] or [16, args.long]
+    cache_tokens = -(-(max(lengths) + args.tokens + 256) // 256) * 256
     t0 = time.perf_counter()
     config = exl.Config.from_directory(str(model_dir))
     model = exl.Model.from_config(config)
@@ -91,11 +94,20 @@ def main() -> int:
     report["cache_tokens"] = cache_tokens
     print(f"loaded in {report['load_s']:.1f} s: {json.dumps(report['after_load'])}", flush=True)
     text = tokenizer.encode("The quick brown fox jumps over the lazy dog, and the dog sleeps on. " * 1200)[0].tolist()
-    if len(text) < args.long:
-        text = (text * (args.long // len(text) + 1))
+    if len(text) < max(lengths):
+        text = (text * (max(lengths) // len(text) + 1))
     report["runs"] = []
-    for n in (16, args.long):
-        r = greedy(torch, exl, gen, text[:n], args.tokens)
+    for i, n in enumerate(lengths):
+        # Each run starts at a different offset, so the page cache cannot serve one run's prompt from another's.
+        ids = text[i * 7:i * 7 + n]
+        if args.profile and i == len(lengths) - 1:
+            import cProfile
+            import pstats
+            prof = cProfile.Profile()
+            r = prof.runcall(greedy, torch, exl, gen, ids, args.tokens)
+            pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        else:
+            r = greedy(torch, exl, gen, ids, args.tokens)
         report["runs"].append(r)
         print(f"{n}-token prompt: first token {r['first_token_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s), "
               f"{r['new_tokens']} tokens decoded at {r['decode_tok_s']:.1f} tok/s; peak allocated "
