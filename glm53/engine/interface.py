@@ -49,6 +49,18 @@ class QueueFull(EngineError):
                          f"{limit}): retry shortly")
 
 
+class EngineOutOfMemory(EngineError):
+    """The device ran out of memory (loading, or running one request): the server answers 503, and the message
+    names what to lower. The engine keeps serving the other requests."""
+
+    KNOBS = "GLM53_CONTEXT, GLM53_MAX_CONCURRENCY or GLM53_VRAM_BUDGET_GB"
+
+    def __init__(self, where: str, detail: object = ""):
+        self.where = where
+        tail = f" ({str(detail).splitlines()[0]})" if str(detail) else ""
+        super().__init__(f"the device ran out of memory {where}{tail}: lower {self.KNOBS} and restart")
+
+
 class EngineNotReady(EngineError):
     """The model is not loaded (yet, or any more): the server answers 503."""
 
