@@ -193,7 +193,7 @@ class ReferenceEngine(WorkerEngine):
         last sampled token into the cache, or one token sampled. Waits (does nothing) while its pages are short."""
         total = len(req.prompt) + len(req.generated)
         if req.prefilled < total:
-            if req.cache is None:
+            if req.cached_tokens is None:
                 self._start(req)
             end = min(req.prefilled + self.prefill_chunk, total)
             if not self._kv_reserve(req, end):
@@ -213,19 +213,19 @@ class ReferenceEngine(WorkerEngine):
         req.emit(event)
 
     def _start(self, req: _Request) -> None:
-        """Before the first chunk (again, after a preemption): continue from the kept cache if it holds a prefix."""
-        kept, total = self._kept, len(req.prompt) + len(req.generated)
-        reused = 0
-        if kept is not None and len(kept[0]) < total and self._tokens(req, 0, len(kept[0])) == kept[0]:
-            with self._cv:
-                self._kept = None
-                if self.kv is not None:
-                    self.kv.drop(_KEPT)
-                    self.kv.take(req, len(kept[0]))  # the pages it just freed
-            req.cache, req.prefilled, reused = kept[1], len(kept[0]), len(kept[0])
-        if req.cached_tokens is None:  # the request's first start: what the client's usage reports
+        """Before the request's first chunk: count its prompt and what the prefix cache served of it."""
+        if req.cached_tokens is None:  # what the client's usage reports (a resumed request is no new hit)
             self._count_prompt(len(req.prompt))
-            self._note_cached(req, reused)
+            self._note_cached(req, req.prefilled)
+
+    def _claim_prefix(self, req: _Request) -> None:
+        kept, total = self._kept, len(req.prompt) + len(req.generated)
+        if kept is None or len(kept[0]) >= total or self._tokens(req, 0, len(kept[0])) != kept[0]:
+            return
+        self._kept = None
+        if self.kv is not None:
+            self.kv.held[req] = self.kv.drop(_KEPT)  # its pages go with it
+        req.cache, req.prefilled = kept[1], len(kept[0])
 
     def _kv_evict_kept(self) -> bool:
         if self._kept is None:

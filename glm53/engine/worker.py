@@ -417,13 +417,18 @@ class WorkerEngine(ABC):
             return Batch(new, list(self._running))
 
     def _kv_admits(self, req: Request) -> bool:
-        """FIFO admission by pages: the head of the queue starts when its first page is free (a kept prefix cache
-        is evicted for it) and nobody running is waiting for pages. Caller holds self._cv."""
+        """FIFO admission by pages: the head of the queue starts with its first page (a kept prefix cache it
+        continues from is handed over; another is evicted for room) while nobody running waits for pages. Caller
+        holds self._cv."""
+        if self.kv is not None and any(r.kv_waiting for r in self._running):
+            return False
+        self._claim_prefix(req)
         if self.kv is None:
             return True
-        if any(r.kv_waiting for r in self._running):
-            return False
-        return self.kv.free > 0 or self._kv_evict_kept()
+        while not self.kv.take(req, 1):
+            if not self._kv_evict_kept():
+                return False
+        return True
 
     def _kv_reserve(self, req: Request, tokens: int) -> bool:
         """Pages for `req` to hold `tokens` positions (the ledger's rule, module docstring). False: it waits."""
@@ -453,6 +458,9 @@ class WorkerEngine(ABC):
         at = next((i for i, w in enumerate(self._waiting) if w.arrival > req.arrival), len(self._waiting))
         self._waiting.insert(at, req)
         self._counters["requests_preempted"] += 1
+
+    def _claim_prefix(self, req: Request) -> None:  # noqa: B027 - only an engine keeping prefix caches here
+        """Hand a kept prefix cache that `req` continues from (and its pages) to `req`. Caller holds self._cv."""
 
     def _kv_evict_kept(self) -> bool:
         """Drop a kept prefix cache to free pages; False when there is none. Caller holds self._cv."""
