@@ -181,6 +181,9 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> dict:
-        """JSON-able counters: waiting, running, prompt_tokens, generated_tokens, tokens_per_s, plus engine
-        tier counters under "tiers" (empty for the reference engine)."""
+        """JSON-able counters: waiting (queued, or admitted and waiting for KV pages: waiting_for_kv), running,
+        prompt_tokens (prompt_tokens_cached of them from the prefix cache, in prefix_cache_hits requests),
+        generated_tokens, tokens_per_s; the KV cache's pages under "kv_cache" (pages, pages_used, pages_evicted,
+        and recurrent_checkpoints_evicted where there is such a cache); engine tier counters under "tiers" (empty
+        for the reference engine)."""
         ...

@@ -96,6 +96,8 @@ def test_four_requests_without_max_tokens_share_a_small_cache(small):
     after = small.engine.stats()
     assert after["requests_failed"] == before["requests_failed"]
     assert after["requests_finished"] - before["requests_finished"] == 4
+    if not EXL3:  # the youngest holders gave their pages to older requests (exllamav3 requeues instead)
+        assert after["requests_preempted"] > before["requests_preempted"]
     assert wait_until(lambda: idle(small))
 
 
