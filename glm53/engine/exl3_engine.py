@@ -13,7 +13,7 @@ and the token events are glm53.engine.worker's, shared with the CPU reference en
 itself. Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit the same
 TokenEvents; exllamav3's own text stream is ignored.
 
-KV cache: every job is given `max_rq_tokens`, so exllamav3 commits its pages a segment at a time (up to the next
+KV cache: every job whose reply may exceed a page is given `max_rq_tokens`, so exllamav3 commits its pages a segment at a time (up to the next
 recurrent-checkpoint boundary, 2048 tokens for GLM-5) instead of prompt + max_new_tokens up front, and requeues the
 job at each boundary (its pages stay hashed in the cache, its recurrent state stashed there, so it resumes without
 prefilling again); a job that cannot get its pages waits in the generator's pending queue, and is counted as
@@ -430,8 +430,9 @@ class Exl3Engine(WorkerEngine):
             stop_conditions=sorted(req.stop_ids),
             identifier=req,
             # Pages are committed a segment at a time (exllamav3 aligns this to its recurrent-checkpoint interval)
-            # and the job requeued at each boundary, so a reply without max_tokens does not reserve the cache.
-            max_rq_tokens=PAGE,
+            # and the job requeued at each boundary, so a reply without max_tokens does not reserve the cache. A
+            # reply of a page or less reserves just itself (a segment would reserve up to the boundary).
+            max_rq_tokens=PAGE if left > PAGE else None,
             return_logits=p.logprobs is not None,
             decode_special_tokens=True,
             filters=[self._job_filter(req)] if p.grammar is not None else None,

@@ -121,8 +121,9 @@ def test_a_short_request_is_answered_while_one_without_max_tokens_runs(small):
 
 def test_a_prompt_longer_than_the_cache_is_context_length_exceeded(small):
     """The context (4096 here) is not the limit when the whole KV cache is smaller: a prompt that leaves the cache
-    no room for a token is refused as context_length_exceeded, never an out-of-memory or engine error."""
-    assert small.engine.context_length > KV
+    no room for a token is refused as context_length_exceeded, never an out-of-memory or engine error. (An EngineSpec
+    never has a context beyond its cache, so on exllamav3 the two limits are one.)"""
+    assert small.engine.context_length > KV or EXL3
     r = complete(small, [5] * KV, max_tokens=4)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert str(KV) in r.json()["error"]["message"]
