@@ -72,6 +72,9 @@ step_server() {
   GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_conformance.py \
     > "$OUT/server.log" 2>&1
   stamp "server rc=$?"
+  GLM53_TEST_ENGINE=exl3 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_kv.py \
+    > "$OUT/server-kv.log" 2>&1
+  stamp "server-kv rc=$?"
 }
 step_width() {
   gpu_pytest modes-width 400 tests/engine/test_gpu_modes.py -k glm53_width
