@@ -284,11 +284,15 @@ class Exl3Engine(WorkerEngine):
         return counts
 
     def _warmup(self) -> None:
-        """One short generation through both MoE paths (prefill > 8 rows, decode), before serving."""
+        """One generation through both MoE paths (prefill > 8 rows, decode) before serving, with a prompt of a
+        full prefill chunk and a part of another: the KDA kernels are compiled and autotuned for the chunked
+        path on first use (minutes on a fresh machine), and a short prompt takes another path; the first user
+        request must not pay for it."""
         import torch
 
         exl = self._exl
-        ids = torch.tensor([[i % max(1, self._n_vocab) for i in range(1, 24)]], dtype=torch.long)
+        n = min(self.spec.prefill_chunk + 24, max(24, self.spec.kv_tokens // 2))
+        ids = torch.tensor([[1 + i % max(1, self._n_vocab - 1) for i in range(n)]], dtype=torch.long)
         job = exl.Job(input_ids=ids, max_new_tokens=2, sampler=exl.ArgmaxSampler(), stop_conditions=[])
         with torch.inference_mode():
             self.generator.enqueue(job)
