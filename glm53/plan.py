@@ -360,9 +360,9 @@ class _Vram:
 
 def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict, warnings: list) -> _Vram:
     """Weights, KV, staging, the reserve, the prefill chunk's activations and the KDA state of the cache's sequences
-    first; expert slots get the rest. The chunk and the sequences are lowered (not below 2,048 / 1) while the slots
-    would fall below the decode hot set (`hot_set_floor`); the context only when not even top_k slots per layer
-    fit."""
+    first; expert slots get the rest. The chunk (`_choose_chunk`) and the sequences (not below 1) are lowered while
+    the slots would fall below the decode hot set (`hot_set_floor`); the context only when not even top_k slots per
+    layer fit beside a 2,048-token chunk and one sequence."""
     eb = shape.expert_bytes
     reserve, reserve_why = vram_reserve()
     act = lambda chunk: prefill_activation_bytes(shape, chunk)[0]  # noqa: E731
@@ -398,11 +398,11 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
         return min(most, (budget - spent) // eb)
 
     kv_tokens = context
-    if slots_for(context, PREFILL_CHUNK_MIN, 1) < min_slots:
-        room = budget - sum(account(0, staging, PREFILL_CHUNK_MIN, 1, min_slots).values()) + kv_of(0)
+    if slots_for(context, PREFILL_CHUNK, 1) < min_slots:
+        room = budget - sum(account(0, staging, PREFILL_CHUNK, 1, min_slots).values()) + kv_of(0)
         fit = max(0, room // max(1, shape.kv_bytes_per_token) - PAGE) // KV_ROUND * KV_ROUND
         if fit < MIN_KV_TOKENS:
-            need = account(MIN_KV_TOKENS, staging, PREFILL_CHUNK_MIN, 1, min_slots)
+            need = account(MIN_KV_TOKENS, staging, PREFILL_CHUNK, 1, min_slots)
             raise PlanError(f"VRAM budget {gib(budget)} < {gib(sum(need.values()))} needed for "
                             f"{_terms(need, '')} ({shape.top_k} expert slots per MoE layer, {staging} staging "
                             f"slots, KV for {MIN_KV_TOKENS} tokens, one sequence): use a GPU with more free VRAM or "

@@ -86,7 +86,7 @@ def test_the_plan_splits_vram_by_saved_routing_statistics(tmp_path):
     split = P.plan(facts, shape, s, (counts, "saved"))
     a, b = uniform.engine, split.engine
     assert sum(b.vram_slots) == sum(a.vram_slots) == split.vram_slots  # the same budget, divided differently
-    assert len(set(a.vram_slots)) == 1 and max(b.vram_slots[21:]) > max(b.vram_slots[:21]) >= 8
+    assert max(a.vram_slots) - min(a.vram_slots) <= 1 and max(b.vram_slots[21:]) > max(b.vram_slots[:21]) >= 8
     assert "saved routing statistics" in b.split and "saved routing statistics" in split.reasons["engine"]
     assert split.ram_slots == b.ram_slots == 42 * 288 - sum(b.vram_slots) + 16
 
@@ -110,8 +110,10 @@ def test_plan_json_and_text_show_the_spec(tmp_path):
     assert spec["ram_slots"] == out["ram_slots"] and spec["kv_tokens"] == out["kv_tokens"]
     assert spec["staging_slots"] == 288 and spec["cpu_threads"] == out["cpu_threads"]
     text = subprocess.run(run, capture_output=True, text=True, cwd=ROOT, timeout=60, env=env).stdout
-    per_layer = spec["vram_slots"][0]
-    assert f"fast: VRAM slots per MoE layer {per_layer} x42; staging 288" in text
+    slots = spec["vram_slots"]
+    more = slots.count(slots[0])  # the uniform split's remainder: one slot more in the first layers
+    runs = f"{slots[0]} x{more}" + (f", {slots[-1]} x{42 - more}" if more < 42 else "")
+    assert f"fast: VRAM slots per MoE layer {runs}; staging 288" in text
 
 
 # ---- what loads is what the plan says -----------------------------------------------------------------------

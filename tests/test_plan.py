@@ -75,16 +75,17 @@ def test_3090_epyc_256g_is_fast(tmp_path):
     p = run(tmp_path)
     assert p.mode == "fast" and p.device == "cuda:0" and p.budget == "normal"
     assert p.cpu_threads == 23 and p.nvme_threads == 0 and p.kv_tokens == 131072
-    # ~1,300 9 MiB slots on a 24 GB card once a layer's worth of staging is taken (the reference held 1,300-1,376),
-    # the same in every layer without saved routing statistics.
-    assert 1250 <= p.vram_slots <= 1400 and p.vram_slots == 42 * p.vram_slots_per_layer
+    # ~1,340 9 MiB slots on a 24 GB card at 131,072 tokens once a layer's worth of staging is taken (the reference
+    # held 1,300-1,376), spread evenly over the layers without saved routing statistics.
+    assert 1300 <= p.vram_slots <= 1400 and max(p.engine.vram_slots) - min(p.engine.vram_slots) <= 1
     spec = p.engine
-    assert spec.engine == "fast" and spec.vram_slots == (p.vram_slots_per_layer,) * 42 and spec.staging_slots == 288
+    assert spec.engine == "fast" and sum(spec.vram_slots) == p.vram_slots and spec.staging_slots == 288
+    assert p.vram_slots_per_layer == min(spec.vram_slots)
     # exclusive tiers: every other expert in RAM, no second copy; plus the admissions' spare rows
     assert p.ram_slots == spec.ram_slots == 42 * 288 - p.vram_slots + 2 * 8
     assert spec.cpu_threads == p.cpu_threads and spec.kv_tokens == spec.context == 131072
-    assert p.warnings == []
-    assert set(p.reasons) >= {"mode", "gpu", "vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "kv_tokens"}
+    assert set(p.reasons) >= {"mode", "gpu", "vram_slots", "ram_slots", "cpu_threads", "nvme_threads", "kv_tokens",
+                              "sequences", "prefill_chunk", "reserve", "recurrent_cache"}
     assert "SMT siblings unused" in p.reasons["cpu_threads"]
 
 
@@ -93,7 +94,7 @@ def test_55g_cap_with_store_is_nvme(tmp_path):
     assert p.mode == "nvme" and p.budget == "normal" and p.nvme_threads == P.NVME_READERS
     # RAM tier from the cap: 55 GiB minus the margin and staging, in 9 MiB records.
     assert 5000 < p.ram_slots < 6000 and p.ram_slots + p.vram_slots < 42 * 288
-    assert p.cpu_threads == 23 and p.warnings == []
+    assert p.cpu_threads == 23 and not [w for w in p.warnings if w.startswith(("memory cap", "small host", "RLIMIT"))]
     assert "ext4" in p.reasons["store"]
 
 
@@ -461,8 +462,11 @@ def test_shape_from_checkpoint_headers(tmp_path, nested):
     per_expert = 3 * (4 * 2 * 48 * 2) + 3 * 2 * (64 + 32)  # trellis int16 + fp16 suh/svh of 3 projections
     assert (s.layers, s.moe_layers, s.experts_per_layer, s.top_k, s.mla_layers, s.mtp_layer) == (2, 1, 4, 2, 1, 2)
     assert s.expert_bytes == per_expert and s.experts == 4
-    assert s.always_used_bytes == 10 * 64 * 2 + 32 * 64 * 2  # the MTP layer's tensors are not counted
-    assert s.kv_bytes_per_token == (512 + 64 + 128) * 2
+    assert s.always_used_bytes == 32 * 64 * 2  # the MTP layer's tensors are not counted
+    assert s.host_bytes == 10 * 64 * 2  # the unquantized embedding stays in host RAM (exllamav3's prefer_cpu)
+    # NoPE MLA (transformers' default qk_rope_head_dim 0): the fp16 latent, the full indexer's [k || gate] plane and
+    # its pooled keys (128 dims per 16 tokens).
+    assert s.kv_bytes_per_token == 512 * 2 + 256 * 2 + 128 * 2 // 16
 
 
 def test_shape_errors(tmp_path):
