@@ -235,3 +235,33 @@ def test_the_recurrent_checkpoints_are_budgeted_from_ram(tmp_path):
     for cap, spec in ((16, small), (55, big)):
         pinned = spec.ram_slots * record
         assert pinned + spec.recurrent_cache_bytes <= cap * GIB - 2 * GIB  # within the cap, the margin kept
+
+
+def test_shape_estimates_follow_the_generated_config(ck):
+    """The cache and state sizes the plan counts, from the config a generated checkpoint writes (the geometry
+    exllamav3 reads), against exllamav3 1.6.5's layouts written out here by hand."""
+    text = json.loads((ck / "config.json").read_text())["text_config"]
+    lin = text["linear_attn_config"]
+    shape = M.from_checkpoint(ck)
+    mla = [i for i, t in enumerate(text["layer_types"]) if t == "deepseek_sparse_attention"]
+    kda = text["num_hidden_layers"] - len(mla)
+    assert text["qk_rope_head_dim"] == 0 and all(text["indexer_types"][i] == "full" for i in mla)
+    d, pool = text["index_head_dim"], text["index_kpool"]
+    # CacheLayer_MLA_fp16: latent (kv_lora_rank), no rope key, the [k || gate] plane and the pooled keys, fp16.
+    assert shape.kv_bytes_per_token == len(mla) * (text["kv_lora_rank"] * 2 + 2 * d * 2 + d * 2 // pool)
+    # GDNLayerState: 2 fp16 state rows per sequence slot, the bf16 conv ring and one row of staged scan inputs.
+    h, hd, taps = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
+    qkv = 3 * h * hd
+    assert shape.state_bytes_per_seq == kda * (2 * h * hd * hd * 2 + qkv * taps * 2 + qkv * 2 + h * 2 + h * hd * 4)
+    assert shape.checkpoint_bytes == kda * (qkv * taps * 2 + h * hd * hd * 2)
+    # The bf16 embedding is host RAM, the MTP layer is not loaded, the rest is VRAM.
+    sizes = {}
+    for f in ck.glob("*.safetensors"):
+        sizes.update(M.read_safetensors_sizes(f))
+    embed = sizes["model.language_model.embed_tokens.weight"]
+    assert shape.host_bytes == embed == text["vocab_size"] * text["hidden_size"] * 2
+    layers = text["num_hidden_layers"]
+    vram = sum(n for k, n in sizes.items() if "embed_tokens" not in k and ".experts." not in k
+               and not k.startswith(f"model.language_model.layers.{layers}."))
+    assert shape.always_used_bytes == vram
+    assert [p[0] for p in shape.prefill_phases] == ["KDA", "MoE", "MLA"]
