@@ -15,8 +15,15 @@ from typing import Any
 
 from glm53.host import Gpu, HostFacts
 from glm53.shape import DEFAULT_SHAPE, ModelShape
-from glm53.spec import (PAGE, PREFILL_CHUNK, RAM_SPARE_OF_TOP_K, RECURRENT_CACHE_BYTES, EngineSpec, engine_spec,
-                        split_slots)
+from glm53.spec import (
+    PAGE,
+    PREFILL_CHUNK,
+    RAM_SPARE_OF_TOP_K,
+    RECURRENT_CACHE_BYTES,
+    EngineSpec,
+    engine_spec,
+    split_slots,
+)
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -360,7 +367,7 @@ class _Vram:
 
 def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict, warnings: list) -> _Vram:
     """Weights, KV, staging, the reserve, the prefill chunk's activations and the KDA state of the cache's sequences
-    first; expert slots get the rest. The chunk (`_choose_chunk`) and the sequences (not below 1) are lowered while
+    first; expert slots get the rest. The sequences (not below 1), then the chunk (`_choose_chunk`) are lowered while
     the slots would fall below the decode hot set (`hot_set_floor`); the context only when not even top_k slots per
     layer fit beside a 2,048-token chunk and one sequence."""
     eb = shape.expert_bytes
@@ -412,16 +419,17 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
                         f"lowered to {fit} tokens; set GLM53_CONTEXT={fit} to silence this, or free VRAM")
         kv_tokens = fit
     floor = hot_set_floor(shape)
-    chunk, chunk_why = _choose_chunk(shape, gpu, slots_for(kv_tokens, PREFILL_CHUNK_MIN, 1),
-                                     lambda c: slots_for(kv_tokens, c, 1), floor)
+    # The sequences asked for come before a longer chunk: a request without a sequence slot waits for another to end.
     sequences = want
-    while sequences > 1 and slots_for(kv_tokens, chunk, sequences) < floor:
+    while sequences > 1 and slots_for(kv_tokens, PREFILL_CHUNK, sequences) < floor:
         sequences -= 1
+    chunk, chunk_why = _choose_chunk(shape, gpu, slots_for(kv_tokens, PREFILL_CHUNK, sequences),
+                                     lambda c: slots_for(kv_tokens, c, sequences), floor)
     slots = slots_for(kv_tokens, chunk, sequences)
     acc = account(kv_tokens, staging, chunk, sequences, slots)
     reasons["kv_tokens"] = _kv_reason(shape, kv_tokens, kv_of(kv_tokens))
-    reasons["sequences"] = _seq_reason(shape, sequences, want, f" for the {floor}-slot hot set" if sequences < want
-                                       else "")
+    reasons["sequences"] = _seq_reason(shape, sequences, want, f" for the {floor}-slot hot set beside a "
+                                       f"{PREFILL_CHUNK}-token chunk" if sequences < want else "")
     reasons["prefill_chunk"] = chunk_why
     reasons["reserve"] = reserve_why
     reasons["vram_slots"] = (f"{slots} slots of {human(eb)} ({100 * slots / shape.experts:.0f}% of experts, "
@@ -477,11 +485,11 @@ def prefill_rate(shape: ModelShape, gpu: Gpu, slots_per_layer: int, chunk: int) 
     return chunk / (stream + chunk / PREFILL_COMPUTE_TOKENS_PER_S), stream
 
 
-def _choose_chunk(shape: ModelShape, gpu: Gpu, slots_at_min: int, slots_at, floor: int) -> tuple[int, str]:
+def _choose_chunk(shape: ModelShape, gpu: Gpu, slots_at_default: int, slots_at, floor: int) -> tuple[int, str]:
     """The prefill chunk: the smallest of PREFILL_CHUNKS (from exllamav3's 2,048 up) whose modelled prefill rate is
     within PREFILL_NEAR_BEST of the best, then the largest at or below it whose activations still leave `floor`
     expert slots (2,048 when none does: a smaller chunk costs prefill rate and does not reach the floor either)."""
-    per_layer = slots_at_min // shape.moe_layers
+    per_layer = slots_at_default // shape.moe_layers
     rates = {c: prefill_rate(shape, gpu, per_layer, c) for c in PREFILL_CHUNKS}
     best = max(r for r, _ in rates.values())
     target = min(c for c in PREFILL_CHUNKS if c >= PREFILL_CHUNK and rates[c][0] >= PREFILL_NEAR_BEST * best)

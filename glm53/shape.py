@@ -43,6 +43,8 @@ CONFIG_DEFAULTS = {"kv_lora_rank": 512, "qk_rope_head_dim": 0, "index_head_dim":
 # exllamav3's MoE prefill: the batched reconstruct tier dequantizes up to EXL3_MOE_RECON_MB (256) MiB of expert
 # weights per group (modules/moe_batch_recon.py), plus its gathered row slabs, bounded by the group size.
 MOE_RECON_SCRATCH = (256 + 32) * MIB
+# exllamav3 runs the KDA chunk scan over sub-ranges of this many tokens (EXL3_GDN_SUB_CHUNK).
+KDA_SUB_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -62,9 +64,9 @@ class ModelShape:
     max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
     host_bytes: int = 0           # weights exllamav3 keeps in host RAM: the unquantized embedding table (prefer_cpu)
     checkpoint_bytes: int = 0     # one recurrent-state checkpoint in host RAM (the Generator's prefix reuse)
-    # Prefill activations: (phase, bytes per chunk token, fixed bytes) for each kind of layer; the peak of a chunk
-    # is the largest phase's (temporaries are freed between modules).
-    prefill_phases: tuple[tuple[str, int, int], ...] = ()
+    # Prefill activations: (phase, bytes per chunk token, fixed bytes, bytes per sub-range token, sub-range tokens) for
+    # each step of a layer; a chunk's peak is the largest phase's (temporaries are freed between steps).
+    prefill_phases: tuple[tuple[str, int, int, int, int], ...] = ()
 
     @property
     def experts(self) -> int:
@@ -78,7 +80,8 @@ class ModelShape:
         """Device bytes a prefill forward of `chunk` tokens allocates at its peak, and the layer kind it peaks in."""
         if not self.prefill_phases:
             return 0, "none"
-        return max((per_token * chunk + fixed, name) for name, per_token, fixed in self.prefill_phases)
+        return max((per_token * chunk + fixed + per_sub * min(chunk, sub), name)
+                   for name, per_token, fixed, per_sub, sub in self.prefill_phases)
 
     def to_json(self) -> dict:
         return {**asdict(self), "experts": self.experts, "all_experts_bytes": self.all_experts_bytes}
@@ -114,27 +117,34 @@ def _kda_state(kda_layers: int, heads: int, head_dim: int, conv_kernel: int) -> 
 
 
 def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe: bool, kda: bool, heads: int, head_dim: int,
-                    attn_heads: int, attn_head_dim: int, topk_tokens: int) -> tuple[tuple[str, int, int], ...]:
-    """Per chunk token, what each kind of layer holds at its peak in exllamav3 1.6.5's prefill, on top of the
-    residual: the mHC streams (hc_mult x hidden fp32), the block's fp32 output and fp16 input.
-    KDA (gated_delta_net.py, vendor/fla chunk_kda): the bf16 conv output of q|k|v, the fp32 gate and its chunk
-    cumsum, the fp32 output gate z, l2-normed q and k, w / kg / qg / u, one bf16 state per 64-token sub-chunk, v_new
-    and o (bf16), and the intra-chunk A matrices. MoE (block_sparse_mlp.py, deterministic accumulation): the fp32
-    slot scratch of (chunk x top_k, hidden), the fp32 accumulator and the fp16 input copy; fixed: the batched
-    reconstruct's weight scratch. MLA: fp16 queries and output per head, the indexer's int32 selection of
-    index_topk (+ tail) tokens; fixed: its 256-row score slab. Logits are the last row's only (prefill stops
-    before the head)."""
+                    attn_heads: int, kv_lora_rank: int, topk_tokens: int, index_heads: int, index_dim: int
+                    ) -> tuple[tuple[str, int, int, int, int], ...]:
+    """What each step of exllamav3 1.6.5's prefill holds at its peak, as (phase, bytes per chunk token, fixed bytes,
+    bytes per token of a sub-range, the sub-range's tokens). Every phase holds the residual: the mHC streams
+    (hc_mult x hidden fp32), the block's fp32 output and its fp16 input.
+    KDA (gated_delta_net.py): the fp16 q|k|v projection, its bf16 conv output, the fp32 output gate z and
+    per-channel gate g; the scan (vendor/fla chunk_kda) runs over sub-ranges of EXL3_GDN_SUB_CHUNK (2,048) tokens,
+    each holding l2-normed q and k, g's chunk cumsum, w / kg / qg / u, one bf16 state per 64 tokens, v_new, o and the
+    intra-chunk A matrices. MoE (block_sparse_mlp.py, deterministic accumulation): the fp32 slot scratch of
+    (chunk x top_k, hidden), the fp32 routed sum and shared-expert output, the fp16 input copy; fixed: the batched
+    reconstruct's weight scratch (EXL3_MOE_RECON_MB) and its row slabs. MLA (mla_attn.py, sparse path): the
+    absorbed queries and the latent output, head-major (heads x kv_lora_rank fp16 each), the indexer's queries
+    and its int32 selection of index_topk (+ tail) tokens; fixed: the indexer's 256-row score slab. Logits are
+    the last row's only (prefill stops before the head)."""
     residual = hc_mult * hidden * F32 + hidden * F32 + hidden * F16
     phases = []
     if kda:
         width = heads * head_dim
-        per = (3 * width * F16 + 2 * width * F32 + width * F32 + 2 * width * F16 + 3 * width * F16 + width * F16
-               + heads * head_dim * head_dim * F16 // 64 + 2 * width * F16 + heads * 64 * F16 + heads * 16 * F32)
-        phases.append(("KDA", residual + per, 0))
+        layer = 3 * width * F16 + 2 * width * F32  # the conv output, z and g, live through the layer
+        scan = (2 * width * F16 + width * F32 + 4 * width * F16 + heads * head_dim * head_dim * F16 // 64
+                + 2 * width * F16 + heads * 64 * F16 + heads * 16 * F32)
+        phases.append(("KDA projections and conv", residual + layer + 3 * width * F16, 0, 0, 0))
+        phases.append(("KDA scan", residual + layer + width * F16, 0, scan, KDA_SUB_CHUNK))
     if moe:
-        phases.append(("MoE", residual + top_k * hidden * F32 + hidden * F32 + hidden * F16, MOE_RECON_SCRATCH))
-    mla = 2 * attn_heads * attn_head_dim * F16 + (topk_tokens + 32) * F32 + hidden * F32
-    phases.append(("MLA", residual + mla, 16 * MIB))
+        phases.append(("MoE", residual + top_k * hidden * F32 + 2 * hidden * F32 + hidden * F16, MOE_RECON_SCRATCH,
+                       0, 0))
+    mla = 2 * attn_heads * kv_lora_rank * F16 + index_heads * index_dim * F16 + (topk_tokens + 32) * F32
+    phases.append(("MLA", residual + mla, 16 * MIB, 0, 0))
     return tuple(phases)
 
 
@@ -154,7 +164,7 @@ DEFAULT_SHAPE = ModelShape(
            "layouts)",
     host_bytes=154880 * 4096 * F16,
     checkpoint_bytes=_DEFAULT_KDA[1],
-    prefill_phases=_prefill_phases(4096, 4, 8, True, True, 64, 128, 64, 256, 2048 + 15),
+    prefill_phases=_prefill_phases(4096, 4, 8, True, True, 64, 128, 64, 512, 2048 + 15, 32, 128),
 )
 assert DEFAULT_SHAPE.expert_bytes == 9 * MIB + 36 * KIB
 
@@ -194,13 +204,13 @@ def _geometry(tc: dict, layers: int, hidden: int, top_k: int, moe: bool) -> dict
     kda = layers - len(mla_idx)
     state, checkpoint = _kda_state(kda, heads, head_dim, conv)
     attn_heads = int(tc.get("num_attention_heads") or 1)
-    attn_dim = int(tc.get("qk_nope_head_dim") or 0) + num("qk_rope_head_dim")
     topk_tokens = int(tc.get("index_topk") or 2048) + (kpool - 1 if kpool else 0)
+    index_heads = int(tc.get("index_n_heads") or 32)
     return {"mla": len(mla_idx),
             "kv": _kv_per_token(len(mla_idx), num("kv_lora_rank"), num("qk_rope_head_dim"), index_dim, kpool, full),
             "state": state, "checkpoint": checkpoint,
             "phases": _prefill_phases(hidden, num("hc_mult"), top_k, moe, kda > 0, heads, head_dim, attn_heads,
-                                      max(attn_dim, 1), topk_tokens)}
+                                      num("kv_lora_rank"), topk_tokens, index_heads, index_dim)}
 
 
 def _tensor_place(name: str, layers: int, tied_head: bool) -> str:

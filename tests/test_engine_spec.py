@@ -264,4 +264,4 @@ def test_shape_estimates_follow_the_generated_config(ck):
     vram = sum(n for k, n in sizes.items() if "embed_tokens" not in k and ".experts." not in k
                and not k.startswith(f"model.language_model.layers.{layers}."))
     assert shape.always_used_bytes == vram
-    assert [p[0] for p in shape.prefill_phases] == ["KDA", "MoE", "MLA"]
+    assert [p[0] for p in shape.prefill_phases] == ["KDA projections and conv", "KDA scan", "MoE", "MLA"]
