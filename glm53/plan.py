@@ -470,8 +470,8 @@ def prefill_activation_bytes(shape: ModelShape, chunk: int) -> tuple[int, str]:
         per_token, fixed, source = PREFILL_MEASURED
         return per_token * chunk + fixed, f"measured ({source})"
     nbytes, phase = shape.prefill_bytes(chunk)
-    return nbytes, (f"estimated from exllamav3 1.6.5's {phase} layer temporaries (glm53.shape; the GPU run's "
-                    "measurement replaces it)")
+    return nbytes, (f"estimated from exllamav3 1.6.5's temporaries, at their peak in the {phase} (glm53.shape; "
+                    "the GPU run's measurement replaces it)")
 
 
 def prefill_rate(shape: ModelShape, gpu: Gpu, slots_per_layer: int, chunk: int) -> tuple[float, float]:
