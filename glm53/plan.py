@@ -799,10 +799,10 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
         pinned = 0
     reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging, {spec.ram_slots} RAM "
                          f"rows, context {spec.context} of {spec.kv_tokens} KV tokens, {spec.max_concurrency} "
-                         f"sequences, prefill chunks of {spec.prefill_chunk}")
+                         f"sequence{'s' if spec.max_concurrency != 1 else ''}, prefill chunks of {spec.prefill_chunk}")
     ram_acc = {"ram_tier": pinned, "recurrent_cache": tier.recurrent_cache, "host_weights": shape.host_bytes,
                "margin": ram.margin}
-    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, sum(vram), min(vram), tier.slots,
+    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
                 pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
                 reasons, engine=spec, vram_accounting={**v.accounting, "expert_slots": sum(vram) * shape.expert_bytes},
                 ram_accounting=ram_acc)

@@ -40,9 +40,10 @@ F32 = 4
 CONFIG_DEFAULTS = {"kv_lora_rank": 512, "qk_rope_head_dim": 0, "index_head_dim": 128, "index_kpool": 16,
                    "linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "hc_mult": 4,
                    "moe_intermediate_size": 2048, "vocab_size": 154880}
-# exllamav3's MoE prefill: the batched reconstruct tier dequantizes up to EXL3_MOE_RECON_MB (256) MiB of expert
-# weights per group (modules/moe_batch_recon.py), plus its gathered row slabs, bounded by the group size.
-MOE_RECON_SCRATCH = (256 + 32) * MIB
+# exllamav3's MoE prefill: the batched reconstruct tier dequantizes a group of up to EXL3_MOE_RECON_BATCH (16)
+# experts' gate and up weights to fp16 within EXL3_MOE_RECON_MB (256 MiB) (modules/moe_batch_recon.py batch_cap).
+MOE_RECON_MB = 256 * MIB
+MOE_RECON_BATCH = 16
 # exllamav3 runs the KDA chunk scan over sub-ranges of this many tokens (EXL3_GDN_SUB_CHUNK).
 KDA_SUB_CHUNK = 2048
 
@@ -116,7 +117,15 @@ def _kda_state(kda_layers: int, heads: int, head_dim: int, conv_kernel: int) -> 
     return kda_layers * per_slot, kda_layers * (qkv * conv_kernel * F16 + state)
 
 
-def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe: bool, kda: bool, heads: int, head_dim: int,
+def _moe_recon_scratch(hidden: int, moe_intermediate: int) -> int:
+    """The batched reconstruct's fp16 weight scratch for one group, plus an eighth for its gathered row slabs."""
+    per = 2 * hidden * moe_intermediate * F16  # gate and up, live together (batch_cap's `per`)
+    group = max(1, min(MOE_RECON_BATCH, MOE_RECON_MB // per)) * per
+    return group + group // 8
+
+
+def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe_intermediate: int, moe: bool, kda: bool, heads: int,
+                    head_dim: int,
                     attn_heads: int, kv_lora_rank: int, topk_tokens: int, index_heads: int, index_dim: int
                     ) -> tuple[tuple[str, int, int, int, int], ...]:
     """What each step of exllamav3 1.6.5's prefill holds at its peak, as (phase, bytes per chunk token, fixed bytes,
@@ -141,8 +150,8 @@ def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe: bool, kda: bool,
         phases.append(("KDA projections and conv", residual + layer + 3 * width * F16, 0, 0, 0))
         phases.append(("KDA scan", residual + layer + width * F16, 0, scan, KDA_SUB_CHUNK))
     if moe:
-        phases.append(("MoE", residual + top_k * hidden * F32 + 2 * hidden * F32 + hidden * F16, MOE_RECON_SCRATCH,
-                       0, 0))
+        phases.append(("MoE", residual + top_k * hidden * F32 + 2 * hidden * F32 + hidden * F16,
+                       _moe_recon_scratch(hidden, moe_intermediate), 0, 0))
     mla = 2 * attn_heads * kv_lora_rank * F16 + index_heads * index_dim * F16 + (topk_tokens + 32) * F32
     phases.append(("MLA", residual + mla, 16 * MIB, 0, 0))
     return tuple(phases)
@@ -164,7 +173,7 @@ DEFAULT_SHAPE = ModelShape(
            "layouts)",
     host_bytes=154880 * 4096 * F16,
     checkpoint_bytes=_DEFAULT_KDA[1],
-    prefill_phases=_prefill_phases(4096, 4, 8, True, True, 64, 128, 64, 512, 2048 + 15, 32, 128),
+    prefill_phases=_prefill_phases(4096, 4, 8, 2048, True, True, 64, 128, 64, 512, 2048 + 15, 32, 128),
 )
 assert DEFAULT_SHAPE.expert_bytes == 9 * MIB + 36 * KIB
 
@@ -209,8 +218,9 @@ def _geometry(tc: dict, layers: int, hidden: int, top_k: int, moe: bool) -> dict
     return {"mla": len(mla_idx),
             "kv": _kv_per_token(len(mla_idx), num("kv_lora_rank"), num("qk_rope_head_dim"), index_dim, kpool, full),
             "state": state, "checkpoint": checkpoint,
-            "phases": _prefill_phases(hidden, num("hc_mult"), top_k, moe, kda > 0, heads, head_dim, attn_heads,
-                                      num("kv_lora_rank"), topk_tokens, index_heads, index_dim)}
+            "phases": _prefill_phases(hidden, num("hc_mult"), top_k, num("moe_intermediate_size"), moe, kda > 0,
+                                      heads, head_dim, attn_heads, num("kv_lora_rank"), topk_tokens, index_heads,
+                                      index_dim)}
 
 
 def _tensor_place(name: str, layers: int, tied_head: bool) -> str:

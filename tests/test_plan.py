@@ -81,7 +81,7 @@ def test_3090_epyc_256g_is_fast(tmp_path):
     assert 1300 <= p.vram_slots <= 1400 and max(p.engine.vram_slots) - min(p.engine.vram_slots) <= 1
     spec = p.engine
     assert spec.engine == "fast" and sum(spec.vram_slots) == p.vram_slots and spec.staging_slots == 288
-    assert p.vram_slots_per_layer == min(spec.vram_slots)
+    assert p.vram_slots_per_layer == p.vram_slots // 42 == min(spec.vram_slots)
     # exclusive tiers: every other expert in RAM, no second copy; plus the admissions' spare rows
     assert p.ram_slots == spec.ram_slots == 42 * 288 - p.vram_slots + 2 * 8
     assert spec.cpu_threads == p.cpu_threads and spec.kv_tokens == spec.context == 131072
