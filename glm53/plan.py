@@ -70,7 +70,6 @@ HOT_SET_SHARE = 1376 / 12096
 # Prefill chunks the plan chooses from: exllamav3's default 2,048 up to the 2x3090 runtime's 8,192; 1,024 only to
 # keep the hot set.
 PREFILL_CHUNKS = (1024, 2048, 4096, 8192)
-PREFILL_CHUNK_MIN = PREFILL_CHUNKS[0]
 # Prefill compute rate with a chunk's experts on the device, for the chunk's cost model: the 2x3090 runtime's
 # measured 1,100-1,155 tok/s (REFERENCE); an estimate for one 3090-class card until the GPU run measures it.
 PREFILL_COMPUTE_TOKENS_PER_S = 1150
