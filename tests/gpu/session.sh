@@ -34,6 +34,9 @@
 #             K=6 head; DEPTH_EXPERTS routed experts per layer, default 8: ~10 GB in /tmp, kept and reused) in stock
 #             exllamav3, all in VRAM: load time, then 32 greedy tokens after a 16- and an 8,192-token prompt with
 #             first-token time, decode tok/s, torch's peak allocation and the device memory in use
+#   planmem   the plan's VRAM estimates against a real prefill (tests/test_engine_spec.py, gpu): torch's peak over two
+#             chunks of 2,048 and of 4,096 tokens (activations) and the process's device memory beyond it (the reserve);
+#             writes $OUT/plan-memory.json with the figures glm53/plan.py's PREFILL_MEASURED / RESERVE_MEASURED take
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
@@ -147,10 +150,14 @@ step_lane() {
   timeout 120 python3 -m glm53 bench cpu-lane --thread-list 8,15 --no-pin >> "$OUT/bench-cpu-lane.log" 2>&1
   stamp "lane unpinned rc=$?"
 }
+step_planmem() {  # issue 25: the plan's prefill-activation and reserve estimates against what a prefill holds
+  # (GLM53_MEMORY_CKPT=<full-depth fixture> for the reserve's real figure; default a full-width 4-layer one)
+  OUT="$OUT" gpu_pytest planmem 500 tests/test_engine_spec.py -k gpu_prefill_memory
+}
 for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane depthprobe)"
+    stamp "unknown step $step (known: $(declare -F | sed -n 's/^declare -f step_//p' | tr '\n' ' '))"
   fi
 done
