@@ -50,6 +50,7 @@ class AgentOptions:
     system_tokens: int | None = None  # the system message's own size (tools come on top); default target / 10
     cold_tokens: int | None = None  # the cold-rate prompt; default target / 2
     keep_reasoning: bool = False
+    reasoning_tokens: int | None = None  # each request's max_reasoning_tokens; default reply / 2; 0: not sent
     seed: int = 1
     request_timeout_s: float = 900.0
 
@@ -72,8 +73,10 @@ class AgentOptions:
     def cold(self) -> int:
         return self.cold_tokens if self.cold_tokens is not None else self.target_tokens // 2
 
-    def reasoning_tokens(self) -> int:
-        return max(1, self.reply_tokens // 2)
+    def thinking(self) -> dict[str, int]:
+        """The request field that bounds the reply's reasoning (none: the server's own budget applies)."""
+        budget = self.reply_tokens // 2 if self.reasoning_tokens is None else self.reasoning_tokens
+        return {"max_reasoning_tokens": budget} if budget > 0 else {}
 
 
 @dataclass
@@ -138,7 +141,7 @@ def calibrate(server: Server, script: Script) -> dict[str, float]:
 
 def _ask(server: Server, client: Any, messages: list[dict], opts: AgentOptions, **extra: Any) -> Streamed:
     return stream_chat(client, model=server.model_id, messages=messages, max_tokens=opts.reply_tokens,
-                       temperature=0, extra_body={"max_reasoning_tokens": opts.reasoning_tokens()}, **extra)
+                       temperature=0, extra_body=opts.thinking(), **extra)
 
 
 def _reply_message(got: Streamed, keep_reasoning: bool) -> dict[str, Any]:
@@ -159,48 +162,62 @@ def _step_messages(got: Streamed, step: Any) -> tuple[str, list[dict[str, Any]]]
     return "user", [{"role": "user", "content": step.as_text()}]
 
 
+def _cold(server: Server, client: Any, script: Script, opts: AgentOptions, cpt: dict[str, float],
+          log: Any) -> Streamed:
+    """The cold prefill rate's request, after a warm-up: first-request costs (kernel loads, allocations, the
+    grammar machinery a request with tools starts) belong to neither the cold rate nor the session. The warm-up
+    has a tool of its own, so it caches none of the session."""
+    _ask(server, client, [{"role": "user", "content": f"Warm-up {opts.seed}: say hello."}], opts, tools=[WARM_UP_TOOL])
+    text = script.cold_text(int(opts.cold() * cpt["cold"]), salt=str(time.time_ns()))
+    cold = _ask(server, client, [{"role": "user", "content": text}], opts)
+    log(f"cold prompt: {cold.prompt_tokens} tokens, first token after {cold.ttft_s:.2f} s (cached {cold.cached_tokens})")
+    if cold.cached_tokens and cold.cached_tokens > 0.05 * cold.prompt_tokens:
+        log("warning: the cold prompt was partly served from the cache: the cold rate is too fast")
+    return cold
+
+
+def _step_tokens(opts: AgentOptions, got: Streamed, k: int) -> int:
+    """The size of the step after turn k: the rest of the growth to the target, shared by weight over the steps
+    left (each also brings a reply and its markup)."""
+    left = range(k - 1, opts.turns - 1)
+    room = opts.target_tokens - got.prompt_tokens - len(left) * (got.completion_tokens + TURN_OVERHEAD_TOKENS)
+    return max(16, int(room * Script.weight(k - 1) / sum(Script.weight(i) for i in left)))
+
+
 def run_agent(server: Server, opts: AgentOptions, log: Any = print) -> AgentResult:
     opts.check(server.context_length)
     script = Script(opts.seed)
     client = server.client(opts.request_timeout_s)
     cpt = calibrate(server, script)
     log("chars per token: " + ", ".join(f"{k} {v:.2f}" for k, v in cpt.items()))
-    # First-request costs (kernel loads, allocations, the grammar machinery a request with tools starts) belong
-    # to neither the cold rate nor the session; a tool of its own, so the warm-up caches none of the session.
-    _ask(server, client, [{"role": "user", "content": f"Warm-up {opts.seed}: say hello."}], opts, tools=[WARM_UP_TOOL])
-    cold = _ask(server, client, [{"role": "user", "content": script.cold_text(int(opts.cold() * cpt["cold"]),
-                                                                             salt=str(time.time_ns()))}], opts)
+    cold = _cold(server, client, script, opts, cpt, log)
     result = AgentResult(opts, server.model_id, cold.prompt_tokens, cold.cached_tokens, cold.ttft_s,
                          chars_per_token=cpt, stats_before=server.stats())
-    log(f"cold prompt: {cold.prompt_tokens} tokens, first token after {cold.ttft_s:.2f} s: "
-        f"{result.cold_rate:.0f} tok/s prefill (cached {cold.cached_tokens})")
-    if cold.cached_tokens and cold.cached_tokens > 0.05 * cold.prompt_tokens:
-        log("warning: the cold prompt was partly served from the cache: the cold rate is too fast")
-    messages: list[dict[str, Any]] = [{"role": "system", "content": Script.system_prompt(int(opts.system() * cpt["system"]))},
-                                      {"role": "user", "content": script.task()}]
+    system = Script.system_prompt(int(opts.system() * cpt["system"]))
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": script.task()}]
     prev_ids: list[int] | None = None
-    prev_prompt: int | None = None
     shape = "task"
     for k in range(1, opts.turns + 1):
-        body = {"messages": messages, "tools": TOOLS, "max_reasoning_tokens": opts.reasoning_tokens()}
-        ids = server.tokenize(body)
+        ids = server.tokenize({"messages": messages, "tools": TOOLS, **opts.thinking()})
         got = _ask(server, client, messages, opts, tools=TOOLS)
+        prev = result.turns[-1].prompt_tokens if result.turns else None
         same = common_prefix(prev_ids, ids) if prev_ids is not None and ids is not None else None
         turn = Turn(k, shape, got.prompt_tokens, got.cached_tokens, got.ttft_s, got.decode_tps, got.completion_tokens,
-                    got.finish_reason, len(got.tool_calls), prev_prompt, same, len(got.content), len(got.reasoning))
+                    got.finish_reason, len(got.tool_calls), prev, same, len(got.content), len(got.reasoning))
         turn.cold_s = turn.new_tokens / result.cold_rate if result.cold_rate else 0.0
         result.turns.append(turn)
         log(_turn_line(turn))
-        prev_ids, prev_prompt = ids, got.prompt_tokens
+        prev_ids = ids
         if k == 1 and got.prompt_tokens >= opts.target_tokens:
             log(f"warning: the first turn is {got.prompt_tokens} tokens already (the tools and system prompt), over "
                 f"--target-tokens {opts.target_tokens}: each step then adds only a little")
         if k == opts.turns:
             break
-        # The next step's output: the rest of the growth to the target, shared by weight over the steps left.
-        left = range(k - 1, opts.turns - 1)
-        room = opts.target_tokens - got.prompt_tokens - len(left) * (got.completion_tokens + TURN_OVERHEAD_TOKENS)
-        tokens = max(32, int(room * Script.weight(k - 1) / sum(Script.weight(i) for i in left)))
+        tokens = _step_tokens(opts, got, k)
+        if got.prompt_tokens + got.completion_tokens + tokens + TURN_OVERHEAD_TOKENS + opts.reply_tokens > \
+                server.context_length > 0:
+            log(f"stopped after turn {k}: the next turn would not fit the server's {server.context_length}-token context")
+            break
         step = script.step(k - 1, int(tokens * cpt[kind_of(k - 1)]))
         shape, step_msgs = _step_messages(got, step)
         messages += [_reply_message(got, opts.keep_reasoning), *step_msgs]
@@ -252,6 +269,30 @@ def verdicts(result: AgentResult) -> list[Verdict]:
     return out
 
 
+def findings(result: AgentResult) -> list[str]:
+    """What the numbers say about where reuse was lost (printed as notes; none is a target)."""
+    out = []
+    follow = result.turns[1:]
+    for t in follow:
+        if t.same_prefix is not None and t.prev_prompt_tokens is not None and t.same_prefix < t.prev_prompt_tokens:
+            out.append(f"turn {t.turn}: the history differs from the previous prompt from token {t.same_prefix} of "
+                       f"{t.prev_prompt_tokens}: an earlier turn rendered differently this time, so nothing after "
+                       f"it can be reused")
+    hits = [t for t in follow if t.cached_tokens and t.prev_prompt_tokens]
+    if hits:
+        lost = statistics.median(max(0, (t.prev_prompt_tokens or 0) - (t.cached_tokens or 0)) for t in hits)
+        out.append(f"follow-ups prefilled a median {lost:.0f} tokens of the previous prompt again (what pages and "
+                   f"recurrent checkpoints did not keep), besides the reply and the new step")
+    if follow and result.cold_rate:
+        implied = sum(max(0.0, t.prompt_tokens - t.ttft_s * result.cold_rate) for t in follow)
+        reported = sum(t.cached_tokens or 0 for t in follow)
+        total = sum(t.prompt_tokens for t in follow)
+        if implied > reported + 0.2 * total:
+            out.append(f"the TTFTs imply at least {implied / total:.0%} of the follow-ups' prompt tokens came from the "
+                       f"cache, usage reports {reported / total:.0%}: cached_tokens undercounts")
+    return out
+
+
 def summary(result: AgentResult) -> dict[str, Any]:
     turns = result.turns
     prompt = sum(t.prompt_tokens for t in turns)
@@ -277,6 +318,7 @@ def render(result: AgentResult) -> str:
     lines.append(f"cached share of all prompt tokens: {s['cached_share']:.3f} ({s['cached_tokens']} of "
                  f"{s['prompt_tokens']}); from turn 2: {s['cached_share_from_turn_2']:.3f}")
     lines.append(f"median decode: {s['median_decode_tok_s']:.1f} tok/s; final prompt {s['final_prompt_tokens']} tokens")
+    lines += [f"note: {x}" for x in findings(result)]
     for v in verdicts(result):
         lines.append(f"target {v.name}: {'PASS' if v.ok else 'FAIL'}: {v.text}")
     return "\n".join(lines)
@@ -292,7 +334,7 @@ def to_json(result: AgentResult) -> dict[str, Any]:
             "cold": {"prompt_tokens": result.cold_prompt_tokens, "cached_tokens": result.cold_cached_tokens,
                      "ttft_s": result.cold_ttft_s, "tok_s": result.cold_rate},
             "chars_per_token": result.chars_per_token, "turns": turns, "summary": summary(result),
-            "targets": {v.name: {"ok": v.ok, "text": v.text} for v in verdicts(result)},
+            "targets": {v.name: {"ok": v.ok, "text": v.text} for v in verdicts(result)}, "notes": findings(result),
             "server_stats": {"before": result.stats_before, "after": result.stats_after}}
 
 

@@ -120,6 +120,8 @@ def register_agent(bench_sub: Any) -> None:
                    "(default target / 2)")
     p.add_argument("--keep-reasoning", action="store_true", help="send each reply's reasoning back "
                    "(reasoning_content), instead of dropping it as most clients do")
+    p.add_argument("--reasoning-tokens", type=int, help="each reply's max_reasoning_tokens (default half the reply: "
+                   "a random-weight model's thinking never ends by itself; 0: leave it to the server's budget)")
     p.add_argument("--seed", type=int, default=1, help="the session's text (a second run on the same server needs "
                    "another seed to start cold; default 1)")
     _server_flags(p)
@@ -132,7 +134,7 @@ def cmd_bench_agent(args: argparse.Namespace) -> int:
 
     opts = AgentOptions(target_tokens=args.target_tokens, turns=args.turns, reply_tokens=args.reply_tokens,
                         system_tokens=args.system_tokens, cold_tokens=args.cold_tokens,
-                        keep_reasoning=args.keep_reasoning, seed=args.seed)
+                        keep_reasoning=args.keep_reasoning, reasoning_tokens=args.reasoning_tokens, seed=args.seed)
     try:
         with served(_serve_options(args), log=_stderr) as server:
             result = run_agent(server, opts, log=_stderr)

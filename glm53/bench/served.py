@@ -187,8 +187,26 @@ def _usage(streamed: Streamed, usage: Any) -> None:
     streamed.cached_tokens = None if cached is None else int(cached)
 
 
+@contextlib.contextmanager
+def _refusals(route: str) -> Iterator[None]:
+    """The server's refusals (a 400 naming the problem, a connection lost) as the bench's own error."""
+    import openai
+
+    try:
+        yield
+    except openai.APIStatusError as exc:
+        raise BenchError(f"{route} answered {exc.status_code}: {exc.message}") from None
+    except openai.APIError as exc:
+        raise BenchError(f"{route} failed: {exc}") from None
+
+
 def stream_chat(client: Any, **request: Any) -> Streamed:
     """POST /v1/chat/completions streamed, timing the first generated delta and the finish."""
+    with _refusals("/v1/chat/completions"):
+        return _stream_chat(client, **request)
+
+
+def _stream_chat(client: Any, **request: Any) -> Streamed:
     got = Streamed(0.0, 0.0, 0, 0, None, None)
     calls: dict[int, dict[str, Any]] = {}
     t0 = time.perf_counter()
@@ -223,6 +241,11 @@ def stream_chat(client: Any, **request: Any) -> Streamed:
 
 def stream_completion(client: Any, **request: Any) -> Streamed:
     """POST /v1/completions streamed, timed like stream_chat."""
+    with _refusals("/v1/completions"):
+        return _stream_completion(client, **request)
+
+
+def _stream_completion(client: Any, **request: Any) -> Streamed:
     got = Streamed(0.0, 0.0, 0, 0, None, None)
     t0 = time.perf_counter()
     for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **request):

@@ -164,3 +164,17 @@ def test_a_server_that_is_not_there_is_named(capsys):
 def test_server_reports_its_context(demo_server):
     assert isinstance(demo_server, Server) and demo_server.context_length == 4096
     assert demo_server.count_tokens("hello world") >= 2
+
+
+def test_findings_name_where_reuse_was_lost():
+    r = _result([(10_000, 0, 10.0), (11_000, 9_500, 1.0), (12_000, 10_400, 1.0)])
+    r.turns[1].prev_prompt_tokens, r.turns[1].same_prefix = 10_000, 10_000
+    r.turns[2].prev_prompt_tokens, r.turns[2].same_prefix = 11_000, 6_000
+    notes = A.findings(r)
+    assert any(n.startswith("turn 3: the history differs from the previous prompt from token 6000 of 11000")
+               for n in notes)
+    assert any("prefilled a median 550 tokens of the previous prompt again" in n for n in notes)
+    assert not any("undercounts" in n for n in notes)
+    # Fast follow-ups with nothing reported cached: the TTFTs give the count away.
+    quiet = _result([(10_000, 0, 10.0), (11_000, 0, 1.0), (12_000, 0, 1.0)])
+    assert any("cached_tokens undercounts" in n for n in A.findings(quiet))
