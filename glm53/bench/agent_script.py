@@ -11,67 +11,53 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 _PATH = {"type": "string", "minLength": 1, "maxLength": 160, "description": "Path relative to the repository root."}
 
+
+def _tool(name: str, description: str, required: list[str], **properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": required, "additionalProperties": False}}}
+
+
+def _int(lo: int, hi: int | None, description: str) -> dict:
+    return {"type": "integer", "minimum": lo, **({"maximum": hi} if hi else {}), "description": description}
+
+
+def _str(hi: int, description: str) -> dict:
+    return {"type": "string", "maxLength": hi, "description": description}
+
+
 TOOLS = [
-    {"type": "function", "function": {
-        "name": "read_file",
-        "description": "Read a text file from the repository. Returns the lines with their numbers (cat -n style). "
-                       "Use offset and limit for long files; prefer reading the whole file once over many small "
-                       "reads. Never guess a file's content: read it before editing it.",
-        "parameters": {"type": "object", "properties": {
-            "path": _PATH,
-            "offset": {"type": "integer", "minimum": 1, "description": "First line to read (1-based)."},
-            "limit": {"type": "integer", "minimum": 1, "maximum": 4000, "description": "Lines to read."}},
-            "required": ["path"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "grep",
-        "description": "Search file contents with a regular expression (ripgrep syntax). Returns path:line:text "
-                       "for each match, at most 200 matches. Use glob to restrict the files searched and "
-                       "context for lines around each match.",
-        "parameters": {"type": "object", "properties": {
-            "pattern": {"type": "string", "minLength": 1, "maxLength": 200, "description": "Regular expression."},
-            "path": {**_PATH, "description": "Directory or file to search (default: the repository root)."},
-            "glob": {"type": "string", "maxLength": 80, "description": "File glob, e.g. '*.py'."},
-            "context": {"type": "integer", "minimum": 0, "maximum": 10, "description": "Lines of context."}},
-            "required": ["pattern"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "run_tests",
-        "description": "Run the test suite or part of it with pytest and return its output (the last 400 lines). "
-                       "Run the narrowest selection that covers the change first, the whole suite at the end.",
-        "parameters": {"type": "object", "properties": {
-            "path": {**_PATH, "description": "Test file or directory (default: tests/)."},
-            "keyword": {"type": "string", "maxLength": 120, "description": "pytest -k expression."},
-            "verbose": {"type": "boolean", "description": "Print each test's name (-v)."}},
-            "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "edit_file",
-        "description": "Replace one exact occurrence of old_string with new_string in a file. old_string must "
-                       "match the file byte for byte, indentation included, and be unique in it; include enough "
-                       "surrounding lines to make it so. Returns the diff that was applied.",
-        "parameters": {"type": "object", "properties": {
-            "path": _PATH,
-            "old_string": {"type": "string", "maxLength": 2000, "description": "Text to replace."},
-            "new_string": {"type": "string", "maxLength": 2000, "description": "Replacement text."}},
-            "required": ["path", "old_string", "new_string"], "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "list_dir",
-        "description": "List a directory as a tree, directories first, hidden files and build outputs omitted.",
-        "parameters": {"type": "object", "properties": {
-            "path": {**_PATH, "description": "Directory (default: the repository root)."},
-            "depth": {"type": "integer", "minimum": 1, "maximum": 4, "description": "Levels to descend."}},
-            "additionalProperties": False}}},
-    {"type": "function", "function": {
-        "name": "run_shell",
-        "description": "Run a shell command in the repository root (bash -lc) and return its exit status, stdout "
-                       "and stderr. Commands that need a network or run longer than timeout_s are stopped. Do "
-                       "not use it to read or search files: read_file and grep do that better.",
-        "parameters": {"type": "object", "properties": {
-            "command": {"type": "string", "minLength": 1, "maxLength": 400},
-            "timeout_s": {"type": "integer", "minimum": 1, "maximum": 600}},
-            "required": ["command"], "additionalProperties": False}}},
+    _tool("read_file", "Read a text file from the repository. Returns the lines with their numbers (cat -n style). "
+          "Use offset and limit for long files; prefer reading the whole file once over many small reads. Never "
+          "guess a file's content: read it before editing it.", ["path"],
+          path=_PATH, offset=_int(1, None, "First line to read (1-based)."), limit=_int(1, 4000, "Lines to read.")),
+    _tool("grep", "Search file contents with a regular expression (ripgrep syntax). Returns path:line:text for each "
+          "match, at most 200 matches. Use glob to restrict the files searched and context for lines around each "
+          "match.", ["pattern"],
+          pattern={**_str(200, "Regular expression."), "minLength": 1},
+          path={**_PATH, "description": "Directory or file to search (default: the repository root)."},
+          glob=_str(80, "File glob, e.g. '*.py'."), context=_int(0, 10, "Lines of context.")),
+    _tool("run_tests", "Run the test suite or part of it with pytest and return its output (the last 400 lines). Run "
+          "the narrowest selection that covers the change first, the whole suite at the end.", [],
+          path={**_PATH, "description": "Test file or directory (default: tests/)."},
+          keyword=_str(120, "pytest -k expression."),
+          verbose={"type": "boolean", "description": "Print each test's name (-v)."}),
+    _tool("edit_file", "Replace one exact occurrence of old_string with new_string in a file. old_string must match "
+          "the file byte for byte, indentation included, and be unique in it; include enough surrounding lines to "
+          "make it so. Returns the diff that was applied.", ["path", "old_string", "new_string"],
+          path=_PATH, old_string=_str(2000, "Text to replace."), new_string=_str(2000, "Replacement text.")),
+    _tool("list_dir", "List a directory as a tree, directories first, hidden files and build outputs omitted.", [],
+          path={**_PATH, "description": "Directory (default: the repository root)."},
+          depth=_int(1, 4, "Levels to descend.")),
+    _tool("run_shell", "Run a shell command in the repository root (bash -lc) and return its exit status, stdout and "
+          "stderr. Commands that need a network or run longer than timeout_s are stopped. Do not use it to read or "
+          "search files: read_file and grep do that better.", ["command"],
+          command={**_str(400, "The command line."), "minLength": 1},
+          timeout_s=_int(1, 600, "Seconds before the command is stopped.")),
 ]
 
 _RULES = """You are a coding agent working in a Python repository on the user's machine. You read code, run
@@ -145,15 +131,19 @@ def source_file(rng: random.Random, chars: int) -> str:
     return "\n".join(f"{i:6d}\t{x}" for i, x in enumerate(lines, 1))
 
 
-def grep_output(rng: random.Random, chars: int, pattern: str) -> str:
+def _lines(chars: int, line: Callable[[], str]) -> list[str]:
+    """Lines from `line()` until they make about `chars` characters."""
     out, size = [], 0
-    paths = repo_paths(rng, 40)
     while size < chars:
-        line = (f"{rng.choice(paths)}:{rng.randint(1, 900)}:    {_ident(rng)} = {pattern}"
-                f"({_ident(rng)}, {rng.choice(_WORDS)}={rng.randint(0, 99)})")
-        out.append(line)
-        size += len(line) + 1
-    return "\n".join(out)
+        out.append(line())
+        size += len(out[-1]) + 1
+    return out
+
+
+def grep_output(rng: random.Random, chars: int, pattern: str) -> str:
+    paths = repo_paths(rng, 40)
+    return "\n".join(_lines(chars, lambda: f"{rng.choice(paths)}:{rng.randint(1, 900)}:    {_ident(rng)} = {pattern}"
+                                          f"({_ident(rng)}, {rng.choice(_WORDS)}={rng.randint(0, 99)})"))
 
 
 def test_log(rng: random.Random, chars: int, failing: bool) -> str:
@@ -209,13 +199,9 @@ def diff(rng: random.Random, chars: int, path: str) -> str:
 
 
 def shell_output(rng: random.Random, chars: int) -> str:
-    out, size = ["exit status 0", "stdout:"], 20
-    while size < chars:
-        line = (f"{rng.getrandbits(28):07x} {_sentence(rng, rng.randint(4, 9))[:-1]} ({rng.choice(_MODULES)}: "
-                f"{rng.choice(_VERBS)} {_ident(rng)})")
-        out.append(line)
-        size += len(line) + 1
-    return "\n".join(out)
+    return "exit status 0\nstdout:\n" + "\n".join(_lines(chars - 20, lambda: (
+        f"{rng.getrandbits(28):07x} {_sentence(rng, rng.randint(4, 9))[:-1]} ({rng.choice(_MODULES)}: "
+        f"{rng.choice(_VERBS)} {_ident(rng)})")))
 
 
 # What each step's output is, and its share of the session's growth (file reads dominate real sessions).

@@ -128,23 +128,32 @@ def register_agent(bench_sub: Any) -> None:
     p.set_defaults(func=cmd_bench_agent)
 
 
-def cmd_bench_agent(args: argparse.Namespace) -> int:
-    from glm53.bench.agent import AgentOptions, render, run_agent, to_json, write_json
+def _run_http_bench(name: str, args: argparse.Namespace, run: Any, render: Any, to_json: Any) -> int:
+    """Serve (or reach), run, print, and write the JSON: what every HTTP bench does around its measurement."""
+    from glm53.bench.agent import write_json
     from glm53.bench.served import BenchError, served
 
-    opts = AgentOptions(target_tokens=args.target_tokens, turns=args.turns, reply_tokens=args.reply_tokens,
-                        system_tokens=args.system_tokens, cold_tokens=args.cold_tokens,
-                        keep_reasoning=args.keep_reasoning, reasoning_tokens=args.reasoning_tokens, seed=args.seed)
     try:
         with served(_serve_options(args), log=_stderr) as server:
-            result = run_agent(server, opts, log=_stderr)
+            result = run(server, log=_stderr)
     except BenchError as exc:
-        _stderr(f"glm53 bench agent: error: {exc}")
+        _stderr(f"glm53 bench {name}: error: {exc}")
         return 1
     print(render(result))
     if args.json:
         write_json(args.json, to_json(result))
     return 0
+
+
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    from glm53.bench import agent
+
+    opts = agent.AgentOptions(target_tokens=args.target_tokens, turns=args.turns, reply_tokens=args.reply_tokens,
+                              system_tokens=args.system_tokens, cold_tokens=args.cold_tokens,
+                              keep_reasoning=args.keep_reasoning, reasoning_tokens=args.reasoning_tokens,
+                              seed=args.seed)
+    return _run_http_bench("agent", args, lambda server, log: agent.run_agent(server, opts, log=log), agent.render,
+                           agent.to_json)
 
 
 def _levels(text: str) -> list[int]:
@@ -171,19 +180,9 @@ def register_serve(bench_sub: Any) -> None:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from glm53.bench.agent import write_json
-    from glm53.bench.serve_bench import ConcurrencyOptions, render, run_concurrency, to_json
-    from glm53.bench.served import BenchError, served
+    from glm53.bench import serve_bench
 
-    opts = ConcurrencyOptions(levels=args.concurrency, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
-                              rounds=args.rounds)
-    try:
-        with served(_serve_options(args), log=_stderr) as server:
-            result = run_concurrency(server, opts, log=_stderr)
-    except BenchError as exc:
-        _stderr(f"glm53 bench serve: error: {exc}")
-        return 1
-    print(render(result))
-    if args.json:
-        write_json(args.json, to_json(result))
-    return 0
+    opts = serve_bench.ConcurrencyOptions(levels=args.concurrency, prompt_tokens=args.prompt_tokens,
+                                          max_tokens=args.max_tokens, rounds=args.rounds)
+    return _run_http_bench("serve", args, lambda server, log: serve_bench.run_concurrency(server, opts, log=log),
+                           serve_bench.render, serve_bench.to_json)
