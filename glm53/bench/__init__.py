@@ -8,6 +8,9 @@ emulated drive) goes through a narrow hook the product never installs (glm53.ben
   nvme             the nvme tier's decode model against the disk's raw rate
   store            store pack / verify / reader throughput against raw O_DIRECT
   stream           engine tokens/s against tokens/s a streaming client receives
+  agent            a scripted coding-agent session over HTTP: prefix reuse, TTFT against the cold prefill rate
+                   (agent_script: its text; served: the server under test, started or given by URL)
+  serve            decode tok/s through HTTP at several concurrent streams (serve_bench)
   cpu_lane         the CPU expert kernel against the host's RAM bandwidth
   lookahead        the next layer's router run ahead: its recall
   read_contention  what the store's reads cost the planning thread
@@ -23,6 +26,8 @@ from typing import Any
 BENCHES = (
     ("glm53.bench.cli", "register_stream"),
     ("glm53.bench.cli", "register_store"),
+    ("glm53.bench.cli", "register_agent"),
+    ("glm53.bench.cli", "register_serve"),
     ("glm53.bench.decode", "register_bench"),
     ("glm53.bench.nvme", "register_bench"),
     ("glm53.bench.cpu_lane", "register_bench"),

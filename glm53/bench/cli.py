@@ -1,6 +1,6 @@
-"""`glm53 bench store` and `glm53 bench stream`: their flags and commands, apart from the benchmarks themselves
-(glm53.bench.store, glm53.bench.stream), which import numpy, the store, httpx and uvicorn at their top: the front
-door registers every bench at every start."""
+"""`glm53 bench store`, `stream`, `agent` and `serve`: their flags and commands, apart from the benchmarks
+themselves (glm53.bench.store, stream, agent, serve_bench), which import numpy, the store, httpx, uvicorn or the
+openai client at their top: the front door registers every bench at every start."""
 
 from __future__ import annotations
 
@@ -72,3 +72,117 @@ def cmd_bench_stream(args: argparse.Namespace) -> int:
     text, ok = report(results)
     print(text)
     return 0 if ok else 1
+
+
+def _server_flags(p: Any) -> None:
+    g = p.add_argument_group("the server", "--url for a running server; without it the bench starts `glm53 serve` "
+                             "itself (a free loopback port), waits for /ready and stops it at the end")
+    g.add_argument("--url", help="a running server, e.g. http://127.0.0.1:30000 (default: start one)")
+    g.add_argument("--api-key", help="its API key (default: GLM53_API_KEY)")
+    g.add_argument("--model", metavar="DIR", help="checkpoint for the started server (default: GLM53_MODEL_DIR, "
+                   "else the demo model)")
+    g.add_argument("--mode", help="GLM53_MODE for the started server (exact, nvme-exact, fast, nvme)")
+    g.add_argument("--store", metavar="FILE", help="GLM53_STORE for the started server (the nvme modes)")
+    g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for /ready (default 900)")
+    g.add_argument("--log-dir", type=Path, help="where the started server's log goes (default: a temp dir)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+
+
+def _serve_options(args: argparse.Namespace) -> Any:
+    import os
+
+    from glm53.bench.served import ServeOptions
+
+    if args.url and (args.model or args.mode or args.store):
+        raise SystemExit("glm53 bench: --model, --mode and --store configure a started server; with --url the "
+                         "server is already running (leave them out)")
+    key = args.api_key if args.api_key is not None else os.environ.get("GLM53_API_KEY", "")
+    return ServeOptions(url=args.url, api_key=key, model=args.model, mode=args.mode, store=args.store,
+                        ready_timeout_s=args.ready_timeout, log_dir=args.log_dir)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def register_agent(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("agent", help="a scripted coding-agent session over HTTP: prefix reuse and TTFT per turn",
+                             description="Replays a coding-agent session (system prompt with tools, then tool "
+                             "steps growing the prompt to --target-tokens) through the openai client; per turn "
+                             "prompt / cached tokens, TTFT and decode tok/s; then the cached share and each turn's "
+                             "TTFT against its new tokens' time at the cold prefill rate of the same run.")
+    p.add_argument("--target-tokens", type=int, default=60_000, help="prompt size of the last turn (default 60000)")
+    p.add_argument("--turns", type=int, default=16, help="requests in the session (default 16)")
+    p.add_argument("--reply-tokens", type=int, default=64, help="max_tokens of each reply (default 64; half of it "
+                   "may be reasoning)")
+    p.add_argument("--system-tokens", type=int, help="system prompt size before the tools (default target / 10)")
+    p.add_argument("--cold-tokens", type=int, help="size of the cold prompt the prefill rate is measured on "
+                   "(default target / 2)")
+    p.add_argument("--keep-reasoning", action="store_true", help="send each reply's reasoning back "
+                   "(reasoning_content), instead of dropping it as most clients do")
+    p.add_argument("--reasoning-tokens", type=int, help="each reply's max_reasoning_tokens (default half the reply: "
+                   "a random-weight model's thinking never ends by itself; 0: leave it to the server's budget)")
+    p.add_argument("--seed", type=int, default=1, help="the session's text (a second run on the same server needs "
+                   "another seed to start cold; default 1)")
+    _server_flags(p)
+    p.set_defaults(func=cmd_bench_agent)
+
+
+def _run_http_bench(name: str, args: argparse.Namespace, run: Any, render: Any, to_json: Any) -> int:
+    """Serve (or reach), run, print, and write the JSON: what every HTTP bench does around its measurement."""
+    from glm53.bench.agent import write_json
+    from glm53.bench.served import BenchError, served
+
+    try:
+        with served(_serve_options(args), log=_stderr) as server:
+            result = run(server, log=_stderr)
+    except BenchError as exc:
+        _stderr(f"glm53 bench {name}: error: {exc}")
+        return 1
+    print(render(result))
+    if args.json:
+        write_json(args.json, to_json(result))
+    return 0
+
+
+def cmd_bench_agent(args: argparse.Namespace) -> int:
+    from glm53.bench import agent
+
+    opts = agent.AgentOptions(target_tokens=args.target_tokens, turns=args.turns, reply_tokens=args.reply_tokens,
+                              system_tokens=args.system_tokens, cold_tokens=args.cold_tokens,
+                              keep_reasoning=args.keep_reasoning, reasoning_tokens=args.reasoning_tokens,
+                              seed=args.seed)
+    return _run_http_bench("agent", args, lambda server, log: agent.run_agent(server, opts, log=log), agent.render,
+                           agent.to_json)
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of stream counts, e.g. 1,2,4,8") from None
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("stream counts must be at least 1, e.g. 1,2,4,8")
+    return levels
+
+
+def register_serve(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("serve", help="decode tok/s through HTTP at 1, 2, 4, 8 concurrent streams",
+                             description="Starts N streamed completions together per level (same prompt length, "
+                             "same max_tokens, tokens from usage): aggregate and per-stream decode tok/s and the "
+                             "aggregate's ratio to one stream, next to the reference appliance's 1.21x at four.")
+    p.add_argument("--concurrency", type=_levels, default=[1, 2, 4, 8], help="stream counts (default 1,2,4,8)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt tokens per stream (default 256)")
+    p.add_argument("--max-tokens", type=int, default=128, help="max_tokens per stream (default 128)")
+    p.add_argument("--rounds", type=int, default=1, help="runs per level, the best kept (default 1)")
+    _server_flags(p)
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from glm53.bench import serve_bench
+
+    opts = serve_bench.ConcurrencyOptions(levels=args.concurrency, prompt_tokens=args.prompt_tokens,
+                                          max_tokens=args.max_tokens, rounds=args.rounds)
+    return _run_http_bench("serve", args, lambda server, log: serve_bench.run_concurrency(server, opts, log=log),
+                           serve_bench.render, serve_bench.to_json)

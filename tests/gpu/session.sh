@@ -39,6 +39,14 @@
 #             writes $OUT/plan-memory.json with the figures glm53/plan.py's PREFILL_MEASURED / RESERVE_MEASURED take
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
+#   agent     glm53 bench agent on MODEL=<checkpoint dir> (issue 26: the full-depth fixture), exact mode, or nvme-exact
+#             with STORE=<store file>: one `glm53 serve`, two 16-turn sessions to AGENT_TOKENS (default 60000) with
+#             32-token replies: reasoning dropped by the client (seed 1, half of each reply's budget for reasoning),
+#             then kept with no per-request reasoning budget (seed 2: a request continued past its budget reports
+#             no cached_tokens from the exllamav3 engine today). At ~40 s per 100K cold tokens: ~100 s a session
+#             plus the load; AGENT_LIMIT (default 520 s) bounds the whole step; the turns are in the logs as they run
+#   serveconc glm53 bench serve --concurrency 1,2,4,8 on MODEL (SERVE_MODE, default exact; nvme modes need STORE):
+#             512-token prompts, 96 tokens per stream, best of 2 rounds per level
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -153,6 +161,49 @@ step_lane() {
 step_planmem() {  # issue 25: the plan's prefill-activation and reserve estimates against what a prefill holds
   # (GLM53_MEMORY_CKPT=<full-depth fixture> for the reserve's real figure; default a full-width 4-layer one)
   OUT="$OUT" gpu_pytest planmem 500 tests/test_engine_spec.py -k gpu_prefill_memory
+}
+wait_ready() {  # url, seconds: poll /ready until 200
+  python3 - "$1" "$2" <<'PY'
+import sys, time, urllib.request
+url, deadline = sys.argv[1], time.time() + float(sys.argv[2])
+while time.time() < deadline:
+    try:
+        if urllib.request.urlopen(url + "/ready", timeout=5).status == 200:
+            sys.exit(0)
+    except Exception:
+        time.sleep(1)
+sys.exit(1)
+PY
+}
+step_agent() {  # issue 26: prefix reuse and TTFT over a 60K-token agent session (needs MODEL; STORE: nvme-exact)
+  if [ -z "${MODEL:-}" ]; then stamp "agent: set MODEL=<checkpoint dir> (the full-depth fixture)"; return 1; fi
+  local mode=exact port=30123 end=$(( $(date +%s) + ${AGENT_LIMIT:-520} ))
+  [ -n "${STORE:-}" ] && mode=nvme-exact
+  GLM53_MODEL_DIR="$MODEL" GLM53_MODE=$mode GLM53_STORE="${STORE:-}" GLM53_PORT=$port \
+    python3 -u -m glm53 serve > "$OUT/agent-$mode-serve.log" 2>&1 &
+  local pid=$!
+  if wait_ready "http://127.0.0.1:$port" $(( end - $(date +%s) - 60 )); then
+    stamp "agent $mode: server ready"
+    local args=(--url "http://127.0.0.1:$port" --target-tokens "${AGENT_TOKENS:-60000}" --turns 16 --reply-tokens 32)
+    timeout $(( (end - $(date +%s)) * 55 / 100 )) python3 -u -m glm53 bench agent "${args[@]}" --seed 1 \
+      --json "$OUT/bench-agent-$mode-dropped.json" > "$OUT/bench-agent-$mode-dropped.log" 2>&1
+    stamp "agent $mode, reasoning dropped, rc=$?"
+    timeout $(( end - $(date +%s) )) python3 -u -m glm53 bench agent "${args[@]}" --seed 2 --keep-reasoning \
+      --reasoning-tokens 0 --json "$OUT/bench-agent-$mode-kept.json" > "$OUT/bench-agent-$mode-kept.log" 2>&1
+    stamp "agent $mode, reasoning kept, rc=$?"
+  else
+    stamp "agent $mode: the server was not ready (see agent-$mode-serve.log)"
+  fi
+  kill "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+}
+step_serveconc() {  # issue 26: decode tok/s at 1, 2, 4, 8 concurrent streams through HTTP
+  if [ -z "${MODEL:-}" ]; then stamp "serveconc: set MODEL=<checkpoint dir>"; return 1; fi
+  local mode=${SERVE_MODE:-exact}
+  timeout 540 python3 -u -m glm53 bench serve --model "$MODEL" --mode "$mode" ${STORE:+--store "$STORE"} \
+    --concurrency 1,2,4,8 --prompt-tokens 512 --max-tokens 96 --rounds 2 --log-dir "$OUT/serveconc-$mode" \
+    --json "$OUT/bench-serve-$mode.json" > "$OUT/bench-serve-$mode.log" 2>&1
+  stamp "serveconc $mode rc=$?"
 }
 for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
