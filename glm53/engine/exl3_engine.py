@@ -495,7 +495,9 @@ class Exl3Engine(WorkerEngine):
         # The page cache's reuse of the client's prompt (a job's cached pages, carried across its requeues), reported
         # on the request's last token. A continuation job reuses the request's own pages, which is no prefix-cache
         # hit for the client.
-        cached = r.get("cached_tokens") if r.get("eos") and req.jobs == 1 else None
+        cached = None
+        if r.get("eos"):
+            cached = r.get("cached_tokens") if req.jobs == 1 else req.cached_tokens
         if cached is not None:
             self._note_cached(req, cached)
         for i, t in enumerate(ids):
@@ -505,7 +507,10 @@ class Exl3Engine(WorkerEngine):
             last = i == len(ids) - 1
             self._emit_token(req, t, row, end=end if last else None, cached=cached if last else None)
             if req.budget_spent and not req.done:
-                # Budget reached mid-stream: stop this job, close the block, continue in a new job.
+                # Budget reached mid-stream: stop this job, close the block, continue in a new job. The first
+                # job's reuse of the prompt is read now: no end-of-job result will carry it.
+                if req.jobs == 1:
+                    self._note_cached(req, _job_cached_tokens(req.job))
                 self._stop_job(req)
                 self._force_close(req)
                 if not req.done:
@@ -595,3 +600,12 @@ def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineS
 def demo_engine(cache_dir: Path, settings: Any) -> tuple[Exl3Engine, Path]:
     model_dir = ensure_exl3_demo_model(Path(cache_dir).expanduser())
     return Exl3Engine(model_dir, demo_spec(model_dir, settings), model_id=settings.model_id), model_dir
+
+
+def _job_cached_tokens(job: Any) -> int:
+    """Prompt tokens a running exllamav3 job took from the page cache (what its end-of-job result would report:
+    carried across requeues in rq_cached)."""
+    carried = getattr(job, "rq_cached", None)
+    if carried is not None:
+        return int(carried[1])
+    return int(job.cached_pages) * PAGE + int(job.cached_tokens)

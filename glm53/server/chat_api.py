@@ -21,7 +21,7 @@ from glm53.server.chat import (
     tool_param_types,
 )
 from glm53.server.chat_grammar import check_tool_schemas, tool_call_grammar
-from glm53.server.chat_prompt import Prompt, Thinking, finish_prompt, reattach, resolve_thinking
+from glm53.server.chat_prompt import Prompt, Thinking, finish_prompt, history_keys, reattach, resolve_thinking
 from glm53.server.common import (
     Job,
     ServerState,
@@ -97,6 +97,7 @@ class ChatPrompt:
     parse_tools: bool
     named: str | None  # a named tool_choice
     grammar: str | None
+    history: str = ""  # the identity of the conversation before the reply (chat_prompt.history_keys)
 
 
 def _tool_choice(req: ChatFields, tools: list[dict]) -> tuple[str, str | None]:
@@ -127,7 +128,8 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
         # the think block, where no grammar applies) without the call the client demanded.
         thinking = Thinking(False, thinking.effort, thinking.budget)
     shown_tools = tools if tools and choice != "none" else None
-    messages = reattach(template_messages(req.messages or []), state.reasoning_memory)
+    sent = template_messages(req.messages or [])
+    messages = reattach(sent, state.reasoning_memory)
     template_kwargs = {**kwargs, "enable_thinking": thinking.on}
     if thinking.on or "reasoning_effort" not in kwargs:
         template_kwargs["reasoning_effort"] = thinking.effort
@@ -145,7 +147,7 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
     prompt = finish_prompt(text, thinking, force_call=forced and not use_grammar and add_generation_prompt,
                            named=named)
     ids = tokenize_prompt(state, prompt.text)
-    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar)
+    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar, history_keys(sent)[-1])
 
 
 def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -235,7 +237,7 @@ async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -
             if reason:
                 calls = merge_tool_calls(whole.tool_calls)
                 state.reasoning_memory.remember(whole.content if whole.content or not calls else None, calls,
-                                                whole.reasoning)
+                                                whole.reasoning, chat.history)
             if delta or step.logprobs or reason:
                 yield ChoiceEvent(index, delta, step.logprobs, reason, step.stop_sequence)
     finally:

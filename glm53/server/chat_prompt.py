@@ -95,8 +95,31 @@ def turn_key(content: str | None, tool_calls: list[dict] | None) -> str:
     return hashlib.sha256(doc.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def _message_doc(m: dict) -> list:
+    # What identifies a message of the history as clients resend it: reasoning left out (a client may drop it).
+    if m.get("role") == "assistant":
+        return ["assistant", turn_key(m.get("content"), m.get("tool_calls"))]
+    content = m.get("content")
+    return [m.get("role"), content if isinstance(content, str) else json.dumps(content, sort_keys=True, default=str),
+            m.get("tool_call_id")]
+
+
+def history_keys(messages: list[dict]) -> list[str]:
+    """keys[i]: the identity of messages[:i], the conversation before message i (one running hash, so a long
+    history costs one pass)."""
+    running = hashlib.sha256()
+    keys = []
+    for m in messages:
+        keys.append(running.hexdigest())
+        running.update(json.dumps(_message_doc(m), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    keys.append(running.hexdigest())
+    return keys
+
+
 class ReasoningMemory:
-    """The reasoning of recent assistant turns, least recently used dropped first, bounded in characters."""
+    """The reasoning of recent assistant turns, least recently used dropped first, bounded in characters. A turn
+    is known by what came before it (`history`, from history_keys) and its own text and calls: turns alike in
+    themselves (empty replies cut off in their thinking, the same call twice) stay apart."""
 
     def __init__(self, max_chars: int = 8 << 20, max_turns: int = 4096) -> None:
         self.max_chars = max_chars
@@ -105,10 +128,10 @@ class ReasoningMemory:
         self._chars = 0
         self._lock = threading.Lock()  # remembered on the event loop, recalled in prompt-building threads
 
-    def remember(self, content: str | None, tool_calls: list[dict] | None, reasoning: str) -> None:
+    def remember(self, content: str | None, tool_calls: list[dict] | None, reasoning: str, history: str = "") -> None:
         if not reasoning or len(reasoning) > self.max_chars:
             return
-        key = turn_key(content, tool_calls)
+        key = history + turn_key(content, tool_calls)
         with self._lock:
             old = self._items.pop(key, None)
             self._chars -= len(old or "")
@@ -118,8 +141,8 @@ class ReasoningMemory:
                 _, dropped = self._items.popitem(last=False)
                 self._chars -= len(dropped)
 
-    def recall(self, content: str | None, tool_calls: list[dict] | None) -> str | None:
-        key = turn_key(content, tool_calls)
+    def recall(self, content: str | None, tool_calls: list[dict] | None, history: str = "") -> str | None:
+        key = history + turn_key(content, tool_calls)
         with self._lock:
             found = self._items.get(key)
             if found is not None:
@@ -137,9 +160,10 @@ class ReasoningMemory:
 def reattach(messages: list[dict], memory: ReasoningMemory) -> list[dict]:
     """Assistant turns without reasoning get back the reasoning the server generated for them."""
     out = []
-    for m in messages:
+    keys = history_keys(messages)
+    for i, m in enumerate(messages):
         if m["role"] == "assistant" and "reasoning_content" not in m and THINK_CLOSE not in (m.get("content") or ""):
-            found = memory.recall(m.get("content"), m.get("tool_calls"))
+            found = memory.recall(m.get("content"), m.get("tool_calls"), keys[i])
             if found is not None:
                 m = {**m, "reasoning_content": found}
         out.append(m)

@@ -209,6 +209,26 @@ def test_reasoning_budget_forces_think_close_and_continues_in_a_new_job(stock):
     assert gtok.THINK_CLOSE + "\n" in "".join(e.text for e in events)
 
 
+def test_a_budget_continuation_reports_the_first_jobs_prefix_reuse(stock, monkeypatch):
+    # The first job is stopped at the budget, so no end-of-job result carries its cached count: it is read off the
+    # job, and the request's last event reports it (usage.prompt_tokens_details.cached_tokens).
+    prompt = chat(stock, thinking=True)
+    close = stock.tokenize(gtok.THINK_CLOSE + "\n")
+    enqueue, jobs = stock.generator.enqueue, []
+
+    def enqueue_reusing(job):
+        if not jobs:
+            job.cached_tokens = 5  # as if the page cache had served the first 5 prompt tokens
+        jobs.append(job)
+        return enqueue(job)
+
+    monkeypatch.setattr(stock.generator, "enqueue", enqueue_reusing)
+    events = collect(stock, prompt, SamplingParams(temperature=0, max_tokens=8, reasoning_budget=2,
+                                                   reasoning_end_ids=close))
+    assert len(jobs) == 2 and events[-1].finish_reason == "length"
+    assert events[-1].cached_tokens == 5
+
+
 def test_grammar_without_thinking_completes_with_stop(stock):
     prompt = chat(stock, thinking=False)
     for p in (SamplingParams(temperature=0, max_tokens=30, grammar=GRAMMAR),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from glm53.server.chat_grammar import tool_call_grammar
-from glm53.server.chat_prompt import ReasoningMemory, close_think, resolve_thinking, turn_key
+from glm53.server.chat_prompt import ReasoningMemory, close_think, history_keys, reattach, resolve_thinking, turn_key
 from glm53.server.errors import APIError
 
 
@@ -64,6 +64,26 @@ def test_reasoning_memory_is_bounded_and_least_recently_used_first_out():
     assert mem.recall("huge", None) is None and mem.chars <= 100
     mem.remember("empty", None, "")
     assert mem.recall("empty", None) is None
+
+
+def test_turns_alike_in_themselves_get_their_own_reasoning_back():
+    # Two replies cut off inside their thinking (no content, no calls) and the same call made twice: each is known
+    # by the conversation before it, so re-attachment gives every turn its own reasoning, and the history renders
+    # as the model saw it.
+    mem = ReasoningMemory()
+    convo = [{"role": "system", "content": "s"}, {"role": "user", "content": "go"}]
+    replies = [({"role": "assistant", "content": ""}, "first thoughts"),
+               ({"role": "assistant", "content": ""}, "second thoughts"),
+               ({"role": "assistant", "content": None, "tool_calls": [call("f", "{}")]}, "call once"),
+               ({"role": "assistant", "content": None, "tool_calls": [call("f", "{}", "call_2")]}, "call again")]
+    for reply, reasoning in replies:
+        mem.remember(reply.get("content"), reply.get("tool_calls"), reasoning, history_keys(convo)[-1])
+        convo = convo + [reply, {"role": "user", "content": "more"}]
+    back = reattach(convo, mem)
+    assert [m.get("reasoning_content") for m in back if m["role"] == "assistant"] == [r for _, r in replies]
+    # A client that changed an earlier message has another conversation: nothing is attached after the change.
+    edited = [convo[0], {"role": "user", "content": "go!"}, *convo[2:]]
+    assert all("reasoning_content" not in m for m in reattach(edited, mem))
 
 
 TOOLS = [

@@ -1021,6 +1021,9 @@ class Job:
         self.kv_position = 0
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.new_tokens = 0
+        # What the page cache served of the prompt (nothing here: the fake caches no pages); rq_cached carries it
+        # across requeues in exllamav3.
+        self.cached_pages, self.cached_tokens, self.rq_cached = 0, 0, None
         self.sampler = sampler if sampler is not None else ComboSampler(temperature=0.8, min_p=0.08)
         self.seed = seed
         self.rng = random.Random() if seed is None else random.Random(seed)
