@@ -527,7 +527,7 @@ def _tensor_bytes(objs: Any) -> int:
     for obj in objs:
         for v in vars(obj).values():
             for t in v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(t, torch.Tensor) and t.device.type != "cpu" and t.data_ptr() not in seen:
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.data_ptr() not in seen:
                     seen.add(t.data_ptr())
                     total += t.untyped_storage().nbytes()
     return total
@@ -641,9 +641,9 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
             if "mla" in prof["types"]:
                 prof["types"]["mla"]["bytes"] += history * kv_per_token
                 prof["types"]["mla"]["note"] = f"weights + {history} positions of KV read whole (DSA reads fewer)"
-            if "kda" in prof["types"]:
-                prof["types"]["kda"]["bytes"] += 2 * state_per_seq
-                prof["types"]["kda"]["note"] = "weights + its state read and written"
+            if "kda" in prof["types"]:  # the pool keeps two rows per sequence: one read, one written per step
+                prof["types"]["kda"]["bytes"] += state_per_seq
+                prof["types"]["kda"]["note"] = "weights + the sequence's state as allocated, read and written"
             ms, how = shared_estimate(engine.model, clock)
             if ms is not None and "shared" not in prof["types"]:
                 prof["types"]["shared"] = {"host_ms": None, "device_ms": ms, "bytes": weights["shared"], "note": how}
@@ -721,7 +721,8 @@ def mode_spec(job: dict) -> tuple[Any, dict]:
     """The EngineSpec a mode runs with and the plan it came from: the plan of this host for the job's budget,
     context and mode (stock: the exact plan's KV, context, sequences and chunk with every expert in VRAM). Raises
     ValueError naming why a mode cannot be measured."""
-    from glm53 import planning_cli, settings as S
+    from glm53 import planning_cli
+    from glm53 import settings as S
     from glm53.plan import GIB
 
     mode = job["mode"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import fake_exllamav3 as F
 import pytest
+from fakehost import HostSpec, write_host
 from specs import spec_for
 
 from glm53.bench import depth as D
@@ -196,3 +197,23 @@ def test_the_child_records_why_a_mode_failed(small, tmp_path):
     assert got["mode"] == "nvme-exact" and str(missing) in got["error"]
     doc = D.finish({"modes": {"nvme-exact": got}})
     assert D.exit_status(doc) == 1
+
+
+H200 = ("NVIDIA H200", 143771, 143000, 5, 16)
+
+
+def test_a_mode_runs_the_plan_of_the_host_for_the_budget_and_context(tmp_path):
+    """The plan on a fake H200 host, with the model inside its tree: a checkpoint whose experts all fit 24 GB leaves
+    nothing to tier, which is said; stock takes the plan's KV, context and sequences with every expert in VRAM."""
+    root = write_host(tmp_path / "host", HostSpec(gpus=(H200,)))
+    write_exl3_checkpoint(root / "models" / "ck", layers=8, dense_layers=1, experts=16, top_k=4)
+    job = {"model": "/models/ck", "vram_budget_gb": 24.0, "context": 131072, "cache_dir": str(tmp_path / "cache"),
+           "host_root": str(root)}
+    spec, doc = D.mode_spec({**job, "mode": "stock"})
+    assert spec.engine == "stock" and spec.vram_slots == () and spec.ram_slots == 0
+    assert spec.context == doc["engine"]["context"] and spec.kv_tokens == doc["kv_tokens"]
+    assert doc["vram_budget_bytes"] == 24 << 30 and "facts" not in doc
+    with pytest.raises(ValueError, match="every routed expert fits the budget"):
+        D.mode_spec({**job, "mode": "exact"})
+    with pytest.raises(ValueError, match="the plan refused nvme-exact: .*GLM53_STORE is empty"):
+        D.mode_spec({**job, "mode": "nvme-exact", "memory_gib": 16})

@@ -30,6 +30,15 @@
 #             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
+#   depth     issue 25's proof, first call: glm53 bench depth --modes stock,exact on the full-depth fixture (3 dense +
+#             42 MoE layers, 32 experts, generated into /tmp/depth and kept), planned for a 24 GB budget at 131,072
+#             tokens: plan vs loaded, TTFT at 8K/32K/120K, decode at 0/8K/32K/120K, peak device memory through the
+#             120K prompt + 512 tokens, exact's 256 greedy tokens against stock's, the per-layer-type step profile,
+#             the context-edge checks. JSON also kept as /tmp/depth/depth-1.json for depth2. Other steps' kept
+#             /tmp/glm53-bench-* files are removed first when the disk has under 45 GB free
+#   depth2    the second call: fast and nvme-exact on the kept checkpoint (the store packed beside it), ratios and
+#             tokens against the first call's stock (--reference /tmp/depth/depth-1.json, or DEPTH_REF=FILE where
+#             the machine is fresh: carry the first call's bench-depth.json)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
@@ -126,6 +135,35 @@ step_nvme16() {
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
+depth_disk() {  # the full-depth checkpoint (~20 GB) and its store (~20 GB) need the room other steps' files take
+  local free
+  free=$(df --output=avail -B1G /tmp | tail -1 | tr -d ' ')
+  if [ "${free:-0}" -lt 45 ]; then
+    stamp "depth: ${free} GB free in /tmp: removing other steps' kept /tmp/glm53-bench-* files"
+    rm -rf /tmp/glm53-bench-* /tmp/paired
+  fi
+}
+step_depth() {  # issue 25, first call: stock (the reference) and exact; the fixture is generated once and kept
+  depth_disk
+  mkdir -p /tmp/depth
+  timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep --modes "${DEPTH_MODES:-stock,exact}" \
+    --tokens 64 --profile-tokens 16 --checks --json /tmp/depth/depth-1.json > "$OUT/bench-depth.log" 2>&1
+  stamp "depth rc=$?"
+  cp /tmp/depth/depth-1.json "$OUT/bench-depth.json" 2>/dev/null
+  cp /tmp/depth/depth-*.json "$OUT/" 2>/dev/null  # each mode's own figures, partial ones too
+}
+step_depth2() {  # issue 25, second call: fast and nvme-exact against the first call's stock
+  depth_disk
+  mkdir -p /tmp/depth
+  local ref=${DEPTH_REF:-/tmp/depth/depth-1.json} refarg=()
+  if [ -f "$ref" ]; then refarg=(--reference "$ref"); else stamp "depth2: no $ref: no ratios to stock"; fi
+  timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep \
+    --modes "${DEPTH2_MODES:-fast,nvme-exact}" --tokens 64 --profile-tokens 16 --checks "${refarg[@]}" \
+    --json /tmp/depth/depth-2.json > "$OUT/bench-depth2.log" 2>&1
+  stamp "depth2 rc=$?"
+  cp /tmp/depth/depth-2.json "$OUT/bench-depth2.json" 2>/dev/null
+  cp /tmp/depth/depth-*.json "$OUT/" 2>/dev/null
+}
 step_lane() {
   { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
   timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
@@ -138,6 +176,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane depth depth2)"
   fi
 done
