@@ -47,6 +47,7 @@ DEFAULT_FIXTURE = "--shape glm53 --dense-layers 3 --moe-layers 42 --experts 32"
 DEFAULT_PROMPTS = "8192,32768,120000"
 SHORT_PROMPT = 16          # the "0 history" decode: a prompt of a few tokens
 PEAK_TOKENS = 512          # decoded after the longest prompt while peak memory is watched
+REFERENCE_SLOTS = 1376     # the reference appliance's hot experts on a 24 GB card at 131,072 tokens (issue 25)
 GREEDY_TOKENS = 256        # greedy ids after the longest prompt compared with stock's
 SAMPLE_S = 0.02            # memory sampler period
 TYPES = ("kda", "mla", "moe", "shared", "dense", "glue", "head", "embed")
@@ -187,8 +188,10 @@ def finish(doc: dict, reference: dict | None = None, reference_path: str | None 
         if mode == "stock" or "greedy_ids" not in res:
             continue
         diff = first_difference(res["greedy_ids"], stock.get("greedy_ids", []))
+        chunks = (res.get("spec", {}).get("prefill_chunk"), stock.get("spec", {}).get("prefill_chunk"))
         doc["comparison"][mode] = {"bit_identical": diff is None, "first_difference": diff,
-                                   "compared": len(res["greedy_ids"]), "must_be_identical": mode in EXACT_LIKE}
+                                   "compared": len(res["greedy_ids"]), "must_be_identical": mode in EXACT_LIKE,
+                                   "same_prefill_chunk": chunks[0] == chunks[1]}
     s_runs = _runs(stock)
     for mode, res in doc["modes"].items():
         if mode == "stock":
@@ -236,6 +239,9 @@ def report(doc: dict) -> str:
         lines.append(f"  {mode} ({r['engine']}): loaded in {_f(r.get('load_s'))} s; plan / loaded: " + ", ".join(
             f"{k} {pl.get(k, '-')}/{ld.get(k, '-')}" + ("" if r["matches"].get(k, True) else " MISMATCH")
             for k in ld))
+        if r["engine"] != "stock":
+            lines.append(f"    VRAM expert slots loaded: {ld['vram_slots']} (issue 25 asks >= {REFERENCE_SLOTS} at 131,072 "
+                         f"tokens in 24 GB)")
         for p, run in sorted(_runs(r).items()):
             what = "history 0" if p <= SHORT_PROMPT else f"{p:>6}-token prompt: TTFT {_f(run.get('ttft_s'), '.2f')} s,"
             lines.append(f"    {what} decode {_f(run.get('decode_tok_s'))} tok/s over {run.get('decoded', 0)} tokens")
@@ -270,7 +276,8 @@ def report(doc: dict) -> str:
     for mode, c in doc.get("comparison", {}).items():
         said = "bit-identical" if c["bit_identical"] else f"first differs at token {c['first_difference']}"
         lines.append(f"  {mode} vs stock over {c['compared']} greedy tokens after the longest prompt: {said}"
-                     + ("" if c["bit_identical"] or not c["must_be_identical"] else " (MUST be identical)"))
+                     + ("" if c["bit_identical"] or not c["must_be_identical"] else " (MUST be identical)")
+                     + ("" if c.get("same_prefill_chunk", True) else " (prefill chunks differ from stock's)"))
     for mode, rt in doc.get("ratios", {}).items():
         lines.append(f"  {mode} / stock (stock from {rt['stock_from']}): TTFT "
                      + ", ".join(f"{p} {v:.3f}" for p, v in rt["ttft_over_stock"].items())
@@ -394,7 +401,7 @@ class LayerTimer:
     time is inside MoE's; shared_estimate times the same module alone."""
 
     def __init__(self, model: Any, attn: Sequence[str], mlp: Sequence[str], clock: _Clock):
-        self.clock, self.on, self.calls = clock, False, []
+        self.clock, self.on, self.calls, self._depth = clock, False, [], 0
         self._wrapped: list[tuple[Any, Any]] = []
         for top in model.modules:
             self._wrap(top, attn, mlp)
@@ -415,11 +422,16 @@ class LayerTimer:
         def forward(*args: Any, **kw: Any) -> Any:
             if not self.on:
                 return orig(*args, **kw)
+            outer = self._depth == 0  # not inside another timed module: its time is the step's own
             a = self.clock.stamp()
             t0 = time.perf_counter()
-            out = orig(*args, **kw)
+            self._depth += 1
+            try:
+                out = orig(*args, **kw)
+            finally:
+                self._depth -= 1
             t1 = time.perf_counter()
-            self.calls.append((kind, head, t1 - t0, a, self.clock.stamp()))
+            self.calls.append((kind, head, outer, t1 - t0, a, self.clock.stamp()))
             return out
 
         self._wrapped.append((mod, mod.__dict__.get("forward")))
@@ -439,10 +451,11 @@ class LayerTimer:
         steps = max(1, sum(1 for c in self.calls if c[1]))
         host: dict[str, float] = {}
         dev: dict[str, float] = {}
-        for kind, _, h, a, b in self.calls:
+        top = 0.0
+        for kind, _, outer, h, a, b in self.calls:
             host[kind] = host.get(kind, 0.0) + h
             dev[kind] = dev.get(kind, 0.0) + self.clock.elapsed(a, b)
-        top = sum(v for k, v in host.items() if k in ("block", "embed", "head", "other", "mtp"))
+            top += h if outer else 0.0
         inner = ("kda", "mla", "moe", "dense")
         for d in (host, dev):
             if "block" in d:  # a block's own work beside its attention and MLP modules
@@ -536,7 +549,7 @@ def _tensor_bytes(objs: Any) -> int:
 def planned_sizes(spec: Any) -> dict:
     from glm53.spec import PAGE
 
-    return {"vram_slots": sum(spec.vram_slots), "staging": spec.staging_slots, "ram_rows": spec.ram_slots,
+    return {"vram_slots": sum(spec.vram_slots) if spec.tiered else "all", "staging": spec.staging_slots, "ram_rows": spec.ram_slots,
             "kv_tokens": spec.kv_tokens + PAGE,  # the engine's cache has one page more than the plan's KV
             "sequences": spec.cache_sequences, "prefill_chunk": spec.prefill_chunk,
             "recurrent_cache_bytes": spec.recurrent_cache_bytes}
@@ -618,7 +631,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
         res["load_s"] = time.perf_counter() - t0
         hi = min(hi, getattr(engine, "_n_vocab", hi))  # ids the engine's generate() accepts (its tokenizer's)
         res["planned"], res["loaded"] = planned_sizes(spec), loaded_sizes(engine)
-        res["matches"] = {k: res["planned"][k] == v for k, v in res["loaded"].items()}
+        res["matches"] = {k: res["planned"][k] in (v, "all") for k, v in res["loaded"].items()}
         dev, rss = sampler.mark()
         res["memory"].update(after_load_bytes=sampler.used(), load_peak_bytes=dev, context_bytes=sampler.context,
                              pinned_bytes=_pinned_bytes(engine))
@@ -751,6 +764,9 @@ def mode_spec(job: dict) -> tuple[Any, dict]:
 
 def child(job_path: Path) -> int:
     """One mode in this process (python -m glm53.bench.depth JOB.json): its figures to job['out'] as they come."""
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     job = json.loads(job_path.read_text())
     out = Path(job["out"])
 

@@ -140,7 +140,7 @@ def test_a_mode_measures_what_loaded_its_prompts_and_where_a_step_goes(measured)
     assert ex["engine"] == "exact" and ex["saves"] >= 4  # written as phases finish, not only at the end
     assert ex["loaded"]["vram_slots"] == 7 * 3 and ex["loaded"]["staging"] == ex["planned"]["staging"] >= 4
     assert all(ex["matches"].values()), ex["matches"]
-    assert measured["stock"]["loaded"]["vram_slots"] == 7 * 16
+    assert measured["stock"]["loaded"]["vram_slots"] == 7 * 16 and all(measured["stock"]["matches"].values())
     assert [r["prompt_tokens"] for r in ex["runs"]] == [D.SHORT_PROMPT, 40, 100]
     assert all(r["ttft_s"] > 0 and r["decode_tok_s"] > 0 for r in ex["runs"])
     assert ex["runs"][0]["decoded"] == 7  # 8 tokens: the first release's, then 7 timed
@@ -151,6 +151,8 @@ def test_a_mode_measures_what_loaded_its_prompts_and_where_a_step_goes(measured)
         assert prof["steps"] == 4
         assert {"moe", "head", "embed"} <= set(prof["types"])  # what the fake model runs
         assert prof["types"]["moe"]["host_ms"] > 0 and prof["types"]["moe"]["bytes"] > 0
+        in_modules = sum(x["host_ms"] for x in prof["types"].values())  # the fake's timed modules do not nest
+        assert prof["outside_ms"] == pytest.approx(prof["step_ms"] - in_modules, rel=0.05)
     assert ex["checks"]["context_exceeded"]["ok"], ex["checks"]
     assert ex["checks"]["length_at_edge"]["ok"], ex["checks"]
     assert "checks" not in measured["stock"]  # stock is the reference: the engine's edges are checked in its modes
@@ -161,7 +163,8 @@ def test_exact_is_compared_with_stock_and_a_later_call_takes_stock_from_the_firs
              "checkpoint": {"what": "the test's"}, "modes": {m: measured[m] for m in ("stock", "exact")}}
     D.finish(first)
     assert first["comparison"]["exact"] == {"bit_identical": True, "first_difference": None,
-                                            "compared": JOB["greedy_tokens"], "must_be_identical": True}
+                                            "compared": JOB["greedy_tokens"], "must_be_identical": True,
+                                            "same_prefill_chunk": True}
     rt = first["ratios"]["exact"]
     assert rt["stock_from"] == "this call" and set(rt["ttft_over_stock"]) == {"40", "100"}
     assert set(rt["decode_over_stock"]) == {str(D.SHORT_PROMPT), "40", "100"}

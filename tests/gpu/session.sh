@@ -158,7 +158,7 @@ step_depth2() {  # issue 25, second call: fast and nvme-exact against the first 
   local ref=${DEPTH_REF:-/tmp/depth/depth-1.json} refarg=()
   if [ -f "$ref" ]; then refarg=(--reference "$ref"); else stamp "depth2: no $ref: no ratios to stock"; fi
   timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep \
-    --modes "${DEPTH2_MODES:-fast,nvme-exact}" --tokens 64 --profile-tokens 16 --checks "${refarg[@]}" \
+    --modes "${DEPTH2_MODES:-fast,nvme-exact}" --tokens 64 --profile-tokens 16 "${refarg[@]}" \
     --json /tmp/depth/depth-2.json > "$OUT/bench-depth2.log" 2>&1
   stamp "depth2 rc=$?"
   cp /tmp/depth/depth-2.json "$OUT/bench-depth2.json" 2>/dev/null
