@@ -220,3 +220,21 @@ def test_a_mode_runs_the_plan_of_the_host_for_the_budget_and_context(tmp_path):
         D.mode_spec({**job, "mode": "exact"})
     with pytest.raises(ValueError, match="the plan refused nvme-exact: .*GLM53_STORE is empty"):
         D.mode_spec({**job, "mode": "nvme-exact", "memory_gib": 16})
+
+
+def test_the_parent_runs_each_mode_in_its_own_process_and_reports_its_failure(small, tmp_path, capsys):
+    """On this GPU-less machine each mode's process plans for the host and is refused: the call still writes its
+    JSON with the reason per mode, prints it, and fails."""
+    out = tmp_path / "depth.json"
+    args = build_parser().parse_args(["bench", "depth", "--model", str(small), "--modes", "stock,exact", "--work",
+                                      str(tmp_path / "work"), "--prompts", "40", "--json", str(out)])
+    assert args.func(args) == 1
+    doc = json.loads(out.read_text())
+    assert list(doc["modes"]) == ["stock", "exact"]
+    for mode in ("stock", "exact"):
+        assert f"the plan refused {mode}: no NVIDIA GPU" in doc["modes"][mode]["error"]
+    assert doc["stock_from"] is None and doc["ratios"] == {}
+    text = capsys.readouterr().out
+    assert "stock: FAILED: ValueError: the plan refused stock: no NVIDIA GPU found" in text
+    assert "/ stock" not in text  # no ratios without stock's figures
+    assert (tmp_path / "work" / "depth-exact.job.json").exists()

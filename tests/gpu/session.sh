@@ -31,11 +31,11 @@
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
 #   depth     issue 25's proof, first call: glm53 bench depth --modes stock,exact on the full-depth fixture (3 dense +
-#             42 MoE layers, 32 experts, generated into /tmp/depth and kept), planned for a 24 GB budget at 131,072
-#             tokens: plan vs loaded, TTFT at 8K/32K/120K, decode at 0/8K/32K/120K, peak device memory through the
+#             42 MoE layers, 48 experts, ~26 GB, generated into /tmp/depth and kept; DEPTH_FIXTURE='...': other
+#             fixture args), planned for a 24 GB budget at 131,072 tokens: plan vs loaded, TTFT at 8K/32K/120K, decode at 0/8K/32K/120K, peak device memory through the
 #             120K prompt + 512 tokens, exact's 256 greedy tokens against stock's, the per-layer-type step profile,
 #             the context-edge checks. JSON also kept as /tmp/depth/depth-1.json for depth2. Other steps' kept
-#             /tmp/glm53-bench-* files are removed first when the disk has under 45 GB free
+#             /tmp/glm53-bench-* files are removed first when /tmp has under 50 GB free (checkpoint + store ~45 GB)
 #   depth2    the second call: fast and nvme-exact on the kept checkpoint (the store packed beside it), ratios and
 #             tokens against the first call's stock (--reference /tmp/depth/depth-1.json, or DEPTH_REF=FILE where
 #             the machine is fresh: carry the first call's bench-depth.json)
@@ -135,10 +135,10 @@ step_nvme16() {
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
-depth_disk() {  # the full-depth checkpoint (~20 GB) and its store (~20 GB) need the room other steps' files take
+depth_disk() {  # the full-depth checkpoint (~26 GB) and its store (~19 GB) need the room other steps' files take
   local free
   free=$(df --output=avail -B1G /tmp | tail -1 | tr -d ' ')
-  if [ "${free:-0}" -lt 45 ]; then
+  if [ "${free:-0}" -lt 50 ]; then
     stamp "depth: ${free} GB free in /tmp: removing other steps' kept /tmp/glm53-bench-* files"
     rm -rf /tmp/glm53-bench-* /tmp/paired
   fi
@@ -147,6 +147,7 @@ step_depth() {  # issue 25, first call: stock (the reference) and exact; the fix
   depth_disk
   mkdir -p /tmp/depth
   timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep --modes "${DEPTH_MODES:-stock,exact}" \
+    ${DEPTH_FIXTURE:+--fixture "$DEPTH_FIXTURE"} \
     --tokens 64 --profile-tokens 16 --checks --json /tmp/depth/depth-1.json > "$OUT/bench-depth.log" 2>&1
   stamp "depth rc=$?"
   cp /tmp/depth/depth-1.json "$OUT/bench-depth.json" 2>/dev/null
@@ -158,7 +159,7 @@ step_depth2() {  # issue 25, second call: fast and nvme-exact against the first 
   local ref=${DEPTH_REF:-/tmp/depth/depth-1.json} refarg=()
   if [ -f "$ref" ]; then refarg=(--reference "$ref"); else stamp "depth2: no $ref: no ratios to stock"; fi
   timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep \
-    --modes "${DEPTH2_MODES:-fast,nvme-exact}" --tokens 64 --profile-tokens 16 "${refarg[@]}" \
+    ${DEPTH_FIXTURE:+--fixture "$DEPTH_FIXTURE"} --modes "${DEPTH2_MODES:-fast,nvme-exact}" --tokens 64 --profile-tokens 16 "${refarg[@]}" \
     --json /tmp/depth/depth-2.json > "$OUT/bench-depth2.log" 2>&1
   stamp "depth2 rc=$?"
   cp /tmp/depth/depth-2.json "$OUT/bench-depth2.json" 2>/dev/null
