@@ -14,6 +14,7 @@ from fakehost import HostSpec, write_host
 from specs import spec_for
 
 from glm53.bench import depth as D
+from glm53.bench import depth_measure as M
 from glm53.cli import build_parser
 from glm53.fixture.exl3 import write_exl3_checkpoint
 from store.safetensors_header import read_safetensors_header
@@ -130,7 +131,7 @@ def measured(small) -> dict:
         for mode, slots in (("stock", 0), ("exact", 3)):
             spec = spec_for(small, mode, slots, kv_tokens=512, prefill_chunk=256, max_concurrency=2)
             saves = []
-            out[mode] = D.measure({**JOB, "mode": mode, "model": str(small)}, spec, None, saves.append)
+            out[mode] = M.measure({**JOB, "mode": mode, "model": str(small)}, spec, None, saves.append)
             out[mode]["saves"] = len(saves)
     return out
 
