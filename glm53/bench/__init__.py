@@ -4,6 +4,8 @@ emulated drive) goes through a narrow hook the product never installs (glm53.ben
 
   decode           exact / fast / nvme modes next to stock exllamav3 and the PCIe bound (GPU); --baseline REV
                    runs an earlier commit's code side by side (decode_baseline)
+  depth            full depth at a 24 GB budget and 131,072 tokens: plan against load, TTFT, decode, peak
+                   device memory, stock's tokens, where a step's time goes (GPU; a process per mode)
   host_step(_nvme) the host's microseconds per decoded MoE layer step; --baseline REV likewise (worktree)
   nvme             the nvme tier's decode model against the disk's raw rate
   store            store pack / verify / reader throughput against raw O_DIRECT
@@ -29,6 +31,7 @@ BENCHES = (
     ("glm53.bench.cli", "register_agent"),
     ("glm53.bench.cli", "register_serve"),
     ("glm53.bench.decode", "register_bench"),
+    ("glm53.bench.cli", "register_depth"),
     ("glm53.bench.nvme", "register_bench"),
     ("glm53.bench.cpu_lane", "register_bench"),
     ("glm53.bench.lookahead", "register_bench"),

@@ -186,3 +186,44 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                                           max_tokens=args.max_tokens, rounds=args.rounds)
     return _run_http_bench("serve", args, lambda server, log: serve_bench.run_concurrency(server, opts, log=log),
                            serve_bench.render, serve_bench.to_json)
+def register_depth(bench_sub: Any) -> None:
+    from glm53.bench.depth import DEFAULT_FIXTURE, DEFAULT_PROMPTS, MODES
+
+    p = bench_sub.add_parser("depth", help="full depth at a 24 GB budget and 131,072 tokens: the plan against what "
+                                           "loads, TTFT, decode, peak device memory, stock's tokens (GPU)",
+                             description="Issue 25's proof run on one full-depth checkpoint, each mode in its own "
+                             "process (glm53.bench.depth).")
+    p.add_argument("--model", metavar="DIR", help="existing EXL3 checkpoint (default: generate one with --fixture)")
+    p.add_argument("--fixture", default=DEFAULT_FIXTURE, metavar="ARGS",
+                   help=f"arguments of `glm53 fixture --kind exl3` for the generated checkpoint (default "
+                        f"{DEFAULT_FIXTURE!r})")
+    p.add_argument("--work", metavar="DIR", help="where the checkpoint, the store and each mode's figures go "
+                   "(default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the checkpoint and store under --work, and reuse them "
+                   "from there on the next call with the same --fixture")
+    p.add_argument("--store-dir", metavar="DIR", help="nvme modes: pack the store in DIR, not --work")
+    p.add_argument("--modes", default="stock,exact", help=f"modes to measure, each in its own process (default "
+                   f"stock,exact; of {', '.join(MODES)}); stock is the reference")
+    p.add_argument("--budget-gb", type=float, default=24.0, help="GLM53_VRAM_BUDGET_GB the plan is made for (default 24)")
+    p.add_argument("--context", type=int, default=131072, help="GLM53_CONTEXT the plan is made for (default 131072)")
+    p.add_argument("--memory-gib", type=float, default=55.0,
+                   help="nvme modes: the memory cap the plan sizes the RAM tier for, and RSS + pinned is held against "
+                        "(default 55; 16 for the small host)")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help=f"prompt lengths in tokens, timed to the first token "
+                   f"(default {DEFAULT_PROMPTS}); the longest is followed by 512 decoded tokens")
+    p.add_argument("--tokens", type=int, default=128, help="decoded tokens timed at each history (default 128)")
+    p.add_argument("--profile-tokens", type=int, default=32,
+                   help="decode steps timed per layer type at history 0 and after the longest prompt (default 32; 0: "
+                        "no profile)")
+    p.add_argument("--checks", action="store_true", help="tiered modes: also check a prompt of the whole context "
+                   "(refused) and one 8 tokens short of it (ends with length after 8 tokens)")
+    p.add_argument("--reference", metavar="JSON", help="an earlier call's --json: its stock figures, for the ratios "
+                   "and the token comparison when this call measures no stock")
+    p.add_argument("--json", metavar="FILE", help="write the figures as JSON (after each mode, and at the end)")
+    p.set_defaults(func=cmd_bench_depth)
+
+
+def cmd_bench_depth(args: argparse.Namespace) -> int:
+    from glm53.bench.depth import cmd_bench_depth as run
+
+    return run(args)

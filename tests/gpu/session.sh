@@ -37,6 +37,16 @@
 #   planmem   the plan's VRAM estimates against a real prefill (tests/test_engine_spec.py, gpu): torch's peak over two
 #             chunks of 2,048 and of 4,096 tokens (activations) and the process's device memory beyond it (the reserve);
 #             writes $OUT/plan-memory.json with the figures glm53/plan.py's PREFILL_MEASURED / RESERVE_MEASURED take
+#   depth     issue 25's proof, first call: glm53 bench depth --modes stock,exact on the full-depth fixture (3 dense +
+#             42 MoE layers, 48 experts, ~26 GB, generated into /tmp/depth and kept; DEPTH_FIXTURE='...': other
+#             fixture args), planned for a 24 GB budget at 131,072 tokens: plan vs loaded, TTFT at 8K/32K/120K,
+#             decode at 0/8K/32K/120K, peak device memory through the 120K prompt + 512 tokens, exact's 256 greedy tokens against stock's, the per-layer-type step profile,
+#             the context-edge checks (tiered modes). Each call's JSON is /tmp/depth/call-MODES.json (and in $OUT);
+#             a call without stock takes it from the latest call that had it (or DEPTH_REF=FILE). Other steps' kept
+#             /tmp/glm53-bench-* files are removed first when /tmp has under 50 GB free (checkpoint + store ~45 GB)
+#   depth2    the second call: fast and nvme-exact on the kept checkpoint (the store packed beside it), ratios and
+#             tokens against the first call's stock (on a fresh machine: carry that call's call-stock-exact.json and
+#             pass DEPTH_REF=FILE). DEPTH_MODES / DEPTH2_MODES split the modes over more calls where one runs out
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 #   agent     glm53 bench agent on MODEL=<checkpoint dir> (issue 26: the full-depth fixture), exact mode, or nvme-exact
@@ -149,6 +159,34 @@ step_depthprobe() {
     --json "$OUT/depthprobe.json" > "$OUT/depthprobe.log" 2>&1
   local rc=$?
   stamp "depthprobe rc=$rc $(grep -E '^(fixture|loaded|[0-9]+-token)' "$OUT/depthprobe.log" | tr '\n' ';')"
+}
+depth_disk() {  # the full-depth checkpoint (~26 GB) and its store (~19 GB) need the room other steps' files take
+  local free
+  free=$(df --output=avail -B1G /tmp | tail -1 | tr -d ' ')
+  if [ "${free:-0}" -lt 50 ]; then
+    stamp "depth: ${free} GB free in /tmp: removing other steps' kept /tmp/glm53-bench-* files"
+    rm -rf /tmp/glm53-bench-* /tmp/paired
+  fi
+}
+depth_call() {  # name, modes: one `glm53 bench depth` call on the kept fixture; stock from an earlier call if absent
+  local name=$1 modes=$2 ref refarg=()
+  depth_disk
+  mkdir -p /tmp/depth
+  if [[ ",$modes," != *,stock,* ]]; then
+    ref=${DEPTH_REF:-$(find /tmp/depth -maxdepth 1 -name 'call-*stock*.json' 2>/dev/null | sort | tail -1)}
+    if [ -n "$ref" ] && [ -f "$ref" ]; then refarg=(--reference "$ref"); else stamp "$name: no stock call to refer to"; fi
+  fi
+  timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep --modes "$modes" \
+    ${DEPTH_FIXTURE:+--fixture "$DEPTH_FIXTURE"} --tokens 64 --profile-tokens 16 --checks "${refarg[@]}" \
+    --json "/tmp/depth/call-${modes//,/-}.json" > "$OUT/bench-$name.log" 2>&1
+  stamp "$name rc=$?"
+  cp /tmp/depth/call-*.json /tmp/depth/depth-*.json "$OUT/" 2>/dev/null  # every call's JSON, each mode's own too
+}
+step_depth() {  # issue 25, first call: stock (the reference) and exact; the fixture is generated once and kept
+  depth_call depth "${DEPTH_MODES:-stock,exact}"
+}
+step_depth2() {  # issue 25, second call: fast and nvme-exact against the first call's stock
+  depth_call depth2 "${DEPTH2_MODES:-fast,nvme-exact}"
 }
 step_lane() {
   { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
