@@ -45,7 +45,7 @@ EXACT_LIKE = ("exact", "nvme-exact")
 # 48 routed experts per layer: with 32 every expert fits a 24 GB budget beside the always-used weights (nothing is
 # tiered, and 42 x 32 = 1,344 slots cannot show the 1,376 the issue asks); with 64 the checkpoint and its store
 # (~32 + ~25 GB) outgrow the GPU machine's 64 GB disk.
-DEFAULT_FIXTURE = "--shape glm53 --dense-layers 3 --moe-layers 42 --experts 48"
+DEFAULT_FIXTURE = "--shape glm53 --depth full --experts 48"
 DEFAULT_PROMPTS = "8192,32768,120000"
 SHORT_PROMPT = 16          # the "0 history" decode: a prompt of a few tokens
 PEAK_TOKENS = 512          # decoded after the longest prompt while peak memory is watched
