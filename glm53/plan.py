@@ -15,6 +15,7 @@ from typing import Any
 
 from glm53.host import Gpu, HostFacts
 from glm53.shape import ModelShape
+from glm53.split import plan_cards, usable
 from glm53.spec import PAGE, RAM_SPARE_OF_TOP_K, RECURRENT_CACHE_BYTES, EngineSpec, engine_spec, split_slots
 
 GIB = 1 << 30
@@ -173,10 +174,13 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)
     real_model: dict[str, Any] | None = None  # demo only: what GLM-5.3-Flash would get on this host
     engine: EngineSpec | None = None          # every size the engine runs with (None: the demo)
+    # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.devices.DeviceShare's
+    # JSON); one entry on one GPU, none for the demo.
+    devices: list[dict[str, Any]] = field(default_factory=list)
 
     JSON_KEYS = ("mode", "device", "gpu_index", "gpu_name", "vram_budget_bytes", "vram_slots",
                  "vram_slots_per_layer", "ram_slots", "ram_tier_bytes", "cpu_threads", "nvme_threads",
-                 "kv_tokens", "budget", "store", "real_model", "engine")
+                 "kv_tokens", "budget", "store", "real_model", "engine", "devices")
 
     @property
     def exact(self) -> bool:
@@ -185,6 +189,7 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         doc = {k: getattr(self, k) for k in self.JSON_KEYS}
         doc["engine"] = self.engine.to_json() if self.engine is not None else None
+        doc["devices"] = [dict(d) for d in self.devices]
         return {**doc, "warnings": list(self.warnings),
                 "reasons": ordered(self.reasons), "error": None}
 
@@ -276,10 +281,10 @@ def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu,
     why = f"GPU {g.index} ({g.name}, {gib(g.free_mib * MIB)} free of {gib(g.total_mib * MIB)}, {link})"
     if len(facts.gpus) > 1:
         others = ", ".join(str(o.index) for o in facts.gpus if o is not g)
-        why += (f"; {len(facts.gpus)} GPUs found, glm53 serves from one: picked by PCIe bandwidth, then free VRAM "
-                f"(GPU {others} stay idle). Indices are nvidia-smi's, in PCI bus order; CUDA numbers GPUs the "
-                "same way only with CUDA_DEVICE_ORDER=PCI_BUS_ID. To choose another, expose only it: "
-                "docker run --gpus '\"device=N\"'")
+        why += (f"; {len(facts.gpus)} GPUs found, only this one has the VRAM for a share of the layers (GPU "
+                f"{others} stay idle, see the warnings). Indices are nvidia-smi's, in PCI bus order, as CUDA's with "
+                "CUDA_DEVICE_ORDER=PCI_BUS_ID (glm53 sets it). To choose the cards, expose only them: "
+                "docker run --gpus '\"device=N,M\"'")
     if (g.pcie_gen or 0) and g.pcie_gen < 4:
         why += ("; the link reads below gen 4 (an idle GPU may downshift, so this is a floor): each 9 MiB "
                 "admit costs more, so the planner favours the CPU lane for misses")
@@ -576,16 +581,54 @@ def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None
                         f"(--memory {cap}g --memory-swap {cap}g)")
 
 
+def _cuda(shares, gpu: Gpu) -> str:
+    """The engine's (first) device: CUDA's ordinal, which CUDA_VISIBLE_DEVICES renumbers, not nvidia-smi's."""
+    return f"cuda:{shares[0].index}" if shares else f"cuda:{gpu.index if gpu.cuda is None else gpu.cuda}"
+
+
+def _budget_of(settings):
+    cap = int(settings.vram_budget_gb * GIB) if settings.vram_budget_gb else None
+    return lambda g: g.free_mib * MIB if cap is None else min(g.free_mib * MIB, cap)
+
+
+def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
+                routing: Any):
+    """Two or more usable GPUs: the layer split (glm53.split). None: one GPU (or none usable), today's plan;
+    cards too small to hold a share are left out with a warning either way."""
+    cards, left_out = usable(facts.gpus, _budget_of(settings), MIN_GPU_GIB * GIB)
+    warnings.extend(left_out)
+    if len(cards) < 2:
+        return None
+    counts, why = routing if routing is not None else (None, "no routing statistics read")
+    try:
+        cp = plan_cards(cards, _budget_of(settings), shape, settings, reserve=int(VRAM_RESERVE),
+                        min_slots=MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k, min_tokens=MIN_KV_TOKENS,
+                        kv_round=KV_ROUND, counts=counts, counts_why=why)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    warnings.extend(cp.warnings)
+    reasons.update(cp.reasons)
+    return cards[0], cp
+
+
 def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
                routing: Any) -> Plan:
-    gpu, budget = _pick_gpu(facts, settings, reasons)
-    per_layer, staging, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
-    counts, why = routing if routing is not None else (None, "no routing statistics read")
-    if staging:
-        vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts)
-        split += f"; {why}" if counts is None else ""
+    multi = _plan_cards(facts, shape, settings, warnings, reasons, routing)
+    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging and KV (glm53.split)
+        gpu, cards = multi
+        budget, shares = sum(s.vram_budget_bytes for s in cards.shares), cards.shares
+        vram, split, staging, kv_tokens = cards.vram_slots, cards.how, cards.split.staging, cards.split.kv_tokens
+        per_layer = min(vram)
     else:
-        vram, split = (shape.experts_per_layer,) * shape.moe_layers, "every expert in VRAM"
+        gpu, budget = _pick_gpu(facts, settings, reasons)
+        per_layer, staging, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
+        counts, why = routing if routing is not None else (None, "no routing statistics read")
+        if staging:
+            vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts)
+            split += f"; {why}" if counts is None else ""
+        else:
+            vram, split = (shape.experts_per_layer,) * shape.moe_layers, "every expert in VRAM"
+        shares = ()
     ram = _ram(facts)
     fit = _fit(facts, shape, settings, sum(vram), ram, warnings)
     mode = _choose_mode(fit, settings, reasons, warnings)
@@ -597,19 +640,22 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
     spec = engine_spec(mode if staging else "stock", moe_layers=shape.moe_layers,
                        experts_per_layer=shape.experts_per_layer, top_k=shape.top_k, vram_slots=vram,
                        kv_tokens=kv_tokens, context=context, max_concurrency=settings.max_concurrency,
-                       device=f"cuda:{gpu.index}", staging_slots=staging or None, ram_slots=tier.slots,
+                       device=_cuda(shares, gpu), staging_slots=staging or None, ram_slots=tier.slots,
                        cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
                        allow_buffered=settings.allow_buffered_reads, recurrent_cache_bytes=tier.recurrent_cache,
-                       split=split)
+                       split=split, devices=shares)
     if not staging:
         tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
         pinned = 0
     reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging, {spec.ram_slots} RAM "
                          f"rows, context {spec.context} of {spec.kv_tokens} KV tokens, {spec.max_concurrency} "
                          f"sequences, prefill chunks of {spec.prefill_chunk}")
-    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
+    devices = [d.to_json() for d in shares] or [
+        {"index": gpu.index, "name": gpu.name, "vram_budget_bytes": budget, "layers": [0, shape.layers - 1],
+         "vram_slots": sum(vram)}]
+    return Plan(mode, spec.device, gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
                 pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
-                reasons, engine=spec)
+                reasons, engine=spec, devices=devices)
 
 
 # The demo checkpoints' windows: the CPU one (glm53.engine.demo's config, 4,096 positions) and what

@@ -44,6 +44,11 @@ class ModelShape:
     mtp_layer: int | None         # index of the MTP head's layer (skipped for serving)
     source: str                   # where the numbers came from, for the plan's reasons
     max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
+    # Per decoder layer, for splitting the layers across GPUs (glm53.split); empty: not known (the defaults' and
+    # a headerless checkpoint's), then glm53.split assumes GLM's layout and spreads the weights evenly.
+    layer_bytes: tuple[int, ...] = ()    # each layer's always-used bytes (the rest of always_used: embedding, head)
+    moe_layer_ids: tuple[int, ...] = ()  # decoder layers with routed experts
+    mla_layer_ids: tuple[int, ...] = ()  # decoder layers with a per-token KV cache
 
     @property
     def experts(self) -> int:
@@ -144,6 +149,7 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
 
     per_expert: dict[tuple[int, int], int] = defaultdict(int)
     always = 0
+    per_layer = [0] * layers
     for name, nbytes in sizes.items():
         layer = int(m.group(1)) if (m := LAYER_RE.search(name)) else None
         if layer is not None and layer >= layers:
@@ -152,6 +158,8 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
             per_expert[(int(e.group(1)), int(e.group(2)))] += nbytes
         else:
             always += nbytes
+            if layer is not None:
+                per_layer[layer] += nbytes
     if not per_expert:
         raise ShapeError(f"{root}: no routed-expert tensors (layers.L.mlp.experts.E.*_proj.*) in "
                          f"{len(files)} safetensors file(s)")
@@ -164,5 +172,7 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
         raise ShapeError(f"{root}: MoE layer {short[0]} has {counts[short[0]]} experts on disk, config says "
                          f"{n_experts} (incomplete download?)")
     # Slots must hold the largest expert; in a well-formed checkpoint they are all the same size.
+    mla_ids = tuple(i for i, t in enumerate(attn_types[:layers]) if t in MLA_TYPES)
     return ModelShape(hidden, layers, len(moe_layers), n_experts, top_k, max(per_expert.values()), always, kv,
-                      state, mla, mtp, f"{root} ({len(files)} safetensors headers)", native)
+                      state, mla, mtp, f"{root} ({len(files)} safetensors headers)", native,
+                      tuple(per_layer), tuple(moe_layers), mla_ids)
