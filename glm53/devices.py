@@ -15,11 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# CUDA numbers GPUs fastest first unless told otherwise; nvidia-smi (the host facts) in PCI bus order. glm53 sets
-# this (the image's ENV, and `python -m glm53` before CUDA starts) so that cuda:N is the card the plan sized.
-DEVICE_ORDER = ("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-
-
 @dataclass(frozen=True)
 class DeviceShare:
     index: int                # CUDA ordinal: the share runs on cuda:<index>
