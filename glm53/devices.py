@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+
 @dataclass(frozen=True)
 class DeviceShare:
     index: int                # CUDA ordinal: the share runs on cuda:<index>
@@ -71,3 +72,22 @@ def share_of_layer(shares: Sequence[DeviceShare], layer: int) -> int:
         if layer <= s.last_layer:
             return i
     return len(shares) - 1
+
+
+def even_shares(layers: int, moe_layer_ids: Sequence[int], vram_slots: Sequence[int], indices: Sequence[int],
+                budget: int = 0, name: str = "") -> tuple[DeviceShare, ...]:
+    """Shares splitting the MoE layers as evenly as whole layers allow over the CUDA ordinals `indices` (the same
+    one repeated: a split onto one card), each MoE layer holding its `vram_slots`. For benchmarks and tests, which
+    size by slots rather than by a host's VRAM: the plan's split is glm53.split's."""
+    moe, n = list(moe_layer_ids), len(indices)
+    if len(moe) < n or len(vram_slots) != len(moe):
+        raise ValueError(f"{len(moe)} MoE layers ({len(vram_slots)} slot counts) cannot be split {n} ways")
+    bounds = [round(i * len(moe) / n) for i in range(n + 1)]  # the MoE ordinal each share starts at
+    shares, first = [], 0
+    for i, index in enumerate(indices):
+        lo, hi = bounds[i], bounds[i + 1]
+        last = layers - 1 if i == n - 1 else moe[hi] - 1
+        shares.append(DeviceShare(index, name or f"share {i} of cuda:{index}", budget, first, last, lo, hi - lo,
+                                  sum(vram_slots[lo:hi])))
+        first = last + 1
+    return tuple(shares)

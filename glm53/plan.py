@@ -15,8 +15,8 @@ from typing import Any
 
 from glm53.host import Gpu, HostFacts
 from glm53.shape import ModelShape
-from glm53.split import plan_cards, usable
 from glm53.spec import PAGE, RAM_SPARE_OF_TOP_K, RECURRENT_CACHE_BYTES, EngineSpec, engine_spec, split_slots
+from glm53.split import plan_cards, usable
 
 GIB = 1 << 30
 MIB = 1 << 20

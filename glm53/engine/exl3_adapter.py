@@ -560,7 +560,7 @@ class TieredMoE:
         from glm53.cpu_lane.planner import PcieSample
         from glm53.tiers.ram import RETIRED
 
-        tiers, ram, link = self.tiers, self.tiers.ram, self.tiers.links[0]
+        ram, link = self.tiers.ram, self.tiers.links[0]
         rows = [r for r in range(ram.num_slots) if not ram.pending[r] and ram.owner[r] != RETIRED]
         rows = rows[: max(8, self.top_k)]
         samples = []

@@ -12,24 +12,40 @@ from types import SimpleNamespace
 import fake_exllamav3 as F
 import pytest
 import torch
-from specs import split_spec
-from test_exl3_adapter_glue import (  # noqa: F401 (ck, store, fake_exllamav3: fixtures)
+from specs import packed_store, split_spec
+from test_exl3_adapter_glue import (
     SLOTS,
     bit_identical,
-    ck,
     drive,
-    fake_exllamav3,
     generous,
     lane_fit,
     masked_picks,
     near,
     schedule,
     stock_model,
-    store,
 )
 
 from glm53.cpu_lane.lane import CpuLane
 from glm53.engine import exl3_adapter as A
+from glm53.fixture.exl3 import write_exl3_checkpoint
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_exllamav3():
+    with F.installed() as mods:
+        yield mods
+
+
+@pytest.fixture(scope="module")
+def ck(tmp_path_factory):
+    """The one-device glue tests' checkpoint: 4 layers (1 dense, 3 MoE of 16 experts, top-4), skewed routers."""
+    return write_exl3_checkpoint(tmp_path_factory.mktemp("split") / "ck", router_skew=(0.25, 0.5), layers=4,
+                                 dense_layers=1, mtp_layers=0)
+
+
+@pytest.fixture(scope="module")
+def store(ck, tmp_path_factory):
+    return packed_store(ck, tmp_path_factory.mktemp("split-store"))
 
 
 def split_model(ck, spec, interm=torch.half, **kw) -> tuple[F.Model, A.TieredMoE]:
@@ -129,9 +145,10 @@ def test_nvme_exact_split_shares_the_ram_tier_and_store(ck, store):
 
 
 def test_a_spec_for_another_checkpoint_is_refused(ck):
+    from specs import spec_for
+
     from glm53.devices import DeviceShare
     from glm53.engine.exl3_adapter import Exl3TierError
-    from specs import spec_for
 
     # Shares that cover the MoE layers but put MoE layer 2 (decoder layer 3) with decoder layers 0-2.
     shares = (DeviceShare(0, "a", 1, 0, 2, 0, 3, sum(SLOTS)), DeviceShare(0, "b", 1, 3, 3, 3, 0, 0))

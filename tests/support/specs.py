@@ -49,23 +49,14 @@ def packed_store(ck: str | Path, where: Path) -> Path:
 
 
 def split_spec(ck: str | Path, engine: str = "exact", vram_slots: int | list[int] = 0, *, cards: int = 2,
-               index: int = 0, device: str = "cpu", budget: int = 12 << 30, **kw) -> EngineSpec:
-    """`spec_for` with the decoder layers split `cards` ways, the MoE layers as evenly as whole layers allow, every
-    share on cuda:`index` with `budget` bytes (a split onto one card, two budgets) or on the CPU (device="cpu":
-    the fake exllamav3). How the plan chooses a split is glm53.split's, tested on fake hosts; this is a split the
-    engine must run, whatever chose it."""
-    from glm53.devices import DeviceShare
+               index: int | tuple[int, ...] = 0, device: str = "cpu", budget: int = 12 << 30, **kw) -> EngineSpec:
+    """`spec_for` with the decoder layers split `cards` ways, the MoE layers as evenly as whole layers allow
+    (glm53.devices.even_shares), every share on cuda:`index` with `budget` bytes (a split onto one card, two
+    budgets), on cuda:index[i] (a tuple: one card per share), or on the CPU (device="cpu": the fake exllamav3)."""
+    from glm53.devices import even_shares
 
     shape = from_checkpoint(ck)
     slots = [vram_slots] * shape.moe_layers if isinstance(vram_slots, int) else list(vram_slots)
-    moe = list(shape.moe_layer_ids)
-    assert len(moe) >= cards, f"{len(moe)} MoE layers cannot be split {cards} ways"
-    bounds = [round(i * len(moe) / cards) for i in range(cards + 1)]  # MoE ordinals where each share starts
-    shares, first = [], 0
-    for i in range(cards):
-        last = shape.layers - 1 if i == cards - 1 else moe[bounds[i + 1]] - 1
-        lo, hi = bounds[i], bounds[i + 1]
-        shares.append(DeviceShare(index, f"share {i} of cuda:{index}", budget, first, last, lo, hi - lo,
-                                  sum(slots[lo:hi])))
-        first = last + 1
-    return spec_for(ck, engine, slots, device=device, devices=tuple(shares), **kw)
+    indices = index if isinstance(index, tuple) else (index,) * cards
+    shares = even_shares(shape.layers, shape.moe_layer_ids, slots, indices, budget)
+    return spec_for(ck, engine, slots, device=device, devices=shares, **kw)
