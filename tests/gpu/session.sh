@@ -30,6 +30,12 @@
 #             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
+#   split1    the layer split onto ONE card (two device shares, two budgets): exact and nvme-exact bit-identical
+#             to stock over 256 greedy tokens (tests/engine/test_gpu_split.py -k same_card; issue 28)
+#   split2    two cards (needs two CUDA devices: nvidia-h200-x2, GLM53_VRAM_BUDGET_GB=24 per card): the two-card
+#             bit-identity and 250,000-token prompt tests, then glm53 bench decode --devices 2 (8 MoE layers,
+#             exact and fast, each paired one card vs two, per-card picks and link MiB/token); SPLIT_LAYERS=42 for
+#             the full-depth fixture
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
@@ -126,6 +132,16 @@ step_nvme16() {
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
 }
+step_split1() {  # issue 28 on one GPU: a two-way split onto the same card
+  gpu_pytest split1 420 tests/engine/test_gpu_split.py -k same_card
+}
+step_split2() {  # issue 28 on two GPUs: bit-identity, a 250,000-token prompt, then the paired decode bench
+  gpu_pytest split2 420 tests/engine/test_gpu_split.py -k two_cards
+  timeout 540 python3 -u -m glm53 bench decode --moe-layers "${SPLIT_LAYERS:-8}" --tokens 96 --windows 3 \
+    --warmup-tokens 64 --work /tmp --keep --modes exact,fast --devices 2 \
+    --json "$OUT/bench-split2.json" > "$OUT/bench-split2.log" 2>&1
+  stamp "bench decode --devices 2 rc=$?"
+}
 step_lane() {
   { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
   timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
@@ -138,6 +154,6 @@ for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server lane)"
+    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server split1 split2 lane)"
   fi
 done
