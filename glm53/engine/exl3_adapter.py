@@ -812,26 +812,21 @@ def place_layers(model: Any, spec: EngineSpec) -> Callable[[], None]:
     import torch
 
     cpu = spec.device == "cpu"
-    wrapped, seen = [], False
+    targets, seen = [], False
     for mod in model.modules:
         layer = _decoder_layer(mod.key)
         seen = seen or layer is not None
         share = share_of_layer(spec.devices, layer) if layer is not None else (len(spec.devices) - 1 if seen else 0)
-        target = torch.device("cpu" if cpu else spec.devices[share].device)
-        orig = mod.load
+        targets.append(torch.device("cpu" if cpu else spec.devices[share].device))
 
-        def load(device: Any, *args: Any, _orig: Any = orig, _target: Any = target, **kwargs: Any) -> Any:
+    def wrap(i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(device: Any, *args: Any, **kwargs: Any) -> Any:
             # A module exllamav3 keeps on the CPU (an unquantized embedding) stays there.
-            return _orig(device if torch.device(device).type == "cpu" else _target, *args, **kwargs)
+            return orig(device if torch.device(device).type == "cpu" else targets[i], *args, **kwargs)
 
-        mod.load = load
-        wrapped.append(mod)
+        return load
 
-    def undo() -> None:
-        for mod in wrapped:
-            mod.__dict__.pop("load", None)
-
-    return undo
+    return _wrap_loads(model.modules, wrap)
 
 
 def _slot_loader(lin: Any, trellis: Any, suh: Any, svh: Any, mcg: Any, mul1: Any) -> Callable[..., None]:
@@ -878,22 +873,28 @@ def _combine(module: Any, stepper: Any) -> Callable[..., Any]:
 def wrap_load_progress(model: Any, report: Callable[[int, int], None]) -> Callable[[], None]:
     """Report after each top-level module of `model` loads (exllamav3's single-device loader has no callback).
     Returns a function that removes the wrappers."""
-    mods = list(model.modules)
-    total = len(mods)
-    wrapped = []
-    for i, mod in enumerate(mods):
-        orig = mod.load
+    total = len(model.modules)
 
-        def load(*args: Any, _orig: Any = orig, _i: int = i, **kwargs: Any) -> Any:
-            out = _orig(*args, **kwargs)
-            report(_i + 1, total)
+    def wrap(i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            report(i + 1, total)
             return out
 
-        mod.load = load
-        wrapped.append(mod)
+        return load
+
+    return _wrap_loads(model.modules, wrap)
+
+
+def _wrap_loads(mods: Sequence[Any], wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace each module's `load` by wrap(index, its load), as an instance attribute; returns the undo (which
+    removes every wrapper of these modules at once, whoever stacked them)."""
+    mods = list(mods)
+    for i, mod in enumerate(mods):
+        mod.load = wrap(i, mod.load)
 
     def undo() -> None:
-        for mod in wrapped:
+        for mod in mods:
             mod.__dict__.pop("load", None)
 
     return undo
