@@ -14,9 +14,18 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from glm53.host import Gpu, HostFacts
-from glm53.shape import ModelShape
-from glm53.spec import PAGE, RAM_SPARE_OF_TOP_K, RECURRENT_CACHE_BYTES, EngineSpec, engine_spec, split_slots
-from glm53.split import plan_cards, usable
+from glm53.shape import DEFAULT_SHAPE, ModelShape
+from glm53.spec import (
+    PAGE,
+    PREFILL_CHUNK,
+    RAM_SPARE_OF_TOP_K,
+    RECURRENT_CACHE_BYTES,
+    EngineSpec,
+    engine_spec,
+    kv_cache_bytes,
+    split_slots,
+)
+from glm53.split import CardsPlan, plan_cards, usable
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -30,8 +39,44 @@ PACK_STORE_COMMAND = ("docker run --rm -v /path/to/GLM-5.3-Flash-exl3:/model:ro 
 # Below this much VRAM the expert cache is too small to hold the decode hot set (the reference held ~1,300
 # 9 MiB slots on a 24 GB card, serving ~40% of picks); performance collapses rather than degrading.
 MIN_GPU_GIB = 20
-# CUDA context, activations, graph pools and exllamav3 scratch: what the budget cannot spend on weights.
-VRAM_RESERVE = 1.5 * GIB
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """Device memory outside every tensor the plan counts (weights, caches, slots, activations)."""
+
+    cuda_context: int     # CUDA context, kernel images (torch, exllamav3, Triton) and cuBLAS handles / workspaces
+    graphs: int           # exllamav3's captured decode graphs (their executable memory)
+    allocator_slack: int  # torch's caching allocator: reserved beyond allocated at the peak (fragmentation)
+    source: str
+
+    @property
+    def total(self) -> int:
+        return self.cuda_context + self.graphs + self.allocator_slack
+
+
+# Not yet measured at full depth: CUDA 12's lazy-loaded context with torch, cuBLAS and the kernels of exllamav3 and
+# Triton in use on an RTX 3090 class card, a few hundred small graph executables, and allocator fragmentation.
+RESERVE_ESTIMATE = Reserve(512 * MIB, 128 * MIB, 128 * MIB, "an estimate, not yet measured")
+# The GPU run's figure replaces the estimate here, as (bytes, "where it was measured"): the peak device memory the
+# driver reports for the serving process (NVML) minus torch.cuda.max_memory_allocated() over the same run (full
+# depth, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072, a 120,000-token prompt and 512 decoded tokens).
+RESERVE_MEASURED: tuple[int, str] | None = None
+# Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
+# torch.cuda.max_memory_allocated() during a prefill minus memory_allocated() before it, at chunks of 2,048 and
+# 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.shape's estimate.
+PREFILL_MEASURED: tuple[int, int, str] | None = None
+# The reference appliance keeps 1,376 of GLM-5.3-Flash's 12,096 experts in VRAM on a 24 GB card: the decode hot set
+# the plan keeps before it spends VRAM on a longer prefill chunk or more concurrent sequences.
+HOT_SET_SHARE = 1376 / 12096
+# Prefill chunks the plan chooses from: exllamav3's default 2,048 up to the 2x3090 runtime's 8,192; 1,024 only to
+# keep the hot set.
+PREFILL_CHUNKS = (1024, 2048, 4096, 8192)
+# Prefill compute rate with a chunk's experts on the device, for the chunk's cost model: the 2x3090 runtime's
+# measured 1,100-1,155 tok/s (REFERENCE); an estimate for one 3090-class card until the GPU run measures it.
+PREFILL_COMPUTE_TOKENS_PER_S = 1150
+PREFILL_NEAR_BEST = 0.9
+PCIE_GBPS_UNKNOWN = 12.6   # PCIe 3 x16 at 80%: the slowest link a 24 GB card is found on
 # Fewer VRAM slots per MoE layer than top_k means every token misses in every layer.
 MIN_SLOTS_PER_LAYER_OF_TOP_K = 1
 # The plan lowers GLM53_CONTEXT to fit VRAM, but not below this; a shorter context is not worth serving.
@@ -116,7 +161,10 @@ MODE_NEEDS = {
 
 THRESHOLDS = {
     "GPU VRAM (total, free, or GLM53_VRAM_BUDGET_GB) at least": f"{MIN_GPU_GIB} GiB",
-    "VRAM reserve (CUDA context, activations, graphs)": f"{VRAM_RESERVE / GIB:g} GiB",
+    "VRAM reserve (CUDA context, graphs, allocator slack; estimated)": f"{RESERVE_ESTIMATE.total / GIB:g} GiB",
+    "VRAM expert slots kept before a longer prefill chunk or more sequences": f"{100 * HOT_SET_SHARE:.1f}% of experts "
+                                                                              "(1,376 of GLM-5.3-Flash's 12,096)",
+    "prefill chunks": " / ".join(str(c) for c in PREFILL_CHUNKS) + " tokens",
     "VRAM expert slots per MoE layer at least": "top_k (8 for GLM-5.3-Flash)",
     "context the plan may lower GLM53_CONTEXT to, at least": f"{MIN_KV_TOKENS} tokens",
     "usable RAM for nvme modes at least": f"{NVME_MIN_RAM_GIB} GiB",
@@ -174,13 +222,18 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)
     real_model: dict[str, Any] | None = None  # demo only: what GLM-5.3-Flash would get on this host
     engine: EngineSpec | None = None          # every size the engine runs with (None: the demo)
+    # What the budgets hold, term by term, in bytes (the VRAM terms sum to at most vram_budget_bytes, every card's
+    # together): what a GPU run compares its measured peak with.
+    vram_accounting: dict[str, int] = field(default_factory=dict)
+    ram_accounting: dict[str, int] = field(default_factory=dict)
     # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.devices.DeviceShare's
     # JSON); one entry on one GPU, none for the demo.
     devices: list[dict[str, Any]] = field(default_factory=list)
 
     JSON_KEYS = ("mode", "device", "gpu_index", "gpu_name", "vram_budget_bytes", "vram_slots",
                  "vram_slots_per_layer", "ram_slots", "ram_tier_bytes", "cpu_threads", "nvme_threads",
-                 "kv_tokens", "budget", "store", "real_model", "engine", "devices")
+                 "kv_tokens", "budget", "store", "real_model", "engine", "vram_accounting", "ram_accounting",
+                 "devices")
 
     @property
     def exact(self) -> bool:
@@ -189,14 +242,15 @@ class Plan:
     def to_json(self) -> dict[str, Any]:
         doc = {k: getattr(self, k) for k in self.JSON_KEYS}
         doc["engine"] = self.engine.to_json() if self.engine is not None else None
+        doc["vram_accounting"], doc["ram_accounting"] = dict(self.vram_accounting), dict(self.ram_accounting)
         doc["devices"] = [dict(d) for d in self.devices]
         return {**doc, "warnings": list(self.warnings),
                 "reasons": ordered(self.reasons), "error": None}
 
 
 # The order decisions are shown in: the mode first, then where it runs, then each tier from fastest to slowest.
-REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "ram_slots", "recurrent_cache", "cpu_threads",
-                "nvme_threads", "store", "kv_tokens", "engine", "model")
+REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "kv_tokens", "sequences", "prefill_chunk", "reserve",
+                "ram_slots", "recurrent_cache", "cpu_threads", "nvme_threads", "store", "engine", "model")
 
 
 def ordered(reasons: dict[str, str]) -> dict[str, str]:
@@ -228,9 +282,21 @@ class _Ram:
     small: bool
     what: str            # the binding fact, for messages: "memory cap 12 GiB" or "MemAvailable 11 GiB"
     capped: bool
+    host_weights: int    # weights exllamav3 keeps in host RAM (the embedding table)
+
+    @property
+    def kept(self) -> int:
+        """What the tiers and the recurrent checkpoints cannot use: the margin and the host-resident weights."""
+        return self.margin + self.host_weights
+
+    @property
+    def kept_what(self) -> str:
+        emb = f" and the {gib(self.host_weights)} embedding table exllamav3 keeps in RAM" if self.host_weights \
+            else ""
+        return f"a {gib(self.margin)} margin{emb}"
 
 
-def _ram(facts: HostFacts) -> _Ram:
+def _ram(facts: HostFacts, shape: ModelShape) -> _Ram:
     mem = facts.memory
     avail = mem.available if mem.available is not None else (mem.total or 0)
     candidates = [(avail, f"MemAvailable {gib(avail)}", False)]
@@ -239,7 +305,7 @@ def _ram(facts: HostFacts) -> _Ram:
                            f"memory cap {gib(mem.limit)}", True))
     usable, what, capped = min(candidates, key=lambda c: c[0])
     small = usable < SMALL_HOST_GIB * GIB
-    return _Ram(usable, RAM_MARGIN_SMALL if small else RAM_MARGIN, small, what, capped)
+    return _Ram(usable, RAM_MARGIN_SMALL if small else RAM_MARGIN, small, what, capped, shape.host_bytes)
 
 
 def _suggested_cap(facts: HostFacts) -> int:
@@ -292,58 +358,180 @@ def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu,
     return g, budget(g)
 
 
-def _size_vram(shape: ModelShape, settings, budget: int, reasons: dict, warnings: list) -> tuple[int, int, int]:
-    """(VRAM expert slots per MoE layer, staging slots, KV tokens): weights, KV, KDA state, staging and reserve
-    first; expert slots get the rest. Staging 0: every expert fits, stock exllamav3 serves (no tiers)."""
+@dataclass(frozen=True)
+class _Vram:
+    """What the VRAM budget holds: expert slots (all layers together), staging, KV tokens, cache sequences, the
+    prefill chunk, and each term's bytes (the plan's accounting, shown by `glm53 plan`)."""
+
+    slots: int
+    staging: int          # 0: every expert fits, stock exllamav3 serves
+    kv_tokens: int
+    sequences: int
+    chunk: int
+    accounting: dict[str, int]
+
+
+STOCK_CHUNK_WHY = (f"{PREFILL_CHUNK} tokens (exllamav3's default): every expert is in VRAM, so a chunk streams "
+                   "nothing over PCIe and a larger one would only take memory")
+
+
+def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict, warnings: list) -> _Vram:
+    """Weights, KV, staging, the reserve, the prefill chunk's activations and the KDA state of the cache's sequences
+    first; expert slots get the rest. The sequences (not below 1), then the chunk (`_choose_chunk`) are lowered while
+    the slots would fall below the decode hot set (`hot_set_floor`); the context only when not even top_k slots per
+    layer fit beside a 2,048-token chunk and one sequence."""
     eb = shape.expert_bytes
-    state = shape.state_bytes_per_seq * settings.max_concurrency
-    # One KV page more than the context: exllamav3 reserves a position past a job's last token.
-    kv_of = lambda tokens: (tokens + PAGE) * shape.kv_bytes_per_token  # noqa: E731
-    fixed = shape.always_used_bytes + state + int(VRAM_RESERVE)
+    reserve, reserve_why = vram_reserve()
+    act = lambda chunk: prefill_activation_bytes(shape, chunk)[0]  # noqa: E731
+    kv_of = lambda tokens: kv_cache_bytes(tokens, shape.kv_bytes_per_token)  # noqa: E731
+    seq = shape.state_bytes_per_seq
+    want = settings.max_concurrency
     context = -(-settings.context // PAGE) * PAGE
-    if budget - fixed - kv_of(context) >= shape.all_experts_bytes:
-        kv = kv_of(context)
-        reasons["kv_tokens"] = _kv_reason(shape, settings, context, kv, state)
+
+    def account(kv_tokens: int, staging: int, chunk: int, sequences: int, slots: int) -> dict[str, int]:
+        return {"always_used_weights": shape.always_used_bytes, "kv_cache": kv_of(kv_tokens),
+                "kda_state": sequences * seq, "staging": staging * eb, "prefill_activations": act(chunk),
+                "reserve": reserve, "expert_slots": slots * eb}
+
+    everything = account(context, 0, PREFILL_CHUNK, want, shape.experts)
+    if sum(everything.values()) <= budget:
         reasons["vram_slots"] = (f"{shape.experts} slots of {human(eb)}: every routed expert fits in the budget "
-                                 f"{gib(budget)} beside the always-used weights {gib(shape.always_used_bytes)}, KV "
-                                 f"{gib(kv)}, KDA state {gib(state)} and the reserve {gib(VRAM_RESERVE)}: stock "
-                                 "exllamav3 serves, no tiers")
-        return shape.experts_per_layer, 0, context
-    # A whole layer's experts of staging: any prefill chunk streams through it, and exact modes stay bit-exact.
+                                 f"{gib(budget)} beside {_terms(everything, 'expert_slots')}: stock exllamav3 "
+                                 "serves, no tiers")
+        reasons["kv_tokens"] = _kv_reason(shape, context, kv_of(context))
+        reasons["sequences"] = _seq_reason(shape, want, want, "")
+        reasons["prefill_chunk"] = STOCK_CHUNK_WHY
+        reasons["reserve"] = reserve_why
+        return _Vram(shape.experts, 0, context, want, PREFILL_CHUNK, everything)
+    # A whole layer's experts of staging: exact prefill stages every picked expert of a layer, in id order.
     staging = shape.experts_per_layer
-    fixed += staging * eb
     min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
+    most = shape.moe_layers * (shape.experts_per_layer - 1)
+
+    def slots_for(kv_tokens: int, chunk: int, sequences: int) -> int:
+        spent = sum(account(kv_tokens, staging, chunk, sequences, 0).values())
+        return min(most, (budget - spent) // eb)
+
     kv_tokens = context
-    room = budget - fixed - min_slots * eb
-    if kv_of(kv_tokens) > room:
+    if slots_for(context, PREFILL_CHUNK, 1) < min_slots:
+        room = budget - sum(account(0, staging, PREFILL_CHUNK, 1, min_slots).values()) + kv_of(0)
         fit = max(0, room // max(1, shape.kv_bytes_per_token) - PAGE) // KV_ROUND * KV_ROUND
         if fit < MIN_KV_TOKENS:
-            need = fixed + min_slots * eb + kv_of(MIN_KV_TOKENS)
-            raise PlanError(f"VRAM budget {gib(budget)} < {gib(need)} needed for the always-used weights "
-                            f"({gib(shape.always_used_bytes)}), {shape.top_k} expert slots per MoE layer, "
-                            f"{staging} staging slots, KV for {MIN_KV_TOKENS} tokens and the {gib(VRAM_RESERVE)} "
-                            "reserve: use a GPU with more free VRAM or raise GLM53_VRAM_BUDGET_GB")
-        warnings.append(f"GLM53_CONTEXT={settings.context} needs {gib(kv_of(context))} "
-                        f"of KV cache but only {gib(room)} is left after the weights and {shape.top_k} expert "
-                        f"slots per layer: context lowered to {fit} tokens; set GLM53_CONTEXT={fit} to silence "
-                        "this, or free VRAM")
+            need = account(MIN_KV_TOKENS, staging, PREFILL_CHUNK, 1, min_slots)
+            raise PlanError(f"VRAM budget {gib(budget)} < {gib(sum(need.values()))} needed for "
+                            f"{_terms(need, '')} ({shape.top_k} expert slots per MoE layer, {staging} staging "
+                            f"slots, KV for {MIN_KV_TOKENS} tokens, one sequence): use a GPU with more free VRAM or "
+                            "raise GLM53_VRAM_BUDGET_GB")
+        warnings.append(f"GLM53_CONTEXT={settings.context} needs {gib(kv_of(context))} of KV cache but only "
+                        f"{gib(room)} is left after the weights and {shape.top_k} expert slots per layer: context "
+                        f"lowered to {fit} tokens; set GLM53_CONTEXT={fit} to silence this, or free VRAM")
         kv_tokens = fit
-    kv = kv_of(kv_tokens)
-    per_layer = min(shape.experts_per_layer - 1, (budget - fixed - kv) // eb // shape.moe_layers)
-    slots = per_layer * shape.moe_layers
-    reasons["kv_tokens"] = _kv_reason(shape, settings, kv_tokens, kv, state)
-    reasons["vram_slots"] = (f"{slots} slots of {human(eb)} = {per_layer} per MoE layer x {shape.moe_layers} "
-                             f"({100 * slots / shape.experts:.0f}% of experts): budget {gib(budget)} minus "
-                             f"always-used weights {gib(shape.always_used_bytes)}, KV {gib(kv)}, KDA state "
-                             f"{gib(state)}, {staging} staging slots ({gib(staging * eb)}: one layer's experts, so "
-                             f"any prefill chunk streams through), reserve {gib(VRAM_RESERVE)}")
-    return per_layer, staging, kv_tokens
+    floor = hot_set_floor(shape)
+    # The sequences asked for come before a longer chunk: a request without a sequence slot waits for another to end.
+    sequences = want
+    while sequences > 1 and slots_for(kv_tokens, PREFILL_CHUNK, sequences) < floor:
+        sequences -= 1
+    chunk, chunk_why = _choose_chunk(shape, gpu, slots_for(kv_tokens, PREFILL_CHUNK, sequences),
+                                     lambda c: slots_for(kv_tokens, c, sequences), floor)
+    slots = slots_for(kv_tokens, chunk, sequences)
+    acc = account(kv_tokens, staging, chunk, sequences, slots)
+    reasons["kv_tokens"] = _kv_reason(shape, kv_tokens, kv_of(kv_tokens))
+    reasons["sequences"] = _seq_reason(shape, sequences, want, f" for the {floor}-slot hot set beside a "
+                                       f"{PREFILL_CHUNK}-token chunk" if sequences < want else "")
+    reasons["prefill_chunk"] = chunk_why
+    reasons["reserve"] = reserve_why
+    reasons["vram_slots"] = (f"{slots} slots of {human(eb)} ({100 * slots / shape.experts:.0f}% of experts, "
+                             f"{slots // shape.moe_layers}-{-(-slots // shape.moe_layers)} per MoE layer): budget "
+                             f"{gib(budget)} minus {_terms(acc, 'expert_slots')}; {staging} staging slots are one "
+                             "layer's experts, since exact prefill stages every picked expert of a layer in id order")
+    if sequences < want:
+        warnings.append(f"GLM53_MAX_CONCURRENCY={want} lowered to {sequences}: each sequence's KDA state takes "
+                        f"{human(seq)} of VRAM ({seq / eb:.0f} expert slots), and more would leave fewer than {floor} "
+                        f"slots; lower GLM53_CONTEXT (its KV takes {gib(kv_of(kv_tokens))}) for more, or set "
+                        f"GLM53_MAX_CONCURRENCY={sequences} to silence this")
+    if slots < floor:
+        warnings.append(f"{slots} VRAM expert slots < {floor} ({100 * HOT_SET_SHARE:.1f}% of experts, the decode hot "
+                        f"set the reference appliance keeps on a 24 GB card): fewer picks hit VRAM; lower "
+                        f"GLM53_CONTEXT (KV {gib(kv_of(kv_tokens))}) to raise it")
+    return _Vram(slots, staging, kv_tokens, sequences, chunk, acc)
 
 
-def _kv_reason(shape: ModelShape, settings, tokens: int, kv: int, state: int) -> str:
+def hot_set_floor(shape: ModelShape) -> int:
+    """The expert slots the plan keeps before it spends VRAM on a longer prefill chunk or more sequences."""
+    return min(shape.moe_layers * (shape.experts_per_layer - 1), math.ceil(HOT_SET_SHARE * shape.experts - 1e-9))
+
+
+def vram_reserve() -> tuple[int, str]:
+    """The reserve's bytes and where the figure comes from: the GPU run's measurement where there is one."""
+    if RESERVE_MEASURED is not None:
+        nbytes, source = RESERVE_MEASURED
+        return nbytes, f"{gib(nbytes)}: measured ({source})"
+    r = RESERVE_ESTIMATE
+    return r.total, (f"{gib(r.total)}: {human(r.cuda_context)} CUDA context, kernel images and cuBLAS handles + "
+                     f"{human(r.graphs)} exllamav3's captured decode graphs + {human(r.allocator_slack)} caching-"
+                     f"allocator slack ({r.source})")
+
+
+def prefill_activation_bytes(shape: ModelShape, chunk: int) -> tuple[int, str]:
+    """Device bytes one prefill chunk's forward allocates at its peak, and what that figure is."""
+    if PREFILL_MEASURED is not None and shape.prefill_phases == DEFAULT_SHAPE.prefill_phases:
+        per_token, fixed, source = PREFILL_MEASURED
+        return per_token * chunk + fixed, f"measured ({source})"
+    nbytes, phase = shape.prefill_bytes(chunk)
+    return nbytes, (f"estimated from exllamav3 1.6.5's temporaries, at their peak in the {phase} (glm53.shape; "
+                    "the GPU run's measurement replaces it)")
+
+
+def prefill_rate(shape: ModelShape, gpu: Gpu, slots_per_layer: int, chunk: int) -> tuple[float, float]:
+    """(prompt tokens/s, PCIe seconds per chunk) of tiered prefill: each chunk stages, in every MoE layer, each picked
+    expert not resident (expected distinct picks of `chunk` tokens x top_k over the layer's experts) across PCIe,
+    then computes; the two do not overlap (a layer's experts run once its staging has landed)."""
+    e, k = shape.experts_per_layer, shape.top_k
+    picked = (e - slots_per_layer) * (1 - (1 - k / e) ** chunk)
+    link = (gpu.pcie_gbps or PCIE_GBPS_UNKNOWN) * 1e9
+    stream = shape.moe_layers * picked * shape.expert_bytes / link
+    return chunk / (stream + chunk / PREFILL_COMPUTE_TOKENS_PER_S), stream
+
+
+def _choose_chunk(shape: ModelShape, gpu: Gpu, slots_at_default: int, slots_at, floor: int) -> tuple[int, str]:
+    """The prefill chunk: the smallest of PREFILL_CHUNKS (from exllamav3's 2,048 up) whose modelled prefill rate is
+    within PREFILL_NEAR_BEST of the best, then the largest at or below it whose activations still leave `floor`
+    expert slots (2,048 when none does: a smaller chunk costs prefill rate and does not reach the floor either)."""
+    per_layer = slots_at_default // shape.moe_layers
+    rates = {c: prefill_rate(shape, gpu, per_layer, c) for c in PREFILL_CHUNKS}
+    best = max(r for r, _ in rates.values())
+    target = min(c for c in PREFILL_CHUNKS if c >= PREFILL_CHUNK and rates[c][0] >= PREFILL_NEAR_BEST * best)
+    keeps = [c for c in PREFILL_CHUNKS if c <= target and slots_at(c) >= floor]
+    chunk = max(keeps) if keeps else PREFILL_CHUNK
+    link = f"{gpu.pcie_gbps:g} GB/s" if gpu.pcie_gbps else f"{PCIE_GBPS_UNKNOWN:g} GB/s assumed (link unknown)"
+    table = ", ".join(f"{c}: {rates[c][0]:.0f} tok/s" for c in PREFILL_CHUNKS)
+    why = (f"{chunk} tokens: each chunk stages every picked non-resident expert of each MoE layer over PCIe "
+           f"({link}: {rates[chunk][1]:.1f} s a chunk at {per_layer} slots per layer) besides "
+           f"{PREFILL_COMPUTE_TOKENS_PER_S} tok/s of compute (an estimate), so the modelled prefill is {table}; "
+           f"{target} is the smallest within {100 * PREFILL_NEAR_BEST:.0f}% of the best")
+    if chunk < target:
+        why += f", lowered to {chunk} so that its activations leave {floor} expert slots" if keeps else (
+            f", but no chunk's activations leave {floor} expert slots, so exllamav3's {PREFILL_CHUNK}")
+    act, what = prefill_activation_bytes(shape, chunk)
+    return chunk, why + f"; its activations take {gib(act)} ({what})"
+
+
+def _terms(acc: dict[str, int], skip: str) -> str:
+    names = {"always_used_weights": "always-used weights", "kv_cache": "KV cache", "kda_state": "KDA state",
+             "staging": "staging", "prefill_activations": "prefill activations", "reserve": "the reserve",
+             "expert_slots": "expert slots"}
+    return ", ".join(f"{names[k]} {gib(v)}" for k, v in acc.items() if k != skip and v)
+
+
+def _kv_reason(shape: ModelShape, tokens: int, kv: int) -> str:
     return (f"{tokens} tokens: {gib(kv)} of MLA cache ({shape.mla_layers} layers, {shape.kv_bytes_per_token} "
-            f"B/token, one page more than the context) plus {gib(state)} of fixed KDA state for "
-            f"{settings.max_concurrency} sequences (GLM53_MAX_CONCURRENCY)")
+            "B/token: fp16 latent, rope key and the indexer's key planes; one page more than the context)")
+
+
+def _seq_reason(shape: ModelShape, sequences: int, want: int, lowered: str) -> str:
+    return (f"{sequences} (GLM53_MAX_CONCURRENCY={want}{', lowered' + lowered if lowered else ''}): the cache's "
+            f"recurrent-state slots, one per sequence decoded together, each {human(shape.state_bytes_per_seq)} of "
+            f"KDA state in VRAM ({gib(sequences * shape.state_bytes_per_seq)} in all)")
 
 
 def _store_problem(facts: HostFacts, shape: ModelShape, settings, warnings: list[str]) -> str | None:
@@ -447,8 +635,8 @@ class _Fit:
 def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, warnings: list[str]) -> _Fit:
     rest = (shape.experts - slots) * shape.expert_bytes  # what VRAM cannot hold
     in_use = f", {gib(facts.memory.current or 0)} in use" if ram.capped else ""
-    fast_msg = (f"fast/exact mode needs {gib(rest + ram.margin)} of RAM for the {shape.experts - slots} experts not "
-                f"in VRAM (with a {gib(ram.margin)} margin); usable RAM is {gib(ram.usable)} ({ram.what}{in_use})")
+    fast_msg = (f"fast/exact mode needs {gib(rest + ram.kept)} of RAM for the {shape.experts - slots} experts not "
+                f"in VRAM (with {ram.kept_what}); usable RAM is {gib(ram.usable)} ({ram.what}{in_use})")
     suggested = _suggested_cap(facts)
     fix = (f"run with --memory {suggested}g --memory-swap {suggested}g" if ram.capped
            else "free memory or use a host with more RAM")
@@ -456,7 +644,7 @@ def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, w
     missing = flags or (("the CPU-lane kernel",) if facts.lane_kernel_error else ())
     return _Fit(
         all_in_vram=rest == 0,
-        fits_ram=rest + ram.margin <= ram.usable,
+        fits_ram=rest + ram.kept <= ram.usable,
         nvme_ram_ok=ram.usable >= NVME_MIN_RAM_GIB * GIB,
         store_problem=_store_problem(facts, shape, settings, warnings),
         lane_missing=missing,
@@ -514,11 +702,12 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
     spare = RAM_SPARE_OF_TOP_K * shape.top_k if vram < shape.experts else 0
     if mode not in ("nvme", "nvme-exact"):
         ram_slots = shape.experts - vram + spare
-        recurrent = max(0, min(RECURRENT_CACHE_BYTES, ram.usable - ram.margin - ram_slots * eb))
+        recurrent = max(0, min(RECURRENT_CACHE_BYTES, ram.usable - ram.kept - ram_slots * eb))
         reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}): every expert not in VRAM, exclusive "
                                 f"of it, plus {spare} spare rows for admissions' victims; usable RAM "
                                 f"{gib(ram.usable)} ({ram.what})")
-        reasons["recurrent_cache"] = _recurrent_reason(recurrent, "what RAM has left after the tier and the margin")
+        reasons["recurrent_cache"] = _recurrent_reason(shape, recurrent,
+                                                       f"what RAM has left after the tier and {ram.kept_what}")
         reasons["nvme_threads"] = f"0: {mode} mode keeps every expert in VRAM or RAM"
         if settings.store:
             reasons["store"] = f"{settings.store} not used in {mode} mode" + (
@@ -534,17 +723,18 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
     need = shape.experts_per_layer + 1
     # The checkpoints come out of the cap before the tier: a share, so that a small cap keeps most of it for experts.
     recurrent = min(RECURRENT_CACHE_BYTES, ram.usable // RECURRENT_SHARE_OF_NVME_RAM)
-    reasons["recurrent_cache"] = _recurrent_reason(recurrent, f"at most 1/{RECURRENT_SHARE_OF_NVME_RAM} of usable RAM "
+    reasons["recurrent_cache"] = _recurrent_reason(shape, recurrent, f"at most 1/{RECURRENT_SHARE_OF_NVME_RAM} of usable RAM "
                                                    "in the nvme modes")
     ram_slots = min(max(need, shape.experts - vram),
-                    (ram.usable - ram.margin - recurrent - staging * record) // record)
+                    (ram.usable - ram.kept - recurrent - staging * record) // record)
     if ram_slots < need:
         raise PlanError(f"usable RAM {gib(ram.usable)} ({ram.what}) holds {max(0, ram_slots)} store records of "
-                        f"{human(record)} after the {gib(ram.margin)} margin; the nvme tier needs at least {need} "
+                        f"{human(record)} after {ram.kept_what}; the nvme tier needs at least {need} "
                         f"(one layer's {shape.experts_per_layer} experts plus one): raise the memory cap")
     share = f"{100 * ram_slots / shape.experts:.0f}% of experts"
     reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * record)}, {share}): usable RAM {gib(ram.usable)} "
-                            f"({ram.what}) minus a {gib(ram.margin)} margin and {staging} NVMe staging records; the "
+                            f"({ram.what}) minus {ram.kept_what}, {gib(recurrent)} of recurrent checkpoints and {staging} NVMe staging "
+                            "records; the "
                             "rest are read from the store")
     readers = NVME_READERS_SMALL if ram.small else NVME_READERS
     reasons["nvme_threads"] = (f"{readers}: records read at once, each in the 1, 2, 4 or 8 parallel O_DIRECT parts "
@@ -561,9 +751,12 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
     return _RamTier(ram_slots, staging, readers, "small-host" if ram.small else "normal", record, recurrent)
 
 
-def _recurrent_reason(nbytes: int, why: str) -> str:
+def _recurrent_reason(shape: ModelShape, nbytes: int, why: str) -> str:
+    held = (f", {nbytes // shape.checkpoint_bytes} checkpoints of {human(shape.checkpoint_bytes)}"
+            if shape.checkpoint_bytes else "")
     return (f"{gib(nbytes)} of host RAM for recurrent-state checkpoints ({why}; exllamav3's default is "
-            f"{gib(RECURRENT_CACHE_BYTES)}): a prompt that repeats an earlier one's prefix skips its KDA prefill")
+            f"{gib(RECURRENT_CACHE_BYTES)}{held}): a prompt that repeats an earlier one's prefix skips its KDA "
+            "prefill")
 
 
 def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None:
@@ -592,44 +785,57 @@ def _budget_of(settings):
 
 
 def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
-                routing: Any):
-    """Two or more usable GPUs: the layer split (glm53.split). None: one GPU (or none usable), today's plan;
-    cards too small to hold a share are left out with a warning either way."""
+                routing: Any) -> tuple[Gpu, CardsPlan, _Vram] | None:
+    """Two or more usable GPUs: the layer split (glm53.split), each card paying the reserve, the chunk's prefill
+    activations and its staging beside its layers. None: one GPU (or none usable), the one-card plan; cards too
+    small to hold a share are left out with a warning either way. The sequences asked for are kept."""
     cards, left_out = usable(facts.gpus, _budget_of(settings), MIN_GPU_GIB * GIB)
     warnings.extend(left_out)
     if len(cards) < 2:
         return None
     counts, why = routing if routing is not None else (None, "no routing statistics read")
+    reserve, reserve_why = vram_reserve()
+    floor = hot_set_floor(shape)
     try:
-        cp = plan_cards(cards, _budget_of(settings), shape, settings, reserve=int(VRAM_RESERVE),
+        cp = plan_cards(cards, _budget_of(settings), shape, settings, reserve=reserve,
+                        activations=lambda chunk: prefill_activation_bytes(shape, chunk)[0],
+                        choose_chunk=lambda default, at: _choose_chunk(shape, cards[0], default, at, floor),
                         min_slots=MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k, min_tokens=MIN_KV_TOKENS,
                         kv_round=KV_ROUND, counts=counts, counts_why=why)
     except ValueError as exc:
         raise PlanError(str(exc)) from None
     warnings.extend(cp.warnings)
     reasons.update(cp.reasons)
-    return cards[0], cp
+    want = settings.max_concurrency
+    reasons["sequences"] = _seq_reason(shape, want, want, "")
+    reasons["prefill_chunk"] = cp.chunk_why or STOCK_CHUNK_WHY
+    reasons["reserve"] = f"{reserve_why}; on each of the {len(cards)} cards"
+    return cards[0], cp, _Vram(sum(cp.vram_slots), cp.split.staging, cp.split.kv_tokens, want, cp.chunk,
+                               cp.accounting)
 
 
 def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
                routing: Any) -> Plan:
     multi = _plan_cards(facts, shape, settings, warnings, reasons, routing)
-    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging and KV (glm53.split)
-        gpu, cards = multi
-        budget, shares = sum(s.vram_budget_bytes for s in cards.shares), cards.shares
-        vram, split, staging, kv_tokens = cards.vram_slots, cards.how, cards.split.staging, cards.split.kv_tokens
+    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging, KV and chunk (glm53.split)
+        gpu, cards, v = multi
+        budget, shares, vram, split = sum(s.vram_budget_bytes for s in cards.shares), cards.shares, cards.vram_slots, \
+            cards.how
         per_layer = min(vram)
     else:
         gpu, budget = _pick_gpu(facts, settings, reasons)
-        per_layer, staging, kv_tokens = _size_vram(shape, settings, budget, reasons, warnings)
+        v = _size_vram(shape, settings, gpu, budget, reasons, warnings)
         counts, why = routing if routing is not None else (None, "no routing statistics read")
-        if staging:
-            vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts)
+        per_layer = v.slots // shape.moe_layers
+        if v.staging:
+            vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts,
+                                      total=v.slots)
             split += f"; {why}" if counts is None else ""
         else:
             vram, split = (shape.experts_per_layer,) * shape.moe_layers, "every expert in VRAM"
         shares = ()
-    ram = _ram(facts)
+    staging, kv_tokens = v.staging, v.kv_tokens
+    ram = _ram(facts, shape)
     fit = _fit(facts, shape, settings, sum(vram), ram, warnings)
     mode = _choose_mode(fit, settings, reasons, warnings)
     tier = _size_ram(facts, shape, settings, mode, fit, sum(vram), ram, reasons, warnings)
@@ -639,23 +845,26 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
     context = min(settings.context, shape.max_context or settings.context)
     spec = engine_spec(mode if staging else "stock", moe_layers=shape.moe_layers,
                        experts_per_layer=shape.experts_per_layer, top_k=shape.top_k, vram_slots=vram,
-                       kv_tokens=kv_tokens, context=context, max_concurrency=settings.max_concurrency,
+                       kv_tokens=kv_tokens, context=context, max_concurrency=v.sequences,
                        device=_cuda(shares, gpu), staging_slots=staging or None, ram_slots=tier.slots,
                        cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
-                       allow_buffered=settings.allow_buffered_reads, recurrent_cache_bytes=tier.recurrent_cache,
-                       split=split, devices=shares)
+                       allow_buffered=settings.allow_buffered_reads, prefill_chunk=v.chunk,
+                       recurrent_cache_bytes=tier.recurrent_cache, split=split, devices=shares)
     if not staging:
         tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
         pinned = 0
     reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging, {spec.ram_slots} RAM "
                          f"rows, context {spec.context} of {spec.kv_tokens} KV tokens, {spec.max_concurrency} "
-                         f"sequences, prefill chunks of {spec.prefill_chunk}")
+                         f"sequence{'s' if spec.max_concurrency != 1 else ''}, prefill chunks of {spec.prefill_chunk}")
+    ram_acc = {"ram_tier": pinned, "recurrent_cache": tier.recurrent_cache, "host_weights": shape.host_bytes,
+               "margin": ram.margin}
     devices = [d.to_json() for d in shares] or [
         {"index": gpu.index, "name": gpu.name, "vram_budget_bytes": budget, "layers": [0, shape.layers - 1],
          "vram_slots": sum(vram)}]
     return Plan(mode, spec.device, gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
                 pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
-                reasons, engine=spec, devices=devices)
+                reasons, engine=spec, vram_accounting={**v.accounting, "expert_slots": sum(vram) * shape.expert_bytes},
+                ram_accounting=ram_acc, devices=devices)
 
 
 # The demo checkpoints' windows: the CPU one (glm53.engine.demo's config, 4,096 positions) and what

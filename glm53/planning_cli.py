@@ -161,6 +161,9 @@ def _value(key: str, out: dict) -> str:
         "nvme_threads": str(out["nvme_threads"]),
         "kv_tokens": str(out["kv_tokens"]),
         "recurrent_cache": gib((out.get("engine") or {}).get("recurrent_cache_bytes") or 0),
+        "sequences": str((out.get("engine") or {}).get("cache_sequences") or ""),
+        "prefill_chunk": str((out.get("engine") or {}).get("prefill_chunk") or ""),
+        "reserve": gib((out.get("vram_accounting") or {}).get("reserve") or 0),
         "store": str(out["store"]),
         "engine": _engine_value(out.get("engine")),
         "model": "",  # filled by render from the shape
@@ -195,6 +198,13 @@ def render(out: dict, facts: H.HostFacts) -> str:
             value = f"{out['shape']['experts']} experts x {P.human(out['shape']['expert_bytes'])}"
         lines.append(f"{key:<13} {value}".rstrip())
         lines += textwrap.wrap(reason, width, initial_indent=" " * 14, subsequent_indent=" " * 16)
+    for name, key, total in (("VRAM", "vram_accounting", out.get("vram_budget_bytes")), ("RAM", "ram_accounting", None)):
+        terms = out.get(key) or {}
+        if terms:
+            of = f" of the {P.gib(total)} budget" if total else ""
+            text = f"{P.human(sum(terms.values()))}{of}: " + ", ".join(
+                f"{k.replace('_', ' ')} {P.human(v)}" for k, v in terms.items())
+            lines += textwrap.wrap(text, width, initial_indent=f"{name.lower():<14}", subsequent_indent=" " * 16)
     if out["warnings"]:
         lines.append("")
         lines.append("warnings:")

@@ -127,7 +127,9 @@ SCHEMA: tuple[Setting, ...] = (
             "default, which deliberates hundreds of tokens even on a one-line question: tens of seconds at "
             "desktop decode speed). Requests override it with reasoning_effort.",
             _choice(("none", "low", "high", "max")), "none | low | high | max"),
-    Setting("GLM53_MAX_CONCURRENCY", "8", "Requests decoded together; more wait in the queue.",
+    Setting("GLM53_MAX_CONCURRENCY", "8",
+            "Requests decoded together, at most; more wait in the queue. Each holds 145 MiB of KDA state in VRAM: "
+            "the plan lowers it (with a warning) where more would cost the VRAM expert slots' hot set.",
             _int_at_least(1), "integer >= 1"),
     Setting("GLM53_MAX_QUEUE", "32",
             "Requests that may wait for a decode slot; beyond it a request gets 429 with Retry-After (Anthropic's "

@@ -8,6 +8,7 @@ leaves 22 indexer tensors out of it, and exllamav3 globs the files too (DESIGN s
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -23,10 +24,28 @@ EXPERT_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Layer types that keep a per-token KV cache (MLA); the linear-attention (KDA) layers keep a fixed-size state.
 MLA_TYPES = ("deepseek_sparse_attention", "indexed_attention", "full_attention", "attention", "mla")
+EMBED_RE = re.compile(r"(?:^|\.)embed_tokens\.")
+VISION_PREFIX = "model.visual."
 
 
 class ShapeError(ValueError):
     """The checkpoint directory cannot be read as a Glm5Next model."""
+
+
+F16 = 2   # fp16 / bf16 bytes
+F32 = 4
+# Transformers' Glm5NextTextConfig defaults (transformers 5.23.0), which a config.json may leave out: exllamav3 reads
+# the same keys. NoPE MLA (no rope dims), 64 KDA heads of 128 with a 4-tap conv, and every MLA layer's indexer
+# "full" with k-pool compression of 16.
+CONFIG_DEFAULTS = {"kv_lora_rank": 512, "qk_rope_head_dim": 0, "index_head_dim": 128, "index_kpool": 16,
+                   "linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "hc_mult": 4,
+                   "moe_intermediate_size": 2048, "vocab_size": 154880}
+# exllamav3's MoE prefill: the batched reconstruct tier dequantizes a group of up to EXL3_MOE_RECON_BATCH (16)
+# experts' gate and up weights to fp16 within EXL3_MOE_RECON_MB (256 MiB) (modules/moe_batch_recon.py batch_cap).
+MOE_RECON_MB = 256 * MIB
+MOE_RECON_BATCH = 16
+# exllamav3 runs the KDA chunk scan over sub-ranges of this many tokens (EXL3_GDN_SUB_CHUNK).
+KDA_SUB_CHUNK = 2048
 
 
 @dataclass(frozen=True)
@@ -37,18 +56,23 @@ class ModelShape:
     experts_per_layer: int
     top_k: int
     expert_bytes: int             # one routed expert: gate|up|down trellis + suh/svh (one VRAM slot image)
-    always_used_bytes: int        # everything a token always touches: attention, dense MLPs, shared experts, ...
-    kv_bytes_per_token: int       # MLA layers' cache per token (all layers together)
-    state_bytes_per_seq: int      # KDA layers' fixed recurrent state per sequence (all layers together)
+    always_used_bytes: int        # VRAM weights every token touches: attention, dense MLPs, shared experts, head
+    kv_bytes_per_token: int       # MLA layers' paged cache per token, indexer planes included (all layers together)
+    state_bytes_per_seq: int      # KDA layers' recurrent state per cache sequence slot (all layers together)
     mla_layers: int
     mtp_layer: int | None         # index of the MTP head's layer (skipped for serving)
     source: str                   # where the numbers came from, for the plan's reasons
     max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
     # Per decoder layer, for splitting the layers across GPUs (glm53.split); empty: not known (the defaults' and
     # a headerless checkpoint's), then glm53.split assumes GLM's layout and spreads the weights evenly.
-    layer_bytes: tuple[int, ...] = ()    # each layer's always-used bytes (the rest of always_used: embedding, head)
+    layer_bytes: tuple[int, ...] = ()    # each layer's own VRAM bytes (the rest of always_used: the head)
     moe_layer_ids: tuple[int, ...] = ()  # decoder layers with routed experts
     mla_layer_ids: tuple[int, ...] = ()  # decoder layers with a per-token KV cache
+    host_bytes: int = 0           # weights exllamav3 keeps in host RAM: the unquantized embedding table (prefer_cpu)
+    checkpoint_bytes: int = 0     # one recurrent-state checkpoint in host RAM (the Generator's prefix reuse)
+    # Prefill activations: (phase, bytes per chunk token, fixed bytes, bytes per sub-range token, sub-range tokens) for
+    # each step of a layer; a chunk's peak is the largest phase's (temporaries are freed between steps).
+    prefill_phases: tuple[tuple[str, int, int, int, int], ...] = ()
 
     @property
     def experts(self) -> int:
@@ -57,6 +81,13 @@ class ModelShape:
     @property
     def all_experts_bytes(self) -> int:
         return self.experts * self.expert_bytes
+
+    def prefill_bytes(self, chunk: int) -> tuple[int, str]:
+        """Device bytes a prefill forward of `chunk` tokens allocates at its peak, and the layer kind it peaks in."""
+        if not self.prefill_phases:
+            return 0, "none"
+        return max((per_token * chunk + fixed + per_sub * min(chunk, sub), name)
+                   for name, per_token, fixed, per_sub, sub in self.prefill_phases)
 
     def to_json(self) -> dict:
         return {**asdict(self), "experts": self.experts, "all_experts_bytes": self.all_experts_bytes}
@@ -69,25 +100,85 @@ def _expert_bytes(hidden: int, moe_intermediate: int, bits: float) -> int:
     return trellis + signs
 
 
-def _kv_per_token(mla_layers: int, kv_lora_rank: int, rope_dim: int, index_dim: int) -> int:
-    # MLA caches the compressed latent plus the rope key, and the DSA indexer its own key, all 16-bit.
-    return mla_layers * (kv_lora_rank + rope_dim + index_dim) * 2
+def _kv_per_token(mla_layers: int, kv_lora_rank: int, rope_dim: int, index_dim: int, kpool: int,
+                  full_indexers: int) -> int:
+    """exllamav3's CacheLayer_MLA_fp16 per token: every MLA layer's fp16 latent (kv_lora_rank) and rope key
+    (qk_rope_head_dim: 0 in NoPE); a layer with a "full" indexer adds its key plane (index_head_dim, [k || gate]
+    of twice that with k-pool compression) and the pooled-key plane (index_head_dim per kpool tokens)."""
+    latent = mla_layers * (kv_lora_rank + rope_dim) * F16
+    plane = index_dim * (2 if kpool else 1) * F16
+    pooled = index_dim * F16 / kpool if kpool else 0
+    return latent + math.ceil(full_indexers * (plane + pooled))
 
 
-def _state_per_seq(kda_layers: int, heads: int, head_dim: int) -> int:
-    # KDA keeps one fp32 head_dim x head_dim matrix per head per layer, whatever the sequence length.
-    return kda_layers * heads * head_dim * head_dim * 4
+def _kda_state(kda_layers: int, heads: int, head_dim: int, conv_kernel: int) -> tuple[int, int]:
+    """(device bytes per cache sequence slot, host bytes per recurrent checkpoint), from exllamav3's GDNLayerState
+    with max_history 0: two fp16 state rows per slot (Cache's recurrent_dtype default), the bf16 conv ring of the
+    q|k|v channels, and one row of staged scan inputs (bf16 conv output and beta, fp32 per-channel gate); a
+    checkpoint (get_checkpoint_size) is the conv ring and one state row."""
+    qkv = 3 * heads * head_dim
+    state = heads * head_dim * head_dim * F16
+    per_slot = 2 * state + qkv * conv_kernel * F16 + qkv * F16 + heads * F16 + heads * head_dim * F32
+    return kda_layers * per_slot, kda_layers * (qkv * conv_kernel * F16 + state)
 
 
-# GLM-5.3-Flash, EXL3 3.05 bpw (DESIGN section 1): 9 MiB of K=3 trellis + 36 KiB of suh/svh per expert.
+def _moe_recon_scratch(hidden: int, moe_intermediate: int) -> int:
+    """The batched reconstruct's fp16 weight scratch for one group, plus an eighth for its gathered row slabs."""
+    per = 2 * hidden * moe_intermediate * F16  # gate and up, live together (batch_cap's `per`)
+    group = max(1, min(MOE_RECON_BATCH, MOE_RECON_MB // per)) * per
+    return group + group // 8
+
+
+def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe_intermediate: int, moe: bool, kda: bool, heads: int,
+                    head_dim: int,
+                    attn_heads: int, kv_lora_rank: int, topk_tokens: int, index_heads: int, index_dim: int
+                    ) -> tuple[tuple[str, int, int, int, int], ...]:
+    """What each step of exllamav3 1.6.5's prefill holds at its peak, as (phase, bytes per chunk token, fixed bytes,
+    bytes per token of a sub-range, the sub-range's tokens). Every phase holds the residual: the mHC streams
+    (hc_mult x hidden fp32), the block's fp32 output and its fp16 input.
+    KDA (gated_delta_net.py): the fp16 q|k|v projection, its bf16 conv output, the fp32 output gate z and
+    per-channel gate g; the scan (vendor/fla chunk_kda) runs over sub-ranges of EXL3_GDN_SUB_CHUNK (2,048) tokens,
+    each holding l2-normed q and k, g's chunk cumsum, w / kg / qg / u, one bf16 state per 64 tokens, v_new, o and the
+    intra-chunk A matrices. MoE (block_sparse_mlp.py, deterministic accumulation): the fp32 slot scratch of
+    (chunk x top_k, hidden), the fp32 routed sum and shared-expert output, the fp16 input copy; fixed: the batched
+    reconstruct's weight scratch (EXL3_MOE_RECON_MB) and its row slabs. MLA (mla_attn.py, sparse path): the
+    absorbed queries and the latent output, head-major (heads x kv_lora_rank fp16 each), the indexer's queries
+    and its int32 selection of index_topk (+ tail) tokens; fixed: the indexer's 256-row score slab. Logits are
+    the last row's only (prefill stops before the head)."""
+    residual = hc_mult * hidden * F32 + hidden * F32 + hidden * F16
+    phases = []
+    if kda:
+        width = heads * head_dim
+        layer = 3 * width * F16 + 2 * width * F32  # the conv output, z and g, live through the layer
+        scan = (2 * width * F16 + width * F32 + 4 * width * F16 + heads * head_dim * head_dim * F16 // 64
+                + 2 * width * F16 + heads * 64 * F16 + heads * 16 * F32)
+        phases.append(("KDA projections and conv", residual + layer + 3 * width * F16, 0, 0, 0))
+        phases.append(("KDA scan", residual + layer + width * F16, 0, scan, KDA_SUB_CHUNK))
+    if moe:
+        phases.append(("MoE", residual + top_k * hidden * F32 + 2 * hidden * F32 + hidden * F16,
+                       _moe_recon_scratch(hidden, moe_intermediate), 0, 0))
+    mla = 2 * attn_heads * kv_lora_rank * F16 + index_heads * index_dim * F16 + (topk_tokens + 32) * F32
+    phases.append(("MLA", residual + mla, 16 * MIB, 0, 0))
+    return tuple(phases)
+
+
+# GLM-5.3-Flash's real geometry (transformers' Glm5NextTextConfig): 34 KDA layers of 64 heads x 128, 11 NoPE MLA
+# layers (latent 512) each with a full k-pool indexer (128 dims, pools of 16), 64 attention heads of 256, mHC x4.
+_DEFAULT_KDA = _kda_state(34, 64, 128, 4)
+# GLM-5.3-Flash, EXL3 3.05 bpw (DESIGN section 1): 9 MiB of K=3 trellis + 36 KiB of suh/svh per expert; about 5.8 GB
+# of always-used weights in VRAM, and the 154,880 x 4,096 bf16 embedding table in host RAM.
 DEFAULT_SHAPE = ModelShape(
     hidden=4096, layers=45, moe_layers=42, experts_per_layer=288, top_k=8,
     expert_bytes=_expert_bytes(4096, 2048, 3.0),
     always_used_bytes=5_800_000_000,
-    kv_bytes_per_token=_kv_per_token(11, 512, 64, 128),
-    state_bytes_per_seq=_state_per_seq(34, 32, 128),
+    kv_bytes_per_token=_kv_per_token(11, 512, 0, 128, 16, 11),
+    state_bytes_per_seq=_DEFAULT_KDA[0],
     mla_layers=11, mtp_layer=45,
-    source="GLM-5.3-Flash 3.05 bpw defaults (no model mounted; KV and KDA state are estimates)",
+    source="GLM-5.3-Flash 3.05 bpw defaults (no model mounted; its config's geometry, exllamav3 1.6.5's cache "
+           "layouts)",
+    host_bytes=154880 * 4096 * F16,
+    checkpoint_bytes=_DEFAULT_KDA[1],
+    prefill_phases=_prefill_phases(4096, 4, 8, 2048, True, True, 64, 128, 64, 512, 2048 + 15, 32, 128),
 )
 assert DEFAULT_SHAPE.expert_bytes == 9 * MIB + 36 * KIB
 
@@ -103,6 +194,50 @@ def read_safetensors_sizes(path: Path) -> dict[str, int]:
 def _text_config(config: dict) -> dict:
     # Multimodal wrappers nest the language model's config; a plain causal LM keeps it flat.
     return config.get("text_config") or config
+
+
+def _geometry(tc: dict, layers: int, hidden: int, top_k: int, moe: bool) -> dict:
+    """The cache and activation sizes of config.json's geometry (transformers' defaults for keys it leaves out)."""
+    def num(key: str, *alt: str) -> int:
+        for k in (key, *alt):
+            if tc.get(k) is not None:
+                return int(tc[k])
+        return CONFIG_DEFAULTS[key]
+
+    attn_types = tc.get("layer_types") or ["linear_attention" if i % 4 != 3 else "deepseek_sparse_attention"
+                                           for i in range(layers)]
+    mla_idx = [i for i, t in enumerate(attn_types[:layers]) if t in MLA_TYPES]
+    indexers = tc.get("indexer_types") or ["full"] * layers
+    full = sum(1 for i in mla_idx if i < len(indexers) and indexers[i] == "full")
+    lin = tc.get("linear_attn_config") or {}
+    heads = int(lin.get("num_heads") or num("linear_num_heads"))
+    head_dim = int(lin.get("head_dim") or num("linear_head_dim"))
+    conv = int(lin.get("short_conv_kernel_size") or num("linear_conv_kernel_dim"))
+    kpool = num("index_kpool") if tc.get("index_kpool_compress", True) else 0
+    index_dim = num("index_head_dim")
+    kda = layers - len(mla_idx)
+    state, checkpoint = _kda_state(kda, heads, head_dim, conv)
+    attn_heads = int(tc.get("num_attention_heads") or 1)
+    topk_tokens = int(tc.get("index_topk") or 2048) + (kpool - 1 if kpool else 0)
+    index_heads = int(tc.get("index_n_heads") or 32)
+    return {"mla": len(mla_idx), "mla_ids": tuple(mla_idx),
+            "kv": _kv_per_token(len(mla_idx), num("kv_lora_rank"), num("qk_rope_head_dim"), index_dim, kpool, full),
+            "state": state, "checkpoint": checkpoint,
+            "phases": _prefill_phases(hidden, num("hc_mult"), top_k, num("moe_intermediate_size"), moe, kda > 0,
+                                      heads, head_dim, attn_heads, num("kv_lora_rank"), topk_tokens, index_heads,
+                                      index_dim)}
+
+
+def _tensor_place(name: str, layers: int, tied_head: bool) -> str:
+    """Where exllamav3 keeps a non-expert tensor when serving text: "vram", "host" or "none" (not loaded)."""
+    layer = int(m.group(1)) if (m := LAYER_RE.search(name)) else None
+    if (layer is not None and layer >= layers) or name.startswith(VISION_PREFIX):
+        return "none"  # the MTP head (the store skips it too) and the vision tower: not loaded to serve text
+    if EMBED_RE.search(name):
+        # An unquantized table loads on the CPU (Embedding prefer_cpu); a quantized one is a RowTable in RAM whose
+        # rows are decoded on the device. With tied embeddings and no lm_head the head's Linear reads it in VRAM too.
+        return "both" if tied_head else "host"
+    return "vram"
 
 
 def from_checkpoint(model_dir: str | Path) -> ModelShape:
@@ -125,41 +260,39 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
                          "num_experts_per_tok are needed)") from None
     mlp_types = tc.get("mlp_layer_types") or (["dense"] * int(tc.get("first_k_dense_replace", 0))
                                               + ["sparse"] * (layers - int(tc.get("first_k_dense_replace", 0))))
-    attn_types = tc.get("layer_types") or ["linear_attention" if i % 4 != 3 else "deepseek_sparse_attention"
-                                           for i in range(layers)]
-    mla = sum(1 for t in attn_types[:layers] if t in MLA_TYPES)
-    lin = tc.get("linear_attn_config") or {}
-    kv = _kv_per_token(mla, int(tc.get("kv_lora_rank", 512)), int(tc.get("qk_rope_head_dim", 64)),
-                       int(tc.get("index_head_dim", 128)))
-    state = _state_per_seq(layers - mla, int(lin.get("num_heads", tc.get("linear_num_heads", 32))),
-                           int(lin.get("head_dim", tc.get("linear_head_dim", 128))))
+    moe_from_config = sum(1 for t in mlp_types[:layers] if t == "sparse")
+    geo = _geometry(tc, layers, hidden, top_k, moe_from_config > 0)
     mtp = layers if int(tc.get("num_nextn_predict_layers", 0) or 0) > 0 else None
     native = int(tc.get("max_position_embeddings") or 0) or None
+    caches = dict(max_context=native, checkpoint_bytes=geo["checkpoint"], prefill_phases=geo["phases"])
 
     sizes: dict[str, int] = {}
     files = sorted(root.glob("*.safetensors"))
     for path in files:
         sizes.update(read_safetensors_sizes(path))
-    moe_from_config = sum(1 for t in mlp_types[:layers] if t == "sparse")
     if not files:
-        inter = int(tc.get("moe_intermediate_size", 2048))
+        inter = int(tc.get("moe_intermediate_size") or CONFIG_DEFAULTS["moe_intermediate_size"])
+        vocab = int(tc.get("vocab_size") or CONFIG_DEFAULTS["vocab_size"])
         return ModelShape(hidden, layers, moe_from_config, n_experts, top_k, _expert_bytes(hidden, inter, 3.0),
-                          DEFAULT_SHAPE.always_used_bytes, kv, state, mla, mtp,
-                          f"{root}/config.json; no *.safetensors yet, so sizes are 3 bpw estimates", native)
+                          DEFAULT_SHAPE.always_used_bytes, geo["kv"], geo["state"], geo["mla"], mtp,
+                          f"{root}/config.json; no *.safetensors yet, so sizes are 3 bpw estimates",
+                          host_bytes=vocab * hidden * F16, **caches)
 
+    tied = bool(config.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))) and not any(
+        n.startswith("lm_head.") for n in sizes)
     per_expert: dict[tuple[int, int], int] = defaultdict(int)
-    always = 0
+    always = host = 0
     per_layer = [0] * layers
     for name, nbytes in sizes.items():
-        layer = int(m.group(1)) if (m := LAYER_RE.search(name)) else None
-        if layer is not None and layer >= layers:
-            continue  # the MTP head: not used for serving, and the store skips it
         if e := EXPERT_RE.search(name):
-            per_expert[(int(e.group(1)), int(e.group(2)))] += nbytes
-        else:
-            always += nbytes
-            if layer is not None:
-                per_layer[layer] += nbytes
+            if int(e.group(1)) < layers:
+                per_expert[(int(e.group(1)), int(e.group(2)))] += nbytes
+            continue
+        place = _tensor_place(name, layers, tied)
+        always += nbytes if place in ("vram", "both") else 0
+        host += nbytes if place in ("host", "both") else 0
+        if place == "vram" and (m := LAYER_RE.search(name)):
+            per_layer[int(m.group(1))] += nbytes  # a decoder layer's own tensors (the rest: embedding, head, norm)
     if not per_expert:
         raise ShapeError(f"{root}: no routed-expert tensors (layers.L.mlp.experts.E.*_proj.*) in "
                          f"{len(files)} safetensors file(s)")
@@ -172,7 +305,7 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
         raise ShapeError(f"{root}: MoE layer {short[0]} has {counts[short[0]]} experts on disk, config says "
                          f"{n_experts} (incomplete download?)")
     # Slots must hold the largest expert; in a well-formed checkpoint they are all the same size.
-    mla_ids = tuple(i for i, t in enumerate(attn_types[:layers]) if t in MLA_TYPES)
-    return ModelShape(hidden, layers, len(moe_layers), n_experts, top_k, max(per_expert.values()), always, kv,
-                      state, mla, mtp, f"{root} ({len(files)} safetensors headers)", native,
-                      tuple(per_layer), tuple(moe_layers), mla_ids)
+    return ModelShape(hidden, layers, len(moe_layers), n_experts, top_k, max(per_expert.values()), always, geo["kv"],
+                      geo["state"], geo["mla"], mtp, f"{root} ({len(files)} safetensors headers)", host_bytes=host,
+                      layer_bytes=tuple(per_layer), moe_layer_ids=tuple(moe_layers), mla_layer_ids=geo["mla_ids"],
+                      **caches)

@@ -69,6 +69,12 @@ class EngineSpec:
         return doc
 
 
+def kv_cache_bytes(tokens: int, per_token: int) -> int:
+    """The MLA cache for `tokens` of context: one page more, since exllamav3 reserves a position past a job's last
+    token."""
+    return (tokens + PAGE) * per_token
+
+
 def staging_for(vram_slots: Sequence[int], experts_per_layer: int, staging: int) -> int:
     """The staging rows a layout needs: `staging`, raised past any layer where slots + staging == experts.
 
@@ -82,18 +88,23 @@ def staging_for(vram_slots: Sequence[int], experts_per_layer: int, staging: int)
 
 
 def split_slots(per_layer: int, layers: int, experts_per_layer: int, top_k: int,
-                counts: np.ndarray | None) -> tuple[tuple[int, ...], str]:
-    """VRAM slots per MoE layer: `per_layer` each, or, with saved routing statistics, the same total split where
-    each slot buys the most hit rate (skewed layers get more, flat ones fewer; each keeps at least top_k, or
-    per_layer if that is smaller). Returns (slots, how)."""
+                counts: np.ndarray | None, total: int | None = None) -> tuple[tuple[int, ...], str]:
+    """VRAM slots per MoE layer, `total` of them (default per_layer x layers): without saved routing statistics
+    per_layer each and the remainder one more each in the first layers; with them, split where each slot buys the
+    most hit rate (skewed layers get more, flat ones fewer; each keeps at least top_k, or per_layer if that is
+    smaller). Returns (slots, how)."""
+    total = per_layer * layers if total is None else int(total)
+    base, extra = divmod(total, layers)
+    even = tuple(min(experts_per_layer, base + (i < extra)) for i in range(layers))
+    how = f"uniform ({base} per layer" + (f", {base + 1} in the first {extra}" if extra else "") + ")"
     if counts is None:
-        return (per_layer,) * layers, "uniform (no saved routing statistics)"
+        return even, how
     counts = np.asarray(counts, np.float64)
     if counts.shape != (layers, experts_per_layer):
-        return (per_layer,) * layers, f"uniform (saved statistics are {counts.shape}, not {(layers, experts_per_layer)})"
+        return even, f"{how}: saved statistics are {counts.shape}, not {(layers, experts_per_layer)}"
     from glm53.tiers.policy import split_budget
 
-    got = split_budget(counts, per_layer * layers, min_per_layer=min(top_k, per_layer))
+    got = split_budget(counts, total, min_per_layer=min(top_k, base))
     slots = tuple(int(s) for s in np.minimum(got, experts_per_layer))
     return slots, f"by saved routing statistics ({min(slots)}-{max(slots)} per layer)"
 

@@ -13,6 +13,15 @@ and the token events are glm53.engine.worker's, shared with the CPU reference en
 itself. Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit the same
 TokenEvents; exllamav3's own text stream is ignored.
 
+KV cache: every job whose reply may exceed a page is given `max_rq_tokens`, so exllamav3 commits its pages a segment at a time (up to the next
+recurrent-checkpoint boundary, 2048 tokens for GLM-5) instead of prompt + max_new_tokens up front, and requeues the
+job at each boundary (its pages stay hashed in the cache, its recurrent state stashed there, so it resumes without
+prefilling again); a job that cannot get its pages waits in the generator's pending queue, and is counted as
+waiting. A reply is capped to what the cache holds (exllamav3 caps max_new_tokens the same way), so a request
+that outgrows the cache ends with "length". The prefix reuse it reports (a job's cached pages) is the request's
+usage.prompt_tokens_details.cached_tokens and the stats' prefix counters; the page table's and the recurrent
+cache's eviction counters are in stats()["kv_cache"].
+
 Reasoning budget: when a request has spent its budget inside <think>, its job is cancelled, the close tokens
 are emitted as forced events, and a continuation job (prompt + generated + forced) is enqueued; exllamav3's
 page cache recognises the shared prefix, so only the tail is prefilled again.
@@ -31,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
-from glm53.engine.worker import END, Request, WorkerEngine
+from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
 from glm53.spec import PAGE, EngineSpec, engine_spec
 
 log = logging.getLogger("glm53.engine")
@@ -133,6 +142,7 @@ class Exl3Engine(WorkerEngine):
         if spec.nvme and not spec.store:
             raise ValueError(f"{spec.engine} mode needs the expert store (GLM53_STORE)")
         super().__init__(model_dir, model_id=model_id, context_length=spec.context, max_running=spec.max_concurrency)
+        self.set_kv_tokens(spec.kv_tokens, ledger=False)  # exllamav3's page table is the ledger
         self.spec = spec
         self.mode = spec.engine
         self.device = spec.device
@@ -154,8 +164,6 @@ class Exl3Engine(WorkerEngine):
         """Load the model (progress lines in the phrases launchers parse), fill the tiers, warm up, start serving."""
         if self.ready:
             return
-        import torch
-
         from glm53.engine import exl3_adapter as A
 
         t0 = time.perf_counter()
@@ -169,6 +177,39 @@ class Exl3Engine(WorkerEngine):
         if config.infer_params.moe_cpu_split or config.infer_params.moe_cpu_offload:
             raise EngineError("EXL3_MOE_CPU_SPLIT / EXL3_MOE_CPU_OFFLOAD are set: glm53 tiers the experts itself; "
                               "unset them")
+        spec = self.spec
+        tokenizer = exl.Tokenizer.from_config(config)
+        # Out of memory here is the plan's sizes against this device: the message says which settings lower them.
+        with out_of_memory_names_knobs("while loading the model"):
+            self._load_model(exl, config)
+            self.generator = exl.Generator(model=self.model, cache=self.cache, tokenizer=tokenizer,
+                                           max_batch_size=spec.max_concurrency, max_chunk_size=spec.prefill_chunk,
+                                           recurrent_cache_size=spec.recurrent_cache_bytes)
+        if self.supports_grammar:
+            # llguidance's tables for this vocabulary (about a second for 150k tokens), built now rather than on the
+            # event loop when the first response_format request arrives; exllamav3 caches them per tokenizer.
+            from exllamav3.generator.filter.llguidance import create_ll_tokenizer
+
+            create_ll_tokenizer(tokenizer)
+        native = int(getattr(config, "max_position_embeddings", 0) or 0) or spec.kv_tokens
+        if native < self.context_length:
+            # The plan read max_position_embeddings from the same config.json, so only a hand-made spec gets here.
+            log.warning("context %d lowered to the model's max_position_embeddings %d", self.context_length, native)
+            self.context_length = native
+        log.info("Loading weights took %.1f s", time.perf_counter() - t0)
+        with out_of_memory_names_knobs("while warming up (the first prefill and decode)"):
+            self._warmup()
+        self._start_worker("glm53-exl3-engine")
+        self.load_seconds = time.perf_counter() - t0
+        log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
+                 self.context_length)
+
+    def _load_model(self, exl: Any, config: Any) -> None:
+        """The model, its cache and the tiers, on the device (self.model, self.cache, self.tiered)."""
+        import torch
+
+        from glm53.engine import exl3_adapter as A
+
         model = exl.Model.from_config(config)
         spec = self.spec
         # One page more than the context: exllamav3 reserves a position past a job's last token (a job needs
@@ -209,27 +250,6 @@ class Exl3Engine(WorkerEngine):
             undo()
             unplace()
         self.model, self.cache, self.tiered = model, cache, tiered
-        tokenizer = exl.Tokenizer.from_config(config)
-        self.generator = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=spec.max_concurrency,
-                                       max_chunk_size=spec.prefill_chunk,
-                                       recurrent_cache_size=spec.recurrent_cache_bytes)
-        if self.supports_grammar:
-            # llguidance's tables for this vocabulary (about a second for 150k tokens), built now rather than on the
-            # event loop when the first response_format request arrives; exllamav3 caches them per tokenizer.
-            from exllamav3.generator.filter.llguidance import create_ll_tokenizer
-
-            create_ll_tokenizer(tokenizer)
-        native = int(getattr(config, "max_position_embeddings", 0) or 0) or spec.kv_tokens
-        if native < self.context_length:
-            # The plan read max_position_embeddings from the same config.json, so only a hand-made spec gets here.
-            log.warning("context %d lowered to the model's max_position_embeddings %d", self.context_length, native)
-            self.context_length = native
-        log.info("Loading weights took %.1f s", time.perf_counter() - t0)
-        self._warmup()
-        self._start_worker("glm53-exl3-engine")
-        self.load_seconds = time.perf_counter() - t0
-        log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
-                 self.context_length)
 
     def _fill_tiers(self, tiered: Any) -> None:
         t1 = time.perf_counter()
@@ -269,11 +289,15 @@ class Exl3Engine(WorkerEngine):
         return counts
 
     def _warmup(self) -> None:
-        """One short generation through both MoE paths (prefill > 8 rows, decode), before serving."""
+        """One generation through both MoE paths (prefill > 8 rows, decode) before serving, with a prompt of a
+        full prefill chunk and a part of another: the KDA kernels are compiled and autotuned for the chunked
+        path on first use (minutes on a fresh machine), and a short prompt takes another path; the first user
+        request must not pay for it."""
         import torch
 
         exl = self._exl
-        ids = torch.tensor([[i % max(1, self._n_vocab) for i in range(1, 24)]], dtype=torch.long)
+        n = min(self.spec.prefill_chunk + 24, max(24, self.spec.kv_tokens // 2))
+        ids = torch.tensor([[1 + i % max(1, self._n_vocab - 1) for i in range(n)]], dtype=torch.long)
         job = exl.Job(input_ids=ids, max_new_tokens=2, sampler=exl.ArgmaxSampler(), stop_conditions=[])
         with torch.inference_mode():
             self.generator.enqueue(job)
@@ -342,6 +366,21 @@ class Exl3Engine(WorkerEngine):
         nvme = getattr(tiered, "nvme", None) if tiered is not None else None
         return nvme.health() if nvme is not None else None
 
+    def _kv_stats(self) -> dict:
+        """exllamav3's page table: pages in use by jobs, cached pages lost to eviction, pages served from the prompt
+        cache; recurrent checkpoints dropped from the RAM cache (generator/pagetable.py, cache/recurrent.py)."""
+        doc = super()._kv_stats()
+        gen = self.generator
+        pages = getattr(gen, "pagetable", None)
+        if pages is not None:
+            m = pages.metrics
+            doc.update(pages=pages.max_pages, pages_used=pages.max_pages - pages.num_unreferenced_pages(),
+                       pages_evicted=m["evictions_live"], pages_reused=m["alloc_cached_pages"])
+        recurrent = getattr(gen, "recurrent_cache", None)
+        if recurrent is not None:
+            doc["recurrent_checkpoints_evicted"] = recurrent.metrics["stash_evictions"]
+        return doc
+
     def stats(self) -> dict:
         doc = {"kind": self.kind, "mode": self.mode, **super().stats()}  # "mode" second, as it always was
         tiered = self.tiered
@@ -360,7 +399,7 @@ class Exl3Engine(WorkerEngine):
                             self._start(req)
                         except Exception as exc:  # its job could not be made or enqueued: this request alone fails
                             log.exception("exllamav3 engine: request %s could not start", req.request_id)
-                            self._retire(req, "requests_failed", EngineError(f"generation failed: {exc}"))
+                            self._fail(req, exc, "while starting this request")
                     for req in batch.running:
                         if req.cancelled and not req.done:
                             self._stop_job(req)
@@ -368,9 +407,10 @@ class Exl3Engine(WorkerEngine):
                     if self.generator.num_remaining_jobs():
                         for r in self.generator.iterate():
                             self._on_result(r)
+                    self._mark_kv_waiting()
                 except Exception as exc:  # a failed step fails its requests loudly; the server stays up
                     log.exception("exllamav3 engine: generation step failed")
-                    self._fail_all(EngineError(f"generation failed: {exc}"))
+                    self._fail_all(exc)
             self._drop_jobs()
 
     def _sampler(self, p: SamplingParams) -> Any:
@@ -398,6 +438,10 @@ class Exl3Engine(WorkerEngine):
             seed=seed,
             stop_conditions=sorted(req.stop_ids),
             identifier=req,
+            # Pages are committed a segment at a time (exllamav3 aligns this to its recurrent-checkpoint interval)
+            # and the job requeued at each boundary, so a reply without max_tokens does not reserve the cache. A
+            # reply of a page or less reserves just itself (a segment would reserve up to the boundary).
+            max_rq_tokens=PAGE if left > PAGE else None,
             return_logits=p.logprobs is not None,
             decode_special_tokens=True,
             filters=[self._job_filter(req)] if p.grammar is not None else None,
@@ -428,7 +472,9 @@ class Exl3Engine(WorkerEngine):
             if isinstance(req, _Request) and not req.done and r.get("job") is req.job:
                 log.error("exllamav3 engine: request %s failed: %r", req.request_id, r.get("error"))
                 req.job = None
-                self._retire(req, "requests_failed", EngineError(f"generation failed: {r.get('error')}"))
+                error = r.get("error")
+                self._fail(req, error if isinstance(error, BaseException) else EngineError(str(error)),
+                           "while running this request")
             return
         req = r.get("identifier")
         if not isinstance(req, _Request) or req.done or r.get("job") is not req.job:
@@ -451,9 +497,12 @@ class Exl3Engine(WorkerEngine):
         end = None
         if r.get("eos") and stop_token is None:
             end = "stop" if r.get("eos_reason") == "end_filter" else "length"
-        # The page cache's reuse of the client's prompt, reported on the request's last token. A continuation
-        # job reuses the request's own pages, which is no prefix-cache hit for the client.
+        # The page cache's reuse of the client's prompt (a job's cached pages, carried across its requeues), reported
+        # on the request's last token. A continuation job reuses the request's own pages, which is no prefix-cache
+        # hit for the client.
         cached = r.get("cached_tokens") if r.get("eos") and req.jobs == 1 else None
+        if cached is not None:
+            self._note_cached(req, cached)
         for i, t in enumerate(ids):
             if req.done:
                 return
@@ -477,7 +526,7 @@ class Exl3Engine(WorkerEngine):
         # Forced tokens come with row=None: no logits for them, so no logprobs either.
         event = self._token_event(req, token, row, forced, grammar_done=end == "stop")
         if cached is not None:
-            event.cached_tokens = min(int(cached), len(req.prompt))
+            event.cached_tokens = req.cached_tokens
         if end is not None and event.finish_reason is None:
             event.finish_reason = end
             event.text += req.detok.flush()
@@ -496,12 +545,24 @@ class Exl3Engine(WorkerEngine):
     def _release(self, req: _Request) -> None:
         req.job = None  # its generator job is cancelled by the caller where needed (_stop_job), not on failure
 
+    def _mark_kv_waiting(self) -> None:
+        """Running requests whose job exllamav3 holds back (no free pages for its next segment) are waiting."""
+        pending = set(map(id, self.generator.pending_jobs))
+        with self._cv:
+            for req in self._running:
+                req.kv_waiting = req.job is not None and id(req.job) in pending
+
     def _fail_all(self, exc: Exception) -> None:
+        """A step that raised fails the requests it ran (exllamav3 cannot say which one it was)."""
         with self._cv:
             running = list(self._running)
         for req in running:
             if not req.done:
-                self._retire(req, "requests_failed", exc)
+                self._fail(req, exc, "in a generation step")
+        if is_out_of_memory(exc):
+            import torch
+
+            torch.cuda.empty_cache()
         try:
             self.generator.clear_queue()
         except Exception:  # the generator may be wedged by the failure; the next request will tell

@@ -49,6 +49,18 @@ class QueueFull(EngineError):
                          f"{limit}): retry shortly")
 
 
+class EngineOutOfMemory(EngineError):
+    """The device ran out of memory (loading, or running one request): the server answers 503, and the message
+    names what to lower. The engine keeps serving the other requests."""
+
+    KNOBS = "GLM53_CONTEXT, GLM53_MAX_CONCURRENCY or GLM53_VRAM_BUDGET_GB"
+
+    def __init__(self, where: str, detail: object = ""):
+        self.where = where
+        tail = f" ({str(detail).splitlines()[0]})" if str(detail) else ""
+        super().__init__(f"the device ran out of memory {where}{tail}: lower {self.KNOBS} and restart")
+
+
 class EngineNotReady(EngineError):
     """The model is not loaded (yet, or any more): the server answers 503."""
 
@@ -169,6 +181,9 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> dict:
-        """JSON-able counters: waiting, running, prompt_tokens, generated_tokens, tokens_per_s, plus engine
-        tier counters under "tiers" (empty for the reference engine)."""
+        """JSON-able counters: waiting (queued, or admitted and waiting for KV pages: waiting_for_kv), running,
+        prompt_tokens (prompt_tokens_cached of them from the prefix cache, in prefix_cache_hits requests),
+        generated_tokens, tokens_per_s; the KV cache's pages under "kv_cache" (pages, pages_used, pages_evicted,
+        and recurrent_checkpoints_evicted where there is such a cache); engine tier counters under "tiers" (empty
+        for the reference engine)."""
         ...

@@ -1,10 +1,18 @@
 """The CPU reference engine: a Glm5Next checkpoint run with transformers, for the demo, CI and KL teachers.
 
 One model, one worker thread. Requests wait in a FIFO queue; up to `max_running` are active at once and the
-worker visits them round-robin, one unit of work each (one prompt chunk, or one token), so every active
-request makes progress and a long prompt cannot stall the others' streams. Each request keeps its own
-transformers cache (KDA recurrent + conv state, MLA latents, DSA indexer keys); batching across requests
-would need padded recurrent states, and correctness matters more than throughput here.
+worker visits them round-robin, one unit of work each (one prompt chunk, one sampled token, or feeding that token
+back), so every active request makes progress and a long prompt cannot stall the others' streams. Each request
+keeps its own transformers cache (KDA recurrent + conv state, MLA latents, DSA indexer keys); batching across
+requests would need padded recurrent states, and correctness matters more than throughput here.
+
+With `kv_tokens` the caches share a budget of KV pages by the worker's rule (glm53.engine.worker): each unit of
+work first takes the pages its positions need; a request that gets none waits, and the youngest holder yields.
+
+Prefix reuse: the cache of the last request that ended is kept (its pages stay in the ledger, evicted first when
+pages run short). A request whose prompt starts with exactly the tokens that cache holds continues from it and
+prefills only the rest: the recurrent states cannot be rewound, so only a whole-cache match counts. That is what
+an agent's next turn (history + reply + new message, with the reply re-attached token for token) looks like.
 
 The request queue, the worker thread's hand-off to asyncio and the token events are glm53.engine.worker's,
 shared with the exllamav3 engine; cancellation is seen between units of work (a few ms apart), after which the
@@ -22,11 +30,13 @@ from typing import Any
 import torch
 
 from glm53.engine import constrain, sampling
-from glm53.engine.interface import EngineError, PromptProgress
-from glm53.engine.worker import END, Request, WorkerEngine
+from glm53.engine.interface import PromptProgress
+from glm53.engine.worker import END, Request, WorkerEngine, out_of_memory_names_knobs
 from glm53.fixture.hf import quiet_transformers
 
 log = logging.getLogger("glm53.engine")
+
+_KEPT = "kept prefix cache"  # the ledger's holder name for the kept cache
 
 
 @dataclass(eq=False, kw_only=True)
@@ -34,7 +44,7 @@ class _Request(Request):
     gen: torch.Generator
     constraint: constrain.GrammarConstraint | None = None  # applies once the think block is closed
     cache: Any = None
-    prefilled: int = 0
+    prefilled: int = 0  # positions of prompt + generated in the cache
     logits: torch.Tensor | None = None  # next-token logits once the prompt is processed
     forced: list[int] = field(default_factory=list)
 
@@ -68,8 +78,13 @@ class ReferenceEngine(WorkerEngine):
         prefill_chunk: int = 256,
         threads: int | None = None,
         dtype: torch.dtype = torch.float32,
+        kv_tokens: int | None = None,
     ) -> None:
+        """kv_tokens: the KV budget every request shares, in tokens (the plan's; None: each request is bounded by
+        the context only)."""
         super().__init__(model_dir, model_id=model_id, context_length=context_length, max_running=max_running)
+        if kv_tokens:
+            self.set_kv_tokens(kv_tokens, ledger=True)
         self.prefill_chunk = max(1, prefill_chunk)
         self.threads = threads
         # float32 by default: the checkpoint is bf16, but CPUs without bf16 matmul units run bf16 slower, and
@@ -78,6 +93,7 @@ class ReferenceEngine(WorkerEngine):
         self._model: Any = None
         self._ll_tokenizer: Any = None  # llguidance's vocabulary view, when llguidance is installed
         self.supports_grammar = constrain.available()
+        self._kept: tuple[list[int], Any] | None = None  # (the tokens it holds, a transformers cache)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
@@ -92,7 +108,7 @@ class ReferenceEngine(WorkerEngine):
             torch.set_num_threads(self.threads)
         log.info("reference engine: loading %s on the CPU (%s)", self.model_dir, str(self.dtype).replace("torch.", ""))
         text = self._load_text()
-        with quiet_transformers():
+        with quiet_transformers(), out_of_memory_names_knobs("while loading the model"):
             num_mtp = int(getattr(text, "num_nextn_predict_layers", 0) or 0)
             cls = _model_class(text.num_hidden_layers, num_mtp)
             model = cls.from_pretrained(self.model_dir, dtype=self.dtype).eval()
@@ -113,6 +129,7 @@ class ReferenceEngine(WorkerEngine):
     def close(self) -> None:
         self._stop_worker(timeout=30)
         self._model = None
+        self._kept = None
 
     # --- text ---------------------------------------------------------------------------------------------
     def _grammar_vocab(self) -> Any:
@@ -141,14 +158,19 @@ class ReferenceEngine(WorkerEngine):
         with torch.inference_mode():
             while (batch := self._admit()) is not None:
                 for req in batch.running:
+                    if req.done:  # preempted earlier in this round, or retired
+                        continue
                     if req.cancelled:
                         self._retire(req, "requests_cancelled", END)
+                        continue
+                    if req not in self._running:
                         continue
                     try:
                         self._step(req)
                     except Exception as exc:  # one broken request must not take the engine down
                         log.exception("reference engine: request %s failed", req.request_id)
-                        self._retire(req, "requests_failed", EngineError(f"generation failed: {exc}"))
+                        req.cache = None  # not kept: a forward that raised may have left it half written
+                        self._fail(req, exc, "while running this request")
 
     def _forward(self, req: _Request, ids: list[int]) -> torch.Tensor:
         out = self._model(
@@ -160,15 +182,25 @@ class ReferenceEngine(WorkerEngine):
         req.cache = out.past_key_values
         return out.logits[0, -1, : self._n_vocab]
 
+    @staticmethod
+    def _tokens(req: _Request, a: int, b: int) -> list[int]:
+        """Positions [a, b) of prompt + generated."""
+        p = len(req.prompt)
+        return req.prompt[a:min(b, p)] + req.generated[max(a - p, 0):max(b - p, 0)]
+
     def _step(self, req: _Request) -> None:
-        """One unit of work for `req`: a prompt chunk or one token."""
-        total = len(req.prompt)
+        """One unit of work for `req`: a chunk of prompt (or of what a preempted request had) into the cache, the
+        last sampled token into the cache, or one token sampled. Waits (does nothing) while its pages are short."""
+        total = len(req.prompt) + len(req.generated)
         if req.prefilled < total:
-            chunk = req.prompt[req.prefilled : req.prefilled + self.prefill_chunk]
-            req.logits = self._forward(req, chunk)
-            req.prefilled += len(chunk)
-            self._count_prompt(len(chunk))
-            if total > self.prefill_chunk:
+            if req.cached_tokens is None:
+                self._start(req)
+            end = min(req.prefilled + self.prefill_chunk, total)
+            if not self._kv_reserve(req, end):
+                return
+            req.logits = self._forward(req, self._tokens(req, req.prefilled, end))
+            req.prefilled = end
+            if not req.generated and len(req.prompt) > self.prefill_chunk:
                 req.emit(PromptProgress(req.prefilled, total))
             return
 
@@ -179,7 +211,33 @@ class ReferenceEngine(WorkerEngine):
             self._retire(req, "requests_finished", event)
             return
         req.emit(event)
-        req.logits = self._forward(req, [token])
+
+    def _start(self, req: _Request) -> None:
+        """Before the request's first chunk: count its prompt and what the prefix cache served of it."""
+        if req.cached_tokens is None:  # what the client's usage reports (a resumed request is no new hit)
+            self._count_prompt(len(req.prompt))
+            self._note_cached(req, req.prefilled)
+
+    def _claim_prefix(self, req: _Request) -> None:
+        kept, total = self._kept, len(req.prompt) + len(req.generated)
+        if kept is None or len(kept[0]) >= total or self._tokens(req, 0, len(kept[0])) != kept[0]:
+            return
+        self._kept = None
+        if self.kv is not None:
+            self.kv.held[req] = self.kv.drop(_KEPT)  # its pages go with it
+        req.cache, req.prefilled = kept[1], len(kept[0])
+
+    def _kv_evict_kept(self) -> bool:
+        if self._kept is None:
+            return False
+        self._kept = None
+        if self.kv is not None:
+            self.kv.evicted += self.kv.drop(_KEPT)
+        return True
+
+    def _reset_for_resume(self, req: _Request) -> None:
+        req.cache = req.logits = None
+        req.prefilled = 0
 
     def _next_token(self, req: _Request) -> tuple[int, bool, bool]:
         """(token, forced, grammar complete): sample, or take the next forced id of a budget-closed think block."""
@@ -196,5 +254,14 @@ class ReferenceEngine(WorkerEngine):
         return token, False, done
 
     def _release(self, req: _Request) -> None:
-        req.cache = None
-        req.logits = None
+        """Keep the ended request's cache for the next prompt that starts with what it holds (replacing, and so
+        evicting, the one kept before)."""
+        cache, held = req.cache, req.prefilled
+        req.cache = req.logits = None
+        if cache is None or not held:
+            return
+        with self._cv:
+            self._kv_evict_kept()
+            self._kept = (self._tokens(req, 0, held), cache)
+            if self.kv is not None:
+                self.kv.take(_KEPT, held)  # the pages the request just gave back

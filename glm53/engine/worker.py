@@ -12,16 +12,26 @@ of work, after which the engine drops what the request holds (`_release`).
 
 A subclass supplies `ready`, `load`, `close` (around `_start_worker` / `_stop_worker`), `_new_request` (its
 Request subclass, with its own per-request state) and `_worker`, a loop over `_admit()`.
+
+KV cache, one rule for both engines: a request never reserves its whole reply up front; it holds the pages
+(PAGE tokens) its positions fill so far and takes the next as it grows, so requests without max_tokens share the
+cache. A reply is capped to what the cache holds alone (min(context, kv_tokens) - prompt), so the oldest request
+always finishes: when a page is missing, the youngest request holding pages yields them (it goes back to the
+waiting queue, keeping what it generated, and prefills that again when pages free up), and a request that is
+itself the youngest waits. A request waiting for pages counts as waiting. The reference engine keeps that ledger
+here (`KvPages`); the exllamav3 engine's is exllamav3's page table, its jobs given `max_rq_tokens` (pages committed
+a segment at a time, the job requeued at each boundary: exllamav3 1.6.5 generator/job.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,14 +40,17 @@ from glm53.engine import sampling
 from glm53.engine.detok import IncrementalDetokenizer
 from glm53.engine.interface import (
     ContextLengthExceeded,
+    EngineError,
     EngineEvent,
     EngineNotReady,
+    EngineOutOfMemory,
     GrammarUnsupported,
     QueueFull,
     SamplingParams,
     TokenEvent,
 )
 from glm53.engine.template import render_chat
+from glm53.spec import PAGE
 
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
 RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window
@@ -57,6 +70,9 @@ class Request:
     reasoning_end: int | None  # the token that closes the think block when the model samples it
     cancelled: bool = False
     done: bool = False  # retired: anything the model still produces for it is stale
+    arrival: int = 0  # order of arrival: the youngest request is the one that yields KV pages
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache, once the engine knows
+    kv_waiting: bool = False  # admitted, but waiting for KV pages (counted as waiting, not running)
     generated: list[int] = field(default_factory=list)  # every token emitted so far (sampled and forced)
     reasoning_tokens: int = 0
 
@@ -65,6 +81,53 @@ class Request:
         """Still inside <think> with the reasoning budget used up: the close tokens must be forced now."""
         b = self.params.reasoning_budget
         return self.in_reasoning and b is not None and self.reasoning_tokens >= b
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """torch's device out-of-memory error (a class CPU torch has too), without importing torch here."""
+    return any(c.__name__ == "OutOfMemoryError" and c.__module__.startswith("torch") for c in type(exc).__mro__)
+
+
+@contextlib.contextmanager
+def out_of_memory_names_knobs(where: str) -> Iterator[None]:
+    """Turn torch's out-of-memory error inside the block into EngineOutOfMemory, which says what to lower."""
+    try:
+        yield
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            raise EngineOutOfMemory(where, exc) from exc
+        raise
+
+
+def kv_pages(tokens: int) -> int:
+    return -(-max(0, tokens) // PAGE)
+
+
+class KvPages:
+    """The KV cache as `total` pages of PAGE tokens; who holds how many. Holders are requests, or a kept prefix
+    cache (evictable)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = max(1, total)
+        self.held: dict[Any, int] = {}
+        self.evicted = 0  # pages of kept prefix caches dropped for room
+
+    @property
+    def free(self) -> int:
+        return self.total - sum(self.held.values())
+
+    def missing(self, holder: Any, tokens: int) -> int:
+        """Pages `holder` still needs to hold `tokens` positions, beyond what is free."""
+        return max(0, kv_pages(tokens) - self.held.get(holder, 0) - self.free)
+
+    def take(self, holder: Any, tokens: int) -> bool:
+        if self.missing(holder, tokens):
+            return False
+        self.held[holder] = max(self.held.get(holder, 0), kv_pages(tokens))
+        return True
+
+    def drop(self, holder: Any) -> int:
+        return self.held.pop(holder, 0)
 
 
 class Batch(NamedTuple):
@@ -85,6 +148,9 @@ class WorkerEngine(ABC):
         self.context_length = context_length or 0  # set from the checkpoint by load() when not given
         self.max_running = max(1, max_running)
         self.max_waiting = 0  # requests that may wait for a slot (0: no limit); beyond it generate() raises QueueFull
+        self.kv_tokens = 0  # KV cache positions shared by every request (whole pages); 0: only the context bounds
+        self.kv: KvPages | None = None  # the ledger, for an engine that keeps it here (set_kv_tokens)
+        self._arrivals = 0
         self._hf_tok: Any = None
         self._tok: Any = None  # tokenizers.Tokenizer (fast paths: encode/decode without the HF wrapper)
         self._n_vocab = 0  # real tokenizer entries; the model's padded logits beyond are never sampled
@@ -100,11 +166,23 @@ class WorkerEngine(ABC):
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._counters = dict.fromkeys(("requests_total", "requests_finished", "requests_cancelled", "requests_failed",
-                                        "requests_refused_queue_full", "prompt_tokens", "generated_tokens"), 0)
+                                        "requests_refused_queue_full", "requests_failed_out_of_memory",
+                                        "requests_preempted", "prompt_tokens", "prompt_tokens_cached",
+                                        "prefix_cache_hits", "generated_tokens"), 0)
         self._rate: deque[tuple[float, int]] = deque()
         self._started = time.monotonic()
 
     # --- lifecycle ----------------------------------------------------------------------------------------
+    def set_kv_tokens(self, tokens: int, ledger: bool) -> None:
+        """The KV cache's size in tokens (rounded down to pages); ledger: keep the page ledger here."""
+        self.kv_tokens = max(PAGE, int(tokens) // PAGE * PAGE)
+        self.kv = KvPages(self.kv_tokens // PAGE) if ledger else None
+
+    @property
+    def request_limit(self) -> int:
+        """Prompt plus reply positions one request may fill: the context, or the whole KV cache if smaller."""
+        return min(self.context_length, self.kv_tokens) if self.kv_tokens else self.context_length
+
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
@@ -212,8 +290,8 @@ class WorkerEngine(ABC):
         sampling.validate(params)
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if len(prompt_ids) >= self.context_length:
-            raise ContextLengthExceeded(len(prompt_ids), self.context_length)
+        if len(prompt_ids) >= self.request_limit:
+            raise ContextLengthExceeded(len(prompt_ids), self.request_limit)
         if any(not 0 <= t < self._n_vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
 
@@ -226,7 +304,7 @@ class WorkerEngine(ABC):
             except RuntimeError:  # the consumer's loop is gone: nobody is listening any more
                 req.cancelled = True
 
-        room = self.context_length - len(prompt_ids)
+        room = self.request_limit - len(prompt_ids)
         req = self._new_request(
             request_id=request_id,
             prompt=list(prompt_ids),
@@ -248,6 +326,8 @@ class WorkerEngine(ABC):
                 self._counters["requests_refused_queue_full"] += 1
                 raise QueueFull(len(self._waiting), self.max_waiting)
             self._by_id[request_id] = req
+            self._arrivals += 1
+            req.arrival = self._arrivals
             self._waiting.append(req)
             self._counters["requests_total"] += 1
             self._cv.notify()
@@ -290,24 +370,36 @@ class WorkerEngine(ABC):
             self._trim_rate(now)
             window = min(RATE_WINDOW_S, max(now - self._started, 1e-9))
             rate = sum(n for _, n in self._rate) / window
+            kv_waiting = sum(1 for r in self._running if r.kv_waiting)
             return {
                 "kind": self.kind,
                 "model_id": self.model_id,
                 "context_length": self.context_length,
-                "waiting": len(self._waiting),
-                "running": len(self._running),
+                # Admitted requests waiting for KV pages wait like the queued ones (their slot does nothing yet).
+                "waiting": len(self._waiting) + kv_waiting,
+                "running": len(self._running) - kv_waiting,
+                "waiting_for_kv": kv_waiting,
                 **self._stats_extra(),
                 "max_running": self.max_running,
                 "max_waiting": self.max_waiting,
                 **self._counters,
                 "tokens_per_s": round(rate, 2),
                 "uptime_s": round(now - self._started, 1),
+                "kv_cache": self._kv_stats(),
                 "tiers": {},
             }
 
     def _stats_extra(self) -> dict:
         """Engine-specific queue fields for stats(); called with self._cv held."""
         return {}
+
+    def _kv_stats(self) -> dict:
+        """The KV cache's pages and what was dropped from it; called with self._cv held."""
+        kv = self.kv
+        if kv is None:
+            return {"page_tokens": PAGE, "pages": self.kv_tokens // PAGE}
+        return {"page_tokens": PAGE, "pages": kv.total, "pages_used": kv.total - kv.free,
+                "pages_evicted": kv.evicted}
 
     # --- worker side --------------------------------------------------------------------------------------
     def _admit(self) -> Batch | None:
@@ -318,15 +410,87 @@ class WorkerEngine(ABC):
             if self._stopping:
                 return None
             new = []
-            while self._waiting and len(self._running) < self.max_running:
+            while self._waiting and len(self._running) < self.max_running and self._kv_admits(self._waiting[0]):
                 req = self._waiting.popleft()
                 self._running.append(req)
                 new.append(req)
             return Batch(new, list(self._running))
 
+    def _kv_admits(self, req: Request) -> bool:
+        """FIFO admission by pages: the head of the queue starts with its first page (a kept prefix cache it
+        continues from is handed over; another is evicted for room) while nobody running waits for pages. Caller
+        holds self._cv."""
+        if self.kv is not None and any(r.kv_waiting for r in self._running):
+            return False
+        self._claim_prefix(req)
+        if self.kv is None:
+            return True
+        while not self.kv.take(req, 1):
+            if not self._kv_evict_kept():
+                return False
+        return True
+
+    def _kv_reserve(self, req: Request, tokens: int) -> bool:
+        """Pages for `req` to hold `tokens` positions (the ledger's rule, module docstring). False: it waits."""
+        kv = self.kv
+        if kv is None:
+            return True
+        with self._cv:
+            while not kv.take(req, tokens):
+                if self._kv_evict_kept():
+                    continue
+                younger = [r for r in self._running if r is not req and r.arrival > req.arrival and kv.held.get(r)]
+                if not younger:
+                    req.kv_waiting = True
+                    return False
+                self._preempt(max(younger, key=lambda r: r.arrival))
+            req.kv_waiting = False
+            return True
+
+    def _preempt(self, req: Request) -> None:
+        """Take `req` out of running, its pages freed: it waits (in arrival order) to prefill what it has again.
+        Caller holds self._cv."""
+        self._running.remove(req)
+        if self.kv is not None:
+            self.kv.drop(req)
+        req.kv_waiting = False
+        self._reset_for_resume(req)
+        at = next((i for i, w in enumerate(self._waiting) if w.arrival > req.arrival), len(self._waiting))
+        self._waiting.insert(at, req)
+        self._counters["requests_preempted"] += 1
+
+    def _claim_prefix(self, req: Request) -> None:  # noqa: B027 - only an engine keeping prefix caches here
+        """Hand a kept prefix cache that `req` continues from (and its pages) to `req`. Caller holds self._cv."""
+
+    def _kv_evict_kept(self) -> bool:
+        """Drop a kept prefix cache to free pages; False when there is none. Caller holds self._cv."""
+        return False
+
+    def _reset_for_resume(self, req: Request) -> None:  # noqa: B027 - only engines with a ledger preempt
+        """Drop the model state of a preempted request so that it prefills prompt + generated again."""
+
     def _count_prompt(self, n: int) -> None:
         with self._cv:
             self._counters["prompt_tokens"] += n
+
+    def _note_cached(self, req: Request, tokens: int) -> None:
+        """The engine's account of how many of the request's prompt tokens its prefix cache served (once)."""
+        if req.cached_tokens is not None:
+            return
+        req.cached_tokens = tokens = max(0, min(int(tokens), len(req.prompt)))
+        with self._cv:
+            self._counters["prompt_tokens_cached"] += tokens
+            self._counters["prefix_cache_hits"] += tokens > 0
+
+    def _fail(self, req: Request, exc: BaseException, what: str) -> None:
+        """Retire `req` with the error that ended it: out of memory names what to lower, anything else is a
+        failed generation. The engine goes on with the other requests."""
+        if is_out_of_memory(exc):
+            with self._cv:
+                self._counters["requests_failed_out_of_memory"] += 1
+            self._retire(req, "requests_failed", EngineOutOfMemory(what, exc))
+        else:
+            self._retire(req, "requests_failed", EngineError(f"generation failed: {exc}"))
 
     def _token_event(self, req: Request, token: int, logits: Any, forced: bool = False,
                      grammar_done: bool = False) -> TokenEvent:
@@ -344,7 +508,8 @@ class WorkerEngine(ABC):
             now = time.monotonic()
             self._rate.append((now, 1))
             self._trim_rate(now)
-        event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced)
+        event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced,
+                           cached_tokens=req.cached_tokens if len(req.generated) == 1 else None)
         if req.params.logprobs is not None and logits is not None:
             lp, top = sampling.logprobs_of(logits, token, req.params.logprobs)
             event.logprob = lp
@@ -365,6 +530,8 @@ class WorkerEngine(ABC):
         with self._cv:
             if req in self._running:
                 self._running.remove(req)
+            if self.kv is not None:
+                self.kv.drop(req)
             self._forget(req, counter)
         self._release(req)
         req.emit(last)

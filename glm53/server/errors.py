@@ -13,7 +13,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from glm53.engine.interface import ContextLengthExceeded, EngineError, EngineNotReady, GrammarUnsupported, QueueFull
+from glm53.engine.interface import (
+    ContextLengthExceeded,
+    EngineError,
+    EngineNotReady,
+    EngineOutOfMemory,
+    GrammarUnsupported,
+    QueueFull,
+)
 
 log = logging.getLogger("glm53.server")
 
@@ -84,6 +91,9 @@ def from_engine_error(exc: Exception) -> APIError:
         # A slot frees when a running request ends: a few seconds at decode speed, so a short wait is honest.
         return APIError(429, f"The server is busy: {exc}.", code="rate_limit_exceeded",
                         headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)})
+    if isinstance(exc, EngineOutOfMemory):
+        # The request did nothing wrong and the server goes on: 503 (a retry may fit once others are done).
+        return APIError(503, f"Out of memory: {exc}.", code="out_of_memory")
     if isinstance(exc, GrammarUnsupported):
         return bad_request(str(exc), param="response_format", code="unsupported_parameter")
     return APIError(500, f"Generation failed: {exc}", code="engine_error")

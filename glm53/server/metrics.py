@@ -36,6 +36,33 @@ def _flatten(prefix: tuple[str, ...], value: Any, out: list[tuple[tuple[str, ...
             _flatten(prefix + (str(k),), v, out)
 
 
+# (engine.stats() key, metric name after glm53_, help). Counters since start are exposed as gauges too: they are
+# read from the engine at scrape time (a Counter would have to mirror them).
+ENGINE_GAUGES = (
+    ("running", "num_requests_running", "Requests being decoded."),
+    ("waiting", "num_requests_waiting", "Requests waiting: queued for a decode slot, or admitted and waiting for KV "
+                                        "cache pages."),
+    ("waiting_for_kv", "num_requests_waiting_for_kv", "Of the waiting requests, those waiting for KV cache pages."),
+    ("max_waiting", "max_requests_waiting", "Waiting requests allowed before 429 (GLM53_MAX_QUEUE; 0: no limit)."),
+    ("requests_refused_queue_full", "requests_refused_queue_full",
+     "Requests answered 429 because the waiting queue was full."),
+    ("requests_preempted", "requests_preempted",
+     "Times a request gave its KV pages to an older one and went back to waiting."),
+    ("requests_failed_out_of_memory", "requests_failed_out_of_memory", "Requests that failed: the device ran out."),
+    ("prompt_tokens", "engine_prompt_tokens", "Prompt tokens of the requests the engine started."),
+    ("prompt_tokens_cached", "prefix_cache_tokens", "Of those, prompt tokens served from the prefix cache."),
+    ("prefix_cache_hits", "prefix_cache_hit_requests", "Requests that reused more than 0 prompt tokens."),
+    ("tokens_per_s", "engine_tokens_per_second", "Recent engine decode rate."),
+)
+KV_GAUGES = (
+    ("pages", "kv_cache_pages", "KV cache size in pages (engine.stats()['kv_cache']['page_tokens'] tokens each)."),
+    ("pages_used", "kv_cache_pages_used", "KV cache pages held by requests."),
+    ("pages_evicted", "kv_cache_pages_evicted", "Cached (reusable) KV pages given up for room since start."),
+    ("recurrent_checkpoints_evicted", "recurrent_checkpoints_evicted",
+     "Recurrent-state checkpoints dropped from the RAM cache since start (exllamav3's prefix reuse of KDA layers)."),
+)
+
+
 class EngineCollector:
     """Gauges read from engine.stats() on each scrape."""
 
@@ -50,14 +77,12 @@ class EngineCollector:
             stats = self.engine.stats()
         except Exception:  # noqa: BLE001 - a scrape must not fail because the engine is mid-load
             stats = {}
-        for key, name, help_ in (("running", "num_requests_running", "Requests being decoded."),
-                                 ("waiting", "num_requests_waiting", "Requests queued for a decode slot."),
-                                 ("max_waiting", "max_requests_waiting",
-                                  "Waiting requests allowed before 429 (GLM53_MAX_QUEUE; 0: no limit)."),
-                                 ("requests_refused_queue_full", "requests_refused_queue_full",
-                                  "Requests answered 429 because the waiting queue was full."),
-                                 ("tokens_per_s", "engine_tokens_per_second", "Recent engine decode rate.")):
+        for key, name, help_ in ENGINE_GAUGES:
             yield GaugeMetricFamily(f"glm53_{name}", help_, value=float(stats.get(key) or 0))
+        kv = stats.get("kv_cache") or {}
+        for key, name, help_ in KV_GAUGES:
+            if key in kv:
+                yield GaugeMetricFamily(f"glm53_{name}", help_, value=float(kv[key] or 0))
         yield GaugeMetricFamily("glm53_engine_ready", "1 once the model is loaded.", value=float(self.engine.ready))
         flat: list[tuple[tuple[str, ...], float]] = []
         _flatten((), stats.get("tiers") or {}, flat)

@@ -7,6 +7,7 @@ passes, which makes queueing, cancellation and shutdown observable without timin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -326,3 +327,46 @@ def test_a_full_queue_is_a_429_with_retry_after_over_http_in_each_apis_shape() -
         eng.close()
     shaped = body_for("/v1/messages", from_engine_error(QF(1, 1)))
     assert shaped["type"] == "error" and shaped["error"]["type"] == "rate_limit_error"
+
+
+def test_a_client_that_leaves_the_full_queue_frees_its_place_at_once() -> None:
+    """With the slot taken and the one waiting place held, a third request is refused; once the waiting client
+    disconnects its place is free again (not when the running request ends), so the next request is queued."""
+    import httpx
+    from server_support import ServerThread, server_settings
+
+    from glm53.server.app import create_app
+
+    eng = ScriptEngine(max_running=1)
+    eng.load()
+    eng.max_waiting = 1
+    eng.gate.clear()  # nothing decodes: the first request holds the slot for the whole test
+    body = {"model": "script", "prompt": "ab", "max_tokens": 2}
+    try:
+        with ServerThread(create_app(eng, server_settings(model_id="script"))) as srv:
+            running = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                       kwargs={"json": body, "timeout": 30})
+            running.start()
+            wait_for(lambda: eng.stats()["running"] == 1)
+
+            def leaves() -> None:
+                with contextlib.suppress(httpx.ReadTimeout):
+                    httpx.post(srv.url + "/v1/completions", json=body, timeout=1.0)
+
+            waiter = threading.Thread(target=leaves)
+            waiter.start()
+            wait_for(lambda: eng.stats()["waiting"] == 1)
+            assert httpx.post(srv.url + "/v1/completions", json=body, timeout=10).status_code == 429
+            waiter.join(10)  # its client gave up: the server drops it from the queue
+            wait_for(lambda: eng.stats()["waiting"] == 0, timeout=5)
+            assert eng.stats()["running"] == 1 and eng.stats()["requests_cancelled"] == 1
+            queued = threading.Thread(target=httpx.post, args=(srv.url + "/v1/completions",),
+                                      kwargs={"json": body, "timeout": 30})
+            queued.start()
+            wait_for(lambda: eng.stats()["waiting"] == 1)  # taken, not refused
+            eng.gate.set()
+            running.join(30)
+            queued.join(30)
+    finally:
+        eng.gate.set()
+        eng.close()

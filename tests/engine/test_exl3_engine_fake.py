@@ -460,3 +460,36 @@ def test_tool_call_grammar_through_the_filter(stock):
         args = json.loads(call["function"]["arguments"])
         assert call["function"]["name"] == "get_weather" and set(args) == {"city", "days"}
         assert isinstance(args["city"], str) and len(args["city"]) <= 8 and 1 <= args["days"] <= 9
+
+
+def test_replies_without_max_tokens_commit_pages_as_they_grow_and_wait_for_them(ck):
+    """max_rq_tokens: a job holds its prompt's pages and one segment, and requeues at the segment's end; on a cache
+    too small for two whole replies, the second job waits for pages (counted as waiting, not running) instead of
+    either failing, both end with "length" where the cache ends, and neither reply differs from the same request
+    run alone (a requeue loses or repeats no token)."""
+    kv = 3 * F.PAGE_SIZE
+    with running(ck, kv_tokens=kv, max_concurrency=2) as engine:
+        alone = collect(engine, [5, 6, 7], SamplingParams(temperature=0))
+        seen: list[tuple[int, int, int]] = []
+
+        async def main():
+            async def one(prompt):
+                return [ev async for ev in engine.generate(prompt, SamplingParams(temperature=0), f"r{next(_ids)}")]
+
+            jobs = [asyncio.ensure_future(one(p)) for p in ([5, 6, 7], [8, 9, 10])]
+            while not all(j.done() for j in jobs):
+                s = engine.stats()
+                seen.append((s["running"], s["waiting"], s["waiting_for_kv"]))
+                await asyncio.sleep(0.002)
+            return [j.result() for j in jobs]
+
+        both = asyncio.run(main())
+        stats = engine.stats()
+    assert tokens(both[0]) == tokens(alone) and len(alone) == kv - 3
+    for events in (alone, *both):
+        assert events[-1].finish_reason == "length" and len(tokens(events)) == kv - 3
+    assert any(running == 2 for running, _, _ in seen), seen  # both decoded at once: no reply reserved it all
+    assert any(k and waiting >= k for _, waiting, k in seen), seen  # then one waited for pages, and showed it
+    assert stats["requests_failed"] == 0 and stats["requests_finished"] == 3
+    assert stats["kv_cache"]["pages"] == kv // F.PAGE_SIZE + 1 and stats["kv_cache"]["pages_evicted"] == 0
+    assert stats["prefix_cache_hits"] == 0 and stats["prompt_tokens_cached"] == 0  # the fake has no prompt cache

@@ -36,6 +36,13 @@
 #             bit-identity and 250,000-token prompt tests, then glm53 bench decode --devices 2 (8 MoE layers,
 #             exact and fast, each paired one card vs two, per-card picks and link MiB/token); SPLIT_LAYERS=42 for
 #             the full-depth fixture
+#   depthprobe  the full-depth fixture (issue 25: 45 layers, 3 dense + 42 MoE, always-used linears at K=5, EXL3
+#             K=6 head; DEPTH_EXPERTS routed experts per layer, default 8: ~10 GB in /tmp, kept and reused) in stock
+#             exllamav3, all in VRAM: load time, then 32 greedy tokens after a 16- and an 8,192-token prompt with
+#             first-token time, decode tok/s, torch's peak allocation and the device memory in use
+#   planmem   the plan's VRAM estimates against a real prefill (tests/test_engine_spec.py, gpu): torch's peak over two
+#             chunks of 2,048 and of 4,096 tokens (activations) and the process's device memory beyond it (the reserve);
+#             writes $OUT/plan-memory.json with the figures glm53/plan.py's PREFILL_MEASURED / RESERVE_MEASURED take
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 set -uo pipefail
@@ -74,6 +81,9 @@ step_server() {
   GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_conformance.py \
     > "$OUT/server.log" 2>&1
   stamp "server rc=$?"
+  GLM53_TEST_ENGINE=exl3 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_kv.py \
+    > "$OUT/server-kv.log" 2>&1
+  stamp "server-kv rc=$?"
 }
 step_width() {
   gpu_pytest modes-width 400 tests/engine/test_gpu_modes.py -k glm53_width
@@ -142,6 +152,12 @@ step_split2() {  # issue 28 on two GPUs: bit-identity, a 250,000-token prompt, t
     --json "$OUT/bench-split2.json" > "$OUT/bench-split2.log" 2>&1
   stamp "bench decode --devices 2 rc=$?"
 }
+step_depthprobe() {
+  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 560 python3 -u tests/gpu/depth_probe.py --experts "${DEPTH_EXPERTS:-8}" --work /tmp \
+    --json "$OUT/depthprobe.json" > "$OUT/depthprobe.log" 2>&1
+  local rc=$?
+  stamp "depthprobe rc=$rc $(grep -E '^(fixture|loaded|[0-9]+-token)' "$OUT/depthprobe.log" | tr '\n' ';')"
+}
 step_lane() {
   { lscpu; numactl --hardware 2>/dev/null; grep -m1 MHz /proc/cpuinfo; } > "$OUT/lscpu.log" 2>&1
   timeout 300 python3 -m glm53 bench cpu-lane --thread-list 1,2,4,8,12,15,16 --json "$OUT/bench-cpu-lane.json" \
@@ -150,10 +166,14 @@ step_lane() {
   timeout 120 python3 -m glm53 bench cpu-lane --thread-list 8,15 --no-pin >> "$OUT/bench-cpu-lane.log" 2>&1
   stamp "lane unpinned rc=$?"
 }
+step_planmem() {  # issue 25: the plan's prefill-activation and reserve estimates against what a prefill holds
+  # (GLM53_MEMORY_CKPT=<full-depth fixture> for the reserve's real figure; default a full-width 4-layer one)
+  OUT="$OUT" gpu_pytest planmem 500 tests/test_engine_spec.py -k gpu_prefill_memory
+}
 for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
     "step_$step"
   else
-    stamp "unknown step $step (known: bench nvme nvmequick nvmeshm nvmeemu disk nvme16 tiers tiny width server split1 split2 lane)"
+    stamp "unknown step $step (known: $(declare -F | sed -n 's/^declare -f step_//p' | tr '\n' ' '))"
   fi
 done

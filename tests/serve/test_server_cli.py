@@ -153,3 +153,11 @@ def test_serve_end_to_end(hf_model_dir, tmp_path):
     assert order == sorted(order), log
     # uvicorn's own (premature) startup line is replaced by the one logged after loading.
     assert sum("Application startup complete" in x for x in lines) == 1
+
+
+def test_the_kernel_cache_goes_into_the_cache_dir_unless_the_user_chose_one(tmp_path):
+    env: dict = {}
+    got = serve_cli.keep_kernel_cache(settings(cache_dir=tmp_path), env)
+    assert got == env["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    env = {"TRITON_CACHE_DIR": "/elsewhere"}
+    assert serve_cli.keep_kernel_cache(settings(cache_dir=tmp_path), env) == "/elsewhere"

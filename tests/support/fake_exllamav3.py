@@ -25,8 +25,13 @@ stop token is reported in "held" only. ArgmaxSampler and ComboSampler (temperatu
 from the job's seeded rng) mask the model's padded vocabulary in place and apply filter masks to a copy.
 LLGuidanceFilter is exllamav3's (the same llguidance calls, packed bitmasks); a filter with a trigger_token is
 inactive until that token is sampled, and completing the grammar with eos_after_completed ends the job
-("end_filter") on the completing token. Not faked: the prompt cache, stop strings, banned strings, token healing,
-requeueing, speculative decoding.
+("end_filter") on the completing token. Pages: a job holds the pages of its prompt plus its max_rq_tokens segment
+(aligned to a page; the whole reply without it), a pending job starts when its pages are free (skipped over by
+smaller ones at most max_skips times, as iterate_start_jobs does), and a job given max_rq_tokens requeues at each
+segment's end (a "requeue" result; it goes back to the front of the pending queue with the sequence so far as its
+prompt, which it prefills again: the fake has no prompt cache). generator.pagetable has max_pages, metrics and
+num_unreferenced_pages(). Not faked: the prompt cache, stop strings, banned strings, token healing, speculative
+decoding.
 
 The MoE layers, from exllamav3 1.6.5's sources (modules/block_sparse_mlp.py, block_sparse_mlp_cpu.py,
 linear.py, multilinear.py, quant/exl3.py, block_sparse_mlp_routing.py, loader/safetensors.py), at the level the
@@ -984,8 +989,8 @@ class Job:
     """One sequence: the prompt, then sampled tokens streamed in exllamav3's result dicts (Job.receive_sample's
     emit(): "stage" "streaming", "eos", "eos_reason", "token_ids" / "logits" of the tokens released, "held" for
     what an ending job still held, "identifier" when given). Text is held while it ends in an incomplete
-    character. Not faked (raise): stop strings, banned strings, token healing, top tokens / probs, requeueing,
-    embeddings, loop detection."""
+    character. Not faked (raise): stop strings, banned strings, token healing, top tokens / probs, embeddings,
+    loop detection."""
 
     def __init__(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int | None = None,
                  min_new_tokens: int = 0, max_skips: int | None = 4, sampler: Sampler | None = None,
@@ -1002,10 +1007,12 @@ class Job:
         assert input_ids.dim() == 2 and input_ids.shape[0] == 1, "input_ids must be [1, seq_len] tensor"
         assert input_ids.shape[-1] > 0, "Input IDs cannot be empty."
         assert max_new_tokens is None or max_new_tokens >= 1, "max_new_tokens must be >= 1, or None for no limit"
-        if return_top_tokens or return_probs or token_healing or banned_strings or embeddings or max_rq_tokens \
-                or stop_on_loop or rq_state:
-            raise NotImplementedError("the fake Job has no top tokens, probs, healing, banned strings, embeddings, "
-                                      "requeueing or loop detection")
+        if return_top_tokens or return_probs or token_healing or banned_strings or embeddings or stop_on_loop \
+                or rq_state:
+            raise NotImplementedError("the fake Job has no top tokens, probs, healing, banned strings, embeddings "
+                                      "or loop detection")
+        self.orig_max_rq_tokens = self.max_rq_tokens = max_rq_tokens
+        self.max_skips, self.skips, self.pages, self.requeued = max_skips, 0, 0, False
         self.generator: Generator | None = None
         self.serial_number: int | None = None
         self.identifier = identifier
@@ -1049,7 +1056,13 @@ class Job:
             self.max_new_tokens = min(self.max_new_tokens, room)
         # Pages for the prompt, the response and one position past it (Sequence.prepare, max_rq_tokens): a prompt
         # with no room left keeps its limit and fails here, as there.
-        total_pages = (len(self.input_ids[0]) + self.max_new_tokens + 1 + PAGE_SIZE - 1) // PAGE_SIZE
+        x = len(self.input_ids[0])
+        if self.orig_max_rq_tokens is not None:  # a segment to the next page boundary at least (no recurrent cache)
+            y = (x - 1 + self.orig_max_rq_tokens + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE
+            self.max_rq_tokens = max(1, min(y, generator.max_total_tokens) - x)
+        else:
+            self.max_rq_tokens = self.max_new_tokens + 1
+        total_pages = self.pages = (x + self.max_rq_tokens + PAGE_SIZE - 1) // PAGE_SIZE
         max_pages = generator.cache.max_pages
         assert total_pages <= max_pages, \
             f"Job requires {total_pages} pages (only {max_pages} available) and cannot be enqueued. Total cache " \
@@ -1098,8 +1111,17 @@ class Job:
             mask[:, sorted(self.stop_tokens)] = float("-inf")
         return mask
 
-    def receive_sample(self, logits: torch.Tensor, next_token: torch.Tensor, results: list) -> bool:
-        """Accept one sampled token (logits: its (1, 1, vocab) row); returns True when the job ended."""
+    def prepare_for_requeue(self) -> None:
+        """The sequence so far becomes the prompt of the job's next segment (the same object, as in exllamav3)."""
+        self.max_new_tokens -= self.new_tokens
+        self.min_new_tokens = max(0, self.min_new_tokens - self.new_tokens)
+        self.input_ids = torch.tensor([self.sequence_ids], dtype=torch.long)
+        self.new_tokens, self.kv_position, self.requeued = 0, 0, True
+        self.prepare_for_queue(self.generator, self.serial_number)
+
+    def receive_sample(self, logits: torch.Tensor, next_token: torch.Tensor, results: list) -> bool | str:
+        """Accept one sampled token (logits: its (1, 1, vocab) row); True when the job ended, "requeue" at the end
+        of its segment."""
         token = int(next_token.item())
         filter_eos = False
         if not self.filters_suspended:
@@ -1120,6 +1142,9 @@ class Job:
             return self._emit(results, eos="max_new_tokens", held=True)
         if filter_eos:
             return self._emit(results, eos="end_filter", held=True)
+        if self.new_tokens >= self.max_rq_tokens:
+            self._emit(results, held=True, requeue=True)
+            return "requeue"
         if "\ufffd" in self.held_text:
             text = tokenizer.decode(torch.tensor([self.held_tokens]), self.decode_special_tokens)[0]
             if text.endswith("\ufffd") and len(text) <= 20:
@@ -1127,8 +1152,11 @@ class Job:
             self.held_text = text
         return self._emit(results, held=True)
 
-    def _emit(self, results: list, eos: str | None = None, held: bool = False, stop_token: int | None = None) -> bool:
+    def _emit(self, results: list, eos: str | None = None, held: bool = False, stop_token: int | None = None,
+              requeue: bool = False) -> bool:
         r: dict[str, Any] = {"job": self, "stage": "streaming", "eos": eos is not None, "serial": self.serial_number}
+        if requeue:
+            r["requeue"] = True
         if eos is not None:
             r["eos_reason"] = eos
             if eos == "stop_token":
@@ -1167,11 +1195,24 @@ class Job:
         return eos is not None
 
 
+class PageTable:
+    """The page table's counters (generator/pagetable.py): pages held by active jobs, nothing cached."""
+
+    def __init__(self, generator: Generator, max_pages: int):
+        self.generator, self.max_pages = generator, max_pages
+        self.metrics = {"evictions": 0, "evictions_live": 0, "stashes_stranded": 0, "alloc_pages": 0,
+                        "alloc_prompt_pages": 0, "alloc_cached_pages": 0, "alloc_tier_pages": 0,
+                        "alloc_disk_pages": 0, "alloc_kv_only_pages": 0}
+
+    def num_unreferenced_pages(self) -> int:
+        return self.max_pages - sum(job.pages for job in self.generator.active_jobs)
+
+
 class Generator:
     """Pending and active jobs; iterate(): start jobs (up to max_batch_size), one prefill chunk per job still
     ingesting its prompt (a failure there fails only that job: an "error" result, as reap_failed_job does), then one
-    batched decode step (one model forward of every job past its prompt) and each job's sample. No prompt cache,
-    no page accounting beyond capping max_new_tokens, no speculative decoding."""
+    batched decode step (one model forward of every job past its prompt) and each job's sample. Pages as the module
+    docstring says; no prompt cache, no speculative decoding."""
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int = 256,
                  max_chunk_size: int = 2048, **kwargs: Any):
@@ -1181,6 +1222,8 @@ class Generator:
         self.max_total_tokens = PAGE_SIZE * cache.max_pages
         self.pending_jobs: list[Job] = []
         self.active_jobs: list[Job] = []
+        self.pagetable = PageTable(self, cache.max_pages)
+        self.recurrent_cache = None
         self.job_serial = 0
         self.forwards = 0  # model forwards (prefill chunks and decode steps), for tests
 
@@ -1220,10 +1263,22 @@ class Generator:
         assert self.cache.initialized, \
             "Cache tensors were never allocated. Construct the Cache BEFORE calling model.load()"
         results: list[dict] = []
-        while self.pending_jobs and len(self.active_jobs) < self.max_batch_size:
-            job = self.pending_jobs.pop(0)
+        skipped: list[Job] = []
+        for job in list(self.pending_jobs):
+            if len(self.active_jobs) >= self.max_batch_size:
+                break
+            if job.pages > self.pagetable.num_unreferenced_pages():
+                skipped.append(job)
+                continue
+            if any(j.skips >= j.max_skips for j in skipped):
+                break
+            for j in skipped:
+                j.skips += 1
+            self.pending_jobs.remove(job)
             self.active_jobs.append(job)
-            job.activate()
+            self.pagetable.metrics["alloc_pages"] += job.pages
+            if not job.requeued:  # a requeued job's filters carry on where they were
+                job.activate()
             r = {"job": job, "stage": "started", "eos": False, "serial": job.serial_number}
             if job.identifier is not None:
                 r["identifier"] = job.identifier
@@ -1250,8 +1305,12 @@ class Generator:
         for j, (job, mask) in enumerate(zip(batch, masks, strict=True)):
             row = logits[j : j + 1]
             token = job.sampler.forward(row, None, job.rng.randint(0, (1 << 32) - 1), self.tokenizer, logit_mask=mask)
-            if job.receive_sample(row, token, results):
+            ended = job.receive_sample(row, token, results)
+            if ended:
                 self.active_jobs.remove(job)
+            if ended == "requeue":
+                job.prepare_for_requeue()
+                self.pending_jobs.insert(0, job)
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
