@@ -26,7 +26,9 @@ RUN /opt/venv/bin/python -c "import exllamav3.ext" \
 
 FROM nvidia/cuda:${CUDA_VERSION}-runtime-${UBUNTU}
 ENV DEBIAN_FRONTEND=noninteractive PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
-    GLM53_HOST=0.0.0.0 GLM53_PORT=30000 GLM53_CACHE_DIR=/cache GLM53_ALLOW_NO_API_KEY=1
+    GLM53_HOST=0.0.0.0 GLM53_PORT=30000 GLM53_CACHE_DIR=/cache GLM53_ALLOW_NO_API_KEY=1 \
+    CUDA_DEVICE_ORDER=PCI_BUS_ID
+# CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA numbers the GPUs as nvidia-smi does, so cuda:N is the card the plan sized.
 # GLM53_ALLOW_NO_API_KEY=1: inside the container the server must bind 0.0.0.0; who can reach it is decided by
 # `-p 127.0.0.1:30000:30000` on the host. Publish on another address only with -e GLM53_API_KEY=... set.
 RUN apt-get update && apt-get install -y --no-install-recommends python3 && rm -rf /var/lib/apt/lists/*

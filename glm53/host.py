@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 GPU_QUERY = ("nvidia-smi", "--query-gpu=index,name,memory.total,memory.free,pcie.link.gen.current,"
@@ -36,6 +36,9 @@ class Gpu:
     free_mib: int
     pcie_gen: int | None
     pcie_width: int | None
+    # The CUDA ordinal torch and exllamav3 name it by (cuda:N): its place among the GPUs CUDA_VISIBLE_DEVICES
+    # leaves visible, in PCI bus order (CUDA numbers them so with CUDA_DEVICE_ORDER=PCI_BUS_ID, which glm53 sets).
+    cuda: int | None = None
 
     @property
     def pcie_gbps(self) -> float | None:
@@ -157,7 +160,46 @@ def parse_nvidia_smi(text: str) -> list[Gpu]:
     return gpus
 
 
+def _environ(root: Path) -> dict[str, str]:
+    """The process environment: os.environ on the real root, root/proc/self/environ (NUL-separated) on a fake one."""
+    if root == Path("/"):
+        return dict(os.environ)
+    text = _read(_sub(root, "/proc/self/environ")) or ""
+    return dict(kv.split("=", 1) for kv in text.split("\0") if "=" in kv)
+
+
+def visible_gpus(gpus: list[Gpu], visible: str | None, notes: list[str]) -> list[Gpu]:
+    """The GPUs CUDA_VISIBLE_DEVICES leaves visible, in its order, each with its CUDA ordinal (unset: all of
+    them, in nvidia-smi's PCI bus order). nvidia-smi ignores the variable, CUDA does not: without this a plan
+    would size a card the engine cannot open. Entries are indices; a UUID or MIG entry cannot be matched to
+    nvidia-smi's index rows here, so then every GPU is listed, with a note."""
+    if visible is None:
+        return [replace(g, cuda=i) for i, g in enumerate(gpus)]
+    by_index = {g.index: g for g in gpus}
+    out: list[Gpu] = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if not entry:
+            break
+        if not entry.lstrip("-").isdigit():
+            notes.append(f"CUDA_VISIBLE_DEVICES={visible!r} names GPUs by UUID or MIG id: not matched to "
+                         "nvidia-smi's indices, so every GPU is listed; name them by index to plan for a subset")
+            return [replace(g, cuda=i) for i, g in enumerate(gpus)]
+        g = by_index.get(int(entry))
+        if g is None or any(o.index == g.index for o in out):
+            break  # CUDA stops at the first invalid (or repeated) entry, and so do we
+        out.append(replace(g, cuda=len(out)))
+    if len(out) < len(gpus):
+        hidden = ", ".join(str(g.index) for g in gpus if all(o.index != g.index for o in out))
+        notes.append(f"CUDA_VISIBLE_DEVICES={visible!r}: GPU {hidden or 'none'} hidden from CUDA, not planned for")
+    return out
+
+
 def read_gpus(root: Path, notes: list[str]) -> list[Gpu]:
+    visible = _environ(root).get("CUDA_VISIBLE_DEVICES")
+    return visible_gpus(_nvidia_smi_gpus(root, notes), visible, notes)
+
+
+def _nvidia_smi_gpus(root: Path, notes: list[str]) -> list[Gpu]:
     csv = root / "nvidia-smi.csv"
     if root != Path("/"):
         # A fake host: its GPUs are exactly what nvidia-smi.csv lists (none when the file is absent).

@@ -22,8 +22,10 @@ from glm53.spec import (
     RECURRENT_CACHE_BYTES,
     EngineSpec,
     engine_spec,
+    kv_cache_bytes,
     split_slots,
 )
+from glm53.split import CardsPlan, plan_cards, usable
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -220,14 +222,18 @@ class Plan:
     reasons: dict[str, str] = field(default_factory=dict)
     real_model: dict[str, Any] | None = None  # demo only: what GLM-5.3-Flash would get on this host
     engine: EngineSpec | None = None          # every size the engine runs with (None: the demo)
-    # What the budgets hold, term by term, in bytes (the VRAM terms sum to at most vram_budget_bytes): what a GPU
-    # run compares its measured peak with.
+    # What the budgets hold, term by term, in bytes (the VRAM terms sum to at most vram_budget_bytes, every card's
+    # together): what a GPU run compares its measured peak with.
     vram_accounting: dict[str, int] = field(default_factory=dict)
     ram_accounting: dict[str, int] = field(default_factory=dict)
+    # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.devices.DeviceShare's
+    # JSON); one entry on one GPU, none for the demo.
+    devices: list[dict[str, Any]] = field(default_factory=list)
 
     JSON_KEYS = ("mode", "device", "gpu_index", "gpu_name", "vram_budget_bytes", "vram_slots",
                  "vram_slots_per_layer", "ram_slots", "ram_tier_bytes", "cpu_threads", "nvme_threads",
-                 "kv_tokens", "budget", "store", "real_model", "engine", "vram_accounting", "ram_accounting")
+                 "kv_tokens", "budget", "store", "real_model", "engine", "vram_accounting", "ram_accounting",
+                 "devices")
 
     @property
     def exact(self) -> bool:
@@ -237,6 +243,7 @@ class Plan:
         doc = {k: getattr(self, k) for k in self.JSON_KEYS}
         doc["engine"] = self.engine.to_json() if self.engine is not None else None
         doc["vram_accounting"], doc["ram_accounting"] = dict(self.vram_accounting), dict(self.ram_accounting)
+        doc["devices"] = [dict(d) for d in self.devices]
         return {**doc, "warnings": list(self.warnings),
                 "reasons": ordered(self.reasons), "error": None}
 
@@ -340,10 +347,10 @@ def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu,
     why = f"GPU {g.index} ({g.name}, {gib(g.free_mib * MIB)} free of {gib(g.total_mib * MIB)}, {link})"
     if len(facts.gpus) > 1:
         others = ", ".join(str(o.index) for o in facts.gpus if o is not g)
-        why += (f"; {len(facts.gpus)} GPUs found, glm53 serves from one: picked by PCIe bandwidth, then free VRAM "
-                f"(GPU {others} stay idle). Indices are nvidia-smi's, in PCI bus order; CUDA numbers GPUs the "
-                "same way only with CUDA_DEVICE_ORDER=PCI_BUS_ID. To choose another, expose only it: "
-                "docker run --gpus '\"device=N\"'")
+        why += (f"; {len(facts.gpus)} GPUs found, only this one has the VRAM for a share of the layers (GPU "
+                f"{others} stay idle, see the warnings). Indices are nvidia-smi's, in PCI bus order, as CUDA's with "
+                "CUDA_DEVICE_ORDER=PCI_BUS_ID (glm53 sets it). To choose the cards, expose only them: "
+                "docker run --gpus '\"device=N,M\"'")
     if (g.pcie_gen or 0) and g.pcie_gen < 4:
         why += ("; the link reads below gen 4 (an idle GPU may downshift, so this is a floor): each 9 MiB "
                 "admit costs more, so the planner favours the CPU lane for misses")
@@ -364,6 +371,10 @@ class _Vram:
     accounting: dict[str, int]
 
 
+STOCK_CHUNK_WHY = (f"{PREFILL_CHUNK} tokens (exllamav3's default): every expert is in VRAM, so a chunk streams "
+                   "nothing over PCIe and a larger one would only take memory")
+
+
 def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict, warnings: list) -> _Vram:
     """Weights, KV, staging, the reserve, the prefill chunk's activations and the KDA state of the cache's sequences
     first; expert slots get the rest. The sequences (not below 1), then the chunk (`_choose_chunk`) are lowered while
@@ -372,8 +383,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
     eb = shape.expert_bytes
     reserve, reserve_why = vram_reserve()
     act = lambda chunk: prefill_activation_bytes(shape, chunk)[0]  # noqa: E731
-    # One KV page more than the context: exllamav3 reserves a position past a job's last token.
-    kv_of = lambda tokens: (tokens + PAGE) * shape.kv_bytes_per_token  # noqa: E731
+    kv_of = lambda tokens: kv_cache_bytes(tokens, shape.kv_bytes_per_token)  # noqa: E731
     seq = shape.state_bytes_per_seq
     want = settings.max_concurrency
     context = -(-settings.context // PAGE) * PAGE
@@ -390,8 +400,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
                                  "serves, no tiers")
         reasons["kv_tokens"] = _kv_reason(shape, context, kv_of(context))
         reasons["sequences"] = _seq_reason(shape, want, want, "")
-        reasons["prefill_chunk"] = (f"{PREFILL_CHUNK} tokens (exllamav3's default): every expert is in VRAM, so a "
-                                    "chunk streams nothing over PCIe and a larger one would only take memory")
+        reasons["prefill_chunk"] = STOCK_CHUNK_WHY
         reasons["reserve"] = reserve_why
         return _Vram(shape.experts, 0, context, want, PREFILL_CHUNK, everything)
     # A whole layer's experts of staging: exact prefill stages every picked expert of a layer, in id order.
@@ -765,19 +774,67 @@ def _memory_warnings(facts: HostFacts, pinned: int, warnings: list[str]) -> None
                         f"(--memory {cap}g --memory-swap {cap}g)")
 
 
+def _cuda(shares, gpu: Gpu) -> str:
+    """The engine's (first) device: CUDA's ordinal, which CUDA_VISIBLE_DEVICES renumbers, not nvidia-smi's."""
+    return f"cuda:{shares[0].index}" if shares else f"cuda:{gpu.index if gpu.cuda is None else gpu.cuda}"
+
+
+def _budget_of(settings):
+    cap = int(settings.vram_budget_gb * GIB) if settings.vram_budget_gb else None
+    return lambda g: g.free_mib * MIB if cap is None else min(g.free_mib * MIB, cap)
+
+
+def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
+                routing: Any) -> tuple[Gpu, CardsPlan, _Vram] | None:
+    """Two or more usable GPUs: the layer split (glm53.split), each card paying the reserve, the chunk's prefill
+    activations and its staging beside its layers. None: one GPU (or none usable), the one-card plan; cards too
+    small to hold a share are left out with a warning either way. The sequences asked for are kept."""
+    cards, left_out = usable(facts.gpus, _budget_of(settings), MIN_GPU_GIB * GIB)
+    warnings.extend(left_out)
+    if len(cards) < 2:
+        return None
+    counts, why = routing if routing is not None else (None, "no routing statistics read")
+    reserve, reserve_why = vram_reserve()
+    floor = hot_set_floor(shape)
+    try:
+        cp = plan_cards(cards, _budget_of(settings), shape, settings, reserve=reserve,
+                        activations=lambda chunk: prefill_activation_bytes(shape, chunk)[0],
+                        choose_chunk=lambda default, at: _choose_chunk(shape, cards[0], default, at, floor),
+                        min_slots=MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k, min_tokens=MIN_KV_TOKENS,
+                        kv_round=KV_ROUND, counts=counts, counts_why=why)
+    except ValueError as exc:
+        raise PlanError(str(exc)) from None
+    warnings.extend(cp.warnings)
+    reasons.update(cp.reasons)
+    want = settings.max_concurrency
+    reasons["sequences"] = _seq_reason(shape, want, want, "")
+    reasons["prefill_chunk"] = cp.chunk_why or STOCK_CHUNK_WHY
+    reasons["reserve"] = f"{reserve_why}; on each of the {len(cards)} cards"
+    return cards[0], cp, _Vram(sum(cp.vram_slots), cp.split.staging, cp.split.kv_tokens, want, cp.chunk,
+                               cp.accounting)
+
+
 def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
                routing: Any) -> Plan:
-    gpu, budget = _pick_gpu(facts, settings, reasons)
-    v = _size_vram(shape, settings, gpu, budget, reasons, warnings)
-    staging, kv_tokens = v.staging, v.kv_tokens
-    counts, why = routing if routing is not None else (None, "no routing statistics read")
-    per_layer = v.slots // shape.moe_layers
-    if staging:
-        vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts,
-                                  total=v.slots)
-        split += f"; {why}" if counts is None else ""
+    multi = _plan_cards(facts, shape, settings, warnings, reasons, routing)
+    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging, KV and chunk (glm53.split)
+        gpu, cards, v = multi
+        budget, shares, vram, split = sum(s.vram_budget_bytes for s in cards.shares), cards.shares, cards.vram_slots, \
+            cards.how
+        per_layer = min(vram)
     else:
-        vram, split = (shape.experts_per_layer,) * shape.moe_layers, "every expert in VRAM"
+        gpu, budget = _pick_gpu(facts, settings, reasons)
+        v = _size_vram(shape, settings, gpu, budget, reasons, warnings)
+        counts, why = routing if routing is not None else (None, "no routing statistics read")
+        per_layer = v.slots // shape.moe_layers
+        if v.staging:
+            vram, split = split_slots(per_layer, shape.moe_layers, shape.experts_per_layer, shape.top_k, counts,
+                                      total=v.slots)
+            split += f"; {why}" if counts is None else ""
+        else:
+            vram, split = (shape.experts_per_layer,) * shape.moe_layers, "every expert in VRAM"
+        shares = ()
+    staging, kv_tokens = v.staging, v.kv_tokens
     ram = _ram(facts, shape)
     fit = _fit(facts, shape, settings, sum(vram), ram, warnings)
     mode = _choose_mode(fit, settings, reasons, warnings)
@@ -789,10 +846,10 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
     spec = engine_spec(mode if staging else "stock", moe_layers=shape.moe_layers,
                        experts_per_layer=shape.experts_per_layer, top_k=shape.top_k, vram_slots=vram,
                        kv_tokens=kv_tokens, context=context, max_concurrency=v.sequences,
-                       device=f"cuda:{gpu.index}", staging_slots=staging or None, ram_slots=tier.slots,
+                       device=_cuda(shares, gpu), staging_slots=staging or None, ram_slots=tier.slots,
                        cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
                        allow_buffered=settings.allow_buffered_reads, prefill_chunk=v.chunk,
-                       recurrent_cache_bytes=tier.recurrent_cache, split=split)
+                       recurrent_cache_bytes=tier.recurrent_cache, split=split, devices=shares)
     if not staging:
         tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
         pinned = 0
@@ -801,10 +858,13 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
                          f"sequence{'s' if spec.max_concurrency != 1 else ''}, prefill chunks of {spec.prefill_chunk}")
     ram_acc = {"ram_tier": pinned, "recurrent_cache": tier.recurrent_cache, "host_weights": shape.host_bytes,
                "margin": ram.margin}
-    return Plan(mode, f"cuda:{gpu.index}", gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
+    devices = [d.to_json() for d in shares] or [
+        {"index": gpu.index, "name": gpu.name, "vram_budget_bytes": budget, "layers": [0, shape.layers - 1],
+         "vram_slots": sum(vram)}]
+    return Plan(mode, spec.device, gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
                 pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
                 reasons, engine=spec, vram_accounting={**v.accounting, "expert_slots": sum(vram) * shape.expert_bytes},
-                ram_accounting=ram_acc)
+                ram_accounting=ram_acc, devices=devices)
 
 
 # The demo checkpoints' windows: the CPU one (glm53.engine.demo's config, 4,096 positions) and what

@@ -63,6 +63,11 @@ class ModelShape:
     mtp_layer: int | None         # index of the MTP head's layer (skipped for serving)
     source: str                   # where the numbers came from, for the plan's reasons
     max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
+    # Per decoder layer, for splitting the layers across GPUs (glm53.split); empty: not known (the defaults' and
+    # a headerless checkpoint's), then glm53.split assumes GLM's layout and spreads the weights evenly.
+    layer_bytes: tuple[int, ...] = ()    # each layer's own VRAM bytes (the rest of always_used: the head)
+    moe_layer_ids: tuple[int, ...] = ()  # decoder layers with routed experts
+    mla_layer_ids: tuple[int, ...] = ()  # decoder layers with a per-token KV cache
     host_bytes: int = 0           # weights exllamav3 keeps in host RAM: the unquantized embedding table (prefer_cpu)
     checkpoint_bytes: int = 0     # one recurrent-state checkpoint in host RAM (the Generator's prefix reuse)
     # Prefill activations: (phase, bytes per chunk token, fixed bytes, bytes per sub-range token, sub-range tokens) for
@@ -215,7 +220,7 @@ def _geometry(tc: dict, layers: int, hidden: int, top_k: int, moe: bool) -> dict
     attn_heads = int(tc.get("num_attention_heads") or 1)
     topk_tokens = int(tc.get("index_topk") or 2048) + (kpool - 1 if kpool else 0)
     index_heads = int(tc.get("index_n_heads") or 32)
-    return {"mla": len(mla_idx),
+    return {"mla": len(mla_idx), "mla_ids": tuple(mla_idx),
             "kv": _kv_per_token(len(mla_idx), num("kv_lora_rank"), num("qk_rope_head_dim"), index_dim, kpool, full),
             "state": state, "checkpoint": checkpoint,
             "phases": _prefill_phases(hidden, num("hc_mult"), top_k, num("moe_intermediate_size"), moe, kda > 0,
@@ -277,6 +282,7 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
         n.startswith("lm_head.") for n in sizes)
     per_expert: dict[tuple[int, int], int] = defaultdict(int)
     always = host = 0
+    per_layer = [0] * layers
     for name, nbytes in sizes.items():
         if e := EXPERT_RE.search(name):
             if int(e.group(1)) < layers:
@@ -285,6 +291,8 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
         place = _tensor_place(name, layers, tied)
         always += nbytes if place in ("vram", "both") else 0
         host += nbytes if place in ("host", "both") else 0
+        if place == "vram" and (m := LAYER_RE.search(name)):
+            per_layer[int(m.group(1))] += nbytes  # a decoder layer's own tensors (the rest: embedding, head, norm)
     if not per_expert:
         raise ShapeError(f"{root}: no routed-expert tensors (layers.L.mlp.experts.E.*_proj.*) in "
                          f"{len(files)} safetensors file(s)")
@@ -299,4 +307,5 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
     # Slots must hold the largest expert; in a well-formed checkpoint they are all the same size.
     return ModelShape(hidden, layers, len(moe_layers), n_experts, top_k, max(per_expert.values()), always, geo["kv"],
                       geo["state"], geo["mla"], mtp, f"{root} ({len(files)} safetensors headers)", host_bytes=host,
+                      layer_bytes=tuple(per_layer), moe_layer_ids=tuple(moe_layers), mla_layer_ids=geo["mla_ids"],
                       **caches)

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from glm53.devices import DeviceShare, check_shares
+
 ENGINES = ("stock", "exact", "fast", "nvme", "nvme-exact")
 TIERED = ("exact", "fast", "nvme", "nvme-exact")
 PAGE = 256                 # exllamav3's KV page: the cache is a whole number of pages
@@ -45,6 +47,8 @@ class EngineSpec:
     prefill_chunk: int               # prompt tokens per forward
     recurrent_cache_bytes: int       # host RAM for exllamav3's recurrent-state checkpoints (prefix reuse of KDA layers)
     split: str                       # how the VRAM slots were divided among layers, for the plan's reasons
+    # The layer split across GPUs (glm53.devices), in layer order; empty: everything on `device` (one GPU).
+    devices: tuple[DeviceShare, ...] = ()
 
     @property
     def tiered(self) -> bool:
@@ -61,7 +65,14 @@ class EngineSpec:
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
         doc["vram_slots"] = list(self.vram_slots)
+        doc["devices"] = [d.to_json() for d in self.devices]
         return doc
+
+
+def kv_cache_bytes(tokens: int, per_token: int) -> int:
+    """The MLA cache for `tokens` of context: one page more, since exllamav3 reserves a position past a job's last
+    token."""
+    return (tokens + PAGE) * per_token
 
 
 def staging_for(vram_slots: Sequence[int], experts_per_layer: int, staging: int) -> int:
@@ -118,20 +129,24 @@ def engine_spec(
     prefill_chunk: int = PREFILL_CHUNK,
     recurrent_cache_bytes: int = RECURRENT_CACHE_BYTES,
     split: str = "uniform",
+    devices: Sequence[DeviceShare] = (),
 ) -> EngineSpec:
     """An EngineSpec with the sizing rules applied: staging defaults to one layer of experts (any prefill chunk
     fits, and exact modes stay bit-exact), raised by `staging_for`; the RAM tier outside the nvme modes holds
     every expert VRAM does not, plus the admission spare (`ram_slots` is required in the nvme modes: there the
-    memory cap sizes it). Refuses sizes the engine could not run with, naming them."""
+    memory cap sizes it). devices: the layer split across GPUs (glm53.devices; `device` is then the first
+    share's). Refuses sizes the engine could not run with, naming them."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    devices = tuple(devices)
     kv = max(PAGE, int(kv_tokens) // PAGE * PAGE)
     ctx = min(kv, int(context)) if context else kv
     chunk = max(PAGE, int(prefill_chunk) // PAGE * PAGE)
     common = dict(device=device, kv_tokens=kv, context=ctx, max_concurrency=int(max_concurrency),
                   cache_sequences=int(max_concurrency), prefill_chunk=chunk, allow_buffered=bool(allow_buffered),
-                  recurrent_cache_bytes=max(0, int(recurrent_cache_bytes)))
+                  recurrent_cache_bytes=max(0, int(recurrent_cache_bytes)), devices=devices)
     if engine == "stock":
+        check_shares(devices, None, moe_layers)
         return EngineSpec("stock", vram_slots=(), staging_slots=0, ram_slots=0, cpu_threads=0, store_threads=0,
                           store=None, split="every expert in VRAM", **common)
     slots = (int(vram_slots),) * moe_layers if np.isscalar(vram_slots) else tuple(int(s) for s in vram_slots)
@@ -139,6 +154,7 @@ def engine_spec(
         raise ValueError(f"{len(slots)} VRAM slot counts for {moe_layers} MoE layers")
     if any(not 0 <= s <= experts_per_layer for s in slots):
         raise ValueError(f"VRAM slots per layer must be in [0, {experts_per_layer}], got {list(slots)}")
+    check_shares(devices, None, moe_layers, slots)
     staging = staging_for(slots, experts_per_layer, experts_per_layer if staging_slots is None else staging_slots)
     if staging < top_k:
         raise ValueError(f"staging_slots {staging} < top_k {top_k}: a decode step could not run")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from fakehost import BROADWELL_2S, GIB, RTX3090, HostSpec, write_host
+from fakehost import BROADWELL_2S, GIB, RTX3090, RTX4080, RTX4090, HostSpec, write_host
 
 from glm53 import host as H
 
@@ -48,7 +48,30 @@ def test_no_gpu_file_means_no_gpu(tmp_path):
 
 def test_two_gpus(tmp_path):
     f = facts(tmp_path, HostSpec(gpus=(RTX3090, RTX3090)))
-    assert [g.index for g in f.gpus] == [0, 1]
+    assert [g.index for g in f.gpus] == [0, 1] and [g.cuda for g in f.gpus] == [0, 1]
+    assert all((g.total_mib, g.pcie_gen, g.pcie_width) == (24576, 4, 16) for g in f.gpus)
+    assert [g["cuda"] for g in f.to_json()["gpus"]] == [0, 1]
+
+
+def test_cuda_visible_devices_hides_and_renumbers(tmp_path):
+    spec = HostSpec(gpus=(RTX3090, RTX4080, RTX4090, RTX3090), cuda_visible="2,0")
+    f = facts(tmp_path, spec)
+    # CUDA sees GPU 2 as cuda:0 and GPU 0 as cuda:1; nvidia-smi's indices and facts stay as they are.
+    assert [(g.index, g.cuda, g.name) for g in f.gpus] == [(2, 0, RTX4090[0]), (0, 1, RTX3090[0])]
+    assert any("GPU 1, 3 hidden from CUDA" in n for n in f.notes)
+
+
+def test_cuda_visible_devices_edge_cases(tmp_path):
+    gpus = [H.Gpu(i, f"g{i}", 24576, 24000, 4, 16) for i in range(3)]
+    notes: list[str] = []
+    assert [g.cuda for g in H.visible_gpus(gpus, None, notes)] == [0, 1, 2] and not notes
+    assert H.visible_gpus(gpus, "", notes) == [] and "hidden" in notes[-1]  # CUDA_VISIBLE_DEVICES= hides all
+    # CUDA stops at the first index it does not know (and at a repeat).
+    assert [g.index for g in H.visible_gpus(gpus, "1,7,0", [])] == [1]
+    assert [g.index for g in H.visible_gpus(gpus, "2,2,0", [])] == [2]
+    notes = []
+    assert [g.cuda for g in H.visible_gpus(gpus, "GPU-8f2e1c", notes)] == [0, 1, 2]
+    assert "UUID" in notes[0]
 
 
 def test_dual_socket_broadwell(tmp_path):

@@ -277,11 +277,11 @@ def test_vram_budget_emulates_a_smaller_card(tmp_path):
     assert "GLM53_VRAM_BUDGET_GB=16 < 20 GiB" in err.message
 
 
-def test_two_gpus_uses_one_and_says_which(tmp_path):
-    slow_link = ("NVIDIA GeForce RTX 3090", 24576, 24135, 4, 4)
-    p = run(tmp_path, HostSpec(gpus=(slow_link, RTX3090)))
+def test_two_gpus_one_too_small_uses_one_and_says_which(tmp_path):
+    p = run(tmp_path, HostSpec(gpus=(RTX4080, RTX3090)))
     assert p.mode == "fast" and p.gpu_index == 1 and p.device == "cuda:1"
     assert "2 GPUs found" in p.reasons["gpu"] and "GPU 0 stay idle" in p.reasons["gpu"]
+    assert any("GPU 0 (NVIDIA GeForce RTX 4080" in w and "left out" in w for w in p.warnings)
 
 
 def test_dual_socket_broadwell_pcie3(tmp_path):
@@ -367,7 +367,7 @@ ISSUE2_HOSTS = [
      "memory cap 55 GiB without an equal swap cap"),
     ("no GPU", HostSpec(gpus=()), {}, None, "no NVIDIA GPU found"),
     ("a 16 GB GPU", HostSpec(gpus=(RTX4080,)), {}, None, "16 GiB of VRAM < 20 GiB needed"),
-    ("two GPUs", HostSpec(gpus=(RTX3090, RTX3090)), {}, "fast", "2 GPUs found"),
+    ("two GPUs", HostSpec(gpus=(RTX3090, RTX3090)), {}, "fast", "2 GPUs, the decoder layers split across them"),
     ("dual-socket 44-core Broadwell, PCIe 3",
      HostSpec(cpu=BROADWELL_2S, numa_nodes=2, mem_total_gib=125.8, mem_available_gib=120,
               gpus=(("NVIDIA GeForce RTX 3090", 24576, 24135, 3, 16),)), {}, "fast", "2 NUMA nodes"),

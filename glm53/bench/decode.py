@@ -59,6 +59,10 @@ def register_bench(bench_sub: Any) -> None:
                    help="nvme modes: read the store through an emulated disk of R GB/s (every read's bytes take their "
                         "time at R on one timeline all reads share; with --store-dir /dev/shm, what a drive of that "
                         "rate would give this engine); the own bound then uses R")
+    p.add_argument("--devices", type=int, default=1, metavar="N",
+                   help="also run each mode with the layers split across cuda:0..N-1, each card holding as many "
+                        "expert slots as the one card (N x --slots per layer), paired with the one-card run "
+                        "(default 1: no split)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="tokens each tiered mode decodes before the windows (default 16: the tiers start nearly "
@@ -270,23 +274,27 @@ class _Runner:
     """One loaded model (stock, or a tiered mode) with its generator."""
 
     def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int, mode: str = "exact",
-                 cpu_threads: int | None = None, store_tier: StoreTier | None = None):
+                 cpu_threads: int | None = None, store_tier: StoreTier | None = None, cards: int = 1):
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
-        from glm53.engine.exl3_adapter import TieredMoE
+        from glm53.engine.exl3_adapter import TieredMoE, place_layers
 
         t0 = time.perf_counter()
         config = Config.from_directory(str(model_dir))
         self.model = Model.from_config(config)
         self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
-        self.tiered = None
+        self.tiered = spec = None
         if slots is not None:
-            spec = bench_spec(model_dir, mode, slots, cache_tokens, cpu_threads, store_tier)
+            spec = bench_spec(model_dir, mode, slots, cache_tokens, cpu_threads, store_tier, cards)
             self.tiered = TieredMoE(self.model, model_dir, spec, nvme_open=store_tier.opener(model_dir, spec)
                                     if spec.nvme else None)
             self.tiered.install()
-        self.model.load(device=torch.device("cuda:0"))
+        unplace = place_layers(self.model, spec) if spec is not None else (lambda: None)
+        try:
+            self.model.load(device=torch.device("cuda:0"))
+        finally:
+            unplace()
         if self.tiered is not None:
             self.tiered.populate()
             if self.tiered.spec.lane:
@@ -338,6 +346,11 @@ class _Runner:
                     out["prefill_store_busy"] = (r0["busy_s"] - rb.get("busy_s", 0.0)) / max(first - t0, 1e-9)
                 out["guess_floor"] = snap1["lookahead"].get("guess_floor")
                 out["guess_saving"] = snap1["lookahead"].get("guess_saving")
+            if "devices" in snap1:  # a layer split: each card's picks and the bytes over its link, per token
+                out["devices"] = [{"device": b["device"], "picks": b["picks"] - a["picks"],
+                                   "pcie": b["lanes"]["pcie"] - a["lanes"]["pcie"],
+                                   "link_MiB_per_token": (b["link_bytes"] - a["link_bytes"]) / n / 2**20}
+                                  for a, b in zip(snap0["devices"], snap1["devices"], strict=True)]
             out.update(h2d_bytes_per_token=h2d / n, d2h_bytes_per_token=d2h / n, store_bytes_per_token=store / n,
                        hit_rate=picks["vram_hit"] / max(1, picks["total"]), picks=picks,
                        lookahead_recall=hits / actual if actual else None,
@@ -378,21 +391,51 @@ class StoreTier:
 
 
 def bench_spec(model_dir: Path, mode: str, slots: int, cache_tokens: int, cpu_threads: int | None,
-               store_tier: StoreTier | None) -> Any:
+               store_tier: StoreTier | None, cards: int = 1) -> Any:
     """The EngineSpec of a tiered mode at `slots` VRAM slots per layer: the plan's sizing rules (glm53.spec) on
-    the checkpoint's shape, with the bench's RAM tier in the nvme modes."""
+    the checkpoint's shape, with the bench's RAM tier in the nvme modes. cards > 1: the layers split across
+    cuda:0..cards-1 (glm53.devices.even_shares)."""
     from glm53.cpu_lane.calibrate import default_threads
+    from glm53.devices import even_shares
     from glm53.shape import from_checkpoint
     from glm53.spec import engine_spec
 
     shape = from_checkpoint(model_dir)
     nvme = mode.startswith("nvme")
+    devices = even_shares(shape.layers, shape.moe_layer_ids, [slots] * shape.moe_layers, range(cards)) \
+        if cards > 1 else ()
     return engine_spec(mode, moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,
                        top_k=shape.top_k, vram_slots=slots, kv_tokens=cache_tokens, max_concurrency=1,
                        device="cuda:0", cpu_threads=cpu_threads or default_threads(),
                        ram_slots=store_tier.ram_slots if nvme else None, store_threads=store_tier.threads if nvme else 0,
                        store=str(store_tier.store) if nvme else None,
-                       allow_buffered=store_tier.allow_buffered if nvme else False)
+                       allow_buffered=store_tier.allow_buffered if nvme else False, devices=devices)
+
+
+def split_modes(modes: Sequence[str], cards: int) -> list[str]:
+    """The runner names of the split runs: each mode with "@N" (N cards), none without a split."""
+    return [f"{m}@{cards}" for m in modes] if cards > 1 else []
+
+
+def split_result(rows: list[dict], modes: Sequence[str], cards: int, slots: int, split_slots: int) -> dict:
+    """Each mode on `cards` cards against one card, paired window by window, with each card's share of the picks
+    and of the link traffic (what the issue's >= 1.6x on the 8-MoE-layer fixture is judged by)."""
+    out = {}
+    for mode in modes:
+        name = f"{mode}@{cards}"
+        mine = [x for x in rows if x["name"] == name]
+        picks = [sum(x["devices"][i]["picks"] for x in mine) for i in range(cards)]
+        out[mode] = {
+            "cards": cards, "slots_per_layer": split_slots, "one_card_slots_per_layer": slots,
+            "decode_tok_s": sum(x["decode_tok_s"] for x in mine) / max(1, len(mine)),
+            "paired_over_one_card": paired_ratio(rows, name, mode),
+            "pick_share_by_card": [p / max(1, sum(picks)) for p in picks],
+            "link_MiB_per_token_by_card": [sum(x["devices"][i]["link_MiB_per_token"] for x in mine) / max(1, len(mine))
+                                           for i in range(cards)],
+            "host_ms_per_token": {k: sum(x["host_ms_per_token"].get(k, 0.0) for x in mine) / max(1, len(mine))
+                                  for k in (mine[0]["host_ms_per_token"] if mine else {})},
+        }
+    return out
 
 
 def nvme_opener(model_dir: Path, store: Path, ram_fraction: float, threads: int = 8,
@@ -426,7 +469,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                  modes: tuple[str, ...] = MODES, cpu_threads: int | None = None, log=print,
                  store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None,
                  profile_dump: Path | None = None,
-                 warmup_tokens: int = 16, buffered_store: bool = False, emulated_disk_Bps: float | None = None) -> dict:
+                 warmup_tokens: int = 16, buffered_store: bool = False, emulated_disk_Bps: float | None = None,
+                 cards: int = 1) -> dict:
     import torch
 
     rate = h2d_rate()
@@ -453,6 +497,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads, nvme_open)
             log(f"{mode} ({slots} slots/layer) loaded in {runners[mode].load_s:.1f} s, "
                 f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
+        from glm53.shape import from_checkpoint
+
+        split_slots = min(from_checkpoint(model_dir).experts_per_layer - 1, cards * slots)  # each card holds what the one card held
+        for mode, name in zip(modes, split_modes(modes, cards), strict=False):
+            runners[name] = _Runner(model_dir, split_slots, cache_tokens, mode, cpu_threads, nvme_open, cards)
+            log(f"{name} ({split_slots} slots/layer over {cards} cards) loaded in {runners[name].load_s:.1f} s")
         vocab = 150000
         prompt = [(13 * i + 7) % vocab for i in range(prompt_tokens)]
         # Warm-up at the measured prompt length: a fresh process spends over a minute setting up the first prefill
@@ -571,8 +621,15 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 m["bound_decode_tok_s"] = 1 / max(gpu_s, disk_s)
                 m["over_own_bound_start_rate"] = m["decode_tok_s"] * max(gpu_s, disk_s)
                 m.update(own_bound_beside(rows, mode, rate))
+        if cards > 1:
+            result["split"] = split_result(rows, modes, cards, slots, split_slots)
+            for mode in modes:
+                mine = [x for x in rows if x["name"] == f"{mode}@{cards}"]
+                result["split"][mode]["same_tokens_as_stock"] = all(
+                    a["tokens"] == b["tokens"] for a, b in zip(stock_rows, mine, strict=True))
         exact_like = [m for m in modes if m.startswith(("exact", "nvme-exact"))]
-        result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like)
+        result["same_tokens"] = all(result["modes"][m]["same_tokens_as_stock"] for m in exact_like) and all(
+            result.get("split", {}).get(m, {}).get("same_tokens_as_stock", True) for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
         return result
@@ -663,6 +720,14 @@ def report(res: dict, moe_layers: int | None) -> str:
         if "nvme" in res["modes"] and "fast" in res["modes"]:
             lines.append(f"  nvme / fast: {res['modes']['nvme']['decode_tok_s'] / res['modes']['fast']['decode_tok_s']:.3f}"
                          f" (target >= 0.7 at the 55 GiB fraction)")
+    for mode, m in res.get("split", {}).items():
+        host = ", ".join(f"{k} {v:.2f}" for k, v in m["host_ms_per_token"].items())
+        lines.append(f"  {mode} on {m['cards']} cards ({m['slots_per_layer']} slots/layer, each card as many slots as "
+                     f"the one card's {m['one_card_slots_per_layer']}/layer): {m['decode_tok_s']:8.1f} tok/s decode, "
+                     f"x one card {m['paired_over_one_card']:.3f} (paired; target >= 1.6 on the 8-MoE-layer fixture); "
+                     f"stock's tokens: {m['same_tokens_as_stock']}")
+        lines.append("    per card: picks " + ", ".join(f"{v:.3f}" for v in m["pick_share_by_card"]) + "; link MiB/token "
+                     + ", ".join(f"{v:.1f}" for v in m["link_MiB_per_token_by_card"]) + f"; host ms/token: {host}")
     lines.append(f"  stock moe_cpu_split: {res['moe_cpu_split']}")
     return "\n".join(lines)
 
@@ -739,6 +804,10 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
         _made_once(work / "ckpt.complete", write, f"the {args.moe_layers}-MoE-layer full-width checkpoint {model_dir}")
         experts = 288
     slots = args.slots if args.slots is not None else round(CARD_FRACTION * experts)
+    if args.devices > 1 and torch.cuda.device_count() < args.devices:
+        print(f"glm53: --devices {args.devices} needs {args.devices} CUDA devices, {torch.cuda.device_count()} visible "
+              "(a two-card machine: nvidia-h200-x2)", file=sys.stderr)
+        return 2
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -778,7 +847,8 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
             res = bench_decode(model_dir, slots, args.tokens, args.windows, args.prompt_tokens, modes,
                                args.cpu_threads, store=store, ram_fraction=args.ram_fraction, profile=args.profile,
                                profile_dump=Path(args.json).with_suffix(".prof") if args.json else None,
-                               warmup_tokens=args.warmup_tokens, buffered_store=buffered, emulated_disk_Bps=emulated)
+                               warmup_tokens=args.warmup_tokens, buffered_store=buffered, emulated_disk_Bps=emulated,
+                               cards=args.devices)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

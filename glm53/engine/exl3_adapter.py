@@ -40,6 +40,7 @@ import copy
 import inspect
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -357,6 +358,7 @@ class TieredMoE:
                    (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))
             for m, s in zip(mods, budgets, strict=True)
         ]
+        self.link_devices, self.link_of = _links(spec, mods)
         self.layout = self._layout()
         self.nvme_open = nvme_open
         self.lookahead = nvme_open is not None if lookahead is None else lookahead
@@ -424,7 +426,7 @@ class TieredMoE:
             self.tiers = ExpertTiers(
                 self.layout, self.num_experts, slots, self.spec.ram_slots,
                 keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
-                staging_slots=self.staging_slots, pin=self.pin,
+                staging_slots=self.staging_slots, pin=self.pin, link_devices=self.link_devices, link_of=self.link_of,
             )
         for li, layer in enumerate(self.layers):
             self._shrink(li, layer)
@@ -461,12 +463,12 @@ class TieredMoE:
         m = layer.module
         gates, ups, downs = layer.saved[0], layer.saved[1], layer.saved[2]
         n_local = layer.slots + self.staging_slots
-        vl = self.tiers.vram[li]
+        vl, staging = self.tiers.vram[li], self.tiers.link(li).staging
         markers = {p: (self._marker(k, "mcg"), self._marker(k, "mul1")) for p, k in zip(PROJECTIONS, layer.keys[0],
                                                                                         strict=True)}
         new: tuple[list, list, list] = ([], [], [])
         for i in range(n_local):
-            views = vl.views(i) if i < layer.slots else self.tiers.layout.views(self.tiers.staging[i - layer.slots])
+            views = vl.views(i) if i < layer.slots else self.tiers.layout.views(staging[i - layer.slots])
             for j, (p, src) in enumerate(zip(PROJECTIONS, (gates, ups, downs), strict=True)):
                 lin = copy.copy(src[i % len(src)])
                 lin.lora_a_tensors, lin.lora_b_tensors = {}, {}
@@ -508,6 +510,10 @@ class TieredMoE:
         hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module
+            where = getattr(m, "device", None)
+            if where is not None and torch.device(where) != self.tiers.link(li).device:
+                raise Exl3TierError(f"{m.key} loaded on {where}, its slots are on {self.tiers.link(li).device}: the "
+                                    "layers were not placed as the spec's devices say (place_layers before load)")
             if m.bc is None:
                 raise Exl3TierError(f"{m.key}: exllamav3 built no fused expert path (BC_BlockSparseMLP) on the slots")
             m._split_perm = None
@@ -529,7 +535,8 @@ class TieredMoE:
         return "mcg" if f"{first}.mcg" in self.index else "mul1" if f"{first}.mul1" in self.index else "3inst"
 
     def start_lane(self, threads: int, cpus: Sequence[int] | None = None) -> None:
-        """fast / nvme modes: calibrate the CPU kernel and this machine's PCIe copies, start the lane, attach it."""
+        """fast / nvme modes: calibrate the CPU kernel and this machine's PCIe copies (the first card's link, in a
+        split across cards), start the lane, attach it."""
         from glm53.cpu_lane.lane import start_lane
 
         lane, fit = start_lane(self.layout, self.measure_pcie(), threads, cpus=cpus, stats=self.tiers.stats,
@@ -553,7 +560,7 @@ class TieredMoE:
         from glm53.cpu_lane.planner import PcieSample
         from glm53.tiers.ram import RETIRED
 
-        tiers, ram = self.tiers, self.tiers.ram
+        ram, link = self.tiers.ram, self.tiers.links[0]
         rows = [r for r in range(ram.num_slots) if not ram.pending[r] and ram.owner[r] != RETIRED]
         rows = rows[: max(8, self.top_k)]
         samples = []
@@ -565,7 +572,7 @@ class TieredMoE:
                 t0 = time.perf_counter()
                 last = None
                 for i, r in enumerate(rows[:n]):
-                    last = tiers.copier.copy(tiers.staging[i], ram.flat(r))
+                    last = link.copier.copy(link.staging[i], ram.flat(r))
                 last.wait()
                 best = min(best, time.perf_counter() - t0)
             samples.append(PcieSample((1,) * n, best))
@@ -604,7 +611,9 @@ class TieredMoE:
             self._grow(layer, n)  # a prefill chunk larger than any before: safe, the stream is synced below
         decode = bsz <= MAX_BSZN
         lane = decode and stepper.lane_in_use()
-        predict = decode and self.lookahead and li + 1 < len(self.layers)
+        # The next layer's router runs on this layer's input: only where both are on one card.
+        ahead = li + 1 < len(self.layers) and self.link_devices[self.link_of[li]] == self.link_devices[self.link_of[li + 1]]
+        predict = decode and self.lookahead and ahead
         t0 = time.perf_counter()
         stream = compute_stream(selected.device.index) if selected.is_cuda else None  # CPU: copies are done
         host = layer.ids_host[:n]
@@ -612,7 +621,7 @@ class TieredMoE:
         if lane:  # the lane's input rows and weights cross in the same synchronisation
             layer.x_host[:bsz].copy_(y.view(bsz, -1), non_blocking=True)
             layer.w_host[:bsz].copy_(weights.view(bsz, -1), non_blocking=True)
-        guess = not decode and self.lookahead and self.nvme is not None and li + 1 < len(self.layers)
+        guess = not decode and self.lookahead and self.nvme is not None and ahead
         if predict:
             predict = self._predict_next(li + 1, y.view(bsz, -1), layer.next_host[:bsz])
         if guess:
@@ -680,13 +689,13 @@ class TieredMoE:
         exllamav3's torch expert path."""
         import torch
 
-        layer, tiers = self.layers[li], self.tiers
+        layer, tiers, link = self.layers[li], self.tiers, self.tiers.link(li)
         s = self.staging_slots - 1
-        tiers.copier.copy(tiers.staging[s], tiers.bytes_of(li, expert)).wait()
+        link.copier.copy(link.staging[s], tiers.bytes_of(li, expert)).wait()
         tiers.stats.add_bytes("ram_to_staging", self.layout.nbytes)
         m, idx = layer.module, layer.slots + s
         gates, ups, downs = layer.slot_linears
-        xc = torch.from_numpy(np.ascontiguousarray(x_rows)).to(self.device, torch.half)
+        xc = torch.from_numpy(np.ascontiguousarray(x_rows)).to(link.device, torch.half)
         u = ups[idx].forward(xc, {})
         g = gates[idx].forward(xc, {})
         a = u if m.interm_dtype == torch.half else torch.empty_like(u, dtype=torch.half)
@@ -712,10 +721,27 @@ class TieredMoE:
         if self.stepper is not None:
             doc.update(self.stepper.snapshot())
             doc["host_seconds"].update({k: round(v, 4) for k, v in self.step_time.items()})
+        if len(self.tiers.links) > 1:
+            doc["devices"] = self.device_snapshot(doc)
         if self.nvme is not None:
             doc["nvme_fault"] = self.nvme.health()
             doc["store_reads"] = self.nvme.read_summary()
         return doc
+
+    def device_snapshot(self, doc: dict | None = None) -> list[dict]:
+        """Per device share (link): its MoE layers, their picks by lane, and the bytes its PCIe link carried."""
+        doc = self.tiers.stats.snapshot() if doc is None else doc
+        out = []
+        for i, link in enumerate(self.tiers.links):
+            mine = [row for li, row in enumerate(doc["layers"]) if self.link_of[li] == i]
+            lanes: dict[str, int] = {}
+            for row in mine:
+                for lane, n in row["lanes"].items():
+                    lanes[lane] = lanes.get(lane, 0) + n
+            out.append({"device": str(link.device), "moe_layers": [li for li in range(len(self.layers))
+                                                                   if self.link_of[li] == i],
+                        "picks": sum(row["picks"] for row in mine), "lanes": lanes, "link_bytes": link.moved})
+        return out
 
     def routing_counts(self) -> np.ndarray:
         return self.tiers.routing_counts()
@@ -723,9 +749,9 @@ class TieredMoE:
     def check_invariants(self) -> None:
         self.tiers.check_invariants()
         for li, layer in enumerate(self.layers):
-            vl = self.tiers.vram[li]
+            vl, staging = self.tiers.vram[li], self.tiers.link(li).staging
             for i, (g, u, d) in enumerate(zip(*layer.slot_linears, strict=True)):
-                views = vl.views(i) if i < layer.slots else self.tiers.layout.views(self.tiers.staging[i - layer.slots])
+                views = vl.views(i) if i < layer.slots else self.tiers.layout.views(staging[i - layer.slots])
                 for p, lin in zip(PROJECTIONS, (g, u, d), strict=True):
                     assert lin.inner.trellis.data_ptr() == views[f"{p}.trellis"].data_ptr(), "slot tensor replaced"
 
@@ -749,6 +775,58 @@ class TieredMoE:
         self.tiers = self.nvme = self.stepper = None
         self._pool.shutdown(wait=True)
         self.index.close()
+
+
+_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _decoder_layer(key: str) -> int | None:
+    m = _LAYER_KEY.search(key)
+    return int(m.group(1)) if m else None
+
+
+def _links(spec: EngineSpec, mods: Sequence[Any]) -> tuple[list[str], list[int]]:
+    """Each link's device and each MoE module's link, from the spec's device shares; every module's decoder layer
+    must lie in its share's layers (else the plan was made for another checkpoint)."""
+    from glm53.tiers.links import link_plan
+
+    devices, link_of = link_plan(spec.devices, len(mods), spec.device)
+    for m, i in zip(mods, link_of, strict=True):
+        layer = _decoder_layer(m.key)
+        if spec.devices and layer is not None and not spec.devices[i].first_layer <= layer <= spec.devices[i].last_layer:
+            raise Exl3TierError(f"{m.key} is MoE layer {mods.index(m)}, which the spec's device shares put on "
+                                f"{spec.devices[i].device} with decoder layers {spec.devices[i].first_layer}-"
+                                f"{spec.devices[i].last_layer}: the plan was made for another checkpoint")
+    return devices, link_of
+
+
+def place_layers(model: Any, spec: EngineSpec) -> Callable[[], None]:
+    """exllamav3's layer split by the spec's device shares: each top-level module loads onto its decoder layer's
+    share's device (the embedding with the first layer, the head with the last), its cache layers with it, since
+    exllamav3 allocates them in the module's load. `model.load(device=...)` then runs the stock single-device
+    loader, module by module, on the devices given here. No shares: nothing changes. Returns the undo."""
+    from glm53.devices import share_of_layer
+
+    if not spec.devices:
+        return lambda: None
+    import torch
+
+    cpu = spec.device == "cpu"
+    targets, seen = [], False
+    for mod in model.modules:
+        layer = _decoder_layer(mod.key)
+        seen = seen or layer is not None
+        share = share_of_layer(spec.devices, layer) if layer is not None else (len(spec.devices) - 1 if seen else 0)
+        targets.append(torch.device("cpu" if cpu else spec.devices[share].device))
+
+    def wrap(i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(device: Any, *args: Any, **kwargs: Any) -> Any:
+            # A module exllamav3 keeps on the CPU (an unquantized embedding) stays there.
+            return orig(device if torch.device(device).type == "cpu" else targets[i], *args, **kwargs)
+
+        return load
+
+    return _wrap_loads(model.modules, wrap)
 
 
 def _slot_loader(lin: Any, trellis: Any, suh: Any, svh: Any, mcg: Any, mul1: Any) -> Callable[..., None]:
@@ -795,22 +873,28 @@ def _combine(module: Any, stepper: Any) -> Callable[..., Any]:
 def wrap_load_progress(model: Any, report: Callable[[int, int], None]) -> Callable[[], None]:
     """Report after each top-level module of `model` loads (exllamav3's single-device loader has no callback).
     Returns a function that removes the wrappers."""
-    mods = list(model.modules)
-    total = len(mods)
-    wrapped = []
-    for i, mod in enumerate(mods):
-        orig = mod.load
+    total = len(model.modules)
 
-        def load(*args: Any, _orig: Any = orig, _i: int = i, **kwargs: Any) -> Any:
-            out = _orig(*args, **kwargs)
-            report(_i + 1, total)
+    def wrap(i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
+        def load(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            report(i + 1, total)
             return out
 
-        mod.load = load
-        wrapped.append(mod)
+        return load
+
+    return _wrap_loads(model.modules, wrap)
+
+
+def _wrap_loads(mods: Sequence[Any], wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Replace each module's `load` by wrap(index, its load), as an instance attribute; returns the undo (which
+    removes every wrapper of these modules at once, whoever stacked them)."""
+    mods = list(mods)
+    for i, mod in enumerate(mods):
+        mod.load = wrap(i, mod.load)
 
     def undo() -> None:
-        for mod in wrapped:
+        for mod in mods:
             mod.__dict__.pop("load", None)
 
     return undo

@@ -231,6 +231,10 @@ class Exl3Engine(WorkerEngine):
             log.info("Loading safetensors checkpoint shards: %d%% Completed | %d/%d", 100 * done // total, done, total)
 
         undo = A.wrap_load_progress(model, shards)
+        unplace = A.place_layers(model, spec)  # a split across GPUs: each layer onto its card (spec.devices)
+        for d in spec.devices:
+            log.info("layer split: decoder layers %d-%d on %s (%s), %d expert slots, budget %.1f GiB", d.first_layer,
+                     d.last_layer, d.device, d.name, d.vram_slots, d.vram_budget_bytes / 2**30)
         try:
             with torch.inference_mode():
                 model.load(device=torch.device(self.device))
@@ -244,6 +248,7 @@ class Exl3Engine(WorkerEngine):
             raise
         finally:
             undo()
+            unplace()
         self.model, self.cache, self.tiered = model, cache, tiered
 
     def _fill_tiers(self, tiered: Any) -> None:

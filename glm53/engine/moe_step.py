@@ -255,7 +255,7 @@ class MoeStepper:
             candidates = [e for e in pcie if e in row and where[e] == ram]
             if candidates:
                 tiers.try_admit(li, np.array(candidates, np.int64), uniq,
-                                source=lambda e: tiers.staging_slot(row[e]))
+                                source=lambda e: tiers.staging_slot(row[e], li))
         if self.nvme is not None and tiers.ram.free_count() < FREE_RAM_SLOTS:
             # Never one of this step's experts (the CPU lane may still be reading one, or recompute it from RAM if
             # it misses its deadline) nor one the guesses for the coming layers named. (With the slots already
@@ -402,9 +402,9 @@ class MoeStepper:
         crossed = len(step.staged) - len(hits.intersection(step.staged)) if hits else len(step.staged)
         if reading:
             pending = set(reading)
-            early = [(tiers.staging_slot(i), tiers.bytes_of(li, e)) for i, e in enumerate(step.staged)
+            early = [(tiers.staging_slot(i, li), tiers.bytes_of(li, e)) for i, e in enumerate(step.staged)
                      if e not in pending]
-            last = tiers.copier.copy_many(early) if early else None
+            last = tiers.copier_of(li).copy_many(early) if early else None
             self.copied_before_store_wait += len(early)
             t0 = time.perf_counter()
             try:
@@ -417,11 +417,11 @@ class MoeStepper:
                     step.ticket.cancel[0] = 1
                 raise
             store_wait += time.perf_counter() - t0
-            late = [(tiers.staging_slot(i), tiers.bytes_of(li, e)) for i, e in enumerate(step.staged) if e in pending]
+            late = [(tiers.staging_slot(i, li), tiers.bytes_of(li, e)) for i, e in enumerate(step.staged) if e in pending]
             if late:  # one fill stream: this ticket also covers the early copies
-                last = tiers.copier.copy_many(late)
+                last = tiers.copier_of(li).copy_many(late)
         elif step.staged:
-            last = tiers.copier.copy_many([(tiers.staging_slot(i), tiers.bytes_of(li, e))
+            last = tiers.copier_of(li).copy_many([(tiers.staging_slot(i, li), tiers.bytes_of(li, e))
                                            for i, e in enumerate(step.staged)])
         if store_wait:
             tiers.stats.add_wait("nvme", store_wait)
@@ -434,7 +434,7 @@ class MoeStepper:
         t0 = time.perf_counter()
         if decode:  # the GPU waits for the copies, the host goes on
             if last is not None:
-                tiers.copier.order_compute_after([last])
+                tiers.copier_of(li).order_compute_after([last])
                 if not tiers.keep_all:  # nvme: no store read may reuse a slot being copied from
                     tiers.hold(li, step.staged, last)
         elif last is not None:

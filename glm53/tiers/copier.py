@@ -53,18 +53,23 @@ def compute_stream(index: int) -> torch.cuda.Stream:
 
 class _On:
     """`with torch.cuda.stream(s)` for the copy streams, restoring the compute stream without looking it up again
-    (the stock context manager looks up the current stream twice per use)."""
+    (the stock context manager looks up the current stream twice per use). Setting a stream also makes its device
+    current: with the layers split across cards, a copy for another card's layer must not leave that card current
+    for exllamav3's code that follows, so the current device is put back too."""
 
-    __slots__ = ("stream", "prev")
+    __slots__ = ("stream", "prev", "device")
 
     def __init__(self, stream: torch.cuda.Stream, prev: torch.cuda.Stream):
         self.stream, self.prev = stream, prev
 
     def __enter__(self) -> None:
+        self.device = torch.cuda.current_device()
         torch.cuda.set_stream(self.stream)
 
     def __exit__(self, *exc) -> None:
         torch.cuda.set_stream(self.prev)
+        if self.prev.device_index != self.device:
+            torch.cuda.set_device(self.device)
 
 
 class Copier:

@@ -119,12 +119,15 @@ class NvmeTier:
         clock: Callable[[], float] = time.monotonic,
         vram_storage: Sequence[torch.Tensor] | None = None,
         staging_slots: int = 2,
+        link_devices: Sequence[torch.device | str] | None = None,
+        link_of: Sequence[int] | None = None,
     ):
         """reader: a StoreReader (or anything with its read/header/path/max_extent). layers: the store's layer
         number of each tier layer index (default: every layer in the store, ascending). ram_slots: the RAM arena
         in records of `reader.max_extent` bytes; the caller sizes it from the plan. window: prefetched records
         outstanding at most (default two layers' worth of top-8 picks, as the plan's staging). vram_storage:
-        per-layer (slots, nbytes) device tensors to adopt (the engine's slot arenas under exllamav3)."""
+        per-layer (slots, nbytes) device tensors to adopt (the engine's slot arenas under exllamav3). link_devices,
+        link_of: a layer split across devices (ExpertTiers); the RAM arena and the store stay one, shared."""
         self.reader = reader
         self.read_timing: dict[int, float] = {}  # open_nvme_tier: seconds a record alone took by parts, when timed
         self.two_at_once_gain: float | None = None  # open_nvme_tier: two records at once over one after the other
@@ -147,7 +150,7 @@ class NvmeTier:
         self.tiers = ExpertTiers(
             self.layout, num_experts, vram_slots, ram_slots, keep_all=False, device=device, pin=pin,
             policy_factory=policy_factory, fetch=self._read_sync, copier=copier, ram_storage=storage,
-            vram_storage=vram_storage, staging_slots=staging_slots,
+            vram_storage=vram_storage, staging_slots=staging_slots, link_devices=link_devices, link_of=link_of,
         )
         self.tiers.store = self
         self.stats = self.tiers.stats

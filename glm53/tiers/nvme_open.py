@@ -20,6 +20,7 @@ from store.read_timing import pick_pieces, pick_prefetch_at_once, time_pieces, t
 from store.reader import StoreReader
 from store.verify import pack_command, quick_verify
 
+from .links import link_plan
 from .nvme import DEFAULT_TIMEOUT_S, NvmeTier, model_key
 from .policy import Policy, ScoredPolicy, load_routing_stats
 
@@ -89,9 +90,11 @@ def open_nvme_tier(
         if stats_path is not None:
             counts, why = load_routing_stats(stats_path, model_key(header), len(layers), num_experts)
         log.info("nvme tier: %s", why)
+        link_devices, link_of = link_plan(spec.devices, len(layers), spec.device)
         tier = NvmeTier(reader, num_experts, list(spec.vram_slots), spec.ram_slots, layers=layers,
                         device=spec.device, pin=pin, policy_factory=policy_factory, timeout_s=timeout_s,
-                        vram_storage=vram_storage, staging_slots=spec.staging_slots)
+                        vram_storage=vram_storage, staging_slots=spec.staging_slots, link_devices=link_devices,
+                        link_of=link_of)
     except BaseException:
         reader.close()
         raise

@@ -30,6 +30,7 @@ import torch
 
 from .copier import Copier, Ticket
 from .layout import SlotLayout
+from .links import Link
 from .policy import Policy, ScoredPolicy, choose_admissions, hot_order
 from .ram import RamTier
 from .stats import TierStats
@@ -96,13 +97,17 @@ class ExpertTiers:
         pin: bool | None = None,
         vram_storage: Sequence[torch.Tensor] | None = None,
         ram_storage: torch.Tensor | None = None,
+        link_devices: Sequence[torch.device | str] | None = None,
+        link_of: Sequence[int] | None = None,
     ):
         """vram_slots: slots per MoE layer (e.g. from policy.split_budget). keep_all: the all-RAM modes, where
         RAM must hold every expert not in VRAM plus at least one spare slot for a write-back in flight; else
         RAM is a cache of the store and `fetch` reads a record into it. staging_slots: device buffers for
         misses streamed over PCIe without admission. vram_storage: per-layer (slots, nbytes) tensors to adopt.
         ram_storage: a (ram_slots, stride >= nbytes) host tensor to adopt as the RAM arena (the nvme tier's
-        4 KiB-aligned rows, which O_DIRECT reads land in)."""
+        4 KiB-aligned rows, which O_DIRECT reads land in). link_devices, link_of: a layer split across devices
+        (glm53.tiers.links.link_plan): each link's device, each layer's link; every link gets its own copier and
+        staging_slots staging rows, each layer's slots live on its link's device (default: one link on `device`)."""
         self.layout = layout
         self.num_layers = len(vram_slots)
         self.num_experts = num_experts
@@ -120,13 +125,22 @@ class ExpertTiers:
             # One step of one layer may pick all of its experts, each must sit in RAM at once (CPU lane, PCIe
             # source) while a victim's write-back needs one more slot.
             raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
+        devices = [self.device] if link_devices is None else [torch.device(d) for d in link_devices]
+        self.link_of = [0] * self.num_layers if link_of is None else [int(x) for x in link_of]
+        if len(self.link_of) != self.num_layers or not all(0 <= x < len(devices) for x in self.link_of):
+            raise ValueError(f"link_of {self.link_of} must name one of {len(devices)} links for each of "
+                             f"{self.num_layers} layers")
+        if copier is not None and len(devices) > 1:
+            raise ValueError("an injected copier serves one link; a split across devices makes one per link")
+        self.links = [Link(layout, d, staging_slots, copier if i == 0 else None) for i, d in enumerate(devices)]
         self.vram = [
-            VramLayer(layout, num_experts, s, self.device, None if vram_storage is None else vram_storage[i])
+            VramLayer(layout, num_experts, s, devices[self.link_of[i]],
+                      None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
         ]
         self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin, storage=ram_storage)
         self.policies = [policy_factory(num_experts) for _ in range(self.num_layers)]
-        self.copier = copier or Copier(self.device)
+        self.copier = self.links[0].copier  # the first link's (the only one on one device)
         self.fetch = fetch
         self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
         # RAM experts to drop last (prefetched, not used yet): a soft guard, so a demand read is never refused.
@@ -141,9 +155,7 @@ class ExpertTiers:
         self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
         self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
-        self.staging = torch.empty((staging_slots, layout.nbytes), dtype=torch.uint8, device=self.device)
-        self._staging_rows = list(self.staging)  # a row view per slot, made once: indexing a tensor is not free
-        self._next_staging = 0
+        self.staging = self.links[0].staging
         self._populated = False
         # Every layer's policy scores stacked, for the victim searches (several a step, each needing all of them):
         # kept up to date in place, only the layers whose policy learned since being read again.
@@ -183,7 +195,7 @@ class ExpertTiers:
             order = hot_order(counts[layer])
             for slot, e in enumerate(order[: vl.num_slots]):
                 load(layer, int(e), bounce)
-                self.copier.copy(vl.flat(slot), bounce).wait()
+                self.copier_of(layer).copy(vl.flat(slot), bounce).wait()
                 vl.reserve(slot, int(e))
                 vl.land(slot)
                 self.where[layer, e] = Where.VRAM
@@ -216,17 +228,25 @@ class ExpertTiers:
             return self.ram.flat(int(self.ram.slot_of[layer, expert]))
         raise TierError(f"expert {layer}/{expert} is {Where(w).name}: not readable")
 
-    def staging_slot(self, i: int) -> torch.Tensor:
-        """Staging buffer i (the same tensor as staging[i], without the indexing)."""
-        return self._staging_rows[i]
+    def link(self, layer: int) -> Link:
+        """The link (device, copier, staging rows) the layer's copies go over."""
+        return self.links[self.link_of[layer]]
+
+    def copier_of(self, layer: int) -> Copier:
+        return self.links[self.link_of[layer]].copier
+
+    def staging_slot(self, i: int, layer: int) -> torch.Tensor:
+        """Staging buffer i of the layer's link (staging[i] on one device, without the indexing)."""
+        return self.links[self.link_of[layer]].rows[i]
 
     def stage(self, layer: int, expert: int) -> torch.Tensor:
-        """Stream a RAM expert to a device staging buffer without admitting it (PCIe, no eviction). The buffer
-        is reused by the next stage() call, after the compute queued so far (the copier orders that)."""
+        """Stream a RAM expert to a staging buffer of its layer's link without admitting it (PCIe, no eviction).
+        The buffer is reused by the link's next stage() call, after the compute queued so far (the copier orders
+        that)."""
         src = self.bytes_of(layer, expert)
-        dst = self.staging[self._next_staging]
-        self._next_staging = (self._next_staging + 1) % self.staging.shape[0]
-        self.copier.copy(dst, src).wait()
+        link = self.links[self.link_of[layer]]
+        dst = link.take_row()
+        link.copier.copy(dst, src).wait()
         self.stats.add_bytes("ram_to_staging", self.layout.nbytes)
         return dst
 
@@ -510,7 +530,7 @@ class ExpertTiers:
         from_ram = src is None
         if from_ram:
             src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
-        ticket = self.copier.copy(vl.flat(slot), src, after=self._slot_reader.pop((layer, slot), None))
+        ticket = self.copier_of(layer).copy(vl.flat(slot), src, after=self._slot_reader.pop((layer, slot), None))
         self._moves[(layer, expert)] = _Move(ticket, True, slot)
         self.where[layer, expert] = TO_VRAM
         self.stats.add_admission(layer)
@@ -561,7 +581,7 @@ class ExpertTiers:
             raise TierError(f"RAM tier full ({self.ram.num_slots} slots): no room to write {layer}/{expert} back")
         r = self.ram.alloc(layer, expert, pending=True)
         slot = self.vram[layer].release(expert)
-        ticket = self.copier.copy(self.ram.flat(r), self.vram[layer].flat(slot))
+        ticket = self.copier_of(layer).copy(self.ram.flat(r), self.vram[layer].flat(slot))
         self._slot_reader[(layer, slot)] = ticket  # the slot's next fill must wait for this read
         self._moves[(layer, expert)] = _Move(ticket, False, r)
         self.where[layer, expert] = TO_RAM

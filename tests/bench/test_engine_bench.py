@@ -175,3 +175,27 @@ def test_an_emulated_disk_is_refused_without_a_rate_an_nvme_mode_or_the_hook():
 def test_deleted_variant_modes_are_gone():
     assert B.MODES == ("exact", "fast", "nvme-exact", "nvme")
     assert not hasattr(B, "VARIANTS") and not hasattr(B, "set_path")
+
+
+def test_split_result_pairs_two_cards_with_one_and_reports_each_card():
+    def row(name, w, tok, devices=None):
+        r = {"name": name, "window": w, "decode_tok_s": tok, "host_ms_per_token": {"plan": 2.0, "sync": 1.0}}
+        if devices:
+            r["devices"] = [{"device": f"cuda:{i}", "picks": p, "pcie": p // 2, "link_MiB_per_token": m}
+                            for i, (p, m) in enumerate(devices)]
+        return r
+
+    rows = [row("exact", 0, 10.0), row("exact@2", 0, 17.0, [(300, 40.0), (100, 20.0)]),
+            row("exact", 1, 20.0), row("exact@2", 1, 34.0, [(100, 20.0), (100, 20.0)])]
+    got = B.split_result(rows, ["exact"], 2, 32, 64)["exact"]
+    assert got["paired_over_one_card"] == 1.7 and got["decode_tok_s"] == 25.5
+    assert got["pick_share_by_card"] == [400 / 600, 200 / 600] and got["link_MiB_per_token_by_card"] == [30.0, 20.0]
+    assert got["host_ms_per_token"] == {"plan": 2.0, "sync": 1.0} and B.split_modes(["exact"], 2) == ["exact@2"]
+    assert B.split_modes(["exact"], 1) == []
+    res = {"h2d_GBps": 50.0, "stock_decode_tok_s": 100.0, "stock_prefill_tok_s": 2000.0, "bound_decode_tok_s": 80.0,
+           "h2d_MiB_per_token": 300.0, "slots_per_layer": 32, "same_tokens": True, "moe_cpu_split": "not run",
+           "modes": {"exact": mode_doc(20.0)}, "split": {"exact": {**got, "same_tokens_as_stock": True}}}
+    text = B.report(res, 8)
+    assert ("exact on 2 cards (64 slots/layer, each card as many slots as the one card's 32/layer):     25.5 tok/s "
+            "decode, x one card 1.700 (paired; target >= 1.6 on the 8-MoE-layer fixture); stock's tokens: True") in text
+    assert "per card: picks 0.667, 0.333; link MiB/token 30.0, 20.0; host ms/token: plan 2.00, sync 1.00" in text

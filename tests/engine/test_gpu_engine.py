@@ -21,24 +21,30 @@ from glm53.fixture.exl3 import write_exl3_checkpoint
 pytestmark = pytest.mark.gpu
 
 
-def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None) -> dict:
-    """Generate `steps` greedy tokens for every prompt in one generator; returns tokens, logits (CPU), stats."""
+def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True, chunk=2048, nvme=None,
+                spec=None) -> dict:
+    """Generate `steps` greedy tokens for every prompt in one generator; returns tokens, logits (CPU), stats.
+    spec: a tiered spec of the caller's own (a layer split across devices: its layers are placed by its shares)."""
     import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
 
-    from glm53.engine.exl3_adapter import TieredMoE
+    from glm53.engine.exl3_adapter import TieredMoE, place_layers
 
     config = Config.from_directory(str(model_dir))
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=4096)
     tiered = None
-    if slots is not None:
-        spec = nvme.spec if nvme is not None else spec_for(model_dir, "exact", slots, staging_slots=staging,
-                                                            device="cuda:0")
+    if slots is not None or spec is not None:
+        spec = spec or (nvme.spec if nvme is not None else spec_for(model_dir, "exact", slots, staging_slots=staging,
+                                                                     device="cuda:0"))
         tiered = TieredMoE(model, model_dir, spec, admit=admit, nvme_open=nvme)
         tiered.install()
     t0 = time.perf_counter()
-    model.load(device=torch.device("cuda:0"))
+    unplace = place_layers(model, spec) if spec is not None else (lambda: None)
+    try:
+        model.load(device=torch.device("cuda:0"))
+    finally:
+        unplace()
     if tiered is not None:
         tiered.populate()
     load_s = time.perf_counter() - t0

@@ -30,6 +30,12 @@
 #             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
+#   split1    the layer split onto ONE card (two device shares, two budgets): exact and nvme-exact bit-identical
+#             to stock over 256 greedy tokens (tests/engine/test_gpu_split.py -k same_card; issue 28)
+#   split2    two cards (needs two CUDA devices: nvidia-h200-x2, GLM53_VRAM_BUDGET_GB=24 per card): the two-card
+#             bit-identity and 250,000-token prompt tests, then glm53 bench decode --devices 2 (8 MoE layers,
+#             exact and fast, each paired one card vs two, per-card picks and link MiB/token); SPLIT_LAYERS=42 for
+#             the full-depth fixture
 #   depthprobe  the full-depth fixture (issue 25: 45 layers, 3 dense + 42 MoE, always-used linears at K=5, EXL3
 #             K=6 head; DEPTH_EXPERTS routed experts per layer, default 8: ~10 GB in /tmp, kept and reused) in stock
 #             exllamav3, all in VRAM: load time, then 32 greedy tokens after a 16- and an 8,192-token prompt with
@@ -153,6 +159,16 @@ step_nvme16() {
   timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep --modes exact,nvme-exact,nvme \
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
+}
+step_split1() {  # issue 28 on one GPU: a two-way split onto the same card
+  gpu_pytest split1 420 tests/engine/test_gpu_split.py -k same_card
+}
+step_split2() {  # issue 28 on two GPUs: bit-identity, a 250,000-token prompt, then the paired decode bench
+  gpu_pytest split2 420 tests/engine/test_gpu_split.py -k two_cards
+  timeout 540 python3 -u -m glm53 bench decode --moe-layers "${SPLIT_LAYERS:-8}" --tokens 96 --windows 3 \
+    --warmup-tokens 64 --work /tmp --keep --modes exact,fast --devices 2 \
+    --json "$OUT/bench-split2.json" > "$OUT/bench-split2.log" 2>&1
+  stamp "bench decode --devices 2 rc=$?"
 }
 step_depthprobe() {
   PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 560 python3 -u tests/gpu/depth_probe.py --experts "${DEPTH_EXPERTS:-8}" --work /tmp \

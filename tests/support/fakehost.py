@@ -16,6 +16,14 @@ FULL_STORE_BYTES = 42 * 288 * (9 * (1 << 20) + 36 * 1024) + (1 << 20)
 
 RTX3090 = ("NVIDIA GeForce RTX 3090", 24576, 24135, 4, 16)
 RTX4080 = ("NVIDIA GeForce RTX 4080", 16376, 15992, 4, 16)
+RTX4090 = ("NVIDIA GeForce RTX 4090", 24564, 24080, 4, 16)
+A6000 = ("NVIDIA RTX A6000", 49140, 48600, 4, 16)
+# The multi-GPU hosts of issue 28: the common home rig, a mixed pair, a four-card box, and a pair whose second
+# card is below the minimum (left out with a warning).
+DUAL_3090 = (RTX3090, RTX3090)
+MIXED_3090_4090 = (RTX3090, RTX4090)
+QUAD_3090 = (RTX3090,) * 4
+WITH_SMALL = (RTX3090, RTX4080)
 EPYC_FLAGS = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 aes pclmulqdq sha_ni vaes "
               "vpclmulqdq adx rdrand rdseed")
 BROADWELL_FLAGS = "fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 aes pclmulqdq adx rdrand rdseed"
@@ -54,6 +62,7 @@ class HostSpec:
     store: str | None = None            # create this store file (sparse) at this path
     store_bytes: int = FULL_STORE_BYTES
     extra: dict[str, str] = field(default_factory=dict)  # any other file: path -> content
+    cuda_visible: str | None = None     # CUDA_VISIBLE_DEVICES in the process environment (None: unset)
 
     def but(self, **kw) -> HostSpec:
         return replace(self, **kw)
@@ -106,6 +115,8 @@ def write_host(root: Path, spec: HostSpec = HostSpec()) -> Path:
                          f"MemAvailable:   {int(spec.mem_available_gib * kb)} kB\n"
                          f"SwapTotal:      {int(spec.swap_total_gib * kb)} kB\n")
     put("/proc/self/limits", _limits(spec.memlock))
+    env = {"PATH": "/usr/bin:/bin"} | ({} if spec.cuda_visible is None else {"CUDA_VISIBLE_DEVICES": spec.cuda_visible})
+    put("/proc/self/environ", "".join(f"{k}={v}\0" for k, v in env.items()))
     put("/proc/self/mountinfo", _mountinfo(spec.mounts))
     put("/sys/kernel/mm/transparent_hugepage/enabled",
         " ".join(f"[{m}]" if m == spec.thp else m for m in ("always", "madvise", "never")) + "\n")

@@ -46,3 +46,17 @@ def packed_store(ck: str | Path, where: Path) -> Path:
     out = Path(where) / "experts.glm53"
     pack_store(PackOptions(ck, out, threads=2, progress=False, verify=False), log=lambda m: None)
     return out
+
+
+def split_spec(ck: str | Path, engine: str = "exact", vram_slots: int | list[int] = 0, *, cards: int = 2,
+               index: int | tuple[int, ...] = 0, device: str = "cpu", budget: int = 12 << 30, **kw) -> EngineSpec:
+    """`spec_for` with the decoder layers split `cards` ways, the MoE layers as evenly as whole layers allow
+    (glm53.devices.even_shares), every share on cuda:`index` with `budget` bytes (a split onto one card, two
+    budgets), on cuda:index[i] (a tuple: one card per share), or on the CPU (device="cpu": the fake exllamav3)."""
+    from glm53.devices import even_shares
+
+    shape = from_checkpoint(ck)
+    slots = [vram_slots] * shape.moe_layers if isinstance(vram_slots, int) else list(vram_slots)
+    indices = index if isinstance(index, tuple) else (index,) * cards
+    shares = even_shares(shape.layers, shape.moe_layer_ids, slots, indices, budget)
+    return spec_for(ck, engine, slots, device=device, devices=shares, **kw)
