@@ -14,6 +14,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from glm53.host import Gpu, HostFacts
+from glm53.settings import AUTO_CONCURRENCY, concurrency_of
 from glm53.shape import DEFAULT_SHAPE, ModelShape
 from glm53.spec import (
     PAGE,
@@ -55,13 +56,15 @@ class Reserve:
         return self.cuda_context + self.graphs + self.allocator_slack
 
 
-# Not yet measured at full depth: CUDA 12's lazy-loaded context with torch, cuBLAS and the kernels of exllamav3 and
-# Triton in use on an RTX 3090 class card, a few hundred small graph executables, and allocator fragmentation.
-RESERVE_ESTIMATE = Reserve(512 * MIB, 128 * MIB, 128 * MIB, "an estimate, not yet measured")
-# The GPU run's figure replaces the estimate here, as (bytes, "where it was measured"): the peak device memory the
-# driver reports for the serving process (NVML) minus torch.cuda.max_memory_allocated() over the same run (full
-# depth, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072, a 120,000-token prompt and 512 decoded tokens).
-RESERVE_MEASURED: tuple[int, str] | None = None
+# The estimate's parts, kept to explain what the reserve is; the measured figure below is what the plan uses.
+RESERVE_ESTIMATE = Reserve(512 * MIB, 128 * MIB, 128 * MIB, "an estimate")
+# Measured (bytes, where): the peak device memory the driver reported for the process, minus every tensor the plan
+# counts (weights, KV, KDA state, staging, slots, a 2,048-token chunk's activations), so it also holds whatever those
+# counts miss. `glm53 bench depth`, exact mode, full-depth fixture, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072,
+# 8 sequences, a 120,000-token prompt + 512 tokens: peak 24.86 GiB against a plan of 24 GiB with the 0.75 GiB
+# estimate, i.e. 1.61 GiB outside the counted tensors (0.51 GiB of it the CUDA context), rounded up to 64 MiB.
+RESERVE_MEASURED: tuple[int, str] | None = (
+    26 * 64 * MIB, "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md")
 # Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
 # torch.cuda.max_memory_allocated() during a prefill minus memory_allocated() before it, at chunks of 2,048 and
 # 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.shape's estimate.
@@ -385,7 +388,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
     act = lambda chunk: prefill_activation_bytes(shape, chunk)[0]  # noqa: E731
     kv_of = lambda tokens: kv_cache_bytes(tokens, shape.kv_bytes_per_token)  # noqa: E731
     seq = shape.state_bytes_per_seq
-    want = settings.max_concurrency
+    want, auto = concurrency_of(settings)
     context = -(-settings.context // PAGE) * PAGE
 
     def account(kv_tokens: int, staging: int, chunk: int, sequences: int, slots: int) -> dict[str, int]:
@@ -399,7 +402,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
                                  f"{gib(budget)} beside {_terms(everything, 'expert_slots')}: stock exllamav3 "
                                  "serves, no tiers")
         reasons["kv_tokens"] = _kv_reason(shape, context, kv_of(context))
-        reasons["sequences"] = _seq_reason(shape, want, want, "")
+        reasons["sequences"] = _seq_reason(shape, want, settings.max_concurrency, "")
         reasons["prefill_chunk"] = STOCK_CHUNK_WHY
         reasons["reserve"] = reserve_why
         return _Vram(shape.experts, 0, context, want, PREFILL_CHUNK, everything)
@@ -428,31 +431,29 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
         kv_tokens = fit
     floor = hot_set_floor(shape)
     # The sequences asked for come before a longer chunk: a request without a sequence slot waits for another to end.
+    # Only the plan's own choice is lowered (GLM53_MAX_CONCURRENCY=0); a number the user gave is kept.
     sequences = want
-    while sequences > 1 and slots_for(kv_tokens, PREFILL_CHUNK, sequences) < floor:
+    while auto and sequences > 1 and slots_for(kv_tokens, PREFILL_CHUNK, sequences) < floor:
         sequences -= 1
     chunk, chunk_why = _choose_chunk(shape, gpu, slots_for(kv_tokens, PREFILL_CHUNK, sequences),
                                      lambda c: slots_for(kv_tokens, c, sequences), floor)
     slots = slots_for(kv_tokens, chunk, sequences)
     acc = account(kv_tokens, staging, chunk, sequences, slots)
     reasons["kv_tokens"] = _kv_reason(shape, kv_tokens, kv_of(kv_tokens))
-    reasons["sequences"] = _seq_reason(shape, sequences, want, f" for the {floor}-slot hot set beside a "
-                                       f"{PREFILL_CHUNK}-token chunk" if sequences < want else "")
+    lowered = f" for the {floor}-slot hot set beside a {PREFILL_CHUNK}-token chunk" if sequences < want else ""
+    reasons["sequences"] = _seq_reason(shape, sequences, settings.max_concurrency, lowered)
     reasons["prefill_chunk"] = chunk_why
     reasons["reserve"] = reserve_why
     reasons["vram_slots"] = (f"{slots} slots of {human(eb)} ({100 * slots / shape.experts:.0f}% of experts, "
                              f"{slots // shape.moe_layers}-{-(-slots // shape.moe_layers)} per MoE layer): budget "
                              f"{gib(budget)} minus {_terms(acc, 'expert_slots')}; {staging} staging slots are one "
                              "layer's experts, since exact prefill stages every picked expert of a layer in id order")
-    if sequences < want:
-        warnings.append(f"GLM53_MAX_CONCURRENCY={want} lowered to {sequences}: each sequence's KDA state takes "
-                        f"{human(seq)} of VRAM ({seq / eb:.0f} expert slots), and more would leave fewer than {floor} "
-                        f"slots; lower GLM53_CONTEXT (its KV takes {gib(kv_of(kv_tokens))}) for more, or set "
-                        f"GLM53_MAX_CONCURRENCY={sequences} to silence this")
     if slots < floor:
         warnings.append(f"{slots} VRAM expert slots < {floor} ({100 * HOT_SET_SHARE:.1f}% of experts, the decode hot "
                         f"set the reference appliance keeps on a 24 GB card): fewer picks hit VRAM; lower "
-                        f"GLM53_CONTEXT (KV {gib(kv_of(kv_tokens))}) to raise it")
+                        f"GLM53_CONTEXT (KV {gib(kv_of(kv_tokens))})"
+                        + (f" or GLM53_MAX_CONCURRENCY ({sequences} sequences, {human(seq)} each)" if sequences > 1
+                           else "") + " to raise it")
     return _Vram(slots, staging, kv_tokens, sequences, chunk, acc)
 
 
@@ -528,8 +529,9 @@ def _kv_reason(shape: ModelShape, tokens: int, kv: int) -> str:
             "B/token: fp16 latent, rope key and the indexer's key planes; one page more than the context)")
 
 
-def _seq_reason(shape: ModelShape, sequences: int, want: int, lowered: str) -> str:
-    return (f"{sequences} (GLM53_MAX_CONCURRENCY={want}{', lowered' + lowered if lowered else ''}): the cache's "
+def _seq_reason(shape: ModelShape, sequences: int, asked: int, lowered: str) -> str:
+    given = f"GLM53_MAX_CONCURRENCY={asked}" if asked else f"GLM53_MAX_CONCURRENCY=0: the plan's, at most {AUTO_CONCURRENCY}"
+    return (f"{sequences} ({given}{', lowered' + lowered if lowered else ''}): the cache's "
             f"recurrent-state slots, one per sequence decoded together, each {human(shape.state_bytes_per_seq)} of "
             f"KDA state in VRAM ({gib(sequences * shape.state_bytes_per_seq)} in all)")
 
@@ -806,8 +808,8 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[st
         raise PlanError(str(exc)) from None
     warnings.extend(cp.warnings)
     reasons.update(cp.reasons)
-    want = settings.max_concurrency
-    reasons["sequences"] = _seq_reason(shape, want, want, "")
+    want, _ = concurrency_of(settings)
+    reasons["sequences"] = _seq_reason(shape, want, settings.max_concurrency, "")
     reasons["prefill_chunk"] = cp.chunk_why or STOCK_CHUNK_WHY
     reasons["reserve"] = f"{reserve_why}; on each of the {len(cards)} cards"
     return cards[0], cp, _Vram(sum(cp.vram_slots), cp.split.staging, cp.split.kv_tokens, want, cp.chunk,

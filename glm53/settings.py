@@ -127,10 +127,11 @@ SCHEMA: tuple[Setting, ...] = (
             "default, which deliberates hundreds of tokens even on a one-line question: tens of seconds at "
             "desktop decode speed). Requests override it with reasoning_effort.",
             _choice(("none", "low", "high", "max")), "none | low | high | max"),
-    Setting("GLM53_MAX_CONCURRENCY", "8",
-            "Requests decoded together, at most; more wait in the queue. Each holds 145 MiB of KDA state in VRAM: "
-            "the plan lowers it (with a warning) where more would cost the VRAM expert slots' hot set.",
-            _int_at_least(1), "integer >= 1"),
+    Setting("GLM53_MAX_CONCURRENCY", "0",
+            "Requests decoded together, at most; more wait in the queue. Each holds 145 MiB of KDA state in VRAM. "
+            "0: the plan picks, up to 8, fewer where more would cost the VRAM expert slots' hot set; a number is "
+            "kept as given.",
+            _int_at_least(0), "0 (the plan picks) | integer >= 1"),
     Setting("GLM53_MAX_QUEUE", "32",
             "Requests that may wait for a decode slot; beyond it a request gets 429 with Retry-After (Anthropic's "
             "route: 429 rate_limit_error) at once instead of waiting unseen. 0 = no limit.",
@@ -182,6 +183,15 @@ def read_dotenv(path: Path) -> dict[str, str]:
     from dotenv import dotenv_values
 
     return {k: v for k, v in dotenv_values(path).items() if v is not None}
+
+
+AUTO_CONCURRENCY = 8  # what GLM53_MAX_CONCURRENCY=0 allows at most
+
+
+def concurrency_of(settings: Any) -> tuple[int, bool]:
+    """(sequences at most, whether the plan may lower them): GLM53_MAX_CONCURRENCY=0 leaves it to the plan."""
+    n = int(settings.max_concurrency)
+    return (n, False) if n else (AUTO_CONCURRENCY, True)
 
 
 def load(environ: dict[str, str] | None = None, dotenv: Path | None = Path(".env"),

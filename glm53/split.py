@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from glm53.devices import DeviceShare
+from glm53.settings import concurrency_of
 from glm53.shape import ModelShape
 from glm53.spec import PAGE, PREFILL_CHUNK, kv_cache_bytes
 
@@ -231,7 +232,7 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
     from glm53.spec import split_slots
 
     cards = [Card(g.cuda if g.cuda is not None else g.index, g.name, budget_of(g)) for g in gpus]
-    sequences = settings.max_concurrency
+    sequences = concurrency_of(settings)[0]
     costs = layer_costs(shape, sequences)
     eb, experts = shape.expert_bytes, shape.experts_per_layer
     want = min(settings.context, shape.max_context or settings.context)

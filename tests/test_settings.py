@@ -42,8 +42,8 @@ def test_entrypoint_and_test_switches_are_not_unknown_settings():
 
 def test_invalid_value_in_dotenv_names_it(tmp_path):
     env_file = tmp_path / ".env"
-    env_file.write_text("GLM53_MAX_CONCURRENCY=0\n")
-    with pytest.raises(S.SettingsError, match=r"GLM53_MAX_CONCURRENCY='0' is invalid \(allowed: integer >= 1\)"):
+    env_file.write_text("GLM53_MAX_CONCURRENCY=-1\n")
+    with pytest.raises(S.SettingsError, match=r"GLM53_MAX_CONCURRENCY='-1' is invalid \(allowed: 0 \(the plan picks\) \| integer >= 1\)"):
         S.load(environ={}, dotenv=env_file)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
+from glm53.settings import concurrency_of
 from glm53.spec import PAGE, EngineSpec, engine_spec
 
 log = logging.getLogger("glm53.engine")
@@ -599,7 +600,7 @@ def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineS
                        top_k=shape.top_k, vram_slots=max(1, shape.experts_per_layer // 4),
                        kv_tokens=min(settings.context, DEMO_CONTEXT["gpu"]),
                        context=min(settings.context, shape.max_context or settings.context),
-                       max_concurrency=settings.max_concurrency, device=device, split="a quarter of each layer")
+                       max_concurrency=concurrency_of(settings)[0], device=device, split="a quarter of each layer")
 
 
 def demo_engine(cache_dir: Path, settings: Any) -> tuple[Exl3Engine, Path]:

@@ -118,12 +118,13 @@ def exllamav3_available() -> bool:
 
 def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
     from glm53.engine.reference import ReferenceEngine
+    from glm53.settings import concurrency_of
 
     native = model_context(config)
     context = min(settings.context, native) if native else settings.context
     # One context's worth of KV shared by every request, as the GPU engine's cache is (the plan's kv_tokens).
     return ReferenceEngine(model_dir, model_id=settings.model_id, context_length=context,
-                           max_running=settings.max_concurrency, kv_tokens=context)
+                           max_running=concurrency_of(settings)[0], kv_tokens=context)
 
 
 def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
