@@ -113,7 +113,8 @@ def _check_session(doc: dict, turns: int) -> None:
     assert len(doc["turns"]) == turns
     prev = None
     for t in doc["turns"]:
-        # cached_tokens is reported on every turn (0 here: the CPU engine keeps no prefix cache).
+        # cached_tokens is reported on every turn (the CPU engine reuses its last request's cache when the prompt
+        # starts with all of it).
         assert isinstance(t["cached_tokens"], int) and 0 <= t["cached_tokens"] <= t["prompt_tokens"]
         assert t["new_tokens"] == t["prompt_tokens"] - t["cached_tokens"]
         assert t["ttft_s"] > 0 and 1 <= t["completion_tokens"] <= 8 and t["cold_s"] > 0
@@ -124,7 +125,9 @@ def _check_session(doc: dict, turns: int) -> None:
         prev = t
     assert doc["cold"]["tok_s"] > 0 and doc["cold"]["cached_tokens"] == 0
     assert set(doc["targets"]) == {"cached_share", "median_ttft", "max_ttft"}
-    assert doc["summary"]["cached_share"] == 0.0 and not doc["targets"]["cached_share"]["ok"]
+    share = doc["summary"]["cached_share"]
+    assert 0.0 <= share < 1.0 and doc["targets"]["cached_share"]["ok"] == (doc["summary"]["cached_share_from_turn_2"]
+                                                                         >= 0.9)
     assert doc["server_stats"]["after"]["engine"] == "reference-cpu"
 
 
@@ -139,7 +142,7 @@ def test_agent_session_over_http(demo_server, tmp_path, capsys):
     assert lines[0].startswith("bench agent: glm-5.3-flash, 3 turns to 3000 tokens, reasoning dropped")
     assert lines[2].split()[:6] == ["turn", "step", "prompt", "cached", "new", "same"]
     assert [x.split()[:2] for x in lines[3:6]] == [["1", "task"], ["2", "user"], ["3", "user"]]
-    assert "cached share of all prompt tokens: 0.000" in text
+    assert f"cached share of all prompt tokens: {doc['summary']['cached_share']:.3f}" in text
     for name in ("cached_share", "median_ttft", "max_ttft"):
         assert any(x.startswith(f"target {name}: ") and (": PASS: " in x or ": FAIL: " in x) for x in lines), name
     # Each turn's reply had reasoning (closed by max_reasoning_tokens) and the step's output made the prompt grow.
