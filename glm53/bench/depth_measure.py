@@ -38,7 +38,8 @@ def _smi_used(index: int) -> int | None:
 
 
 def _rss_anon() -> int:
-    """Resident bytes not backed by files (statm: resident - shared), i.e. what the process itself allocated."""
+    """Resident bytes not backed by files (statm: resident - shared), i.e. what the process itself allocated: the
+    tiers' pinned arena too (ordinary pages registered with the driver in place, glm53.tiers.ram.pin_host)."""
     with open("/proc/self/statm") as f:
         fields = f.read().split()
     return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
