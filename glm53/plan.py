@@ -42,29 +42,14 @@ PACK_STORE_COMMAND = ("docker run --rm -v /path/to/GLM-5.3-Flash-exl3:/model:ro 
 MIN_GPU_GIB = 20
 
 
-@dataclass(frozen=True)
-class Reserve:
-    """Device memory outside every tensor the plan counts (weights, caches, slots, activations)."""
-
-    cuda_context: int     # CUDA context, kernel images (torch, exllamav3, Triton) and cuBLAS handles / workspaces
-    graphs: int           # exllamav3's captured decode graphs (their executable memory)
-    allocator_slack: int  # torch's caching allocator: reserved beyond allocated at the peak (fragmentation)
-    source: str
-
-    @property
-    def total(self) -> int:
-        return self.cuda_context + self.graphs + self.allocator_slack
-
-
-# The estimate's parts, kept to explain what the reserve is; the measured figure below is what the plan uses.
-RESERVE_ESTIMATE = Reserve(512 * MIB, 128 * MIB, 128 * MIB, "an estimate")
-# Measured (bytes, where): the peak device memory the driver reported for the process, minus every tensor the plan
-# counts (weights, KV, KDA state, staging, slots, a 2,048-token chunk's activations), so it also holds whatever those
-# counts miss. `glm53 bench depth`, exact mode, full-depth fixture, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072,
-# 8 sequences, a 120,000-token prompt + 512 tokens: peak 24.86 GiB against a plan of 24 GiB with the 0.75 GiB
-# estimate, i.e. 1.61 GiB outside the counted tensors (0.51 GiB of it the CUDA context), rounded up to 64 MiB.
-RESERVE_MEASURED: tuple[int, str] | None = (
-    26 * 64 * MIB, "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md")
+# Device memory outside every tensor the plan counts (weights, KV, KDA state, staging, slots, a chunk's
+# activations): the CUDA context and kernel images, exllamav3's captured graphs, allocator slack and whatever those
+# counts miss. Measured as the peak device memory the driver reported for the process minus the counted tensors:
+# `glm53 bench depth`, exact mode, full-depth fixture, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072, 8 sequences, a
+# 120,000-token prompt + 512 tokens on an H200 (docs/results.md, 2026-12-01): 1.61 GiB (0.51 GiB of it the CUDA
+# context), rounded up to 64 MiB.
+VRAM_RESERVE = 26 * 64 * MIB
+VRAM_RESERVE_SOURCE = "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md"
 # Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
 # torch.cuda.max_memory_allocated() during a prefill minus memory_allocated() before it, at chunks of 2,048 and
 # 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.shape's estimate.
@@ -164,7 +149,7 @@ MODE_NEEDS = {
 
 THRESHOLDS = {
     "GPU VRAM (total, free, or GLM53_VRAM_BUDGET_GB) at least": f"{MIN_GPU_GIB} GiB",
-    "VRAM reserve (CUDA context, graphs, allocator slack; estimated)": f"{RESERVE_ESTIMATE.total / GIB:g} GiB",
+    "VRAM reserve (CUDA context, graphs, allocator slack; measured)": f"{VRAM_RESERVE / GIB:g} GiB",
     "VRAM expert slots kept before a longer prefill chunk or more sequences": f"{100 * HOT_SET_SHARE:.1f}% of experts "
                                                                               "(1,376 of GLM-5.3-Flash's 12,096)",
     "prefill chunks": " / ".join(str(c) for c in PREFILL_CHUNKS) + " tokens",
@@ -463,14 +448,8 @@ def hot_set_floor(shape: ModelShape) -> int:
 
 
 def vram_reserve() -> tuple[int, str]:
-    """The reserve's bytes and where the figure comes from: the GPU run's measurement where there is one."""
-    if RESERVE_MEASURED is not None:
-        nbytes, source = RESERVE_MEASURED
-        return nbytes, f"{gib(nbytes)}: measured ({source})"
-    r = RESERVE_ESTIMATE
-    return r.total, (f"{gib(r.total)}: {human(r.cuda_context)} CUDA context, kernel images and cuBLAS handles + "
-                     f"{human(r.graphs)} exllamav3's captured decode graphs + {human(r.allocator_slack)} caching-"
-                     f"allocator slack ({r.source})")
+    """The reserve's bytes and where the figure comes from."""
+    return VRAM_RESERVE, f"{gib(VRAM_RESERVE)}: measured ({VRAM_RESERVE_SOURCE})"
 
 
 def prefill_activation_bytes(shape: ModelShape, chunk: int) -> tuple[int, str]:

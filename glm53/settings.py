@@ -108,7 +108,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("GLM53_STORE", "", "Expert record store file made by pack-store; needed by the nvme modes."),
     Setting("GLM53_MODE", "auto", "auto picks from the host; or force fast, exact, nvme, nvme-exact.",
             _choice(MODES), " | ".join(MODES)),
-    Setting("GLM53_EXACT", "0", "In auto mode, prefer the bit-exact variant (exact / nvme-exact).", _bool, BOOL),
+    Setting("GLM53_EXACT", "0", "In auto mode, prefer the bit-exact modes (exact / nvme-exact).", _bool, BOOL),
     Setting("GLM53_HOST", "127.0.0.1", "Address the HTTP server binds to.", _host,
             "an address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every interface)"),
     Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),

@@ -362,7 +362,7 @@ def test_gpu_prefill_memory_against_the_plan(tmp_path, exl3):
     """What a prefill really holds, against the plan's estimates: torch's peak allocated bytes over two chunks'
     forwards less what was allocated before (the activations), and this process's device memory at its peak less
     torch's peak allocated bytes (the reserve: CUDA context, kernel images, graphs, allocator slack). Chunks of 2,048
-    and 4,096 give the per-token and fixed terms. Prints the figures glm53.plan's RESERVE_MEASURED and
+    and 4,096 give the per-token and fixed terms. Prints the figures glm53.plan's VRAM_RESERVE and
     PREFILL_MEASURED take (and writes $OUT/plan-memory.json); fails where the plan counts less than a prefill uses.
     GLM53_MEMORY_CKPT: the checkpoint to measure (the full-depth fixture: its graphs and layer count make the
     reserve's real figure); default a generated full-width 4-layer one (dense + KDA, KDA + MoE, MLA + MoE)."""
@@ -377,8 +377,7 @@ def test_gpu_prefill_memory_against_the_plan(tmp_path, exl3):
     fixed = got[2048]["activations"] - per_token * 2048
     reserve = max(g["reserve"] for g in got.values())
     report = {"checkpoint": str(ck), "layers": shape.layers, "chunks": got,
-              "PREFILL_MEASURED": [per_token, fixed], "RESERVE_MEASURED": reserve,
-              "reserve_estimated": P.RESERVE_ESTIMATE.total}
+              "PREFILL_MEASURED": [per_token, fixed], "reserve": reserve, "VRAM_RESERVE": P.VRAM_RESERVE}
     print("\nplan memory: " + json.dumps(report))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "plan-memory.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -387,4 +386,4 @@ def test_gpu_prefill_memory_against_the_plan(tmp_path, exl3):
         assert abs(g["static_allocated"] - g["static_counted"]) <= 0.05 * g["static_counted"], (chunk, g)
         assert g["activations"] <= 1.1 * g["activations_estimated"], (chunk, g)
     if given:  # a 4-layer model's graphs and slack are not full depth's: only the full-depth figure is checked
-        assert reserve <= 1.1 * P.RESERVE_ESTIMATE.total, report
+        assert reserve <= 1.1 * P.VRAM_RESERVE, report

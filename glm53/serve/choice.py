@@ -69,7 +69,7 @@ def checkpoint_format(config: dict, tensors: Any = ()) -> tuple[str, list[str]]:
     if trellis and not says_exl3:
         return "exl3", [f"the checkpoint holds {trellis} EXL3 (.trellis) tensors, but its config.json has no "
                         f"quantization_config with quant_method \"exl3\" (it has {quant or 'none'}): a config from "
-                        f"another variant? Restore the config.json that came with these weights"]
+                        f"another model? Restore the config.json that came with these weights"]
     if says_exl3:
         return "exl3", []
     archs = " ".join(config.get("architectures") or [])
