@@ -22,6 +22,8 @@ from glm53.spec import (
     RAM_SPARE_OF_TOP_K,
     RECURRENT_CACHE_BYTES,
     EngineSpec,
+    borrowed_rows,
+    decode_staging,
     engine_spec,
     kv_cache_bytes,
     split_slots,
@@ -352,7 +354,8 @@ class _Vram:
     prefill chunk, and each term's bytes (the plan's accounting, shown by `glm53 plan`)."""
 
     slots: int
-    staging: int          # 0: every expert fits, stock exllamav3 serves
+    staging: int          # staging ids per layer (one layer's experts); 0: every expert fits, stock exllamav3 serves
+    staging_rows: int     # of them device rows of their own; the rest are borrowed cache slots
     kv_tokens: int
     sequences: int
     chunk: int
@@ -390,22 +393,30 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
         reasons["sequences"] = _seq_reason(shape, want, settings.max_concurrency, "")
         reasons["prefill_chunk"] = STOCK_CHUNK_WHY
         reasons["reserve"] = reserve_why
-        return _Vram(shape.experts, 0, context, want, PREFILL_CHUNK, everything)
-    # A whole layer's experts of staging: exact prefill stages every picked expert of a layer, in id order.
+        return _Vram(shape.experts, 0, 0, context, want, PREFILL_CHUNK, everything)
+    # A whole layer's experts of staging ids: exact prefill stages every picked expert of a layer, in id order. Only
+    # a decode step's worth are rows of their own; a wider step borrows the rest from other layers' cache slots,
+    # which the slots can lend once they are twice a layer (the most one layer may hold, plus the loan).
     staging = shape.experts_per_layer
     min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
     most = shape.moe_layers * (shape.experts_per_layer - 1)
+    whole = [False]  # no loan: the slots cannot lend it (a budget this tight gives up the rows instead)
+
+    def rows_of(sequences: int) -> int:
+        own = decode_staging(shape.top_k, sequences, staging)
+        return staging if whole[0] else own
 
     def slots_for(kv_tokens: int, chunk: int, sequences: int) -> int:
-        spent = sum(account(kv_tokens, staging, chunk, sequences, 0).values())
+        spent = sum(account(kv_tokens, rows_of(sequences), chunk, sequences, 0).values())
         return min(most, (budget - spent) // eb)
 
     kv_tokens = context
     if slots_for(context, PREFILL_CHUNK, 1) < min_slots:
-        room = budget - sum(account(0, staging, PREFILL_CHUNK, 1, min_slots).values()) + kv_of(0)
+        whole[0] = min_slots + rows_of(1) < 2 * staging  # the fewest slots cannot lend a layer of staging
+        room = budget - sum(account(0, rows_of(1), PREFILL_CHUNK, 1, min_slots).values()) + kv_of(0)
         fit = max(0, room // max(1, shape.kv_bytes_per_token) - PAGE) // KV_ROUND * KV_ROUND
         if fit < MIN_KV_TOKENS:
-            need = account(MIN_KV_TOKENS, staging, PREFILL_CHUNK, 1, min_slots)
+            need = account(MIN_KV_TOKENS, rows_of(1), PREFILL_CHUNK, 1, min_slots)
             raise PlanError(f"VRAM budget {gib(budget)} < {gib(sum(need.values()))} needed for "
                             f"{_terms(need, '')} ({shape.top_k} expert slots per MoE layer, {staging} staging "
                             f"slots, KV for {MIN_KV_TOKENS} tokens, one sequence): use a GPU with more free VRAM or "
@@ -423,7 +434,11 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
     chunk, chunk_why = _choose_chunk(shape, gpu, slots_for(kv_tokens, PREFILL_CHUNK, sequences),
                                      lambda c: slots_for(kv_tokens, c, sequences), floor)
     slots = slots_for(kv_tokens, chunk, sequences)
-    acc = account(kv_tokens, staging, chunk, sequences, slots)
+    if slots + rows_of(sequences) < 2 * staging:
+        whole[0] = True
+        slots = slots_for(kv_tokens, chunk, sequences)
+    rows = rows_of(sequences)
+    acc = account(kv_tokens, rows, chunk, sequences, slots)
     reasons["kv_tokens"] = _kv_reason(shape, kv_tokens, kv_of(kv_tokens))
     lowered = f" for the {floor}-slot hot set beside a {PREFILL_CHUNK}-token chunk" if sequences < want else ""
     reasons["sequences"] = _seq_reason(shape, sequences, settings.max_concurrency, lowered)
@@ -431,15 +446,20 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
     reasons["reserve"] = reserve_why
     reasons["vram_slots"] = (f"{slots} slots of {human(eb)} ({100 * slots / shape.experts:.0f}% of experts, "
                              f"{slots // shape.moe_layers}-{-(-slots // shape.moe_layers)} per MoE layer): budget "
-                             f"{gib(budget)} minus {_terms(acc, 'expert_slots')}; {staging} staging slots are one "
-                             "layer's experts, since exact prefill stages every picked expert of a layer in id order")
+                             f"{gib(budget)} minus {_terms(acc, 'expert_slots')}; "
+                             + (f"{rows} staging rows of their own (what a decode step of {sequences} "
+                                f"sequence{'s' if sequences != 1 else ''} streams); a prefill stages all of a layer's "
+                                f"picks in id order, borrowing the other {staging - rows} of its {staging} staging "
+                                "rows from other layers' cache slots while it runs" if rows < staging else
+                                f"{staging} staging rows, one layer's experts, since exact prefill stages every picked "
+                                "expert of a layer in id order (too few slots to lend them)"))
     if slots < floor:
         warnings.append(f"{slots} VRAM expert slots < {floor} ({100 * HOT_SET_SHARE:.1f}% of experts, the decode hot "
                         f"set the reference appliance keeps on a 24 GB card): fewer picks hit VRAM; lower "
                         f"GLM53_CONTEXT (KV {gib(kv_of(kv_tokens))})"
                         + (f" or GLM53_MAX_CONCURRENCY ({sequences} sequences, {human(seq)} each)" if sequences > 1
                            else "") + " to raise it")
-    return _Vram(slots, staging, kv_tokens, sequences, chunk, acc)
+    return _Vram(slots, staging, rows, kv_tokens, sequences, chunk, acc)
 
 
 def hot_set_floor(shape: ModelShape) -> int:
@@ -677,15 +697,19 @@ class _RamTier:
 
 
 def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, vram: int, ram: _Ram,
-              reasons: dict[str, str], warnings: list[str]) -> _RamTier:
-    """Exclusive RAM tier: every non-VRAM expert in fast/exact; what the memory allows in the nvme modes."""
+              reasons: dict[str, str], warnings: list[str], lent: int = 0) -> _RamTier:
+    """Exclusive RAM tier: every non-VRAM expert in fast/exact (and those of the `lent` cache slots staging may
+    borrow, written back meanwhile); what the memory allows in the nvme modes (a borrowed slot's expert is dropped
+    there: the store has it)."""
     eb = shape.expert_bytes
     spare = RAM_SPARE_OF_TOP_K * shape.top_k if vram < shape.experts else 0
     if mode not in ("nvme", "nvme-exact"):
-        ram_slots = shape.experts - vram + spare
+        ram_slots = shape.experts - vram + lent + spare
         recurrent = max(0, min(RECURRENT_CACHE_BYTES, ram.usable - ram.kept - ram_slots * eb))
         reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * eb)}): every expert not in VRAM, exclusive "
-                                f"of it, plus {spare} spare rows for admissions' victims; usable RAM "
+                                f"of it, " + (f"{lent} for the experts of the cache slots a prefill borrows as "
+                                              "staging, " if lent else "")
+                                + f"plus {spare} spare rows for admissions' victims; usable RAM "
                                 f"{gib(ram.usable)} ({ram.what})")
         reasons["recurrent_cache"] = _recurrent_reason(shape, recurrent,
                                                        f"what RAM has left after the tier and {ram.kept_what}")
@@ -791,8 +815,8 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[st
     reasons["sequences"] = _seq_reason(shape, want, settings.max_concurrency, "")
     reasons["prefill_chunk"] = cp.chunk_why or STOCK_CHUNK_WHY
     reasons["reserve"] = f"{reserve_why}; on each of the {len(cards)} cards"
-    return cards[0], cp, _Vram(sum(cp.vram_slots), cp.split.staging, cp.split.kv_tokens, want, cp.chunk,
-                               cp.accounting)
+    return cards[0], cp, _Vram(sum(cp.vram_slots), cp.split.staging, cp.split.staging, cp.split.kv_tokens, want,
+                               cp.chunk, cp.accounting)
 
 
 def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
@@ -817,9 +841,10 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
         shares = ()
     staging, kv_tokens = v.staging, v.kv_tokens
     ram = _ram(facts, shape)
-    fit = _fit(facts, shape, settings, sum(vram), ram, warnings)
+    lent = len(borrowed_rows(vram, staging - v.staging_rows)) if staging and not shares else 0
+    fit = _fit(facts, shape, settings, sum(vram) - lent, ram, warnings)  # a lent slot's expert needs RAM too
     mode = _choose_mode(fit, settings, reasons, warnings)
-    tier = _size_ram(facts, shape, settings, mode, fit, sum(vram), ram, reasons, warnings)
+    tier = _size_ram(facts, shape, settings, mode, fit, sum(vram), ram, reasons, warnings, lent)
     pinned = (tier.slots + tier.staging_records) * tier.record_bytes
     _memory_warnings(facts, pinned, warnings)
     cpu_threads = _cpu_threads(facts, settings, mode, reasons, warnings)
@@ -827,14 +852,18 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
     spec = engine_spec(mode if staging else "stock", moe_layers=shape.moe_layers,
                        experts_per_layer=shape.experts_per_layer, top_k=shape.top_k, vram_slots=vram,
                        kv_tokens=kv_tokens, context=context, max_concurrency=v.sequences,
-                       device=_cuda(shares, gpu), staging_slots=staging or None, ram_slots=tier.slots,
+                       device=_cuda(shares, gpu), staging_slots=staging or None,
+                       staging_rows=v.staging_rows or None, ram_slots=tier.slots,
                        cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
                        allow_buffered=settings.allow_buffered_reads, prefill_chunk=v.chunk,
                        recurrent_cache_bytes=tier.recurrent_cache, split=split, devices=shares)
     if not staging:
         tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
         pinned = 0
-    reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging, {spec.ram_slots} RAM "
+    reasons["engine"] = (f"{spec.engine}: VRAM slots {split}; {spec.staging_slots} staging"
+                         + (f" ({spec.dedicated_staging} rows of their own, {len(spec.borrowed)} cache slots lent)"
+                            if spec.tiered and spec.dedicated_staging < spec.staging_slots else "")
+                         + f", {spec.ram_slots} RAM "
                          f"rows, context {spec.context} of {spec.kv_tokens} KV tokens, {spec.max_concurrency} "
                          f"sequence{'s' if spec.max_concurrency != 1 else ''}, prefill chunks of {spec.prefill_chunk}")
     ram_acc = {"ram_tier": pinned, "recurrent_cache": tier.recurrent_cache, "host_weights": shape.host_bytes,

@@ -27,6 +27,7 @@ RECURRENT_CACHE_BYTES = 4 << 30
 # RAM rows beyond the experts VRAM does not hold: an admission's victim needs a free row before the admitted
 # expert's row is freed (exclusive tiers), and a decode step can admit up to top_k of them.
 RAM_SPARE_OF_TOP_K = 2
+DECODE_ROWS = 8            # exllamav3's fused decode kernels take up to this many rows (block_sparse_mlp.MAX_BSZN)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class EngineSpec:
     engine: str                      # "stock" (plain exllamav3, every expert in VRAM) or a tiered mode
     device: str                      # cuda:N (cpu only under the fake exllamav3 in tests)
     vram_slots: tuple[int, ...]      # routed-expert slots in VRAM, per MoE layer (empty for stock)
-    staging_slots: int               # device rows for misses streamed without admission, shared by all layers
+    staging_slots: int               # staging ids per MoE layer: experts one step may stream without admission
     ram_slots: int                   # rows of the pinned RAM tier (records of the store in the nvme modes)
     cpu_threads: int                 # CPU-lane threads (fast, nvme; 0 elsewhere)
     store_threads: int               # store reads in flight (nvme modes; 0 elsewhere)
@@ -49,6 +50,20 @@ class EngineSpec:
     split: str                       # how the VRAM slots were divided among layers, for the plan's reasons
     # The layer split across GPUs (glm53.devices), in layer order; empty: everything on `device` (one GPU).
     devices: tuple[DeviceShare, ...] = ()
+    # Device rows of staging of their own (per card); the other staging_slots - staging_rows are borrowed from the
+    # cache slots of other layers (`borrowed_rows`) by the steps that need them. None: all staging_slots.
+    staging_rows: int | None = None
+
+    @property
+    def dedicated_staging(self) -> int:
+        return self.staging_slots if self.staging_rows is None else self.staging_rows
+
+    @property
+    def borrowed(self) -> tuple[tuple[int, int], ...]:
+        """The (MoE layer, slot) cache slots the staging borrows (glm53.spec.borrowed_rows)."""
+        if not self.tiered:
+            return ()
+        return borrowed_rows(self.vram_slots, self.staging_slots - self.dedicated_staging, link_of_layers(self))
 
     @property
     def tiered(self) -> bool:
@@ -67,6 +82,63 @@ class EngineSpec:
         doc["vram_slots"] = list(self.vram_slots)
         doc["devices"] = [d.to_json() for d in self.devices]
         return doc
+
+
+def link_of_layers(spec: EngineSpec) -> list[int]:
+    """Each MoE layer's device share (0 for every layer on one GPU)."""
+    if not spec.devices:
+        return [0] * len(spec.vram_slots)
+    from glm53.devices import moe_share_of
+
+    return [int(x) for x in moe_share_of(spec.devices, len(spec.vram_slots))]
+
+
+def decode_staging(top_k: int, max_concurrency: int, experts_per_layer: int) -> int:
+    """Staging rows a steady decode step can fill: top_k picks for each row of the largest batch exllamav3's decode
+    kernels take (DECODE_ROWS), never more rows than sequences. A step that needs more (a prompt's short last chunk,
+    a prefill) borrows cache slots (`borrowed_rows`)."""
+    return min(experts_per_layer, top_k * max(1, min(DECODE_ROWS, int(max_concurrency))))
+
+
+def borrowable(vram_slots: Sequence[int], link_of: Sequence[int] | None = None) -> int:
+    """The most staging rows every layer can borrow: the cache slots on its card outside its own layer."""
+    link_of = [0] * len(vram_slots) if link_of is None else list(link_of)
+    total: dict[int, int] = {}
+    for s, k in zip(vram_slots, link_of, strict=True):
+        total[k] = total.get(k, 0) + int(s)
+    return min((total[k] - int(s) for s, k in zip(vram_slots, link_of, strict=True)), default=0)
+
+
+def borrowed_rows(vram_slots: Sequence[int], need: int,
+                  link_of: Sequence[int] | None = None) -> tuple[tuple[int, int], ...]:
+    """The cache slots (MoE layer, slot) that staging borrows: on each card, enough that every layer there finds
+    `need` of them in other layers, taken from every layer's last slots in turn, so each layer gives up few and the
+    ones populate fills with its coldest experts. A step that stages more experts than the dedicated rows hold
+    empties the borrowed slots it uses (glm53.tiers.ExpertTiers.borrow); exact prefill stages a whole layer's picks
+    this way in id order, so a separate layer of staging need not sit idle in VRAM during decode.
+    Raises ValueError when a layer cannot find `need` (more than `borrowable`)."""
+    link_of = [0] * len(vram_slots) if link_of is None else list(link_of)
+    need = int(need)
+    if need <= 0:
+        return ()
+    if need > borrowable(vram_slots, link_of):
+        raise ValueError(f"staging cannot borrow {need} cache slots for every layer from VRAM slots {list(vram_slots)}: "
+                         f"at most {borrowable(vram_slots, link_of)}")
+    rows: list[tuple[int, int]] = []
+    for k in sorted(set(link_of)):
+        layers = [li for li, x in enumerate(link_of) if x == k]
+        taken = dict.fromkeys(layers, 0)
+        count, depth = 0, 0
+        while count - max(taken.values()) < need:
+            for li in layers:
+                if count - max(taken.values()) >= need:
+                    break
+                if vram_slots[li] > depth:
+                    rows.append((li, int(vram_slots[li]) - 1 - depth))
+                    taken[li] += 1
+                    count += 1
+            depth += 1
+    return tuple(sorted(rows))
 
 
 def kv_cache_bytes(tokens: int, per_token: int) -> int:
@@ -121,6 +193,7 @@ def engine_spec(
     max_concurrency: int = 8,
     device: str = "cuda:0",
     staging_slots: int | None = None,
+    staging_rows: int | None = None,
     ram_slots: int | None = None,
     cpu_threads: int = 0,
     store_threads: int = 0,
@@ -132,9 +205,11 @@ def engine_spec(
     devices: Sequence[DeviceShare] = (),
 ) -> EngineSpec:
     """An EngineSpec with the sizing rules applied: staging defaults to one layer of experts (any prefill chunk
-    fits, and exact modes stay bit-exact), raised by `staging_for`; the RAM tier outside the nvme modes holds
-    every expert VRAM does not, plus the admission spare (`ram_slots` is required in the nvme modes: there the
-    memory cap sizes it). devices: the layer split across GPUs (glm53.devices; `device` is then the first
+    fits, and exact modes stay bit-exact), raised by `staging_for`; of it, `staging_rows` (default: what a decode
+    step fills, `decode_staging`, or all where the cache slots are under twice a layer) are device rows of their own
+    and the rest borrowed cache slots (`borrowed_rows`). The RAM tier outside the nvme modes holds every expert VRAM
+    does not, the borrowed slots' experts (written back while a step borrows them) and the admission spare
+    (`ram_slots` is required in the nvme modes: there the memory cap sizes it). devices: the layer split across GPUs (glm53.devices; `device` is then the first
     share's). Refuses sizes the engine could not run with, naming them."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -158,6 +233,19 @@ def engine_spec(
     staging = staging_for(slots, experts_per_layer, experts_per_layer if staging_slots is None else staging_slots)
     if staging < top_k:
         raise ValueError(f"staging_slots {staging} < top_k {top_k}: a decode step could not run")
+    link_of = [0] * moe_layers
+    if devices:
+        from glm53.devices import moe_share_of
+
+        link_of = [int(x) for x in moe_share_of(devices, moe_layers)]
+    if staging_rows is None:  # a decode step's rows, where the slots can lend the rest (twice a layer: see plan)
+        own = decode_staging(top_k, max_concurrency, experts_per_layer)
+        if sum(slots) + own < 2 * staging:
+            own = staging
+    else:
+        own = int(staging_rows)
+    own = min(staging, max(own, top_k, staging - borrowable(slots, link_of)))
+    lent = len(borrowed_rows(slots, staging - own, link_of))
     total = moe_layers * experts_per_layer
     nvme = engine in ("nvme", "nvme-exact")
     if nvme:
@@ -168,10 +256,10 @@ def engine_spec(
                              f"layer's {experts_per_layer} experts plus one)")
         rows = int(ram_slots)
     else:
-        rows = total - sum(slots) + RAM_SPARE_OF_TOP_K * top_k if ram_slots is None else int(ram_slots)
+        rows = total - sum(slots) + lent + RAM_SPARE_OF_TOP_K * top_k if ram_slots is None else int(ram_slots)
     lane = engine in ("fast", "nvme")
     if lane and cpu_threads < 1:
         raise ValueError(f"{engine} mode needs cpu_threads >= 1 for its CPU lane")
     return EngineSpec(engine, vram_slots=slots, staging_slots=staging, ram_slots=rows,
                       cpu_threads=int(cpu_threads) if lane else 0, store_threads=int(store_threads) if nvme else 0,
-                      store=store if nvme else None, split=split, **common)
+                      store=store if nvme else None, split=split, staging_rows=own, **common)

@@ -88,7 +88,7 @@ def test_the_plan_splits_vram_by_saved_routing_statistics(tmp_path):
     assert sum(b.vram_slots) == sum(a.vram_slots) == split.vram_slots  # the same budget, divided differently
     assert max(a.vram_slots) - min(a.vram_slots) <= 1 and max(b.vram_slots[21:]) > max(b.vram_slots[:21]) >= 8
     assert "saved routing statistics" in b.split and "saved routing statistics" in split.reasons["engine"]
-    assert split.ram_slots == b.ram_slots == 42 * 288 - sum(b.vram_slots) + 16
+    assert split.ram_slots == b.ram_slots == 42 * 288 - sum(b.vram_slots) + len(b.borrowed) + 16
 
 
 def test_everything_in_vram_is_stock(tmp_path):
@@ -387,3 +387,37 @@ def test_gpu_prefill_memory_against_the_plan(tmp_path, exl3):
         assert g["activations"] <= 1.1 * g["activations_estimated"], (chunk, g)
     if given:  # a 4-layer model's graphs and slack are not full depth's: only the full-depth figure is checked
         assert reserve <= 1.1 * P.VRAM_RESERVE, report
+
+
+def test_borrowed_rows_lend_each_layer_a_layer_of_staging_from_the_others():
+    from glm53.spec import borrowable, borrowed_rows
+
+    slots = [33] * 42
+    rows = borrowed_rows(slots, 280)
+    # Taken from every layer's last slots in turn: each gives up 6 or 7, and each finds 280 in the others.
+    per = np.bincount([lay for lay, _ in rows], minlength=42)
+    assert per.max() - per.min() <= 1 and all(len(rows) - per[li] >= 280 for li in range(42))
+    assert all(s >= 33 - per[lay] for lay, s in rows) and len(set(rows)) == len(rows)
+    # Per card: a layer borrows only from layers on its own card.
+    two = borrowed_rows(slots, 100, [0] * 21 + [1] * 21)
+    assert {lay < 21 for lay, _ in two} == {True, False}
+    assert borrowable([5, 0, 3]) == 3 and borrowed_rows([5, 0, 3], 0) == ()
+    with pytest.raises(ValueError, match="at most 3"):
+        borrowed_rows([5, 0, 3], 4)
+
+
+def test_engine_spec_keeps_decode_rows_and_borrows_the_rest():
+    common = dict(moe_layers=42, experts_per_layer=288, top_k=8, vram_slots=33, kv_tokens=4096)
+    one = engine_spec("exact", max_concurrency=1, **common)
+    assert (one.staging_slots, one.dedicated_staging, len(one.borrowed)) == (288, 8, 287)
+    assert one.ram_slots == 42 * 288 - 42 * 33 + 287 + 16  # the lent slots' experts are written back to RAM
+    eight = engine_spec("exact", max_concurrency=8, **common)
+    assert eight.dedicated_staging == 64 and engine_spec("exact", max_concurrency=32, **common).dedicated_staging == 64
+    # Too few slots to lend a layer of staging: the rows are its own, as before; rows asked for are raised to
+    # what the slots can lend.
+    tight = {**common, "vram_slots": 4, "moe_layers": 3}
+    assert engine_spec("exact", max_concurrency=1, **tight).borrowed == ()
+    asked = engine_spec("exact", max_concurrency=1, staging_rows=8, **tight)
+    assert asked.dedicated_staging == 288 - 8 and len(asked.borrowed) == 12
+    nvme = engine_spec("nvme-exact", max_concurrency=1, ram_slots=400, store="/s", **common)
+    assert nvme.ram_slots == 400 and nvme.dedicated_staging == 8  # the store holds a dropped expert

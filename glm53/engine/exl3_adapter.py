@@ -426,7 +426,8 @@ class TieredMoE:
             self.tiers = ExpertTiers(
                 self.layout, self.num_experts, slots, self.spec.ram_slots,
                 keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
-                staging_slots=self.staging_slots, pin=self.pin, link_devices=self.link_devices, link_of=self.link_of,
+                staging_slots=self.staging_slots, staging_rows=self.spec.dedicated_staging, pin=self.pin,
+                link_devices=self.link_devices, link_of=self.link_of,
             )
         for li, layer in enumerate(self.layers):
             self._shrink(li, layer)
@@ -463,12 +464,12 @@ class TieredMoE:
         m = layer.module
         gates, ups, downs = layer.saved[0], layer.saved[1], layer.saved[2]
         n_local = layer.slots + self.staging_slots
-        vl, staging = self.tiers.vram[li], self.tiers.link(li).staging
+        vl, tiers = self.tiers.vram[li], self.tiers
         markers = {p: (self._marker(k, "mcg"), self._marker(k, "mul1")) for p, k in zip(PROJECTIONS, layer.keys[0],
                                                                                         strict=True)}
         new: tuple[list, list, list] = ([], [], [])
         for i in range(n_local):
-            views = vl.views(i) if i < layer.slots else self.tiers.layout.views(staging[i - layer.slots])
+            views = vl.views(i) if i < layer.slots else tiers.layout.views(tiers.staging_slot(i - layer.slots, li))
             for j, (p, src) in enumerate(zip(PROJECTIONS, (gates, ups, downs), strict=True)):
                 lin = copy.copy(src[i % len(src)])
                 lin.lora_a_tensors, lin.lora_b_tensors = {}, {}
@@ -565,7 +566,7 @@ class TieredMoE:
         rows = rows[: max(8, self.top_k)]
         samples = []
         for n in sorted({1, 2, 4, self.top_k}):
-            if n > min(len(rows), self.staging_slots):
+            if n > min(len(rows), self.tiers.staging_rows):
                 break
             best = float("inf")
             for _ in range(repeats):
@@ -684,13 +685,13 @@ class TieredMoE:
         return True
 
     def _recompute(self, li: int, expert: int, x_rows: np.ndarray) -> Any:
-        """The exact path for a CPU-lane job the lane could not finish: stream the expert into the last staging slot
-        (the copy stream waits for the kernels already queued on it) and run that slot's linears like
-        exllamav3's torch expert path."""
+        """The exact path for a CPU-lane job the lane could not finish: stream the expert into the last staging row
+        of the layer's own (never a borrowed cache slot; the copy stream waits for the kernels already queued on it)
+        and run that slot's linears like exllamav3's torch expert path."""
         import torch
 
         layer, tiers, link = self.layers[li], self.tiers, self.tiers.link(li)
-        s = self.staging_slots - 1
+        s = tiers.staging_rows - 1
         link.copier.copy(link.staging[s], tiers.bytes_of(li, expert)).wait()
         tiers.stats.add_bytes("ram_to_staging", self.layout.nbytes)
         m, idx = layer.module, layer.slots + s
@@ -714,6 +715,8 @@ class TieredMoE:
             mode=mode,
             expert_bytes=self.layout.nbytes,
             staging_slots=self.staging_slots,
+            staging_rows=self.tiers.staging_rows,
+            borrowed_slots=len(self.tiers.lent),
             moe_layers=len(self.layers),
             experts_per_layer=self.num_experts,
             layer_steps=self.steps,
@@ -749,9 +752,9 @@ class TieredMoE:
     def check_invariants(self) -> None:
         self.tiers.check_invariants()
         for li, layer in enumerate(self.layers):
-            vl, staging = self.tiers.vram[li], self.tiers.link(li).staging
+            vl, tiers = self.tiers.vram[li], self.tiers
             for i, (g, u, d) in enumerate(zip(*layer.slot_linears, strict=True)):
-                views = vl.views(i) if i < layer.slots else self.tiers.layout.views(staging[i - layer.slots])
+                views = vl.views(i) if i < layer.slots else tiers.layout.views(tiers.staging_slot(i - layer.slots, li))
                 for p, lin in zip(PROJECTIONS, (g, u, d), strict=True):
                     assert lin.inner.trellis.data_ptr() == views[f"{p}.trellis"].data_ptr(), "slot tensor replaced"
 

@@ -213,6 +213,7 @@ class MoeStepper:
             lane_judge = LaneJudge()
         self.lane_judge = lane_judge
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
+        self.lent_out = 0  # experts that left VRAM because a step borrowed their cache slot as staging
         # plan_reads, plan_copies, plan_slots: parts of plan (the store's reads queued and settled; the copies
         # queued and ordered; the slot ids), so a profile-free run says where a step's host time goes.
         self.host_seconds = {"plan": 0.0, "copy_wait": 0.0, "store_wait": 0.0, "after_launch": 0.0,
@@ -301,6 +302,8 @@ class MoeStepper:
         if self._deferred is not None:  # the caller never ran it (no combine hook): now, before this step
             self.after_launch()
         t_start = time.perf_counter()
+        tiers = self.tiers
+        tiers.give_back_lent()  # the last step's kernels are queued: a copy into its borrowed slots now waits for them
         if self.lane is not None:
             self.lane_judge.started(decode)
         VRAM, STORE = self._vram_code, self._store_code
@@ -384,6 +387,8 @@ class MoeStepper:
         if len(step.staged) > self.staging_slots:
             raise StepError(f"layer {li}: {len(step.staged)} experts to stage in one step exceed the "
                             f"{self.staging_slots} staging slots; raise staging_slots (or lower the prefill chunk)")
+        if len(step.staged) > tiers.staging_rows:  # past the dedicated rows: empty the cache slots it borrows
+            self.lent_out += tiers.borrow(li, len(step.staged))
         self._count_picks(li, picks, hits, from_store, step.cpu)
         if reading and step.cpu:  # the lane computes from RAM: its records must land before it starts
             on_cpu = set(step.cpu)
@@ -568,6 +573,7 @@ class MoeStepper:
     def snapshot(self) -> dict:
         doc: dict = {"host_seconds": {k: round(v, 4) for k, v in self.host_seconds.items()},
                      "copied_before_store_wait": self.copied_before_store_wait,
+                     "lent_out": self.lent_out,
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
                                    "guess_floor": round(self.guess_floor, 3),

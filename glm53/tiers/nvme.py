@@ -119,6 +119,7 @@ class NvmeTier:
         clock: Callable[[], float] = time.monotonic,
         vram_storage: Sequence[torch.Tensor] | None = None,
         staging_slots: int = 2,
+        staging_rows: int | None = None,
         link_devices: Sequence[torch.device | str] | None = None,
         link_of: Sequence[int] | None = None,
     ):
@@ -150,7 +151,8 @@ class NvmeTier:
         self.tiers = ExpertTiers(
             self.layout, num_experts, vram_slots, ram_slots, keep_all=False, device=device, pin=pin,
             policy_factory=policy_factory, fetch=self._read_sync, copier=copier, ram_storage=storage,
-            vram_storage=vram_storage, staging_slots=staging_slots, link_devices=link_devices, link_of=link_of,
+            vram_storage=vram_storage, staging_slots=staging_slots, staging_rows=staging_rows,
+            link_devices=link_devices, link_of=link_of,
         )
         self.tiers.store = self
         self.stats = self.tiers.stats

@@ -93,7 +93,8 @@ def open_nvme_tier(
         link_devices, link_of = link_plan(spec.devices, len(layers), spec.device)
         tier = NvmeTier(reader, num_experts, list(spec.vram_slots), spec.ram_slots, layers=layers,
                         device=spec.device, pin=pin, policy_factory=policy_factory, timeout_s=timeout_s,
-                        vram_storage=vram_storage, staging_slots=spec.staging_slots, link_devices=link_devices,
+                        vram_storage=vram_storage, staging_slots=spec.staging_slots,
+                        staging_rows=spec.dedicated_staging, link_devices=link_devices,
                         link_of=link_of)
     except BaseException:
         reader.close()

@@ -28,13 +28,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from glm53.spec import borrowed_rows
+
 from .copier import Copier, Ticket
 from .layout import SlotLayout
 from .links import Link
 from .policy import Policy, ScoredPolicy, choose_admissions, hot_order
 from .ram import RamTier
 from .stats import TierStats
-from .vram import VramLayer
+from .vram import LENT, VramLayer
 
 # fill(layer, expert, out): write the expert's slot image into `out` (a contiguous uint8 host tensor).
 Loader = Callable[[int, int, torch.Tensor], None]
@@ -94,6 +96,7 @@ class ExpertTiers:
         fetch: Loader | None = None,
         copier: Copier | None = None,
         staging_slots: int = 2,
+        staging_rows: int | None = None,
         pin: bool | None = None,
         vram_storage: Sequence[torch.Tensor] | None = None,
         ram_storage: torch.Tensor | None = None,
@@ -103,7 +106,9 @@ class ExpertTiers:
         """vram_slots: slots per MoE layer (e.g. from policy.split_budget). keep_all: the all-RAM modes, where
         RAM must hold every expert not in VRAM plus at least one spare slot for a write-back in flight; else
         RAM is a cache of the store and `fetch` reads a record into it. staging_slots: device buffers for
-        misses streamed over PCIe without admission. vram_storage: per-layer (slots, nbytes) tensors to adopt.
+        misses streamed over PCIe without admission, per layer: staging_rows of them (default all) device rows of
+        their own on each link, the rest cache slots of other layers on the same link that a step borrows
+        (glm53.spec.borrowed_rows; see `borrow`). vram_storage: per-layer (slots, nbytes) tensors to adopt.
         ram_storage: a (ram_slots, stride >= nbytes) host tensor to adopt as the RAM arena (the nvme tier's
         4 KiB-aligned rows, which O_DIRECT reads land in). link_devices, link_of: a layer split across devices
         (glm53.tiers.links.link_plan): each link's device, each layer's link; every link gets its own copier and
@@ -114,10 +119,17 @@ class ExpertTiers:
         self.keep_all = keep_all
         self.device = torch.device(device)
         total, in_vram = self.num_layers * num_experts, int(sum(vram_slots))
-        if keep_all and ram_slots < total - in_vram + 1:
+        self.staging_rows = staging_slots if staging_rows is None else int(staging_rows)
+        if not 0 < self.staging_rows <= staging_slots:
+            raise ValueError(f"staging_rows {self.staging_rows} must be in [1, staging_slots {staging_slots}]")
+        self.link_of = [0] * self.num_layers if link_of is None else [int(x) for x in link_of]
+        lent = borrowed_rows(vram_slots, staging_slots - self.staging_rows,
+                             self.link_of if len(self.link_of) == self.num_layers else None)
+        if keep_all and ram_slots < total - in_vram + len(lent) + 1:
             raise ValueError(
-                f"all-RAM tiers need ram_slots >= {total - in_vram + 1} "
-                f"({total} experts - {in_vram} VRAM slots + 1 spare for write-backs), got {ram_slots}"
+                f"all-RAM tiers need ram_slots >= {total - in_vram + len(lent) + 1} "
+                f"({total} experts - {in_vram} VRAM slots + {len(lent)} lent to staging + 1 spare for write-backs), "
+                f"got {ram_slots}"
             )
         if not keep_all and fetch is None:
             raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
@@ -126,18 +138,26 @@ class ExpertTiers:
             # source) while a victim's write-back needs one more slot.
             raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
         devices = [self.device] if link_devices is None else [torch.device(d) for d in link_devices]
-        self.link_of = [0] * self.num_layers if link_of is None else [int(x) for x in link_of]
         if len(self.link_of) != self.num_layers or not all(0 <= x < len(devices) for x in self.link_of):
             raise ValueError(f"link_of {self.link_of} must name one of {len(devices)} links for each of "
                              f"{self.num_layers} layers")
         if copier is not None and len(devices) > 1:
             raise ValueError("an injected copier serves one link; a split across devices makes one per link")
-        self.links = [Link(layout, d, staging_slots, copier if i == 0 else None) for i, d in enumerate(devices)]
+        self.links = [Link(layout, d, self.staging_rows, copier if i == 0 else None) for i, d in enumerate(devices)]
         self.vram = [
             VramLayer(layout, num_experts, s, devices[self.link_of[i]],
                       None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
         ]
+        self.staging_slots = int(staging_slots)
+        # Each layer's staging rows: its link's own, then the cache slots of other layers it borrows, as
+        # (layer, slot) and as rows; `_vacated` counts, per layer, the borrowed ones a step has emptied since.
+        self.lent = lent
+        self._lent_now: list[tuple[int, int]] = []  # lent by the steps whose kernels may not be queued yet
+        self._borrowed = [[(lay, slot) for lay, slot in lent if lay != li and self.link_of[lay] == self.link_of[li]]
+                          [: staging_slots - self.staging_rows] for li in range(self.num_layers)]
+        self._staging_rows = [self.links[self.link_of[li]].rows + [self.vram[lay].flat(slot) for lay, slot in b]
+                              for li, b in enumerate(self._borrowed)]
         self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin, storage=ram_storage)
         self.policies = [policy_factory(num_experts) for _ in range(self.num_layers)]
         self.copier = self.links[0].copier  # the first link's (the only one on one device)
@@ -155,7 +175,7 @@ class ExpertTiers:
         self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
         self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
-        self.staging = self.links[0].staging
+        self.staging = self.links[0].staging  # the first link's own rows
         self._populated = False
         # Every layer's policy scores stacked, for the victim searches (several a step, each needing all of them):
         # kept up to date in place, only the layers whose policy learned since being read again.
@@ -236,8 +256,50 @@ class ExpertTiers:
         return self.links[self.link_of[layer]].copier
 
     def staging_slot(self, i: int, layer: int) -> torch.Tensor:
-        """Staging buffer i of the layer's link (staging[i] on one device, without the indexing)."""
-        return self.links[self.link_of[layer]].rows[i]
+        """The layer's staging row i: its link's own rows first, then the cache slots it borrows (`borrow` them
+        first)."""
+        return self._staging_rows[layer][i]
+
+    def borrow(self, layer: int, n: int) -> int:
+        """Make the layer's first n staging rows writable: each borrowed cache slot among them that holds (or is
+        receiving) an expert of its own layer gives it up: the all-RAM modes write it back to RAM (and wait for
+        that), the nvme modes drop it (the store has it). The slot stays free; decode admits into it again, and the
+        next step that borrows it empties it again. Returns how many experts left VRAM."""
+        gone, waits = 0, []
+        for lay, slot in self._borrowed[layer][: max(0, n - self.staging_rows)]:
+            vl = self.vram[lay]
+            e = int(vl.owner[slot])
+            if e == LENT:  # lent already (to an earlier layer of this forward, whose kernels are queued)
+                continue
+            if e >= 0:
+                if vl.pending[slot]:  # an admission in flight into it: land it, then give it up
+                    self.settle(lay, e)
+                if self.keep_all:
+                    self._write_back(lay, e, None)
+                else:
+                    vl.release(e)
+                    self.where[lay, e] = STORE
+                    self.stats.add_eviction(lay)
+                gone += 1
+            reader = self._slot_reader.pop((lay, slot), None)  # a write-back still reading it (this one's too)
+            if reader is not None:
+                waits.append(reader)
+            vl.lend(slot)
+            self._lent_now.append((lay, slot))
+        for t in waits:  # the staging copies into these slots come next, on the other stream
+            t.wait()
+        if gone or waits:
+            self.poll()
+            self._refresh_gauges()
+        return gone
+
+    def give_back_lent(self) -> None:
+        """The slots lent to staging are free again: call once the borrowing steps' kernels are queued (the next
+        step's copies wait for those)."""
+        if self._lent_now:
+            for lay, slot in self._lent_now:
+                self.vram[lay].give_back(slot)
+            self._lent_now.clear()
 
     def stage(self, layer: int, expert: int) -> torch.Tensor:
         """Stream a RAM expert to a staging buffer of its layer's link without admitting it (PCIe, no eviction).

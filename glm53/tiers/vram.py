@@ -20,6 +20,9 @@ import torch
 from .layout import SlotLayout
 
 
+FREE, LENT = -1, -2  # owner values besides an expert id: a free slot, one lent to staging (VramLayer.lend)
+
+
 class VramLayer:
     def __init__(
         self,
@@ -78,28 +81,43 @@ class VramLayer:
         return self.slot_of >= 0
 
     def free_slots(self) -> np.ndarray:
-        return np.flatnonzero(self.owner < 0)
+        return np.flatnonzero(self.owner == FREE)
 
     def free_count(self) -> int:
         return self.num_slots - self._used
 
     def first_free(self) -> int:
         """The lowest free slot (call only when free_count() > 0)."""
-        return int(np.argmax(self.owner < 0))
+        return int(np.argmax(self.owner == FREE))
 
     def in_use(self) -> int:
         return self._used
 
     def reserve(self, slot: int, expert: int) -> None:
         """Claim a free slot for `expert` whose bytes are about to be copied in. Not visible to the router."""
-        if self.owner[slot] >= 0:
-            raise RuntimeError(f"slot {slot} is owned by expert {self.owner[slot]}")
+        if self.owner[slot] != FREE:
+            raise RuntimeError(f"slot {slot} is " + ("lent to staging" if self.owner[slot] == LENT else
+                                                     f"owned by expert {self.owner[slot]}"))
         if self._held[expert] >= 0:
             raise RuntimeError(f"expert {expert} already has a slot")
         self.owner[slot] = expert
         self.pending[slot] = True
         self._held[expert] = slot
         self._used += 1
+
+    def lend(self, slot: int) -> None:
+        """A free slot serves as another layer's staging row until `give_back`: nothing is admitted into it (an
+        admission's copy is queued before the borrowing step's kernels, which still read the slot)."""
+        if self.owner[slot] != FREE:
+            raise RuntimeError(f"slot {slot} is not free to lend (owner {self.owner[slot]})")
+        self.owner[slot] = LENT
+        self._used += 1
+
+    def give_back(self, slot: int) -> None:
+        if self.owner[slot] != LENT:
+            raise RuntimeError(f"slot {slot} is not lent")
+        self.owner[slot] = FREE
+        self._used -= 1
 
     def land(self, slot: int) -> int:
         """The bytes of the slot's owner have landed: make it resident (and, from now on, in the router map)."""
@@ -122,7 +140,7 @@ class VramLayer:
             raise RuntimeError(f"expert {expert} is not resident")
         self._map_stale = True
         self.slot_of[expert] = -1
-        self.owner[slot] = -1
+        self.owner[slot] = FREE
         self._held[expert] = -1
         self._used -= 1
         return slot
@@ -143,7 +161,7 @@ class VramLayer:
         held = np.full(self.num_experts, -1, np.int32)
         held[owned] = np.flatnonzero(self.owner >= 0)
         assert np.array_equal(held, self._held), "the slot-holder index disagrees with the slots"
-        assert self._used == owned.size, "the slots-in-use count disagrees with the slots"
+        assert self._used == owned.size + int((self.owner == LENT).sum()), "the slots-in-use count disagrees with the slots"
         expect = np.where(self.slot_of >= 0, self.slot_of, self.absent).astype(np.int32)
         actual = self.router_map.cpu().numpy()
         assert np.array_equal(actual, expect), "router map disagrees with the landed residents"

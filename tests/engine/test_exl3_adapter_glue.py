@@ -55,12 +55,14 @@ def stock_model(ck, interm=torch.half) -> F.Model:
     return _stock[key]
 
 
-def tiered_model(ck, interm=torch.half, slots=SLOTS, staging_slots=None, nvme_open=None,
+def tiered_model(ck, interm=torch.half, slots=SLOTS, staging_slots=None, nvme_open=None, staging_rows=None,
                  **kw) -> tuple[F.Model, A.TieredMoE]:
     """The fake model with TieredMoE installed and populated (the engine's lifecycle); sized by nvme_open's spec in
-    the nvme modes, else by an exact-mode spec of `slots` per layer."""
+    the nvme modes, else by an exact-mode spec of `slots` per layer (staging_rows: its own staging rows, the rest
+    borrowed cache slots)."""
     model = F.Model.from_config(F.Config.from_directory(str(ck)), interm_dtype=interm)
-    spec = nvme_open.spec if nvme_open is not None else spec_for(ck, "exact", slots, staging_slots=staging_slots)
+    spec = nvme_open.spec if nvme_open is not None else spec_for(ck, "exact", slots, staging_slots=staging_slots,
+                                                                 staging_rows=staging_rows)
     tiered = A.TieredMoE(model, ck, spec, nvme_open=nvme_open, **kw)
     tiered.install()
     model.load("cpu")
@@ -134,12 +136,12 @@ def generous(lane):
     return lane
 
 
-def nvme_opener(store, ck, ram_records: int, mode: str, slots=SLOTS, staging_slots=None):
+def nvme_opener(store, ck, ram_records: int, mode: str, slots=SLOTS, staging_slots=None, staging_rows=None):
     """TieredMoE's nvme_open on the CPU: the store through a RAM tier of `ram_records` records; `.spec` sizes both."""
     from glm53.tiers.nvme_open import open_nvme_tier
 
     spec = spec_for(ck, mode, slots, staging_slots=staging_slots, store=str(store), ram_slots=ram_records,
-                    store_threads=2)
+                    store_threads=2, staging_rows=staging_rows)
 
     def open_():
         return open_nvme_tier(store, ck, spec, warm=False, pin=False)
@@ -208,6 +210,32 @@ def test_exact_mode_is_bit_identical_to_stock(ck):
         tiered.close()
 
 
+def test_exact_mode_borrowing_cache_slots_for_staging_is_bit_identical(ck):
+    """Staging of TOP_K rows of its own: every prefill chunk and wide decode step borrows cache slots of the other
+    layers (writing their experts back first), stages its picks there in id order, and stays bit-identical; decode
+    admits into the emptied slots again."""
+    stock = stock_model(ck)
+    slots = [6, 7, 8]
+    model, tiered = tiered_model(ck, slots=slots, staging_rows=TOP_K, lookahead=True)
+    try:
+        tiers = tiered.tiers
+        assert tiers.staging_rows == TOP_K and tiers.staging.shape[0] == TOP_K and tiered.staging_slots == NUM_EXPERTS
+        lent = set(tiers.lent)
+        for li in range(3):  # each layer's staging: its own rows, then other layers' cache slots
+            rows = [tiers.staging_slot(i, li).data_ptr() for i in range(NUM_EXPERTS)]
+            assert len(set(rows)) == NUM_EXPERTS
+            theirs = {tiers.vram[lay].flat(s).data_ptr(): lay for lay, s in lent}
+            assert all(theirs.get(p, li) != li for p in rows[TOP_K:]) and all(p in theirs for p in rows[TOP_K:])
+        drive(stock, model, schedule(11, 40), 11, bit_identical, tiered)
+        snap = tiered.snapshot()
+        assert snap["lent_out"] > 0 and snap["borrowed_slots"] == len(lent)
+        assert snap["admissions"] > 0 and snap["picks"]["vram_hit"] > 0
+        tiered.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
+
+
 def test_lookahead_runs_and_reports_its_recall(ck):
     stock = stock_model(ck)
     model, tiered = tiered_model(ck, lookahead=True)
@@ -252,6 +280,32 @@ def test_fast_mode_lane_takes_picks_masked_and_added_back(ck):
         model.unload()
         tiered.close()
     assert not lane.alive  # closed with the TieredMoE
+
+
+def test_fast_mode_with_borrowed_staging_recomputes_in_its_own_row(ck):
+    """The lane beside borrowed staging: near stock, and a recompute streams into the last staging row of the
+    layer's own, never a borrowed cache slot (which another layer's expert may occupy)."""
+    from glm53.cpu_lane.lane import CpuLane
+
+    stock = stock_model(ck, torch.float)
+    model, tiered = tiered_model(ck, torch.float, slots=[6, 7, 8], staging_rows=TOP_K, lookahead=True)
+    try:
+        lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
+        tiered.enable_lane(lane, lane_fit())
+        drive(stock, model, schedule(13, 32), 13, near(1e-5), tiered)
+        snap = tiered.snapshot()
+        assert snap["picks"]["cpu"] > 0 and snap["lent_out"] > 0
+        tiers = tiered.tiers
+        before = {k: tiers.vram[k[0]].flat(k[1]).clone() for k in tiers.lent}
+        x = rms(torch.from_numpy(np.random.default_rng(3).standard_normal((2, HIDDEN)))).float().numpy()
+        e = int(np.flatnonzero(tiers.where[0] != 0)[0])
+        tiered._recompute(0, e, x)
+        assert all(torch.equal(b, tiers.vram[k[0]].flat(k[1])) for k, b in before.items())
+        assert torch.equal(tiers.staging_slot(TOP_K - 1, 0), tiers.bytes_of(0, e))
+        tiered.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
 
 
 def test_start_lane_calibrates_and_attaches(ck):
@@ -326,6 +380,26 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store):
         assert snap["nvme_fault"] is None or not snap["nvme_fault"].get("faults")
         assert snap["copied_before_store_wait"] > 0, "no RAM miss crossed PCIe while the step's store reads landed"
         assert snap["lookahead"]["prefetched"] > 0
+        tiered.nvme.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
+
+
+def test_nvme_exact_borrowing_cache_slots_is_bit_identical(ck, store):
+    """nvme-exact with staging of TOP_K rows of its own: a borrowed slot's expert is dropped to the store (no
+    write-back), read again when picked, and the layers stay bit-identical."""
+    stock = stock_model(ck)
+    slots = [6, 6, 6]
+    model, tiered = tiered_model(ck, slots=slots, lookahead=True,
+                                 nvme_open=nvme_opener(store, ck, 20, "nvme-exact", slots, staging_rows=TOP_K))
+    try:
+        assert tiered.tiers.staging_rows == TOP_K
+        drive(stock, model, schedule(12, 30), 12, bit_identical, tiered)
+        snap = tiered.snapshot()
+        assert snap["lent_out"] > 0 and snap["picks"]["nvme"] > 0
+        written_back = snap["bytes"]["vram_to_ram"] // tiered.layout.nbytes  # admissions' victims only
+        assert snap["evictions"] - written_back == snap["lent_out"], "a borrowed slot's expert was written back"
         tiered.nvme.check_invariants()
     finally:
         model.unload()

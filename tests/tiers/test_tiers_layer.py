@@ -419,3 +419,41 @@ def test_exl3_layout_matches_the_model() -> None:
     views = layout.views(torch.zeros(layout.nbytes, dtype=torch.uint8))
     assert views["gate.trellis"].shape == (256, 128, 48) and views["down.trellis"].shape == (128, 256, 48)
     assert views["down.svh"].dtype == torch.float16 and views["down.svh"].shape == (4096,)
+
+
+# ---- staging that borrows cache slots (glm53.spec.borrowed_rows, ExpertTiers.borrow) --------------------------
+
+
+@pytest.mark.parametrize("keep_all", [True, False])
+def test_borrow_empties_lent_slots_keeps_the_experts_and_lends_them_until_given_back(keep_all):
+    experts = make_experts(3, 8, 5)
+    vram = [4, 4, 4]
+    need = 8 - 2  # a whole layer of 8 staging ids, 2 rows of their own
+    ram = 24 - 12 + 9 + 1 if keep_all else 10
+    tiers = build(experts, vram, keep_all, ram_slots=ram, staging_slots=8, staging_rows=2)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
+    assert len(tiers.lent) == 9 and tiers.staging.shape[0] == 2
+    rows0 = [tiers.staging_slot(i, 0) for i in range(8)]
+    own = {tiers.vram[0].flat(s).data_ptr() for s in range(4)}
+    assert not own & {r.data_ptr() for r in rows0[2:]}, "layer 0 borrowed its own cache slot"
+    residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers._borrowed[0][:need]}
+    assert tiers.borrow(0, 8) == len(residents) == need
+    for lay, e in residents:  # gone from VRAM, still somewhere: RAM (written back) or the store (nvme)
+        assert tiers.where[lay, e] == (Where.RAM if keep_all else Where.STORE)
+    for lay, s in tiers._borrowed[0][:need]:  # lent: no admission may land in them while layer 0's kernels read
+        assert tiers.vram[lay].owner[s] == -2 and tiers.vram[lay].free_count() < 4
+    tiers.check_invariants()
+    for i, r in enumerate(rows0):  # staging writes do not touch any resident
+        r.copy_(experts[0, i])
+    check_contents(tiers, experts)
+    tiers.give_back_lent()
+    assert all(tiers.vram[lay].owner[s] == -1 for lay, s in tiers._borrowed[0][:need])
+    assert tiers.borrow(0, 8) == 0  # emptied already: nothing to give up
+    tiers.give_back_lent()
+    tiers.check_invariants()
+
+
+def test_all_ram_tiers_need_room_for_the_lent_slots_experts():
+    experts = make_experts(3, 8, 6)
+    with pytest.raises(ValueError, match="lent to staging"):
+        build(experts, [4, 4, 4], True, ram_slots=24 - 12 + 1, staging_slots=8, staging_rows=2)
