@@ -206,6 +206,8 @@ def register_depth(bench_sub: Any) -> None:
                    f"stock,exact; of {', '.join(MODES)}); stock is the reference")
     p.add_argument("--budget-gb", type=float, default=24.0, help="GLM53_VRAM_BUDGET_GB the plan is made for (default 24)")
     p.add_argument("--context", type=int, default=131072, help="GLM53_CONTEXT the plan is made for (default 131072)")
+    p.add_argument("--concurrency", type=int, default=0, help="GLM53_MAX_CONCURRENCY the plan is made for (default 0: "
+                   "the plan's choice; 1 keeps 8 staging rows, so every prefill borrows cache slots)")
     p.add_argument("--memory-gib", type=float, default=55.0,
                    help="nvme modes: the memory cap the plan sizes the RAM tier for, and RSS + pinned is held against "
                         "(default 55; 16 for the small host)")

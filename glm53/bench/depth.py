@@ -302,7 +302,7 @@ def mode_spec(job: dict) -> tuple[Any, dict]:
     mode = job["mode"]
     env = {"GLM53_MODEL_DIR": job["model"], "GLM53_VRAM_BUDGET_GB": str(job["vram_budget_gb"]),
            "GLM53_CONTEXT": str(job["context"]), "GLM53_MODE": "exact" if mode == "stock" else mode,
-           "GLM53_CACHE_DIR": job["cache_dir"], "GLM53_STORE": job.get("store") or "",
+           "GLM53_MAX_CONCURRENCY": str(job.get("concurrency", 0)), "GLM53_CACHE_DIR": job["cache_dir"], "GLM53_STORE": job.get("store") or "",
            "GLM53_ALLOW_BUFFERED_READS": "1" if job.get("buffered") else "0"}
     inp = planning_cli.inputs(S.load(environ=env, dotenv=None), job.get("host_root", "/"))
     if mode.startswith("nvme") and job.get("memory_gib"):  # the cap the nvme modes are planned for
@@ -421,7 +421,7 @@ def cmd_bench_depth(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = {"bench": "depth", "date": time.strftime("%Y-%m-%d %H:%M"), "modes": {},
                            "settings": {"vram_budget_gb": args.budget_gb, "context": args.context,
-                                        "memory_gib": args.memory_gib, "prompts": prompts, "tokens": args.tokens,
+                                        "concurrency": args.concurrency, "memory_gib": args.memory_gib, "prompts": prompts, "tokens": args.tokens,
                                         "profile_tokens": args.profile_tokens}}
     made: list[Path] = []
     try:
@@ -439,7 +439,7 @@ def cmd_bench_depth(args: argparse.Namespace) -> int:
             out = work / f"depth-{mode}.json"
             out.unlink(missing_ok=True)
             job = {"mode": mode, "model": str(model_dir), "vram_budget_gb": args.budget_gb, "context": args.context,
-                   "memory_gib": args.memory_gib, "store": str(store) if store else None, "buffered": buffered,
+                   "concurrency": args.concurrency, "memory_gib": args.memory_gib, "store": str(store) if store else None, "buffered": buffered,
                    "cache_dir": str(work / f"cache-{mode}"), "prompts": prompts, "tokens": args.tokens,
                    "profile_tokens": args.profile_tokens, "checks": args.checks, "out": str(out)}
             shutil.rmtree(job["cache_dir"], ignore_errors=True)  # every mode starts from no saved routing

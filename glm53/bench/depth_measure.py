@@ -289,7 +289,8 @@ def _tensor_bytes(objs: Any) -> int:
 def planned_sizes(spec: Any) -> dict:
     from glm53.spec import PAGE
 
-    return {"vram_slots": sum(spec.vram_slots) if spec.tiered else "all", "staging": spec.staging_slots, "ram_rows": spec.ram_slots,
+    return {"vram_slots": sum(spec.vram_slots) if spec.tiered else "all", "staging": spec.staging_slots,
+            "staging_rows": spec.dedicated_staging if spec.tiered else 0, "ram_rows": spec.ram_slots,
             "kv_tokens": spec.kv_tokens + PAGE,  # the engine's cache has one page more than the plan's KV
             "sequences": spec.cache_sequences, "prefill_chunk": spec.prefill_chunk,
             "recurrent_cache_bytes": spec.recurrent_cache_bytes}
@@ -302,9 +303,12 @@ def loaded_sizes(engine: Any) -> dict:
     tiered, cache, gen = engine.tiered, engine.cache, engine.generator
     if tiered is not None:
         slots, staging, ram = sum(layer.slots for layer in tiered.layers), tiered.staging_slots, tiered.tiers.ram.num_slots
+        rows = int(tiered.tiers.staging.shape[0])
     else:
         slots, staging, ram = sum(int(m.num_local_experts) for m in moe_modules(engine.model)), 0, 0
-    return {"vram_slots": slots, "staging": staging, "ram_rows": ram, "kv_tokens": int(cache.max_num_tokens),
+        rows = 0
+    return {"vram_slots": slots, "staging": staging, "staging_rows": rows, "ram_rows": ram,
+            "kv_tokens": int(cache.max_num_tokens),
             "sequences": int(getattr(cache, "num_slots", getattr(cache, "max_batch_size", 0))),
             "prefill_chunk": int(gen.max_chunk_size),
             **({"recurrent_cache_bytes": int(gen.recurrent_cache_size)} if hasattr(gen, "recurrent_cache_size") else {})}

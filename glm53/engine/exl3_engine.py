@@ -223,9 +223,10 @@ class Exl3Engine(WorkerEngine):
             tiered = A.TieredMoE(model, self.model_dir, spec, counts=counts, admit=self.admit,
                                  nvme_open=self._nvme_open())
             tiered.install()
-            log.info("%s mode: VRAM slots per MoE layer %s (%s), %d shared staging slots, %d experts in the pinned "
-                     "RAM tier (%.1f GiB)%s", self.mode, list(spec.vram_slots), spec.split, tiered.staging_slots,
-                     tiered.tiers.ram.num_slots, tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30,
+            log.info("%s mode: VRAM slots per MoE layer %s (%s), %d staging per layer (%d rows of their own, the "
+                     "rest borrowed from %d cache slots), %d experts in the pinned RAM tier (%.1f GiB)%s", self.mode,
+                     list(spec.vram_slots), spec.split, tiered.staging_slots, tiered.tiers.staging_rows,
+                     len(tiered.tiers.lent), tiered.tiers.ram.num_slots, tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30,
                      f", the rest read from {spec.store}" if tiered.nvme is not None else "")
 
         def shards(done: int, total: int) -> None:

@@ -48,7 +48,8 @@
 #             fixture args), planned for a 24 GB budget at 131,072 tokens: plan vs loaded, TTFT at 8K/32K/120K,
 #             decode at 0/8K/32K/120K, peak device memory through the 120K prompt + 512 tokens, exact's 256 greedy tokens against stock's, the per-layer-type step profile,
 #             the context-edge checks (tiered modes). Each call's JSON is /tmp/depth/call-MODES.json (and in $OUT);
-#             a call without stock takes it from the latest call that had it (or DEPTH_REF=FILE). Other steps' kept
+#             a call without stock takes it from the latest call that had it (or DEPTH_REF=FILE). DEPTH_CONCURRENCY=1:
+#             the plan for one sequence (8 staging rows: every prefill borrows cache slots as staging). Other steps' kept
 #             /tmp/glm53-bench-* files are removed first when /tmp has under 50 GB free (checkpoint + store ~45 GB)
 #   depth2    the second call: fast and nvme-exact on the kept checkpoint (the store packed beside it), ratios and
 #             tokens against the first call's stock (on a fresh machine: carry that call's call-stock-exact.json and
@@ -193,7 +194,7 @@ depth_call() {  # name, modes: one `glm53 bench depth` call on the kept fixture;
     if [ -n "$ref" ] && [ -f "$ref" ]; then refarg=(--reference "$ref"); else stamp "$name: no stock call to refer to"; fi
   fi
   timeout "${DEPTH_LIMIT:-540}" python3 -u -m glm53 bench depth --work /tmp/depth --keep --modes "$modes" \
-    ${DEPTH_FIXTURE:+--fixture "$DEPTH_FIXTURE"} --tokens 64 --profile-tokens 16 --checks "${refarg[@]}" \
+    ${DEPTH_FIXTURE:+--fixture "$DEPTH_FIXTURE"} --concurrency "${DEPTH_CONCURRENCY:-0}" --tokens 64 --profile-tokens 16 --checks "${refarg[@]}" \
     --json "/tmp/depth/call-${modes//,/-}.json" > "$OUT/bench-$name.log" 2>&1
   stamp "$name rc=$?"
   cp /tmp/depth/call-*.json /tmp/depth/depth-*.json "$OUT/" 2>/dev/null  # every call's JSON, each mode's own too
