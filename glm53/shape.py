@@ -20,6 +20,7 @@ MIB = 1 << 20
 KIB = 1 << 10
 
 # A routed expert's tensors: ...layers.{l}.mlp.experts.{e}.{gate,up,down}_proj.{trellis,suh,svh,...}
+CODEBOOK_MARKERS = (".mcg", ".mul1")
 EXPERT_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.")
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Layer types that keep a per-token KV cache (MLA); the linear-attention (KDA) layers keep a fixed-size state.
@@ -285,7 +286,9 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
     per_layer = [0] * layers
     for name, nbytes in sizes.items():
         if e := EXPERT_RE.search(name):
-            if int(e.group(1)) < layers:
+            # The codebook markers (mcg, mul1: 4 bytes each) are read once at load, not part of the slot image or
+            # the store's record; counting them would make every record 4 KiB longer than the one packed.
+            if int(e.group(1)) < layers and not name.endswith(CODEBOOK_MARKERS):
                 per_expert[(int(e.group(1)), int(e.group(2)))] += nbytes
             continue
         place = _tensor_place(name, layers, tied)
