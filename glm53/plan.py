@@ -28,6 +28,7 @@ from glm53.spec import (
     kv_cache_bytes,
     split_slots,
 )
+from glm53.devices import moe_share_of
 from glm53.split import CardsPlan, plan_cards, usable
 
 GIB = 1 << 30
@@ -815,7 +816,8 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[st
     reasons["sequences"] = _seq_reason(shape, want, settings.max_concurrency, "")
     reasons["prefill_chunk"] = cp.chunk_why or STOCK_CHUNK_WHY
     reasons["reserve"] = f"{reserve_why}; on each of the {len(cards)} cards"
-    return cards[0], cp, _Vram(sum(cp.vram_slots), cp.split.staging, cp.split.staging, cp.split.kv_tokens, want,
+    staging = shape.experts_per_layer if cp.split.staging else 0  # per layer; the split's rows are each card's own
+    return cards[0], cp, _Vram(sum(cp.vram_slots), staging, cp.split.staging, cp.split.kv_tokens, want,
                                cp.chunk, cp.accounting)
 
 
@@ -841,7 +843,8 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
         shares = ()
     staging, kv_tokens = v.staging, v.kv_tokens
     ram = _ram(facts, shape)
-    lent = len(borrowed_rows(vram, staging - v.staging_rows)) if staging and not shares else 0
+    link_of = [int(x) for x in moe_share_of(shares, shape.moe_layers)] if shares else None
+    lent = len(borrowed_rows(vram, staging - v.staging_rows, link_of)) if staging else 0
     fit = _fit(facts, shape, settings, sum(vram) - lent, ram, warnings)  # a lent slot's expert needs RAM too
     mode = _choose_mode(fit, settings, reasons, warnings)
     tier = _size_ram(facts, shape, settings, mode, fit, sum(vram), ram, reasons, warnings, lent)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from glm53.devices import DeviceShare
 from glm53.settings import concurrency_of
 from glm53.shape import ModelShape
-from glm53.spec import PAGE, PREFILL_CHUNK, kv_cache_bytes
+from glm53.spec import PAGE, PREFILL_CHUNK, decode_staging, kv_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -242,30 +242,15 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
     split = stock_split(cards, costs, context=context, expert_bytes=eb, experts=experts,
                         overhead=reserve + activations(chunk))
     if split is None:
-        split = fit_split(cards, costs, context=context, expert_bytes=eb, experts=experts, staging=experts,
-                          overhead=reserve + activations(chunk), min_slots=min_slots, min_tokens=min_tokens,
-                          kv_round=kv_round)
-        if split is None:
-            total = sum(c.budget for c in cards)
-            raise ValueError(f"{len(cards)} GPUs with {gib(total)} together cannot hold the layers split across "
-                             f"them with {min_slots} expert slots per MoE layer, {experts} staging slots, the "
-                             f"{gib(reserve)} reserve and {gib(activations(chunk))} of prefill activations per card "
-                             f"and KV for {min_tokens} tokens: use cards with more free VRAM or raise "
-                             "GLM53_VRAM_BUDGET_GB")
-        if split.kv_tokens < context:
-            warnings.append(f"GLM53_CONTEXT={settings.context} does not fit beside {min_slots} expert slots per "
-                            f"MoE layer on every card: context lowered to {split.kv_tokens} tokens; set "
-                            f"GLM53_CONTEXT={split.kv_tokens} to silence this, or free VRAM")
-        tokens = split.kv_tokens
-
-        def at(c: int) -> Split | None:
-            s = best_split(cards, costs, tokens=tokens, expert_bytes=eb, staging=experts,
-                           overhead=reserve + activations(c), cap=experts - 1)
-            return s if s is not None and min(s.slots_per_layer, default=min_slots) >= min_slots else None
-
-        chunk, chunk_why = choose_chunk(sum(split.slots_per_layer),
-                                        lambda c: sum(s.slots_per_layer) if (s := at(c)) is not None else 0)
-        split = at(chunk) or split  # the chunk leaves the floor, or is the 2,048 the context was fitted beside
+        # Each card keeps a decode step's staging rows and its prefill borrows the rest of a layer's from the card's
+        # cache slots (glm53.spec.borrowed_rows), where those are twice a layer; else a layer of rows per card.
+        rows = decode_staging(shape.top_k, sequences, experts)
+        for staging in (rows, experts) if rows < experts else (experts,):
+            split, chunk, chunk_why, warnings = _fit_cards(cards, costs, context, eb, experts, staging, reserve,
+                                                           activations, choose_chunk, min_slots, min_tokens,
+                                                           kv_round, settings)
+            if all(c.slots_per_layer * c.moe + staging >= 2 * experts for c in split.cards if c.moe):
+                break
     slots, how = list(split.slots_per_layer), "every expert in VRAM" if not split.staging else "uniform per card"
     if split.staging and counts is not None:
         parts, moe = [], 0
@@ -280,7 +265,7 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
     for c, share in zip(split.cards, split.shares(slots), strict=True):
         per_card.append(f"GPU {c.card.cuda} ({c.card.name}, budget {gib(c.card.budget)}): layers {c.first}-{c.last} "
                         f"({c.moe} MoE) with {gib(c.weights)} of always-used weights, {gib(c.state)} of KDA state, "
-                        f"{gib(c.kv)} of KV, {split.staging} staging slots, the {gib(reserve)} reserve, "
+                        f"{gib(c.kv)} of KV, {split.staging} staging rows, the {gib(reserve)} reserve, "
                         f"{gib(split.overhead - reserve)} of prefill activations, and {share.vram_slots} expert "
                         f"slots ({c.slots_per_layer} per MoE layer)")
     n = len(split.cards)
@@ -301,3 +286,37 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
     }
     return CardsPlan(split, tuple(slots), how, split.shares(slots), chunk, chunk_why, accounting, reasons,
                      tuple(warnings))
+
+
+def _fit_cards(cards, costs, context: int, eb: int, experts: int, staging: int, reserve: int, activations,
+               choose_chunk, min_slots: int, min_tokens: int, kv_round: int, settings) -> tuple:
+    """The tiered split with `staging` rows per card: the context fitted beside a 2,048-token chunk, then the chunk
+    the plan's cost model picks. Returns (split, chunk, chunk_why, warnings)."""
+    from glm53.plan import gib
+
+    warnings: list[str] = []
+    chunk = PREFILL_CHUNK
+    split = fit_split(cards, costs, context=context, expert_bytes=eb, experts=experts, staging=staging,
+                      overhead=reserve + activations(chunk), min_slots=min_slots, min_tokens=min_tokens,
+                      kv_round=kv_round)
+    if split is None:
+        total = sum(c.budget for c in cards)
+        raise ValueError(f"{len(cards)} GPUs with {gib(total)} together cannot hold the layers split across "
+                         f"them with {min_slots} expert slots per MoE layer, {staging} staging rows, the "
+                         f"{gib(reserve)} reserve and {gib(activations(chunk))} of prefill activations per card "
+                         f"and KV for {min_tokens} tokens: use cards with more free VRAM or raise "
+                         "GLM53_VRAM_BUDGET_GB")
+    if split.kv_tokens < context:
+        warnings.append(f"GLM53_CONTEXT={settings.context} does not fit beside {min_slots} expert slots per "
+                        f"MoE layer on every card: context lowered to {split.kv_tokens} tokens; set "
+                        f"GLM53_CONTEXT={split.kv_tokens} to silence this, or free VRAM")
+    tokens = split.kv_tokens
+
+    def at(c: int) -> Split | None:
+        s = best_split(cards, costs, tokens=tokens, expert_bytes=eb, staging=staging,
+                       overhead=reserve + activations(c), cap=experts - 1)
+        return s if s is not None and min(s.slots_per_layer, default=min_slots) >= min_slots else None
+
+    chunk, chunk_why = choose_chunk(sum(split.slots_per_layer),
+                                    lambda c: sum(s.slots_per_layer) if (s := at(c)) is not None else 0)
+    return at(chunk) or split, chunk, chunk_why, warnings  # the chunk leaves the floor, or the 2,048 fitted beside

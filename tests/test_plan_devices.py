@@ -56,7 +56,12 @@ def test_two_3090s_split_the_layers_and_reach_the_full_context(tmp_path):
     assert two.vram_slots_per_layer > 2 * one.vram_slots_per_layer
     assert two.vram_budget_bytes == 2 * one.vram_budget_bytes
     assert "2 GPUs, the decoder layers split" in two.reasons["gpu"] and "GPU 1 (" in two.reasons["gpu"]
-    assert two.mode == "fast" and two.ram_slots == M.DEFAULT_SHAPE.experts - two.vram_slots + 16
+    # Each card keeps a decode step's staging rows and lends its prefill the rest from its own cache slots.
+    spec = two.engine
+    assert spec.staging_slots == 288 and spec.dedicated_staging == 8 * spec.max_concurrency < 288
+    lent = spec.borrowed
+    assert {lay < 21 for lay, _ in lent} == {True, False}  # both cards lend
+    assert two.mode == "fast" and two.ram_slots == M.DEFAULT_SHAPE.experts - two.vram_slots + len(lent) + 16
 
 
 def test_each_card_pays_the_plans_accounting(tmp_path):
@@ -68,7 +73,7 @@ def test_each_card_pays_the_plans_accounting(tmp_path):
     assert acc == {"always_used_weights": shape.always_used_bytes,
                    "kv_cache": (p.kv_tokens + PAGE) * shape.kv_bytes_per_token,
                    "kda_state": spec.max_concurrency * shape.state_bytes_per_seq,
-                   "staging": n * spec.staging_slots * shape.expert_bytes,
+                   "staging": n * spec.dedicated_staging * shape.expert_bytes,
                    "prefill_activations": n * P.prefill_activation_bytes(shape, spec.prefill_chunk)[0],
                    "reserve": n * P.vram_reserve()[0], "expert_slots": p.vram_slots * shape.expert_bytes}
     assert sum(acc.values()) <= p.vram_budget_bytes and p.ram_accounting["host_weights"] == shape.host_bytes
