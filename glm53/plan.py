@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from glm53.devices import moe_share_of
 from glm53.host import Gpu, HostFacts
 from glm53.settings import AUTO_CONCURRENCY, concurrency_of
 from glm53.shape import DEFAULT_SHAPE, ModelShape
 from glm53.spec import (
+    FREE_RAM_SLOTS,
     PAGE,
     PREFILL_CHUNK,
     RAM_SPARE_OF_TOP_K,
@@ -28,7 +30,6 @@ from glm53.spec import (
     kv_cache_bytes,
     split_slots,
 )
-from glm53.devices import moe_share_of
 from glm53.split import CardsPlan, plan_cards, usable
 
 GIB = 1 << 30
@@ -731,7 +732,10 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
     recurrent = min(RECURRENT_CACHE_BYTES, ram.usable // RECURRENT_SHARE_OF_NVME_RAM)
     reasons["recurrent_cache"] = _recurrent_reason(shape, recurrent, f"at most 1/{RECURRENT_SHARE_OF_NVME_RAM} of usable RAM "
                                                    "in the nvme modes")
-    ram_slots = min(max(need, shape.experts - vram),
+    # Never more than every expert outside VRAM (those of the slots staging borrows too), the admissions' spare
+    # rows and the rows each decode step keeps free for the next reads: beyond that a row would hold nothing, and
+    # without the last two a warm tier keeps dropping experts it reads again.
+    ram_slots = min(max(need, shape.experts - vram + lent + spare + FREE_RAM_SLOTS),
                     (ram.usable - ram.kept - recurrent - staging * record) // record)
     if ram_slots < need:
         raise PlanError(f"usable RAM {gib(ram.usable)} ({ram.what}) holds {max(0, ram_slots)} store records of "

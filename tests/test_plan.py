@@ -598,3 +598,20 @@ def test_current_plan_for_serve():
 
     plan, inp = planning_cli.current_plan(S.load(environ={}, dotenv=None))
     assert plan.mode == "demo" and inp.facts.root == "/" and plan.real_model is not None
+
+
+def test_nvme_ram_tier_that_can_hold_the_rest_also_holds_the_rows_kept_free(tmp_path):
+    """A cap large enough for every expert outside VRAM: the tier takes those, the experts of the slots staging
+    borrows, the admissions' spare rows and the rows each decode step keeps free (glm53.spec.FREE_RAM_SLOTS), not
+    one more; without the last two a warm tier keeps dropping experts it reads again
+    (tests/engine/test_moe_step.py)."""
+    from glm53.spec import FREE_RAM_SLOTS
+
+    shape = replace(M.DEFAULT_SHAPE, moe_layers=6)
+    p = run(tmp_path, NVME_55, shape=shape, GLM53_STORE=STORE, GLM53_MODE="nvme-exact")
+    spec = p.engine
+    assert p.mode == "nvme-exact" and spec.engine == "nvme-exact"
+    spare = 2 * shape.top_k  # the admissions' victims, as in the all-RAM modes
+    assert spec.ram_slots == shape.experts - sum(spec.vram_slots) + len(spec.borrowed) + spare + FREE_RAM_SLOTS
+    full = run(tmp_path / "real", NVME_55, GLM53_STORE=STORE)  # the real model: the cap binds, as before
+    assert full.engine.ram_slots < M.DEFAULT_SHAPE.experts - full.vram_slots

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from glm53.engine.lookahead import RecallMeter
+from glm53.spec import FREE_RAM_SLOTS
 
 
 class StepError(RuntimeError):
@@ -96,9 +97,6 @@ class Step:
 # recompute(layer, expert, x_rows float32 (rows, hidden)) -> (rows, hidden): the exact path for a lane job it
 # could not finish (deadline, dead worker).
 Recompute = Callable[[int, int, np.ndarray], Any]
-# nvme modes: RAM slots kept free after each decode step's launch, so that the next step's store reads need no victim
-# search while the GPU waits (a batch-1 step reads 0.5-0.8 records from the store on the H200 bench).
-FREE_RAM_SLOTS = 4
 
 
 class _LazySets(Mapping[int, set[int]]):

@@ -19,7 +19,6 @@ import torch
 
 from .layout import SlotLayout
 
-
 FREE, LENT = -1, -2  # owner values besides an expert id: a free slot, one lent to staging (VramLayer.lend)
 
 

@@ -697,3 +697,31 @@ def test_a_store_read_failing_after_the_lane_started_cancels_the_lane_job(packed
             stepper.resolve(0, np.array([[ram, bad]]), True, np.zeros((1, 256), np.float32),
                             np.ones((1, 2), np.float32))
         assert started.is_set() and cancelled.wait(2), "the failed step's lane job was left running"
+
+
+@pytest.mark.parametrize("spare", [0, FREE_RAM_SLOTS, FREE_RAM_SLOTS + 2 * 4])
+def test_a_ram_tier_holding_the_rest_reads_nothing_once_warm_only_with_the_spare_rows(tmp_path, spare):
+    """nvme-exact with RAM for every expert outside VRAM: with the admissions' spare rows and the rows each decode
+    step keeps free on top (what the plan sizes, glm53.plan), steady decode reads nothing from the store; short of
+    them, the room made for admissions' victims and the next reads drops experts that are soon read again."""
+    from glm53.tiers.nvme_open import open_nvme_tier
+
+    ck, store = make_store(tmp_path, layers=3, experts=16)  # 2 MoE layers
+    slots = [4, 4]
+    plan = nvme_spec(store, ram_records=32 - 8 + spare, vram_slots=slots, mode="nvme-exact", staging_slots=16)
+    rng = np.random.default_rng(4)
+    with open_nvme_tier(store, ck, plan, warm=False) as tier:
+        stepper = MoeStepper(tier.tiers, slots, 16, nvme=tier)  # VRAM fills by admission (a cold start)
+
+        def decode(steps: int) -> int:
+            before = tier.stats.snapshot()["picks"]["nvme"]
+            for _ in range(steps):
+                for li in range(2):  # 4 picks a step
+                    stepper.resolve(li, rng.choice(16, size=(1, 4), replace=False), True)
+                    stepper.after_launch()
+            return tier.stats.snapshot()["picks"]["nvme"] - before
+
+        decode(40)  # every expert read once
+        steady = decode(100)
+        tier.check_invariants()
+    assert (steady == 0) == (spare == FREE_RAM_SLOTS + 2 * 4), f"{steady} store reads in 100 warm steps, {spare} spare"
