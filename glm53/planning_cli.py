@@ -182,7 +182,9 @@ def _engine_value(spec: dict | None) -> str:
         else:
             runs.append([s, 1])
     slots = ", ".join(f"{s} x{n}" for s, n in runs) or "all"
-    return f"{spec['engine']}: VRAM slots per MoE layer {slots}; staging {spec['staging_slots']}"
+    rows = spec.get("staging_rows")
+    own = f" ({rows} rows of its own)" if rows is not None and rows < spec["staging_slots"] else ""
+    return f"{spec['engine']}: VRAM slots per MoE layer {slots}; staging {spec['staging_slots']}{own}"
 
 
 def render(out: dict, facts: H.HostFacts) -> str:
