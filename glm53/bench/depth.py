@@ -248,7 +248,14 @@ def report(doc: dict) -> str:
                          f"tokens in 24 GB)")
         for p, run in sorted(_runs(r).items()):
             what = "history 0" if p <= SHORT_PROMPT else f"{p:>6}-token prompt: TTFT {_f(run.get('ttft_s'), '.2f')} s,"
-            lines.append(f"    {what} decode {_f(run.get('decode_tok_s'))} tok/s over {run.get('decoded', 0)} tokens")
+            t = run.get("tiers") or {}
+            picks = max(1, t.get("picks_total", 0))
+            where = (f"; picks {100 * t.get('picks_vram_hit', 0) / picks:.0f}% VRAM, "
+                     f"{100 * t.get('picks_pcie', 0) / picks:.0f}% PCIe, {100 * t.get('picks_cpu', 0) / picks:.0f}% "
+                     f"CPU, {100 * t.get('picks_nvme', 0) / picks:.0f}% store; {t.get('lent_out', 0)} left VRAM "
+                     f"for borrowed staging, {t.get('ram_drops', 0)} RAM drops" if t.get("picks_total") else "")
+            lines.append(f"    {what} decode {_f(run.get('decode_tok_s'))} tok/s over {run.get('decoded', 0)} tokens"
+                         + where)
         mem = r.get("memory", {})
         if mem:
             peak = mem.get("peak_long_bytes")

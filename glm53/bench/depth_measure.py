@@ -286,6 +286,24 @@ def _tensor_bytes(objs: Any) -> int:
     return total
 
 
+def tier_counts(engine: Any) -> dict[str, int]:
+    """The tiers' running counts a run's figures are read against (empty for stock): picks by where they were
+    read from, experts that left VRAM for borrowed staging, admissions, evictions, RAM drops (nvme modes)."""
+    tiered = getattr(engine, "tiered", None)
+    if tiered is None:
+        return {}
+    snap = tiered.snapshot()
+    out = {f"picks_{k}": int(v) for k, v in snap.get("picks", {}).items() if isinstance(v, (int, float))}
+    for k in ("lent_out", "admissions", "evictions", "ram_drops"):
+        if isinstance(snap.get(k), (int, float)):
+            out[k] = int(snap[k])
+    return out
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: v - before.get(k, 0) for k, v in after.items()}
+
+
 def planned_sizes(spec: Any) -> dict:
     from glm53.spec import PAGE
 
@@ -440,26 +458,31 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
         with torch.inference_mode():
             # Unmeasured: a fresh process compiles and autotunes kernels on its first long prefill and decode.
             _run(gen, prompt_ids(min(4 * spec.prefill_chunk, prompts[-1]), hi, seed=99), 4)
+            counts = tier_counts(engine)
             track, prof, _ = job_with_profile(prompt_ids(SHORT_PROMPT, hi, seed=1), tokens, 0)
             rate, n = track.rate(tokens)
+            counts, was = tier_counts(engine), counts
             res["runs"].append({"prompt_tokens": SHORT_PROMPT, "ttft_s": track.prefill_s(), "decode_tok_s": rate,
-                                "decoded": n})
+                                "decoded": n, "tiers": _delta(was, counts)})
             if prof:
                 res["profile"]["0"] = prof
             save(res)
             for p in prompts[:-1]:
                 track = _run(gen, prompt_ids(p, hi, seed=p), tokens)
                 rate, n = track.rate(tokens)
+                counts, was = tier_counts(engine), counts
                 res["runs"].append({"prompt_tokens": p, "ttft_s": track.prefill_s(), "decode_tok_s": rate,
-                                    "decoded": n})
+                                    "decoded": n, "tiers": _delta(was, counts)})
                 save(res)
             longest = prompts[-1]
             plain = max(peak_tokens, greedy_tokens, tokens)
             track, prof, peak = job_with_profile(prompt_ids(longest, hi, seed=longest), plain, longest,
                                                  peak_at=peak_tokens)
             rate, n = track.rate(tokens)
+            counts, was = tier_counts(engine), counts
             res["runs"].append({"prompt_tokens": longest, "ttft_s": track.prefill_s(), "decode_tok_s": rate,
-                                "decoded": n, "decode_tok_s_over_peak_tokens": track.rate(peak_tokens)[0]})
+                                "decoded": n, "decode_tok_s_over_peak_tokens": track.rate(peak_tokens)[0],
+                                "tiers": _delta(was, counts)})
             res["greedy_ids"] = track.ids[:greedy_tokens]
             res["memory"].update(peak, peak_after_tokens=peak_tokens)
             if prof:

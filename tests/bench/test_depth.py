@@ -145,6 +145,13 @@ def test_a_mode_measures_what_loaded_its_prompts_and_where_a_step_goes(measured)
     assert [r["prompt_tokens"] for r in ex["runs"]] == [D.SHORT_PROMPT, 40, 100]
     assert all(r["ttft_s"] > 0 and r["decode_tok_s"] > 0 for r in ex["runs"])
     assert ex["runs"][0]["decoded"] == 7  # 8 tokens: the first release's, then 7 timed
+    # Each run's tier counts: every pick read from somewhere, the prompts' prefill borrowing no slot here (the
+    # staging is a whole layer of its own at 3 slots per layer).
+    for r in ex["runs"]:
+        t = r["tiers"]
+        assert t["picks_total"] > 0 and t["picks_total"] == t["picks_vram_hit"] + t["picks_pcie"]
+        assert t["lent_out"] == 0
+    assert measured["stock"]["runs"][0]["tiers"] == {}
     assert len(ex["greedy_ids"]) == JOB["greedy_tokens"]
     assert ex["memory"]["rss_peak_bytes"] > 0 and ex["memory"]["peak_long_bytes"] is None  # no device on the CPU
     for hist in ("0", "100"):
