@@ -701,8 +701,8 @@ class _RamTier:
 def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, vram: int, ram: _Ram,
               reasons: dict[str, str], warnings: list[str], lent: int = 0) -> _RamTier:
     """Exclusive RAM tier: every non-VRAM expert in fast/exact (and those of the `lent` cache slots staging may
-    borrow, written back meanwhile); what the memory allows in the nvme modes (a borrowed slot's expert is dropped
-    there: the store has it)."""
+    borrow, written back meanwhile); what the memory allows in the nvme modes (a borrowed slot's expert displaces
+    the weakest RAM expert there), at most all of those."""
     eb = shape.expert_bytes
     spare = RAM_SPARE_OF_TOP_K * shape.top_k if vram < shape.experts else 0
     if mode not in ("nvme", "nvme-exact"):

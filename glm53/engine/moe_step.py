@@ -386,7 +386,7 @@ class MoeStepper:
             raise StepError(f"layer {li}: {len(step.staged)} experts to stage in one step exceed the "
                             f"{self.staging_slots} staging slots; raise staging_slots (or lower the prefill chunk)")
         if len(step.staged) > tiers.staging_rows:  # past the dedicated rows: empty the cache slots it borrows
-            self.lent_out += tiers.borrow(li, len(step.staged))
+            self.lent_out += tiers.borrow(li, len(step.staged), keep=uniq_l)
         self._count_picks(li, picks, hits, from_store, step.cpu)
         if reading and step.cpu:  # the lane computes from RAM: its records must land before it starts
             on_cpu = set(step.cpu)

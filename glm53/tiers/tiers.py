@@ -260,21 +260,24 @@ class ExpertTiers:
         first)."""
         return self._staging_rows[layer][i]
 
-    def borrow(self, layer: int, n: int) -> int:
+    def borrow(self, layer: int, n: int, keep: Collection[int] = ()) -> int:
         """Make the layer's first n staging rows writable: each borrowed cache slot among them that holds (or is
-        receiving) an expert of its own layer gives it up: the all-RAM modes write it back to RAM (and wait for
-        that), the nvme modes drop it (the store has it). The slot stays free; decode admits into it again, and the
-        next step that borrows it empties it again. Returns how many experts left VRAM."""
+        receiving) an expert of its own layer gives it up, written back to RAM (and waited for). In the nvme modes
+        RAM makes room by dropping its weakest expert, never one of `keep` (the borrowing step's own picks, which it
+        may be about to copy from RAM); where nothing may go, the expert is dropped instead (the store has it). The
+        slot stays lent until `give_back_lent`; decode admits into it again, and the next step that borrows it
+        empties it again. Returns how many experts left VRAM."""
         gone, waits = 0, []
+        protect = {layer: set(keep)}
         for lay, slot in self._borrowed[layer][: max(0, n - self.staging_rows)]:
             vl = self.vram[lay]
             e = int(vl.owner[slot])
-            if e == LENT:  # lent already (to an earlier layer of this forward, whose kernels are queued)
+            if e == LENT:  # lent already, by this step
                 continue
             if e >= 0:
                 if vl.pending[slot]:  # an admission in flight into it: land it, then give it up
                     self.settle(lay, e)
-                if self.keep_all:
+                if self.keep_all or self._room_for_lent(protect):
                     self._write_back(lay, e, None)
                 else:
                     vl.release(e)
@@ -292,6 +295,17 @@ class ExpertTiers:
             self.poll()
             self._refresh_gauges()
         return gone
+
+    def _room_for_lent(self, protect: Mapping[int, Collection[int]]) -> bool:
+        """nvme modes: a free RAM row, dropping the weakest RAM expert that may go (not held by a copy in flight,
+        not guarded, not in `protect`) if none is free. False when none may go."""
+        if self.ram.free_count():
+            return True
+        victim = self.weakest_droppable(protect)
+        if victim is None:
+            return False
+        self.drop_ram(*victim)
+        return self.ram.free_count() > 0
 
     def give_back_lent(self) -> None:
         """The slots lent to staging are free again: call once the borrowing steps' kernels are queued (the next

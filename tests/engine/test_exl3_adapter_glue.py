@@ -387,8 +387,8 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store):
 
 
 def test_nvme_exact_borrowing_cache_slots_is_bit_identical(ck, store):
-    """nvme-exact with staging of TOP_K rows of its own: a borrowed slot's expert is dropped to the store (no
-    write-back), read again when picked, and the layers stay bit-identical."""
+    """nvme-exact with staging of TOP_K rows of its own: a borrowed slot's expert is written back to RAM, which
+    drops its weakest expert for it (never one the borrowing step picked), and the layers stay bit-identical."""
     stock = stock_model(ck)
     slots = [6, 6, 6]
     model, tiered = tiered_model(ck, slots=slots, lookahead=True,
@@ -398,8 +398,7 @@ def test_nvme_exact_borrowing_cache_slots_is_bit_identical(ck, store):
         drive(stock, model, schedule(12, 30), 12, bit_identical, tiered)
         snap = tiered.snapshot()
         assert snap["lent_out"] > 0 and snap["picks"]["nvme"] > 0
-        written_back = snap["bytes"]["vram_to_ram"] // tiered.layout.nbytes  # admissions' victims only
-        assert snap["evictions"] - written_back == snap["lent_out"], "a borrowed slot's expert was written back"
+        assert snap["bytes"]["vram_to_ram"] > 0 and snap["ram_drops"] > 0  # written back, the weakest RAM dropped
         tiered.nvme.check_invariants()
     finally:
         model.unload()

@@ -493,9 +493,11 @@ def test_nvme_decode_queues_the_lookahead_reads_before_waiting_for_its_own(packe
         assert stepper.prefetched > 0 and step.slots.size == 4
         assert all(int(tier.tiers.where[0][e]) != int(FROM_STORE) for e in range(4)), "its own reads landed"
         tier.check_invariants()
-        hs = stepper.host_seconds  # the plan's parts: each counted, none beyond the whole
+        # The plan's parts: each counted, none beyond the whole. (Whether the step then waited on the store depends
+        # on the reader threads: on a loaded host the reads can land before the step looks, so it is not asserted.)
+        hs = stepper.host_seconds
         parts = [hs["plan_reads"], hs["plan_copies"], hs["plan_slots"]]
-        assert all(p > 0 for p in parts) and sum(parts) <= hs["plan"] and hs["store_wait"] > 0
+        assert all(p > 0 for p in parts) and sum(parts) <= hs["plan"]
 
 
 def test_after_launch_frees_ram_for_the_next_reads_but_never_the_steps_own_experts(tmp_path):

@@ -426,6 +426,7 @@ def test_exl3_layout_matches_the_model() -> None:
 
 @pytest.mark.parametrize("keep_all", [True, False])
 def test_borrow_empties_lent_slots_keeps_the_experts_and_lends_them_until_given_back(keep_all):
+    """all-RAM (keep_all) and nvme tiers: the experts of the borrowed slots go back to RAM."""
     experts = make_experts(3, 8, 5)
     vram = [4, 4, 4]
     need = 8 - 2  # a whole layer of 8 staging ids, 2 rows of their own
@@ -437,9 +438,11 @@ def test_borrow_empties_lent_slots_keeps_the_experts_and_lends_them_until_given_
     own = {tiers.vram[0].flat(s).data_ptr() for s in range(4)}
     assert not own & {r.data_ptr() for r in rows0[2:]}, "layer 0 borrowed its own cache slot"
     residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers._borrowed[0][:need]}
-    assert tiers.borrow(0, 8) == len(residents) == need
-    for lay, e in residents:  # gone from VRAM, still somewhere: RAM (written back) or the store (nvme)
-        assert tiers.where[lay, e] == (Where.RAM if keep_all else Where.STORE)
+    keep = [int(e) for e in np.flatnonzero(tiers.where[0] == Where.RAM)]  # layer 0's step copies these from RAM
+    assert tiers.borrow(0, 8, keep=keep) == len(residents) == need
+    for lay, e in residents:  # gone from VRAM into RAM (nvme: RAM dropped its weakest for each)
+        assert tiers.where[lay, e] == Where.RAM
+    assert all(tiers.where[0, e] == Where.RAM for e in keep), "RAM dropped an expert the borrowing step needs"
     for lay, s in tiers._borrowed[0][:need]:  # lent: no admission may land in them while layer 0's kernels read
         assert tiers.vram[lay].owner[s] == -2 and tiers.vram[lay].free_count() < 4
     tiers.check_invariants()
@@ -449,6 +452,25 @@ def test_borrow_empties_lent_slots_keeps_the_experts_and_lends_them_until_given_
     tiers.give_back_lent()
     assert all(tiers.vram[lay].owner[s] == -1 for lay, s in tiers._borrowed[0][:need])
     assert tiers.borrow(0, 8) == 0  # emptied already: nothing to give up
+    tiers.give_back_lent()
+    tiers.check_invariants()
+
+
+def test_nvme_borrow_drops_the_expert_itself_when_ram_may_drop_nothing():
+    experts = make_experts(3, 8, 7)
+    tiers = build(experts, [4, 4, 4], False, ram_slots=9, staging_slots=8, staging_rows=2)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
+    ram = [(int(lay), int(e)) for lay, e in zip(*np.nonzero(tiers.where == Where.RAM), strict=True)]
+    assert tiers.ram.free_count() == 0 and len(ram) == 9
+    keep = {lay: {e for la, e in ram if la == lay} for lay in range(3)}  # every RAM expert is needed
+    residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers._borrowed[0][:6]}
+    for lay in (1, 2):  # guard the other layers' RAM experts (prefetched for a coming step): soft, but enough here
+        for e in keep[lay]:
+            tiers.guard(lay, e)
+    tiers.borrow(0, 8, keep=keep[0])
+    assert sorted(ram) == sorted((int(lay), int(e)) for lay, e in zip(*np.nonzero(tiers.where == Where.RAM),
+                                                                          strict=True))
+    assert all(tiers.where[lay, e] == Where.STORE for lay, e in residents)
     tiers.give_back_lent()
     tiers.check_invariants()
 
