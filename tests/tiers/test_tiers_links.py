@@ -98,3 +98,24 @@ def test_link_plan_from_device_shares() -> None:
     shares = (DeviceShare(0, "a", 1, 0, 4, 0, 3, 9), DeviceShare(1, "b", 1, 5, 9, 3, 2, 6))
     assert link_plan(shares, 5, "cuda:0") == (["cuda:0", "cuda:1"], [0, 0, 0, 1, 1])
     assert link_plan(shares, 5, "cpu") == (["cpu", "cpu"], [0, 0, 0, 1, 1])  # the fake exllamav3's CPU runs
+
+
+def test_each_layer_borrows_staging_only_from_its_own_links_layers():
+    """Staging of 2 rows of its own per link and 8 ids per layer: a layer's other 6 are cache slots of the other
+    layer on its own card, never of the other card's."""
+    experts = make_experts(4, 8, 9)
+    vram = [6, 6, 6, 6]
+    tiers = build(experts, vram, True, ram_slots=32 - 24 + 24 + 1, staging_slots=8, staging_rows=2,
+                  link_devices=["cpu", "cpu"], link_of=LINK_OF)
+    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
+    assert all(link.staging.shape[0] == 2 for link in tiers.links)
+    for li in range(4):
+        other = [la for la in range(4) if la != li and LINK_OF[la] == LINK_OF[li]]
+        rows = [tiers.staging_slot(i, li) for i in range(8)]
+        assert all(_inside(r, tiers.link(li).staging) for r in rows[:2])
+        assert all(any(_inside(r, tiers.vram[la].storage) for la in other) for r in rows[2:])
+    tiers.borrow(0, 8)
+    assert {lay for lay, _ in tiers._lent_now} == {1}
+    tiers.give_back_lent()
+    check_contents(tiers, experts)
+    tiers.check_invariants()
