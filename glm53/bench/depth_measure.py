@@ -287,17 +287,10 @@ def _tensor_bytes(objs: Any) -> int:
 
 
 def tier_counts(engine: Any) -> dict[str, int]:
-    """The tiers' running counts a run's figures are read against (empty for stock): picks by where they were
-    read from, experts that left VRAM for borrowed staging, admissions, evictions, RAM drops (nvme modes)."""
+    """The tiers' running counts a run's figures are read against (glm53.engine.exl3_adapter.TieredMoE.tier_counts;
+    empty for stock)."""
     tiered = getattr(engine, "tiered", None)
-    if tiered is None:
-        return {}
-    snap = tiered.snapshot()
-    out = {f"picks_{k}": int(v) for k, v in snap.get("picks", {}).items() if isinstance(v, (int, float))}
-    for k in ("lent_out", "admissions", "evictions", "ram_drops"):
-        if isinstance(snap.get(k), (int, float)):
-            out[k] = int(snap[k])
-    return out
+    return {} if tiered is None else tiered.tier_counts()
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -731,6 +731,16 @@ class TieredMoE:
             doc["store_reads"] = self.nvme.read_summary()
         return doc
 
+    def tier_counts(self) -> dict[str, int]:
+        """The running counts a span of work is read against (a request, a bench run): picks by where they were
+        read from, experts that left VRAM for borrowed staging, admissions, evictions, RAM drops (nvme modes)."""
+        snap = self.tiers.stats.snapshot()
+        out = {f"picks_{k}": int(v) for k, v in snap.get("picks", {}).items() if isinstance(v, (int, float))}
+        out.update({k: int(snap[k]) for k in ("admissions", "evictions", "ram_drops")
+                    if isinstance(snap.get(k), (int, float))})
+        out["lent_out"] = self.stepper.lent_out if self.stepper is not None else 0
+        return out
+
     def device_snapshot(self, doc: dict | None = None) -> list[dict]:
         """Per device share (link): its MoE layers, their picks by lane, and the bytes its PCIe link carried."""
         doc = self.tiers.stats.snapshot() if doc is None else doc

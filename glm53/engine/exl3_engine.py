@@ -59,6 +59,7 @@ class _Request(Request):
     grammar_filter: Any = None  # compiled when the request arrived, for its first job (if the trigger still fits)
     grammar_filter_reasoning: bool = False
     jobs: int = 0  # jobs started for it (a reasoning-budget continuation is a second)
+    tier_counts: dict | None = None  # the tiers' counts when its first job started (for its log line)
 
 
 def ensure_exl3_demo_model(cache_dir: Path) -> Path:
@@ -452,6 +453,8 @@ class Exl3Engine(WorkerEngine):
         req.jobs += 1
         if not req.generated:
             self._count_prompt(len(req.prompt))
+        if req.tier_counts is None and self.tiered is not None:
+            req.tier_counts = self.tiered.tier_counts()
 
     def _stop_job(self, req: _Request) -> None:
         if req.job is not None:
@@ -505,6 +508,7 @@ class Exl3Engine(WorkerEngine):
         cached = None
         if r.get("eos"):
             cached = r.get("cached_tokens") if req.jobs == 1 else req.cached_tokens
+            self._log_job(req, r, cached)
         if cached is not None:
             self._note_cached(req, cached)
         for i, t in enumerate(ids):
@@ -526,6 +530,27 @@ class Exl3Engine(WorkerEngine):
         if r.get("eos") and not req.done:
             # The job ended with no token to end the request on (not expected from exllamav3): end it here.
             self._finish(req, end or "length")
+
+    def _log_job(self, req: _Request, r: dict, cached: int | None) -> None:
+        """One line per finished job: where its time went (exllamav3's queue, prefill and generate times) and, in
+        the tiered modes, where its picks were read from since the request started (slow agent turns are read
+        from these lines)."""
+        prompt = int(r.get("prompt_tokens") or 0)
+        prefill_s = float(r.get("time_prefill") or 0.0)
+        new = prompt - int(cached or 0)
+        line = (f"request {req.request_id} job {req.jobs}: prompt {prompt} tokens, {cached or 0} cached, {new} "
+                f"prefilled in {prefill_s:.2f} s ({new / prefill_s if prefill_s > 0 else 0:.0f} tok/s), queued "
+                f"{float(r.get('time_enqueued') or 0.0):.2f} s; {int(r.get('new_tokens') or 0)} tokens in "
+                f"{float(r.get('time_generate') or 0.0):.2f} s")
+        if self.tiered is not None and req.tier_counts is not None:
+            now, was = self.tiered.tier_counts(), req.tier_counts
+            d = {k: v - was.get(k, 0) for k, v in now.items()}
+            picks = max(1, d.get("picks_total", 0))
+            line += (f"; picks {100 * d.get('picks_vram_hit', 0) / picks:.0f}% VRAM, "
+                     f"{100 * d.get('picks_pcie', 0) / picks:.0f}% PCIe, {100 * d.get('picks_cpu', 0) / picks:.0f}% "
+                     f"CPU, {100 * d.get('picks_nvme', 0) / picks:.0f}% store of {d.get('picks_total', 0)}; "
+                     f"{d.get('lent_out', 0)} left VRAM for borrowed staging, {d.get('admissions', 0)} admitted")
+        log.info(line)
 
     def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False, end: str | None = None,
                     cached: int | None = None) -> None:

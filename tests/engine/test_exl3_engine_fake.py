@@ -141,11 +141,14 @@ def test_stock_serves_and_reports(stock):
     assert tokens(s7) == tokens(s7b) != tokens(s8)
 
 
-def test_exact_mode_equals_stock_through_the_tiers(stock, ck):
+def test_exact_mode_equals_stock_through_the_tiers(stock, ck, caplog):
     prompt = stock.tokenize("Hello there, how are you?")
     want = greedy_run(stock, prompt)
-    with running(ck, "exact") as engine:
+    with running(ck, "exact") as engine, caplog.at_level("INFO", logger="glm53.engine"):
         got = greedy_run(engine, prompt)
+        # A line per finished job: its prefill and where its picks were read from since it started.
+        done = [r.getMessage() for r in caplog.records if " prefilled in " in r.getMessage()]
+        assert done and f"prompt {len(prompt)} tokens" in done[-1] and "% PCIe" in done[-1], done
         # bit-identical logits: the logprobs equal
         assert [(e.token_id, e.logprob, e.top_logprobs) for e in got] == \
             [(e.token_id, e.logprob, e.top_logprobs) for e in want]
