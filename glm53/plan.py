@@ -742,10 +742,17 @@ def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fi
                         f"{human(record)} after {ram.kept_what}; the nvme tier needs at least {need} "
                         f"(one layer's {shape.experts_per_layer} experts plus one): raise the memory cap")
     share = f"{100 * ram_slots / shape.experts:.0f}% of experts"
-    reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * record)}, {share}): usable RAM {gib(ram.usable)} "
-                            f"({ram.what}) minus {ram.kept_what}, {gib(recurrent)} of recurrent checkpoints and {staging} NVMe staging "
-                            "records; the "
-                            "rest are read from the store")
+    whole = shape.experts - vram + lent + spare + FREE_RAM_SLOTS
+    if ram_slots == whole > need:
+        reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * record)}, {share}): every expert not in VRAM"
+                                + (f", the {lent} of the cache slots a prefill borrows as staging" if lent else "")
+                                + f", {spare} spare rows for admissions' victims and the {FREE_RAM_SLOTS} each decode "
+                                f"step keeps free for the next reads; usable RAM {gib(ram.usable)} ({ram.what}) "
+                                "would hold more: nothing is read from the store once warm")
+    else:
+        reasons["ram_slots"] = (f"{ram_slots} slots ({gib(ram_slots * record)}, {share}): usable RAM "
+                                f"{gib(ram.usable)} ({ram.what}) minus {ram.kept_what}, {gib(recurrent)} of recurrent "
+                                f"checkpoints and {staging} NVMe staging records; the rest are read from the store")
     readers = NVME_READERS_SMALL if ram.small else NVME_READERS
     reasons["nvme_threads"] = (f"{readers}: records read at once, each in the 1, 2, 4 or 8 parallel O_DIRECT parts "
                                "that read one fastest when the store opens"

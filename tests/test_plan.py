@@ -613,5 +613,6 @@ def test_nvme_ram_tier_that_can_hold_the_rest_also_holds_the_rows_kept_free(tmp_
     assert p.mode == "nvme-exact" and spec.engine == "nvme-exact"
     spare = 2 * shape.top_k  # the admissions' victims, as in the all-RAM modes
     assert spec.ram_slots == shape.experts - sum(spec.vram_slots) + len(spec.borrowed) + spare + FREE_RAM_SLOTS
+    assert "nothing is read from the store once warm" in p.reasons["ram_slots"]
     full = run(tmp_path / "real", NVME_55, GLM53_STORE=STORE)  # the real model: the cap binds, as before
     assert full.engine.ram_slots < M.DEFAULT_SHAPE.experts - full.vram_slots
