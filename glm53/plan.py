@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from glm53.devices import moe_share_of
 from glm53.host import Gpu, HostFacts
 from glm53.settings import AUTO_CONCURRENCY, concurrency_of
 from glm53.shape import DEFAULT_SHAPE, ModelShape
@@ -25,9 +24,11 @@ from glm53.spec import (
     RECURRENT_CACHE_BYTES,
     EngineSpec,
     borrowed_rows,
+    can_lend,
     decode_staging,
     engine_spec,
     kv_cache_bytes,
+    link_of_layers,
     split_slots,
 )
 from glm53.split import CardsPlan, plan_cards, usable
@@ -398,7 +399,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
         return _Vram(shape.experts, 0, 0, context, want, PREFILL_CHUNK, everything)
     # A whole layer's experts of staging ids: exact prefill stages every picked expert of a layer, in id order. Only
     # a decode step's worth are rows of their own; a wider step borrows the rest from other layers' cache slots,
-    # which the slots can lend once they are twice a layer (the most one layer may hold, plus the loan).
+    # where they can lend it (glm53.spec.can_lend).
     staging = shape.experts_per_layer
     min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
     most = shape.moe_layers * (shape.experts_per_layer - 1)
@@ -414,7 +415,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
 
     kv_tokens = context
     if slots_for(context, PREFILL_CHUNK, 1) < min_slots:
-        whole[0] = min_slots + rows_of(1) < 2 * staging  # the fewest slots cannot lend a layer of staging
+        whole[0] = not can_lend(min_slots, rows_of(1), staging)  # the fewest slots cannot lend a layer of staging
         room = budget - sum(account(0, rows_of(1), PREFILL_CHUNK, 1, min_slots).values()) + kv_of(0)
         fit = max(0, room // max(1, shape.kv_bytes_per_token) - PAGE) // KV_ROUND * KV_ROUND
         if fit < MIN_KV_TOKENS:
@@ -436,7 +437,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
     chunk, chunk_why = _choose_chunk(shape, gpu, slots_for(kv_tokens, PREFILL_CHUNK, sequences),
                                      lambda c: slots_for(kv_tokens, c, sequences), floor)
     slots = slots_for(kv_tokens, chunk, sequences)
-    if slots + rows_of(sequences) < 2 * staging:
+    if not can_lend(slots, rows_of(sequences), staging):
         whole[0] = True
         slots = slots_for(kv_tokens, chunk, sequences)
     rows = rows_of(sequences)
@@ -854,8 +855,7 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
         shares = ()
     staging, kv_tokens = v.staging, v.kv_tokens
     ram = _ram(facts, shape)
-    link_of = [int(x) for x in moe_share_of(shares, shape.moe_layers)] if shares else None
-    lent = len(borrowed_rows(vram, staging - v.staging_rows, link_of)) if staging else 0
+    lent = len(borrowed_rows(vram, staging - v.staging_rows, link_of_layers(shares, shape.moe_layers))) if staging else 0
     fit = _fit(facts, shape, settings, sum(vram) - lent, ram, warnings)  # a lent slot's expert needs RAM too
     mode = _choose_mode(fit, settings, reasons, warnings)
     tier = _size_ram(facts, shape, settings, mode, fit, sum(vram), ram, reasons, warnings, lent)

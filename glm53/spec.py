@@ -67,7 +67,8 @@ class EngineSpec:
         """The (MoE layer, slot) cache slots the staging borrows (glm53.spec.borrowed_rows)."""
         if not self.tiered:
             return ()
-        return borrowed_rows(self.vram_slots, self.staging_slots - self.dedicated_staging, link_of_layers(self))
+        return borrowed_rows(self.vram_slots, self.staging_slots - self.dedicated_staging,
+                             link_of_layers(self.devices, len(self.vram_slots)))
 
     @property
     def tiered(self) -> bool:
@@ -88,13 +89,19 @@ class EngineSpec:
         return doc
 
 
-def link_of_layers(spec: EngineSpec) -> list[int]:
+def link_of_layers(devices: Sequence[DeviceShare], moe_layers: int) -> list[int]:
     """Each MoE layer's device share (0 for every layer on one GPU)."""
-    if not spec.devices:
-        return [0] * len(spec.vram_slots)
+    if not devices:
+        return [0] * moe_layers
     from glm53.devices import moe_share_of
 
-    return [int(x) for x in moe_share_of(spec.devices, len(spec.vram_slots))]
+    return [int(x) for x in moe_share_of(devices, moe_layers)]
+
+
+def can_lend(slots: int, rows: int, staging: int) -> bool:
+    """Whether `slots` cache slots (one card's) can lend a layer of `staging` ids beside `rows` of its own: twice a
+    layer, the most one layer may hold plus the loan."""
+    return slots + rows >= 2 * staging
 
 
 def decode_staging(top_k: int, max_concurrency: int, experts_per_layer: int) -> int:
@@ -237,14 +244,10 @@ def engine_spec(
     staging = staging_for(slots, experts_per_layer, experts_per_layer if staging_slots is None else staging_slots)
     if staging < top_k:
         raise ValueError(f"staging_slots {staging} < top_k {top_k}: a decode step could not run")
-    link_of = [0] * moe_layers
-    if devices:
-        from glm53.devices import moe_share_of
-
-        link_of = [int(x) for x in moe_share_of(devices, moe_layers)]
-    if staging_rows is None:  # a decode step's rows, where the slots can lend the rest (twice a layer: see plan)
+    link_of = link_of_layers(devices, moe_layers)
+    if staging_rows is None:  # a decode step's rows, where the slots can lend the rest
         own = decode_staging(top_k, max_concurrency, experts_per_layer)
-        if sum(slots) + own < 2 * staging:
+        if not can_lend(sum(slots), own, staging):
             own = staging
     else:
         own = int(staging_rows)

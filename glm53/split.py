@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from glm53.devices import DeviceShare
 from glm53.settings import concurrency_of
 from glm53.shape import ModelShape
-from glm53.spec import PAGE, PREFILL_CHUNK, decode_staging, kv_cache_bytes
+from glm53.spec import PAGE, PREFILL_CHUNK, can_lend, decode_staging, kv_cache_bytes
 
 
 @dataclass(frozen=True)
@@ -243,13 +243,13 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
                         overhead=reserve + activations(chunk))
     if split is None:
         # Each card keeps a decode step's staging rows and its prefill borrows the rest of a layer's from the card's
-        # cache slots (glm53.spec.borrowed_rows), where those are twice a layer; else a layer of rows per card.
+        # cache slots (glm53.spec.borrowed_rows) where they can lend it; else a layer of rows per card.
         rows = decode_staging(shape.top_k, sequences, experts)
         for staging in (rows, experts) if rows < experts else (experts,):
             split, chunk, chunk_why, warnings = _fit_cards(cards, costs, context, eb, experts, staging, reserve,
                                                            activations, choose_chunk, min_slots, min_tokens,
                                                            kv_round, settings)
-            if all(c.slots_per_layer * c.moe + staging >= 2 * experts for c in split.cards if c.moe):
+            if all(can_lend(c.slots_per_layer * c.moe, staging, experts) for c in split.cards if c.moe):
                 break
     slots, how = list(split.slots_per_layer), "every expert in VRAM" if not split.staging else "uniform per card"
     if split.staging and counts is not None:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.bench.decode import _made_once
+from glm53.tiers.stats import describe_counts
 
 MODES = ("stock", "exact", "fast", "nvme-exact", "nvme")
 EXACT_LIKE = ("exact", "nvme-exact")
@@ -249,13 +250,8 @@ def report(doc: dict) -> str:
         for p, run in sorted(_runs(r).items()):
             what = "history 0" if p <= SHORT_PROMPT else f"{p:>6}-token prompt: TTFT {_f(run.get('ttft_s'), '.2f')} s,"
             t = run.get("tiers") or {}
-            picks = max(1, t.get("picks_total", 0))
-            where = (f"; picks {100 * t.get('picks_vram_hit', 0) / picks:.0f}% VRAM, "
-                     f"{100 * t.get('picks_pcie', 0) / picks:.0f}% PCIe, {100 * t.get('picks_cpu', 0) / picks:.0f}% "
-                     f"CPU, {100 * t.get('picks_nvme', 0) / picks:.0f}% store; {t.get('lent_out', 0)} left VRAM "
-                     f"for borrowed staging, {t.get('ram_drops', 0)} RAM drops" if t.get("picks_total") else "")
             lines.append(f"    {what} decode {_f(run.get('decode_tok_s'))} tok/s over {run.get('decoded', 0)} tokens"
-                         + where)
+                         + (f"; {describe_counts(t)}" if t.get("picks_total") else ""))
         mem = r.get("memory", {})
         if mem:
             peak = mem.get("peak_long_bytes")

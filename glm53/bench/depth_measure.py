@@ -25,6 +25,7 @@ from glm53.bench.depth import (
     prompt_ids,
     weight_bytes_per_token,
 )
+from glm53.tiers.stats import counts_delta
 
 
 def _smi_used(index: int) -> int | None:
@@ -293,10 +294,6 @@ def tier_counts(engine: Any) -> dict[str, int]:
     return {} if tiered is None else tiered.tier_counts()
 
 
-def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: v - before.get(k, 0) for k, v in after.items()}
-
-
 def planned_sizes(spec: Any) -> dict:
     from glm53.spec import PAGE
 
@@ -456,7 +453,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
             rate, n = track.rate(tokens)
             counts, was = tier_counts(engine), counts
             res["runs"].append({"prompt_tokens": SHORT_PROMPT, "ttft_s": track.prefill_s(), "decode_tok_s": rate,
-                                "decoded": n, "tiers": _delta(was, counts)})
+                                "decoded": n, "tiers": counts_delta(was, counts)})
             if prof:
                 res["profile"]["0"] = prof
             save(res)
@@ -465,7 +462,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
                 rate, n = track.rate(tokens)
                 counts, was = tier_counts(engine), counts
                 res["runs"].append({"prompt_tokens": p, "ttft_s": track.prefill_s(), "decode_tok_s": rate,
-                                    "decoded": n, "tiers": _delta(was, counts)})
+                                    "decoded": n, "tiers": counts_delta(was, counts)})
                 save(res)
             longest = prompts[-1]
             plain = max(peak_tokens, greedy_tokens, tokens)
@@ -475,7 +472,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
             counts, was = tier_counts(engine), counts
             res["runs"].append({"prompt_tokens": longest, "ttft_s": track.prefill_s(), "decode_tok_s": rate,
                                 "decoded": n, "decode_tok_s_over_peak_tokens": track.rate(peak_tokens)[0],
-                                "tiers": _delta(was, counts)})
+                                "tiers": counts_delta(was, counts)})
             res["greedy_ids"] = track.ids[:greedy_tokens]
             res["memory"].update(peak, peak_after_tokens=peak_tokens)
             if prof:

@@ -543,13 +543,9 @@ class Exl3Engine(WorkerEngine):
                 f"{float(r.get('time_enqueued') or 0.0):.2f} s; {int(r.get('new_tokens') or 0)} tokens in "
                 f"{float(r.get('time_generate') or 0.0):.2f} s")
         if self.tiered is not None and req.tier_counts is not None:
-            now, was = self.tiered.tier_counts(), req.tier_counts
-            d = {k: v - was.get(k, 0) for k, v in now.items()}
-            picks = max(1, d.get("picks_total", 0))
-            line += (f"; picks {100 * d.get('picks_vram_hit', 0) / picks:.0f}% VRAM, "
-                     f"{100 * d.get('picks_pcie', 0) / picks:.0f}% PCIe, {100 * d.get('picks_cpu', 0) / picks:.0f}% "
-                     f"CPU, {100 * d.get('picks_nvme', 0) / picks:.0f}% store of {d.get('picks_total', 0)}; "
-                     f"{d.get('lent_out', 0)} left VRAM for borrowed staging, {d.get('admissions', 0)} admitted")
+            from glm53.tiers.stats import counts_delta, describe_counts
+
+            line += "; " + describe_counts(counts_delta(req.tier_counts, self.tiered.tier_counts()))
         log.info(line)
 
     def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False, end: str | None = None,

@@ -305,7 +305,6 @@ class MoeStepper:
         if self.lane is not None:
             self.lane_judge.started(decode)
         VRAM, STORE = self._vram_code, self._store_code
-        tiers = self.tiers
         if self.nvme is not None:
             self.nvme.mark_step(li if decode else None)
         tiers.poll()

@@ -158,3 +158,17 @@ class TierStats:
             ],
         )
         return doc
+
+
+def counts_delta(was: dict[str, int], now: dict[str, int]) -> dict[str, int]:
+    """What a span of work added to running counts (glm53.engine.exl3_adapter.TieredMoE.tier_counts)."""
+    return {k: v - was.get(k, 0) for k, v in now.items()}
+
+
+def describe_counts(d: dict[str, int]) -> str:
+    """A span's counts in words: where its picks were read from, and what left or entered VRAM."""
+    picks = max(1, d.get("picks_total", 0))
+    share = {k: 100 * d.get(f"picks_{k}", 0) / picks for k in ("vram_hit", "pcie", "cpu", "nvme")}
+    return (f"picks {share['vram_hit']:.0f}% VRAM, {share['pcie']:.0f}% PCIe, {share['cpu']:.0f}% CPU, "
+            f"{share['nvme']:.0f}% store of {d.get('picks_total', 0)}; {d.get('lent_out', 0)} left VRAM for borrowed "
+            f"staging, {d.get('admissions', 0)} admitted, {d.get('ram_drops', 0)} RAM drops")

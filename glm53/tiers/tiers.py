@@ -149,9 +149,8 @@ class ExpertTiers:
                       None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
         ]
-        self.staging_slots = int(staging_slots)
         # Each layer's staging rows: its link's own, then the cache slots of other layers it borrows, as
-        # (layer, slot) and as rows; `_vacated` counts, per layer, the borrowed ones a step has emptied since.
+        # (layer, slot) and as rows.
         self.lent = lent
         self._lent_now: list[tuple[int, int]] = []  # lent by the steps whose kernels may not be queued yet
         self._borrowed = [[(lay, slot) for lay, slot in lent if lay != li and self.link_of[lay] == self.link_of[li]]
