@@ -60,6 +60,9 @@ log = logging.getLogger("glm53.engine")
 SUPPORTED_VERSION = "1.6.5"
 PROJECTIONS = ("gate", "up", "down")
 MAX_BSZN = 8  # exllamav3's fused decode kernel row limit (block_sparse_mlp.MAX_BSZN); checked by the contract
+# The most query rows MLA attention runs through its captured path (mla_attn.MAX_DECODE_QLEN), compiled per row
+# count: the warm-up covers each (glm53.engine.warmup); checked by the contract
+SMALL_QUERY_ROWS = 16
 
 
 class Exl3ContractError(RuntimeError):
@@ -88,6 +91,7 @@ CONTRACT: tuple[Hook, ...] = (
     Hook("exllamav3", "Generator", "jobs, streaming, sampling"),
     Hook("exllamav3", "Job", "one request"),
     Hook("exllamav3.modules.block_sparse_mlp", "MAX_BSZN", "decode batches (<= 8 rows) run the fused kernel"),
+    Hook("exllamav3.modules.mla_attn", "MAX_DECODE_QLEN", "MLA's small-query path, compiled per row count (warm-up)"),
     Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
          "calls the CPU-split seam after routing, before any expert kernel", "self.cpu_split_submit("),
     Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
@@ -182,6 +186,10 @@ def check_contract(importer: Callable[[str], Any] | None = None, version: str | 
     bsz = _resolve("exllamav3.modules.block_sparse_mlp", importer).MAX_BSZN
     if bsz != MAX_BSZN:
         raise Exl3ContractError(f"exllamav3 {version}: MAX_BSZN is {bsz}, expected {MAX_BSZN}; {where}")
+    rows = _resolve("exllamav3.modules.mla_attn", importer).MAX_DECODE_QLEN
+    if rows != SMALL_QUERY_ROWS:
+        raise Exl3ContractError(f"exllamav3 {version}: MAX_DECODE_QLEN is {rows}, expected {SMALL_QUERY_ROWS} (the "
+                                f"warm-up's small-query shapes); {where}")
 
 
 # ---- pure helpers (CPU-tested) ---------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ class Exl3Engine(WorkerEngine):
             self.context_length = native
         log.info("Loading weights took %.1f s", time.perf_counter() - t0)
         with out_of_memory_names_knobs("while warming up (the first prefill and decode)"):
-            self._warmup()
+            self._warmup(config)
         self._start_worker("glm53-exl3-engine")
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
@@ -291,19 +291,46 @@ class Exl3Engine(WorkerEngine):
         log.info("routing statistics: %s", reason)
         return counts
 
-    def _warmup(self) -> None:
-        """One generation through both MoE paths (prefill > 8 rows, decode) before serving, with a prompt of a
-        full prefill chunk and a part of another: the KDA kernels are compiled and autotuned for the chunked
-        path on first use (minutes on a fresh machine), and a short prompt takes another path; the first user
-        request must not pay for it."""
+    def _warmup(self, config: Any) -> None:
+        """Generations through both MoE paths (prefill > 8 rows, decode) before serving, first with a prompt of a
+        full prefill chunk and a part of another (the KDA kernels are compiled and autotuned for the chunked path
+        on first use), then every shape glm53.engine.warmup lists: the first user requests must not pay for
+        compiling kernels."""
+        from glm53.engine import exl3_adapter as A
+        from glm53.engine.warmup import warmup_shapes
+
+        t0 = time.perf_counter()
+        n = min(self.spec.prefill_chunk + 24, max(24, self.spec.kv_tokens // 2))
+        self._run_warm_jobs([self._warm_ids(n, 0)])
+        shapes = warmup_shapes(small_rows=A.SMALL_QUERY_ROWS, max_batch=self.spec.max_concurrency,
+                               kv_tokens=self.spec.kv_tokens, chunk=self.spec.prefill_chunk, page=PAGE,
+                               sparse_topk=getattr(config, "index_topk", None))
+        salt, prefixes = 1, set()
+        for shape in shapes:
+            prefix = self._warm_ids(shape.prefix, 0)
+            if shape.prefix and shape.prefix not in prefixes:  # its pages (and checkpoint) cached for the rest
+                prefixes.add(shape.prefix)
+                self._run_warm_jobs([prefix + self._warm_ids(1, salt)])
+                salt += 1
+            prompts = [prefix + self._warm_ids(shape.tail + 1, salt + b) for b in range(shape.batch)]
+            salt += shape.batch
+            self._run_warm_jobs(prompts)
+        log.info("warm-up: %d shapes in %.1f s (kernels compile once per machine, into %s)", len(shapes) + 1,
+                 time.perf_counter() - t0, os.environ.get("TRITON_CACHE_DIR", "Triton's default cache"))
+
+    def _warm_ids(self, n: int, salt: int) -> list[int]:
+        """n token ids, the same for the same salt and different across salts (no page of one is another's)."""
+        v = max(1, self._n_vocab - 1)
+        return [1 + (salt * 7919 + i) % v for i in range(n)]
+
+    def _run_warm_jobs(self, prompts: list[list[int]]) -> None:
         import torch
 
         exl = self._exl
-        n = min(self.spec.prefill_chunk + 24, max(24, self.spec.kv_tokens // 2))
-        ids = torch.tensor([[1 + i % max(1, self._n_vocab - 1) for i in range(n)]], dtype=torch.long)
-        job = exl.Job(input_ids=ids, max_new_tokens=2, sampler=exl.ArgmaxSampler(), stop_conditions=[])
+        jobs = [exl.Job(input_ids=torch.tensor([ids], dtype=torch.long), max_new_tokens=2,
+                        sampler=exl.ArgmaxSampler(), stop_conditions=[]) for ids in prompts]
         with torch.inference_mode():
-            self.generator.enqueue(job)
+            self.generator.enqueue(jobs)
             while self.generator.num_remaining_jobs():
                 self.generator.iterate()
 

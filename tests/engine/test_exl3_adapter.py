@@ -67,6 +67,7 @@ def fake_modules(**overrides):
         "exllamav3.version": types.SimpleNamespace(__version__=A.SUPPORTED_VERSION),
         "exllamav3.modules.block_sparse_mlp": types.SimpleNamespace(BlockSparseMLP=FakeBlockSparseMLP, MAX_BSZN=8),
         "exllamav3.modules.block_sparse_mlp_routing": types.SimpleNamespace(RoutingCFG=FakeRoutingCFG),
+        "exllamav3.modules.mla_attn": types.SimpleNamespace(MAX_DECODE_QLEN=16),
         "exllamav3.modules.linear": types.SimpleNamespace(Linear=FakeLinear),
         "exllamav3.modules.quant.exl3": types.SimpleNamespace(LinearEXL3=FakeLinearEXL3),
         "exllamav3.modules.quant.exl3_lib.quantize": types.SimpleNamespace(codebook_mul1_mult=1, codebook_mcg_mult=2),

@@ -516,3 +516,47 @@ def test_replies_without_max_tokens_commit_pages_as_they_grow_and_wait_for_them(
     assert stats["requests_failed"] == 0 and stats["requests_finished"] == 3
     assert stats["kv_cache"]["pages"] == kv // F.PAGE_SIZE + 1 and stats["kv_cache"]["pages_evicted"] == 0
     assert stats["prefix_cache_hits"] == 0 and stats["prompt_tokens_cached"] == 0  # the fake has no prompt cache
+
+
+def test_the_warm_up_runs_every_shape_before_serving(ck, fake_exllamav3, monkeypatch, caplog):
+    """Every row count and decode batch glm53.engine.warmup lists goes through the generator before the engine is
+    ready, in both regimes when the model has a sparse indexer (a top-k on the fake's config): on exllamav3 each is
+    a kernel variant compiled at start-up instead of inside a user's request."""
+    from glm53.engine.exl3_adapter import SMALL_QUERY_ROWS
+    from glm53.engine.exl3_engine import Exl3Engine
+    from glm53.engine.warmup import warmup_shapes
+    from glm53.spec import PAGE
+
+    prompts, batches = [], set()
+
+    class Job(F.Job):
+        def __init__(self, *a, input_ids, **kw):
+            prompts.append(int(input_ids.shape[-1]))
+            super().__init__(*a, input_ids=input_ids, **kw)
+
+    forward = F.Model.forward
+
+    def counted(self, input_ids, params):
+        if input_ids.shape[1] == 1:
+            batches.add(int(input_ids.shape[0]))
+        return forward(self, input_ids, params)
+
+    monkeypatch.setattr(fake_exllamav3["exllamav3"], "Job", Job)
+    monkeypatch.setattr(F.Model, "forward", counted)
+    monkeypatch.setattr(F.Config, "index_topk", 300, raising=False)
+    spec = spec_for(ck, "exact", SLOTS, max_concurrency=3)
+    caplog.set_level("INFO", logger="glm53.engine")
+    engine = Exl3Engine(ck, spec)
+    engine.load()
+    try:
+        shapes = warmup_shapes(small_rows=SMALL_QUERY_ROWS, max_batch=3, kv_tokens=spec.kv_tokens,
+                               chunk=spec.prefill_chunk, page=PAGE, sparse_topk=300)
+        assert {s.prefix for s in shapes} == {0, 512}
+        want = {s.prefix + s.tail + 1 for s in shapes}
+        assert want <= set(prompts)
+        assert {1, 2, 3} <= batches
+        assert f"warm-up: {len(shapes) + 1} shapes" in caplog.text
+        events = collect(engine, [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+        assert [e for e in events if isinstance(e, TokenEvent)][-1].finish_reason == "length"
+    finally:
+        engine.close()

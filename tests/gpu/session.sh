@@ -234,8 +234,11 @@ step_agent() {  # issue 26: prefix reuse and TTFT over a 60K-token agent session
   if [ -z "${MODEL:-}" ]; then stamp "agent: set MODEL=<checkpoint dir> (the full-depth fixture)"; return 1; fi
   local mode=exact port=30123 end=$(( $(date +%s) + ${AGENT_LIMIT:-520} ))
   [ -n "${STORE:-}" ] && mode=nvme-exact
+  # DIAGNOSE=1: the server's Triton compiles, GC pauses and sampled stacks (tests/gpu/diagnose), against slow turns
+  local hook=()
+  [ -n "${DIAGNOSE:-}" ] && hook=(env "GLM53_DIAG=$OUT/agent-$mode" "PYTHONPATH=$PWD/tests/gpu/diagnose:${PYTHONPATH:-}")
   GLM53_MODEL_DIR="$MODEL" GLM53_MODE=$mode GLM53_STORE="${STORE:-}" GLM53_PORT=$port \
-    python3 -u -m glm53 serve > "$OUT/agent-$mode-serve.log" 2>&1 &
+    "${hook[@]}" python3 -u -m glm53 serve > "$OUT/agent-$mode-serve.log" 2>&1 &
   local pid=$!
   if wait_ready "http://127.0.0.1:$port" $(( end - $(date +%s) - 60 )); then
     stamp "agent $mode: server ready"

@@ -1346,6 +1346,7 @@ def fake_modules() -> dict[str, types.ModuleType]:
         "exllamav3.modules.block_sparse_mlp_routing": _module("exllamav3.modules.block_sparse_mlp_routing",
                                                               RoutingCFG=RoutingCFG, routing_dots=routing_dots),
         "exllamav3.modules.linear": _module("exllamav3.modules.linear", Linear=Linear),
+        "exllamav3.modules.mla_attn": _module("exllamav3.modules.mla_attn", MAX_DECODE_QLEN=16),
         "exllamav3.modules.multilinear": _module("exllamav3.modules.multilinear", MultiLinear=MultiLinear),
         "exllamav3.modules.quant": _module("exllamav3.modules.quant"),
         "exllamav3.modules.quant.exl3": _module("exllamav3.modules.quant.exl3", LinearEXL3=LinearEXL3),
