@@ -56,7 +56,8 @@
 #             pass DEPTH_REF=FILE). DEPTH_MODES / DEPTH2_MODES split the modes over more calls where one runs out
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
-#   agent     glm53 bench agent on MODEL=<checkpoint dir> (issue 26: the full-depth fixture), exact mode, or nvme-exact
+#   agent     (DIAGNOSE=1: the server's Triton compiles, GC pauses and sampled stacks, tests/gpu/diagnose)
+#             glm53 bench agent on MODEL=<checkpoint dir> (issue 26: the full-depth fixture), exact mode, or nvme-exact
 #             with STORE=<store file>: one `glm53 serve`, two 16-turn sessions to AGENT_TOKENS (default 60000) with
 #             32-token replies: reasoning dropped by the client (seed 1, half of each reply's budget for reasoning),
 #             then kept with no per-request reasoning budget (seed 2: a request continued past its budget reports
@@ -94,10 +95,10 @@ step_tiers() {
 step_tiny() {
   step_tiers
   gpu_pytest modes-tiny 300 tests/engine/test_gpu_modes.py -k tiny
-  gpu_pytest exact-tiny 240 tests/engine/test_gpu_engine.py -k "tiny or engine"
+  gpu_pytest exact-tiny 360 tests/engine/test_gpu_engine.py -k "tiny or engine"
 }
-step_server() {
-  GLM53_TEST_ENGINE=exl3 timeout 300 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_conformance.py \
+step_server() {  # the first engine start on a fresh machine compiles the warm-up's shapes (~170 s on the tiny model)
+  GLM53_TEST_ENGINE=exl3 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_conformance.py \
     > "$OUT/server.log" 2>&1
   stamp "server rc=$?"
   GLM53_TEST_ENGINE=exl3 timeout 400 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_kv.py \
