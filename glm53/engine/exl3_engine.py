@@ -300,6 +300,9 @@ class Exl3Engine(WorkerEngine):
         from glm53.engine.warmup import warmup_shapes
 
         t0 = time.perf_counter()
+        kernels = os.environ.get("TRITON_CACHE_DIR", "Triton's default cache")
+        log.info("warm-up: running every prompt-tail and batch shape once, so that no request compiles a kernel "
+                 "(the first start on a machine compiles them: minutes; later starts read them from %s)", kernels)
         n = min(self.spec.prefill_chunk + 24, max(24, self.spec.kv_tokens // 2))
         self._run_warm_jobs([self._warm_ids(n, 0)])
         shapes = warmup_shapes(small_rows=A.SMALL_QUERY_ROWS, max_batch=self.spec.max_concurrency,
@@ -316,7 +319,7 @@ class Exl3Engine(WorkerEngine):
             salt += shape.batch
             self._run_warm_jobs(prompts)
         log.info("warm-up: %d shapes in %.1f s (kernels compile once per machine, into %s)", len(shapes) + 1,
-                 time.perf_counter() - t0, os.environ.get("TRITON_CACHE_DIR", "Triton's default cache"))
+                 time.perf_counter() - t0, kernels)
 
     def _warm_ids(self, n: int, salt: int) -> list[int]:
         """n token ids, the same for the same salt and different across salts (no page of one is another's)."""
