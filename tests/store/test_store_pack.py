@@ -425,8 +425,11 @@ SLOW_PACK = """
 import sys, time
 import store.pack as P
 real = P.pwrite_from
+calls = []
 def slow(*a):
-    time.sleep(0.1)
+    # quick to the first journal flush, then slow: the test's signal lands with most records still to write
+    calls.append(1)
+    time.sleep(0.1 if len(calls) <= 4 else 0.5)
     return real(*a)
 P.pwrite_from = slow
 from glm53.cli import main
@@ -442,8 +445,8 @@ def journaled(out: Path) -> int:
 
 
 def start_slow_pack(ck: Path, out: Path) -> subprocess.Popen:
-    """A real pack in a child process, slowed down so that it can be hit mid-way; returns once 3 records
-    are journaled."""
+    """A real pack in a child process, slowed down so that it can be hit mid-way (a record each 0.5 s after the
+    first four: a signal sent a second late still lands mid-pack); returns once 3 records are journaled."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-c", SLOW_PACK, str(ck), str(out)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
