@@ -322,7 +322,8 @@ class Exl3Engine(WorkerEngine):
                  time.perf_counter() - t0, kernels)
 
     def _warm_ids(self, n: int, salt: int) -> list[int]:
-        """n token ids, the same for the same salt and different across salts (no page of one is another's)."""
+        """n token ids: the same for the same salt (a shared prefix), different across salts (so one job's prompt
+        is not served from another's cached pages)."""
         v = max(1, self._n_vocab - 1)
         return [1 + (salt * 7919 + i) % v for i in range(n)]
 

@@ -1,15 +1,14 @@
 """The shapes the start-up warm-up sends through the exllamav3 engine, so that no user request pays for compiling.
 
-exllamav3 compiles a kernel variant the first time it meets a shape, and a compile inside a request is time the
-user waits for (docs/results.md, eighteenth session: agent turns 2-3 s slower than their prefill, deterministic
-per script, every one inside a compile):
-- The MLA layers run up to `small_rows` (16) query rows through a captured path whose kernels are compiled per
-  (batch, rows, regime), 2-2.5 s a variant on the H200. A follow-up turn's prefill ends with the rows past its
-  last page boundary, so any tail of 1-16 rows occurs; decode meets every batch size up to max_batch.
+exllamav3 compiles kernels per shape on first sight, and a compile inside a request is time the user waits for
+(docs/results.md, eighteenth session, has what it cost agent turns):
+- The MLA layers run up to `small_rows` (16) query rows through a captured path compiled per (batch, rows,
+  regime). A follow-up turn's prefill ends with the rows past its last page boundary, so any tail of 1-16 rows
+  occurs; decode meets every batch size up to max_batch.
 - The regime is dense or sparse: sparse once the visible context exceeds the DSA indexer's top-k.
 - The KDA short-chunk kernels are compiled per power of two of the chunk length up to a page.
-Compiled kernels go to Triton's cache (GLM53_CACHE_DIR/triton), so on a machine that served before the warm-up
-costs seconds, not minutes.
+Compiled kernels go to Triton's cache (GLM53_CACHE_DIR/triton), so on a machine that served before, the warm-up
+reads them instead of compiling.
 
 A shape is a round of `batch` jobs, each with `prefix` shared tokens (the page cache keeps them after the first
 job) and `tail` more prompt rows to prefill, then decoding together.
