@@ -15,6 +15,7 @@ serve: $(STAMP)
 	$(GLM53) serve
 
 test: $(STAMP)
+	bash tests/clients/install.sh
 	$(PY) -m pytest -q
 
 test-gpu: $(STAMP)

@@ -20,7 +20,8 @@ log = logging.getLogger("glm53.engine")
 DEMO_DIR = "demo-model"
 MARKER = ".glm53-demo.json"
 # Bump RECIPE when the generator's output changes, so caches from older versions are rebuilt.
-RECIPE = {"recipe": 2, "seed": 0, "hidden": 64, "layers": 4, "experts": 8, "top_k": 2}
+RECIPE = {"recipe": 4, "seed": 0, "hidden": 64, "layers": 4, "experts": 8, "top_k": 2, "context": 131072,
+          "ends_replies": True}
 REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 

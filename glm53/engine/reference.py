@@ -9,10 +9,11 @@ requests would need padded recurrent states, and correctness matters more than t
 With `kv_tokens` the caches share a budget of KV pages by the worker's rule (glm53.engine.worker): each unit of
 work first takes the pages its positions need; a request that gets none waits, and the youngest holder yields.
 
-Prefix reuse: the cache of the last request that ended is kept (its pages stay in the ledger, evicted first when
-pages run short). A request whose prompt starts with exactly the tokens that cache holds continues from it and
-prefills only the rest: the recurrent states cannot be rewound, so only a whole-cache match counts. That is what
-an agent's next turn (history + reply + new message, with the reply re-attached token for token) looks like.
+Prefix reuse: two caches of the last request that ended are kept (their pages stay in the ledger, evicted first
+when pages run short): the whole one (prompt + reply) and a copy taken when its prompt was done. A request whose
+prompt starts with exactly the tokens one of them holds continues from the longer match and prefills only the
+rest: the recurrent states cannot be rewound, so only a whole-cache match counts. An agent's next turn (history +
+reply + new message) starts with the previous prompt even when the reply comes back tokenized another way.
 
 The request queue, the worker thread's hand-off to asyncio and the token events are glm53.engine.worker's,
 shared with the exllamav3 engine; cancellation is seen between units of work (a few ms apart), after which the
@@ -21,6 +22,7 @@ request's cache is dropped.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,7 +38,8 @@ from glm53.fixture.hf import quiet_transformers
 
 log = logging.getLogger("glm53.engine")
 
-_KEPT = "kept prefix cache"  # the ledger's holder name for the kept cache
+# The ledger's holder names of the kept caches: the whole one, and the copy taken at its prompt's end.
+_KEPT, _KEPT_PROMPT = "kept prefix cache", "kept prompt cache"
 
 
 @dataclass(eq=False, kw_only=True)
@@ -44,6 +47,7 @@ class _Request(Request):
     gen: torch.Generator
     constraint: constrain.GrammarConstraint | None = None  # applies once the think block is closed
     cache: Any = None
+    prompt_cache: Any = None  # a copy of the cache when the prompt was done (kept for the next turn)
     prefilled: int = 0  # positions of prompt + generated in the cache
     logits: torch.Tensor | None = None  # next-token logits once the prompt is processed
     forced: list[int] = field(default_factory=list)
@@ -93,7 +97,7 @@ class ReferenceEngine(WorkerEngine):
         self._model: Any = None
         self._ll_tokenizer: Any = None  # llguidance's vocabulary view, when llguidance is installed
         self.supports_grammar = constrain.available()
-        self._kept: tuple[list[int], Any] | None = None  # (the tokens it holds, a transformers cache)
+        self._kept: dict[str, tuple[list[int], Any]] = {}  # holder -> (the tokens it holds, a transformers cache)
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
@@ -129,7 +133,7 @@ class ReferenceEngine(WorkerEngine):
     def close(self) -> None:
         self._stop_worker(timeout=30)
         self._model = None
-        self._kept = None
+        self._kept = {}
 
     # --- text ---------------------------------------------------------------------------------------------
     def _grammar_vocab(self) -> Any:
@@ -200,6 +204,8 @@ class ReferenceEngine(WorkerEngine):
                 return
             req.logits = self._forward(req, self._tokens(req, req.prefilled, end))
             req.prefilled = end
+            if end == len(req.prompt) and not req.generated:
+                req.prompt_cache = copy.deepcopy(req.cache)
             if not req.generated and len(req.prompt) > self.prefill_chunk:
                 req.emit(PromptProgress(req.prefilled, total))
             return
@@ -219,24 +225,28 @@ class ReferenceEngine(WorkerEngine):
             self._note_cached(req, req.prefilled)
 
     def _claim_prefix(self, req: _Request) -> None:
-        kept, total = self._kept, len(req.prompt) + len(req.generated)
-        if kept is None or len(kept[0]) >= total or self._tokens(req, 0, len(kept[0])) != kept[0]:
+        total = len(req.prompt) + len(req.generated)
+        matches = [(len(tokens), holder) for holder, (tokens, _) in self._kept.items()
+                   if len(tokens) < total and self._tokens(req, 0, len(tokens)) == tokens]
+        if not matches:
             return
-        self._kept = None
+        held, holder = max(matches)
+        _, cache = self._kept.pop(holder)
         if self.kv is not None:
-            self.kv.held[req] = self.kv.drop(_KEPT)  # its pages go with it
-        req.cache, req.prefilled = kept[1], len(kept[0])
+            self.kv.held[req] = self.kv.drop(holder)  # its pages go with it
+        req.cache, req.prefilled = cache, held
 
     def _kv_evict_kept(self) -> bool:
-        if self._kept is None:
+        if not self._kept:
             return False
-        self._kept = None
+        holder = _KEPT_PROMPT if _KEPT_PROMPT in self._kept else _KEPT
+        del self._kept[holder]
         if self.kv is not None:
-            self.kv.evicted += self.kv.drop(_KEPT)
+            self.kv.evicted += self.kv.drop(holder)
         return True
 
     def _reset_for_resume(self, req: _Request) -> None:
-        req.cache = req.logits = None
+        req.cache = req.logits = req.prompt_cache = None
         req.prefilled = 0
 
     def _next_token(self, req: _Request) -> tuple[int, bool, bool]:
@@ -256,12 +266,17 @@ class ReferenceEngine(WorkerEngine):
     def _release(self, req: _Request) -> None:
         """Keep the ended request's cache for the next prompt that starts with what it holds (replacing, and so
         evicting, the one kept before)."""
-        cache, held = req.cache, req.prefilled
-        req.cache = req.logits = None
+        cache, held, prompt_cache = req.cache, req.prefilled, req.prompt_cache
+        req.cache = req.logits = req.prompt_cache = None
         if cache is None or not held:
             return
         with self._cv:
-            self._kv_evict_kept()
-            self._kept = (self._tokens(req, 0, held), cache)
-            if self.kv is not None:
-                self.kv.take(_KEPT, held)  # the pages the request just gave back
+            while self._kv_evict_kept():
+                pass
+            self._kept[_KEPT] = (self._tokens(req, 0, held), cache)
+            if prompt_cache is not None and len(req.prompt) < held:
+                self._kept[_KEPT_PROMPT] = (list(req.prompt), prompt_cache)
+            if self.kv is not None:  # the pages the request just gave back; a copy without room is not kept
+                for holder, (tokens, _) in list(self._kept.items()):
+                    if not self.kv.take(holder, len(tokens)):
+                        del self._kept[holder]

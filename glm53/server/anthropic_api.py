@@ -9,6 +9,7 @@ routes are in Anthropic's shape (errors.body_for picks it by path).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -24,7 +25,19 @@ from glm53.server.errors import APIError, anthropic_body, bad_request, from_engi
 from glm53.server.protocol import SEED_MAX, SEED_MIN, TOOL_NAME, ChatCompletionRequest, _Model
 from glm53.server.sse import PING, event_frame, with_keepalive
 
+log = logging.getLogger("glm53.server")
+
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+# Claude Code's first system block: billing metadata for Anthropic's servers that changes between requests
+# (its cc_version carries a per-request suffix). It says nothing to the model and, left at the top of the prompt,
+# would cost every turn its cached prefix, so it is left out.
+BILLING_HEADER = "x-anthropic-billing-header:"
+# Blocks that carry no content for this model: replayed server-side work of Anthropic's own tools.
+_SKIPPED_BLOCKS = frozenset({"redacted_thinking", "server_tool_use", "web_search_tool_result", "web_fetch_tool_result",
+                             "code_execution_tool_result", "bash_code_execution_tool_result",
+                             "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
+                             "container_upload", "tool_search_tool_result"})
+_MEDIA_BLOCKS = frozenset({"image", "document"})
 
 
 class ContentBlock(_Model):
@@ -43,7 +56,8 @@ class ContentBlock(_Model):
 
 
 class Message(_Model):
-    role: Literal["user", "assistant"]
+    # "system" mid-conversation: Claude Code's beta mid-conversation-system-2026-04-07.
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
 
@@ -96,9 +110,26 @@ class MessagesRequest(CountTokensRequest):
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None  # an extension: reproducible sampling
 
 
+def _refuse_media(b: ContentBlock, where: str) -> None:
+    if b.type in _MEDIA_BLOCKS:
+        raise bad_request(f"{where}: {b.type} blocks are not supported by this server (text only): send the "
+                          f"{b.type}'s content as text.", param=where)
+
+
+def _skipped(b: ContentBlock, where: str) -> bool:
+    """Whether block `b` is one that changes nothing for this model (logged at debug); media are refused."""
+    _refuse_media(b, where)
+    if b.type in _SKIPPED_BLOCKS:
+        log.debug("messages: %s block at %s left out", b.type, where)
+        return True
+    return False
+
+
 def _texts(blocks: list[ContentBlock], where: str) -> str:
     out = []
     for j, b in enumerate(blocks):
+        if _skipped(b, f"{where}.{j}"):
+            continue
         if b.type != "text" or b.text is None:
             raise bad_request(f"{where}.{j}: only text blocks are supported here (got {b.type!r}).",
                               param=f"{where}.{j}")
@@ -106,13 +137,20 @@ def _texts(blocks: list[ContentBlock], where: str) -> str:
     return "\n".join(out)
 
 
+def _system(system: str | list[ContentBlock]) -> str:
+    if isinstance(system, str):
+        return system
+    kept = [b for b in system if not (b.type == "text" and (b.text or "").startswith(BILLING_HEADER))]
+    return _texts(kept, "system")
+
+
 def _assistant(blocks: list[ContentBlock], where: str) -> dict[str, Any]:
     reasoning, text, calls = [], [], []
     for j, b in enumerate(blocks):
         if b.type == "thinking":  # replayed thinking is the turn's reasoning
             reasoning.append(b.thinking or "")
-        elif b.type == "redacted_thinking":
-            continue  # encrypted by another server: nothing this model can read
+        elif _skipped(b, f"{where}.{j}"):  # redacted thinking: encrypted by another server
+            continue
         elif b.type == "text":
             text.append(b.text or "")
         elif b.type == "tool_use":
@@ -136,6 +174,8 @@ def _user(blocks: list[ContentBlock], where: str) -> list[dict[str, Any]]:
     for j, b in enumerate(blocks):
         if b.type == "text" and b.text is not None:
             texts.append(b.text)
+        elif _skipped(b, f"{where}.{j}"):
+            continue
         elif b.type == "tool_result":
             if texts:
                 out.append({"role": "user", "content": "\n".join(texts)})
@@ -170,24 +210,28 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
         raise bad_request("The last message is an assistant turn (a prefill), which this server does not continue: "
                           "end the conversation with a user turn.", param=f"messages.{len(req.messages) - 1}.role")
     messages: list[dict[str, Any]] = []
-    if req.system:
-        system = req.system if isinstance(req.system, str) else _texts(req.system, "system")
+    system = _system(req.system) if req.system else ""
+    if system:
         messages.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
         if isinstance(m.content, str):
             messages.append({"role": m.role, "content": m.content})
+        elif m.role == "system":  # rendered where it stands: the turns before it keep their cached prefix
+            messages.append({"role": "system", "content": _texts(m.content, where)})
         elif m.role == "assistant":
             messages.append(_assistant(m.content, where))
         else:
             messages.extend(_user(m.content, where))
-    tools = []
-    for i, t in enumerate(req.tools or []):
-        if t.type not in (None, "custom"):
-            raise bad_request(f"tools.{i}: server tools ({t.type!r}) are not available here; declare client tools "
-                              "with name, description and input_schema.", param=f"tools.{i}.type")
+    tools, left_out = [], []
+    for t in req.tools or []:
+        if t.type not in (None, "custom"):  # Anthropic's server tools (web_search_...) and its schema-less ones
+            left_out.append(f"{t.name} ({t.type})")
+            continue
         tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
                                                        "parameters": t.input_schema}})
+    if left_out:
+        log.info("messages: tools this server cannot run left out of the prompt: %s", ", ".join(left_out))
     fields: dict[str, Any] = {"messages": messages, "tools": tools or None, "tool_choice": _tool_choice(req.tool_choice)}
     thinking = req.thinking
     if thinking is not None:

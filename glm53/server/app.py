@@ -33,7 +33,7 @@ from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 log = logging.getLogger("glm53.server")
 
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-          "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize")
+          "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize", "/", "/api/hello")
 
 
 JSON_HEADER = (b"content-type", b"application/json")
@@ -64,11 +64,16 @@ class RequestMetrics:
             if receive is None:
                 return
         status = 500
+        refused = False
 
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, refused
             if message["type"] == "http.response.start":
                 status = message["status"]
+                refused = status >= 400
+            elif message["type"] == "http.response.body" and refused and path not in OPEN_ROUTES:
+                refused = False  # an error body is one JSON document, sent whole
+                log_refusal(scope, status, message.get("body", b""))
             await send(message)
 
         counts = self.state.metrics.counts
@@ -124,7 +129,20 @@ class RequestMetrics:
         await send({"type": "http.response.start", "status": 413,
                     "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+        log_refusal(scope, 413, body)
         self.state.metrics.observe_request(route, 413)
+
+
+def log_refusal(scope: Scope, status: int, body: bytes) -> None:
+    """One line for every request answered with a 4xx or 5xx: the route, the status, the reason the client was
+    told, and who the client is (a user whose agent fails reads why here). The probes of OPEN_ROUTES are not
+    logged: a 503 from /ready while the model loads is the answer a health check polls for."""
+    try:
+        reason = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        reason = body[:200].decode("utf-8", "replace")
+    agent = dict(scope.get("headers", [])).get(b"user-agent", b"-").decode("latin-1")
+    log.warning("%s %s -> %d: %s [client: %s]", scope.get("method", ""), scope.get("path", ""), status, reason, agent)
 
 
 async def _drain(receive: Receive, most: int) -> None:
@@ -139,7 +157,7 @@ async def _drain(receive: Receive, most: int) -> None:
 
 
 # What answers without the key: liveness and readiness probes, and the Prometheus scrape (docs/configuration.md).
-OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics"})
+OPEN_ROUTES = frozenset({"/health", "/ready", "/metrics", "/", "/api/hello"})
 
 
 class ApiKeyGate:
@@ -266,6 +284,12 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
     # Added first, so inside the metrics: refused requests are counted too.
     app.add_middleware(ApiKeyGate, key=getattr(settings, "api_key", "") or "")
     app.add_middleware(RequestMetrics, state=state)
+
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    @app.api_route("/api/hello", methods=["GET", "HEAD"], include_in_schema=False)
+    async def hello() -> dict[str, str]:
+        """What clients probe before their first request (Claude Code: HEAD /api/hello): the server answers."""
+        return {"status": "ok", "api": "/v1"}
 
     @app.get("/health", tags=["ops"])
     async def health() -> dict[str, str]:

@@ -42,6 +42,7 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.prompt_limit: tuple[int, int] | None = None  # (prompt tokens, the most a prompt may have): overflow
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -61,7 +62,11 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
 
 def anthropic_body(err: APIError) -> dict[str, Any]:
     kind = _ANTHROPIC_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": err.message}}
+    message = err.message
+    if err.prompt_limit is not None:  # Anthropic's wording, which Claude Code reads to compact the conversation
+        tokens, most = err.prompt_limit
+        message = f"prompt is too long: {tokens} tokens > {most} maximum"
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 def body_for(path: str, err: APIError) -> dict[str, Any]:
@@ -77,9 +82,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 def context_exceeded(prompt_tokens: int, context: int, param: str = "messages", at_least: bool = False) -> APIError:
     has = f"at least {prompt_tokens}" if at_least else f"{prompt_tokens}"
-    return APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
-                         f"{has} tokens (at least one token must be left for the reply).",
-                    param=param, code="context_length_exceeded")
+    err = APIError(400, f"This model's maximum context length is {context} tokens, but the prompt has "
+                        f"{has} tokens (at least one token must be left for the reply).",
+                   param=param, code="context_length_exceeded")
+    err.prompt_limit = (prompt_tokens, context - 1)
+    return err
 
 
 def from_engine_error(exc: Exception) -> APIError:

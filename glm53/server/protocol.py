@@ -18,8 +18,8 @@ MAX_TOP_LOGPROBS = 20
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 # Token ids are 32-bit in every tokenizer backend; larger numbers overflow there instead of being "unknown".
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-# OpenAI's rule for function names (it rejects anything else with a 400).
-TOOL_NAME = r"^[a-zA-Z0-9_-]{1,64}$"
+# Function names: OpenAI's rule (letters, digits, _ and -), plus the "." and ":" of namespaced tools.
+TOOL_NAME = r"^[a-zA-Z0-9_.:-]{1,128}$"
 # OpenAI's reasoning_effort values, plus the template's own "max".
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "max"]
 

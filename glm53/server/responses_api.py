@@ -8,6 +8,7 @@ reasoning it generated, as for chat).
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
@@ -24,6 +25,17 @@ from glm53.server.protocol import SEED_MAX, SEED_MIN, ReasoningEffort, _Model
 from glm53.server.sse import PING, PING_FRAME, event_frame, with_keepalive
 
 
+log = logging.getLogger("glm53.server")
+
+# A tool inside a `namespace` tool is shown to the model as "namespace.tool"; its calls go back to the client as
+# the bare name with the namespace beside it, as OpenAI's function_call items carry them.
+NAMESPACE_SEP = "."
+# History items of tools that run on OpenAI's side (or that this server never offers): nothing to replay.
+_SKIPPED_ITEMS = frozenset({"web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                            "computer_call", "computer_call_output", "mcp_list_tools", "mcp_approval_request",
+                            "mcp_approval_response", "mcp_call", "item_reference", "compaction"})
+
+
 class Part(_Model):
     type: str
     text: str | None = None
@@ -38,6 +50,7 @@ class InputItem(_Model):
     arguments: str | None = None
     output: str | list[Part] | None = None
     summary: list[Part] | None = None
+    namespace: str | None = None
 
 
 class FunctionTool(_Model):
@@ -46,6 +59,7 @@ class FunctionTool(_Model):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[FunctionTool] | None = None  # a namespace's own tools
 
 
 class NamedFunction(_Model):
@@ -132,8 +146,9 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if not item.call_id or not item.name:
                 raise bad_request(f"{where}: a function_call item needs call_id and name.", param=where)
             last = messages[-1] if messages and messages[-1]["role"] == "assistant" else assistant_turn("")
+            name = f"{item.namespace}{NAMESPACE_SEP}{item.name}" if item.namespace else item.name
             last.setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function", "function": {"name": item.name,
+                {"id": item.call_id, "type": "function", "function": {"name": name,
                                                                       "arguments": item.arguments or "{}"}})
         elif kind == "function_call_output":
             if not item.call_id:
@@ -142,10 +157,30 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
                              "content": _text(item.output, f"{where}.output")})
         elif kind == "reasoning":
             reasoning = _text(item.summary, f"{where}.summary") or _text(item.content, f"{where}.content")
+        elif kind in _SKIPPED_ITEMS:
+            log.debug("responses: %s item at %s left out", kind, where)
         else:
             raise bad_request(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
                               "function_call_output and reasoning are).", param=f"{where}.type")
     return messages
+
+
+def _function(t: FunctionTool, where: str, namespace: str | None = None) -> dict[str, Any]:
+    if not t.name:
+        raise bad_request(f"{where}: a function tool needs a name.", param=f"{where}.name")
+    name = f"{namespace}{NAMESPACE_SEP}{t.name}" if namespace else t.name
+    return {"type": "function", "function": {"name": name, "description": t.description,
+                                             "parameters": t.parameters, "strict": t.strict}}
+
+
+def namespaces(req: ResponsesRequest) -> frozenset[str]:
+    return frozenset(t.name for t in req.tools or [] if t.type == "namespace" and t.name)
+
+
+def split_name(name: str, spaces: frozenset[str]) -> tuple[str | None, str]:
+    """(namespace, tool) of a called name: the client's own names back."""
+    head, sep, tail = name.partition(NAMESPACE_SEP)
+    return (head, tail) if sep and head in spaces else (None, name)
 
 
 def to_chat(req: ResponsesRequest) -> Any:
@@ -157,13 +192,22 @@ def to_chat(req: ResponsesRequest) -> Any:
         raise bad_request("previous_response_id is not supported: this server keeps no responses. Send the "
                           "conversation so far as input items instead.", param="previous_response_id",
                           code="unsupported_parameter")
-    tools = []
+    tools, left_out = [], []
     for i, t in enumerate(req.tools or []):
-        if t.type != "function" or not t.name:
-            raise bad_request(f"tools.{i}: only function tools (type 'function' with a name) are supported "
-                              f"(got {t.type!r}).", param=f"tools.{i}.type")
-        tools.append({"type": "function", "function": {"name": t.name, "description": t.description,
-                                                       "parameters": t.parameters, "strict": t.strict}})
+        if t.type == "function":
+            tools.append(_function(t, f"tools.{i}"))
+        elif t.type == "namespace":
+            if not t.name or not t.tools:
+                raise bad_request(f"tools.{i}: a namespace tool needs name and tools.", param=f"tools.{i}")
+            for j, inner in enumerate(t.tools):
+                if inner.type != "function":
+                    left_out.append(f"{t.name}{NAMESPACE_SEP}{inner.name} ({inner.type})")
+                    continue
+                tools.append(_function(inner, f"tools.{i}.tools.{j}", namespace=t.name))
+        else:  # hosted tools (web_search, file_search, computer use...) and freeform ones run elsewhere
+            left_out.append(t.name or t.type)
+    if left_out:
+        log.info("responses: tools this server cannot run left out of the prompt: %s", ", ".join(left_out))
     choice: Any = req.tool_choice
     if isinstance(choice, NamedFunction):
         choice = {"type": "function", "function": {"name": choice.name}}
@@ -195,6 +239,7 @@ class Reply:
         self.id = "resp_" + uuid.uuid4().hex
         self.seq = 0
         self.reason: str | None = None
+        self.spaces = namespaces(req)
 
     def item_id(self, block: Block) -> str:
         prefix = {"thinking": "rs", "text": "msg", "tool": "fc"}[block.kind]
@@ -208,8 +253,12 @@ class Reply:
         if block.kind == "text":
             return {"type": "message", "id": self.item_id(block), "status": status, "role": "assistant",
                     "content": [_output_text(block.text)] if done else []}
-        return {"type": "function_call", "id": self.item_id(block), "status": status, "call_id": block.call_id,
-                "name": block.name, "arguments": block.text if done else ""}
+        namespace, name = split_name(block.name or "", self.spaces)
+        item = {"type": "function_call", "id": self.item_id(block), "status": status, "call_id": block.call_id,
+                "name": name, "arguments": block.text if done else ""}
+        if namespace is not None:
+            item["namespace"] = namespace
+        return item
 
     def body(self, output: list[dict], status: str) -> dict[str, Any]:
         req = self.req
@@ -259,7 +308,8 @@ class Reply:
             out = [self.event("response.output_text.done", **at, content_index=0, text=b.text, logprobs=[]),
                    self.event("response.content_part.done", **at, content_index=0, part=_output_text(b.text))]
         else:
-            out = [self.event("response.function_call_arguments.done", **at, name=b.name, arguments=b.text)]
+            out = [self.event("response.function_call_arguments.done", **at, name=split_name(b.name or "", self.spaces)[1],
+                              arguments=b.text)]
         out.append(self.event("response.output_item.done", output_index=b.index, item=self.item(b, True)))
         return out
 
