@@ -32,7 +32,7 @@ def test_everything_but_the_probes_needs_the_key(server, path):
 
 
 def test_the_probes_answer_without_it(server):
-    assert OPEN_ROUTES == {"/health", "/ready", "/metrics"}
+    assert OPEN_ROUTES == {"/health", "/ready", "/metrics", "/", "/api/hello"}
     for path in sorted(OPEN_ROUTES):
         assert httpx.get(server.url + path).status_code == 200, path
 

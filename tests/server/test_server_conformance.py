@@ -647,7 +647,7 @@ BAD_CHAT = [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {}, "required": ["x"]}}}]}, "tools.0.function.parameters.required"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 129}}]}, "tools.0.function.name"),
     ({"stream": "yes"}, "stream"),
     ({"max_tokens": "5"}, "max_tokens"),
     ({"messages": [*user("x"), {"role": "tool", "content": "r"}]}, "messages.1"),

@@ -142,7 +142,7 @@ def test_stateless_and_errors(server, client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.responses.create(model=MODEL, input="hi", previous_response_id="resp_1")
     assert exc.value.param == "previous_response_id"
-    openai_error(httpx.post(url, json={"input": "hi", "tools": [{"type": "web_search"}]}), 400, "tools.0.type")
+    openai_error(httpx.post(url, json={"input": "hi", "tools": [{"type": "namespace", "name": "ns"}]}), 400, "tools.0")
     openai_error(httpx.post(url, json={"input": [{"role": "user", "content": [{"type": "input_image"}]}]}), 400,
                  "input.0.content.0")
     openai_error(httpx.post(url, json={"input": "hi", "max_output_tokens": 0}), 400)
