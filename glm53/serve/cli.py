@@ -6,6 +6,7 @@ Heavy imports (torch, FastAPI) happen inside the command, so `glm53 --help` stay
 from __future__ import annotations
 
 import argparse
+import asyncio
 import errno
 import ipaddress
 import logging
@@ -18,6 +19,32 @@ from glm53.server import http_url
 log = logging.getLogger("glm53.server")
 
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"
+
+
+# On SIGTERM or Ctrl-C, running replies get this long to finish; then each ends with its API's error event, and
+# the process exits (well inside `docker stop`'s 10 s).
+DRAIN_S = 3.0
+
+
+def _server(config: Any, state: Any) -> Any:
+    """uvicorn's Server, told about the shutdown as soon as the signal arrives (see DRAIN_S)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            if first:  # the signal handler runs on the loop's thread, between two of its steps
+                loop = asyncio.get_running_loop()
+                loop.call_soon_threadsafe(loop.call_later, DRAIN_S, _stop_generations, state)
+
+    return Server(config)
+
+
+def _stop_generations(state: Any) -> None:
+    n = state.stop_generations()
+    if n:
+        log.info("shutdown: %d reply(ies) still running after %.0f s were ended with an error", n, DRAIN_S)
 
 
 def register(sub: Any) -> None:
@@ -173,8 +200,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(engine, settings)
     log.info("HTTP on %s (model %s loading; /health answers now, /ready once loaded)",
              http_url(settings.host, settings.port), settings.model_id)
-    config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level), timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level),
+                            timeout_graceful_shutdown=DRAIN_S + 5)
+    server = _server(config, app.state.glm53)
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addFilter(_DropUvicornStartupLine())
     # uvicorn names its address only when it binds it itself; the socket is listening already, so say it here.

@@ -353,6 +353,7 @@ async def _stream(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
         err = exc if isinstance(exc, APIError) else from_engine_error(exc)
         yield event_frame("error", anthropic_body(err))
+        yield event_frame("message_stop", {"type": "message_stop"})  # the stream's end, as clients wait for it
     finally:
         await events.aclose()
         job.finish()

@@ -32,6 +32,7 @@ from glm53.server.common import (
     grammar_for,
     open_runs,
     resolve_max_tokens,
+    shutting_down,
     respond,
     sampling_params,
     stream_usage_requested,
@@ -221,7 +222,8 @@ async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -
         if first:
             whole.extend(first)
             yield ChoiceEvent(index, first, [], None)
-    steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop, tally)
+    steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop, tally,
+                         lambda: shutting_down() if state.stopping else None)
     try:
         async for step in steps:
             if parser.in_reasoning:

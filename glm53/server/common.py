@@ -41,7 +41,17 @@ class ServerState:
     ping_interval: float = PING_INTERVAL_S
     load_error: str | None = None
     reasoning_memory: ReasoningMemory = field(default_factory=ReasoningMemory)
+    stopping: bool = False  # the server is shutting down: generations still running end with an error
+    live: set[Job] = field(default_factory=set)  # requests being answered
     _layout: Layout | None = None
+
+    def stop_generations(self) -> int:
+        """End every running generation (shutdown, after the drain): each reply ends with its API's error."""
+        self.stopping = True
+        jobs = list(self.live)
+        for job in jobs:
+            job.cancel()
+        return len(jobs)
 
     def max_body_bytes(self) -> int:
         """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
@@ -167,6 +177,9 @@ class Job:
 
     def __post_init__(self) -> None:
         self.id = f"{self.kind}-{uuid.uuid4().hex}"
+        self.state.live.add(self)
+
+    __hash__ = object.__hash__
 
     def new_choice(self) -> tuple[str, Tally]:
         rid = f"{self.id}-{len(self.request_ids)}"
@@ -203,6 +216,7 @@ class Job:
         self.record()
 
     def record(self) -> None:
+        self.state.live.discard(self)
         if self.recorded:
             return
         self.recorded = True
@@ -265,6 +279,11 @@ async def respond(request: Request, job: Job, stream: bool, frames: Callable[[],
 
 def stream_usage_requested(req: SamplingFields) -> bool:
     return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down, so this reply was cut short: retry once it is back.",
+                    code="server_shutting_down", headers={"Retry-After": "10"})
 
 
 def error_frame_body(exc: BaseException) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from glm53.server.common import (
     grammar_for,
     open_runs,
     resolve_max_tokens,
+    shutting_down,
     respond,
     sampling_params,
     stream_usage_requested,
@@ -103,7 +104,7 @@ async def _run(state: ServerState, plan: CompletionPlan, job: Job, index: int) -
     rid, tally, events = plan.runs[index]
     prompt = plan.prompts[index // plan.req.n]
     steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop,
-                         tally)
+                         tally, lambda: shutting_down() if state.stopping else None)
     try:
         if plan.req.echo:
             yield index, Step(prompt.text)

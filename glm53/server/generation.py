@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -142,9 +142,10 @@ async def _chain(first: asyncio.Future, events: AsyncIterator[EngineEvent]) -> A
 
 
 async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], request_id: str, end_ids: frozenset[int],
-                       stops: list[str], tally: Tally) -> AsyncIterator[Step]:
+                       stops: list[str], tally: Tally, stopped: Callable[[], BaseException | None]) -> AsyncIterator[Step]:
     """Yield text steps of one choice from opened `events`; the last step carries finish_reason
-    ("stop" | "length")."""
+    ("stop" | "length"). A generation that ends without one raises `stopped()` when that is an error (the server
+    stopped it), else an engine error."""
     matcher = StopMatcher(stops) if stops else None
     engine_done = False  # the engine finished on its own; otherwise it is told to stop (stop string, error, client gone)
     pending = 0  # tokens not yet reported in a step
@@ -182,7 +183,7 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
             if step.text or step.logprobs:
                 pending = 0
                 yield step
-        raise EngineError("the engine ended the generation without a finish reason")
+        raise stopped() or EngineError("the engine ended the generation without a finish reason")
     finally:
         if not engine_done:
             engine.cancel(request_id)

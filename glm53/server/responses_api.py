@@ -354,6 +354,9 @@ async def _stream(reply: Reply, plan: ChatPlan) -> AsyncIterator[bytes]:
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
         err = error_frame_body(exc)["error"]
         yield reply.event("error", code=err["code"], message=err["message"], param=err["param"])
+        failed = reply.body([reply.item(b, True) for b in seq.blocks], "failed")
+        failed["error"] = {"code": err["code"] or "server_error", "message": err["message"]}
+        yield reply.event("response.failed", response=failed)
     finally:
         await events.aclose()
         reply.job.finish()
