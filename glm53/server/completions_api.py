@@ -21,9 +21,9 @@ from glm53.server.common import (
     grammar_for,
     open_runs,
     resolve_max_tokens,
-    shutting_down,
     respond,
     sampling_params,
+    shutting_down,
     stream_usage_requested,
     tokenize_prompt,
 )

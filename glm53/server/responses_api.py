@@ -24,7 +24,6 @@ from glm53.server.errors import bad_request
 from glm53.server.protocol import SEED_MAX, SEED_MIN, ReasoningEffort, _Model
 from glm53.server.sse import PING, PING_FRAME, event_frame, with_keepalive
 
-
 log = logging.getLogger("glm53.server")
 
 # A tool inside a `namespace` tool is shown to the model as "namespace.tool"; its calls go back to the client as

@@ -63,6 +63,9 @@
 #             then kept with no per-request reasoning budget (seed 2: a request continued past its budget reports
 #             no cached_tokens from the exllamav3 engine today). At ~40 s per 100K cold tokens: ~100 s a session
 #             plus the load; AGENT_LIMIT (default 520 s) bounds the whole step; the turns are in the logs as they run
+#   clients   the captured Claude Code and Codex requests (tests/data/clients) replayed through HTTP against glm53 serve
+#             in exact mode on the full-depth fixture (MODEL, default /tmp/fx, generated when absent; 24 GiB, 65,536
+#             tokens): per request TTFT, prompt tokens and cached share (tests/gpu/replay_clients.py)
 #   serveconc glm53 bench serve --concurrency 1,2,4,8 on MODEL (SERVE_MODE, default exact; nvme modes need STORE):
 #             512-token prompts, 96 tokens per stream, best of 2 rounds per level
 set -uo pipefail
@@ -252,6 +255,28 @@ step_agent() {  # issue 26: prefix reuse and TTFT over a 60K-token agent session
     stamp "agent $mode, reasoning kept, rc=$?"
   else
     stamp "agent $mode: the server was not ready (see agent-$mode-serve.log)"
+  fi
+  kill "$pid" 2>/dev/null
+  wait "$pid" 2>/dev/null
+}
+step_clients() {  # issue 35: the real clients' captured requests replayed against glm53 serve on the full-depth fixture
+  local model=${MODEL:-/tmp/fx} port=30124 end=$(( $(date +%s) + ${CLIENTS_LIMIT:-560} ))
+  if [ ! -f "$model/config.json" ]; then
+    stamp "clients: generating the full-depth fixture into $model"
+    timeout $(( end - $(date +%s) - 300 )) python3 -m glm53 fixture --kind exl3 --shape glm53 --depth full \
+      --experts "${DEPTH_EXPERTS:-48}" --out "$model" > "$OUT/clients-fixture.log" 2>&1 || { stamp "clients: fixture failed"; return 1; }
+    stamp "clients: fixture ready"
+  fi
+  GLM53_MODEL_DIR="$model" GLM53_MODE=exact GLM53_VRAM_BUDGET_GB=24 GLM53_CONTEXT=65536 GLM53_PORT=$port \
+    python3 -u -m glm53 serve > "$OUT/clients-serve.log" 2>&1 &
+  local pid=$!
+  if wait_ready "http://127.0.0.1:$port" $(( end - $(date +%s) - 60 )); then
+    stamp "clients: server ready"
+    timeout $(( end - $(date +%s) )) python3 -u tests/gpu/replay_clients.py "http://127.0.0.1:$port" \
+      --json "$OUT/clients.json" > "$OUT/clients.log" 2>&1
+    stamp "clients: replayed, rc=$?"
+  else
+    stamp "clients: the server was not ready (see clients-serve.log)"
   fi
   kill "$pid" 2>/dev/null
   wait "$pid" 2>/dev/null
