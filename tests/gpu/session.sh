@@ -269,8 +269,12 @@ step_clients() {  # issue 35: the real clients' captured requests replayed again
   fi
   GLM53_MODEL_DIR="$model" GLM53_MODE=exact GLM53_VRAM_BUDGET_GB=24 GLM53_CONTEXT=65536 GLM53_PORT=$port \
     python3 -u -m glm53 serve > "$OUT/clients-serve.log" 2>&1 &
-  local pid=$!
-  if wait_ready "http://127.0.0.1:$port" $(( end - $(date +%s) - 60 )); then
+  local pid=$! ready=1
+  while kill -0 "$pid" 2>/dev/null && [ "$(date +%s)" -lt $(( end - 60 )) ]; do
+    if curl -sf "http://127.0.0.1:$port/ready" >/dev/null; then ready=0; break; fi
+    sleep 2
+  done
+  if [ $ready -eq 0 ]; then
     stamp "clients: server ready"
     timeout $(( end - $(date +%s) )) python3 -u tests/gpu/replay_clients.py "http://127.0.0.1:$port" \
       --json "$OUT/clients.json" > "$OUT/clients.log" 2>&1
