@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Install glm53 and what it needs into the Python environment given as $1 (default: python3 on PATH).
-# Used by the Dockerfile, by `make` (into .venv) and by CI, so one script is what everyone proves.
+# Used by `make` (into .venv: serving needs only the base install, `make test` adds the dev extras) and so by CI.
+# The Dockerfile installs the same requirements (docker/deps.py reads them from pyproject.toml) before it copies
+# the source, so that a source edit does not redo the downloads.
 #   docker/install.sh [PYTHON] [EXTRAS]      e.g. docker/install.sh .venv/bin/python dev
 # Torch: a CPU build where there is no NVIDIA driver, else the CUDA build PyPI serves; TORCH_SPEC (and
 # TORCH_INDEX, the index for a CPU build) override. The line "install: torch... from ..." says which index.
@@ -8,7 +10,10 @@ set -euo pipefail
 python=${1:-python3}
 extras=${2:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
-pip=("$python" -m pip install --disable-pip-version-check -q)
+# On a terminal pip shows its own progress (a first install downloads about a gigabyte); in logs it stays quiet.
+quiet=(-q)
+[ -t 1 ] && quiet=()
+pip=("$python" -m pip install --disable-pip-version-check "${quiet[@]}")
 
 if [ -z "${TORCH_SPEC:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then

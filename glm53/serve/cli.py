@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import errno
 import ipaddress
 import logging
@@ -153,6 +154,16 @@ class PortError(RuntimeError):
     """The listening socket cannot be had; the message names the port and the setting that moves it."""
 
 
+# The container's HEALTHCHECK reads the port served from here; the directory exists only in the image.
+PORT_FILE = "/run/glm53/port"
+
+
+def _note_port(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        with open(PORT_FILE, "w") as f:
+            f.write(f"{sock.getsockname()[1]}\n")
+
+
 def listen(host: str, port: int) -> socket.socket:
     """The server's listening socket, bound before anything slow happens (demo generation, the plan, the
     load), so a port in use is reported at once; uvicorn is handed this very socket, so nothing can take the
@@ -191,6 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except PortError as exc:
         print(f"glm53: {exc}", file=sys.stderr)
         return 2
+    _note_port(sock)
     engine = start_engine(settings)
 
     import uvicorn
