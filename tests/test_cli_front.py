@@ -54,7 +54,7 @@ def test_the_demo_plan_reports_the_context_the_demo_serves(tmp_path):
     settings = S.load(environ={k: v for k, v in env.items() if k.startswith("GLM53_")}, dotenv=None)
     choice = choose_engine(settings)
     assert choice.demo and choice.engine.kind == "reference-cpu"  # this machine has no GPU
-    assert out["kv_tokens"] == choice.engine.context_length == 4096
+    assert out["kv_tokens"] == choice.engine.context_length == 131072  # room for an agent's first request
 
 
 def test_fixture_help_gives_the_real_expert_size():

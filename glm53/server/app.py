@@ -33,7 +33,7 @@ from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, Deto
 log = logging.getLogger("glm53.server")
 
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
-          "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize", "/", "/api/hello")
+          "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize", "/api/hello")
 
 
 JSON_HEADER = (b"content-type", b"application/json")
