@@ -50,3 +50,12 @@ def test_the_refusals_are_counted(server):
     httpx.get(server.url + "/stats")
     text = httpx.get(server.url + "/metrics").text
     assert any('status="401"' in line and "/stats" in line for line in text.splitlines()), text[:2000]
+
+
+def test_a_wrong_key_leaves_a_log_line_naming_the_client(server, caplog):
+    """Claude Code retries a 401 quietly for minutes: the server's log is where a user learns why."""
+    caplog.set_level("WARNING", logger="glm53.server")
+    r = httpx.post(server.url + "/v1/messages", json={}, headers={"x-api-key": "wrong", "user-agent": "claude-cli/x"})
+    assert r.status_code == 401
+    lines = [rec.getMessage() for rec in caplog.records if "-> 401" in rec.getMessage()]
+    assert len(lines) == 1 and "POST /v1/messages" in lines[0] and "API key" in lines[0] and "claude-cli/x" in lines[0]
