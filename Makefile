@@ -22,7 +22,7 @@ serve: $(STAMP)
 
 test: $(DEV)
 	bash tests/clients/install.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-gpu: $(DEV)
 	$(PY) -m pytest -q -m gpu
