@@ -34,7 +34,6 @@ from glm53.server.common import (
     resolve_max_tokens,
     respond,
     sampling_params,
-    shutting_down,
     stream_usage_requested,
     tokenize_prompt,
 )
@@ -223,7 +222,7 @@ async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -
             whole.extend(first)
             yield ChoiceEvent(index, first, [], None)
     steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop, tally,
-                         lambda: shutting_down() if state.stopping else None)
+                         state.stop_error)
     try:
         async for step in steps:
             if parser.in_reasoning:

@@ -53,6 +53,10 @@ class ServerState:
             job.cancel()
         return len(jobs)
 
+    def stop_error(self) -> APIError | None:
+        """The error a generation the server ended reports: only once it is shutting down."""
+        return shutting_down() if self.stopping else None
+
     def max_body_bytes(self) -> int:
         """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
         return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
@@ -161,7 +165,7 @@ def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, ind
     )
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: held in ServerState.live by identity
 class Job:
     """One HTTP request's generations: ids to cancel, per-choice tallies, metrics on completion."""
 
@@ -178,8 +182,6 @@ class Job:
     def __post_init__(self) -> None:
         self.id = f"{self.kind}-{uuid.uuid4().hex}"
         self.state.live.add(self)
-
-    __hash__ = object.__hash__
 
     def new_choice(self) -> tuple[str, Tally]:
         rid = f"{self.id}-{len(self.request_ids)}"

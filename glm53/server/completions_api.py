@@ -23,7 +23,6 @@ from glm53.server.common import (
     resolve_max_tokens,
     respond,
     sampling_params,
-    shutting_down,
     stream_usage_requested,
     tokenize_prompt,
 )
@@ -104,7 +103,7 @@ async def _run(state: ServerState, plan: CompletionPlan, job: Job, index: int) -
     rid, tally, events = plan.runs[index]
     prompt = plan.prompts[index // plan.req.n]
     steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop,
-                         tally, lambda: shutting_down() if state.stopping else None)
+                         tally, state.stop_error)
     try:
         if plan.req.echo:
             yield index, Step(prompt.text)

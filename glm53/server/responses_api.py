@@ -145,9 +145,8 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if not item.call_id or not item.name:
                 raise bad_request(f"{where}: a function_call item needs call_id and name.", param=where)
             last = messages[-1] if messages and messages[-1]["role"] == "assistant" else assistant_turn("")
-            name = f"{item.namespace}{NAMESPACE_SEP}{item.name}" if item.namespace else item.name
             last.setdefault("tool_calls", []).append(
-                {"id": item.call_id, "type": "function", "function": {"name": name,
+                {"id": item.call_id, "type": "function", "function": {"name": qualified(item.namespace, item.name),
                                                                       "arguments": item.arguments or "{}"}})
         elif kind == "function_call_output":
             if not item.call_id:
@@ -167,13 +166,17 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 def _function(t: FunctionTool, where: str, namespace: str | None = None) -> dict[str, Any]:
     if not t.name:
         raise bad_request(f"{where}: a function tool needs a name.", param=f"{where}.name")
-    name = f"{namespace}{NAMESPACE_SEP}{t.name}" if namespace else t.name
-    return {"type": "function", "function": {"name": name, "description": t.description,
+    return {"type": "function", "function": {"name": qualified(namespace, t.name), "description": t.description,
                                              "parameters": t.parameters, "strict": t.strict}}
 
 
 def namespaces(req: ResponsesRequest) -> frozenset[str]:
     return frozenset(t.name for t in req.tools or [] if t.type == "namespace" and t.name)
+
+
+def qualified(namespace: str | None, name: str) -> str:
+    """The name the model sees for a client's tool (split_name undoes it)."""
+    return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
 
 
 def split_name(name: str, spaces: frozenset[str]) -> tuple[str | None, str]:
@@ -200,7 +203,7 @@ def to_chat(req: ResponsesRequest) -> Any:
                 raise bad_request(f"tools.{i}: a namespace tool needs name and tools.", param=f"tools.{i}")
             for j, inner in enumerate(t.tools):
                 if inner.type != "function":
-                    left_out.append(f"{t.name}{NAMESPACE_SEP}{inner.name} ({inner.type})")
+                    left_out.append(f"{qualified(t.name, inner.name or '')} ({inner.type})")
                     continue
                 tools.append(_function(inner, f"tools.{i}.tools.{j}", namespace=t.name))
         else:  # hosted tools (web_search, file_search, computer use...) and freeform ones run elsewhere
