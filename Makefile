@@ -23,6 +23,7 @@ serve: $(STAMP)
 test: $(DEV)
 	bash tests/clients/install.sh
 	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=5 -m 'slow and not gpu'
 
 test-gpu: $(DEV)
 	$(PY) -m pytest -q -m gpu

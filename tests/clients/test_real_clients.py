@@ -24,6 +24,8 @@ import httpx
 import pytest
 from recording_proxy import serve as serve_proxy
 
+pytestmark = pytest.mark.slow  # end to end and long: make test runs it after the unit suite
+
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / ".clients" / "node_modules" / ".bin"
 DOCS = ROOT / "docs" / "clients.md"

@@ -139,6 +139,7 @@ def test_thinking_budget_and_off(client, server):
         .endswith("</think>")
 
 
+@pytest.mark.slow
 def test_forced_tool_use_validates_on_20_seeds(client):
     for seed in range(20):
         choice = {"type": "tool", "name": "run_tests"} if seed % 3 == 0 else {"type": "any"}

@@ -360,6 +360,7 @@ def _valid_call(call, tools) -> None:
     jsonschema.validate(json.loads(call.function.arguments), declared[call.function.name])
 
 
+@pytest.mark.slow
 def test_forced_tool_calls_validate_50_seeds(client):
     """The issue's test: forced calls on the random-weight model always name a declared tool, with arguments that
     validate against its schema (required keys present, types, bounds, enums, no extra keys)."""

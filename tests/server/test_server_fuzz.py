@@ -18,6 +18,8 @@ from glm53 import settings as S
 from glm53.engine.reference import ReferenceEngine
 from glm53.server import create_app
 
+pytestmark = pytest.mark.slow  # end to end and long: make test runs it after the unit suite
+
 SUPPRESS = list(HealthCheck)
 
 

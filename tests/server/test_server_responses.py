@@ -79,6 +79,7 @@ def test_streamed_equals_non_streamed_with_reasoning(client):
         assert all(i.type != "reasoning" for i in r.output)
 
 
+@pytest.mark.slow
 def test_forced_function_calls_validate_on_20_seeds(client):
     for seed in range(20):
         choice = {"type": "function", "name": "run_tests"} if seed % 3 == 0 else "required"

@@ -494,8 +494,8 @@ def test_a_retry_cut_short_by_close_is_counted_once(store, tmp_path, monkeypatch
         bad = r.read(1, 0, arena[0], priority=Priority.PREFETCH)
         while int(bad.task[R.STATE]) != R.DONE:
             time.sleep(0.001)
+        slow_first(monkeypatch, 0.3)  # the delay is set before the read is queued: it cannot finish unseen
         slow = r.read(1, 1, arena[1])
-        slow.task[R.DELAY_NS] = int(0.3e9)
         under_way(slow)
         assert not bad.done()  # looked at: failed, its retry queued behind the slow read
         r.close()
