@@ -187,7 +187,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return _run_http_bench("serve", args, lambda server, log: serve_bench.run_concurrency(server, opts, log=log),
                            serve_bench.render, serve_bench.to_json)
 def register_depth(bench_sub: Any) -> None:
-    from glm53.bench.depth import DEFAULT_FIXTURE, DEFAULT_PROMPTS, MODES
+    from glm53.bench.depth_parts import DEFAULT_FIXTURE, DEFAULT_PROMPTS, MODES
 
     p = bench_sub.add_parser("depth", help="full depth at a 24 GB budget and 131,072 tokens: the plan against what "
                                            "loads, TTFT, decode, peak device memory, stock's tokens (GPU)",
