@@ -24,10 +24,11 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
-from glm53.server import errors, http_url, routes
+from glm53.server import errors, routes
 from glm53.server.common import ServerState
 from glm53.server.errors import APIError
 from glm53.server.metrics import Metrics
+from glm53.server.urls import http_url
 
 log = logging.getLogger("glm53.server")
 
