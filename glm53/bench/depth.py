@@ -1,4 +1,4 @@
-"""`glm53 bench depth`: issue 25's proof run. One full-depth checkpoint, the plan for a 24 GB budget at 131,072
+"""`glm53 bench depth`: the full-depth proof run. One full-depth checkpoint, the plan for a 24 GB budget at 131,072
 tokens of context, and per mode (each in its own process, so its memory figures are its own):
 
 - the plan's sizes (VRAM slots, staging, RAM rows, KV tokens, sequences, prefill chunk, recurrent checkpoint
@@ -15,7 +15,7 @@ tokens of context, and per mode (each in its own process, so its memory figures 
 token, the token comparison) are glm53.bench.depth_parts; this module holds the parent, the plan per mode, the
 comparisons, ratios and the report.)
 
-Stock is plain exllamav3 with every routed expert in VRAM (the H200 holds them) on the exact plan's KV, context,
+Stock is plain exllamav3 with every routed expert in VRAM (on a card that holds them all) on the exact plan's KV, context,
 sequences and prefill chunk: the reference for tokens and for the ratios. A call measures any subset of modes and
 writes its JSON as each mode finishes; --reference merges an earlier call's stock so a later call still prints
 ratios (marked as from another call). The checkpoint (generated with `glm53 fixture --kind exl3 FIXTURE-ARGS`) and
