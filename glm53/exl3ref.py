@@ -6,7 +6,7 @@ activation_kernels.cuh) so that it needs neither a GPU nor exllamav3. `decode_tr
 tests/data/exl3_golden.npz); the transforms and forwards are float32/float64 references, exact up to the
 summation order of exllamav3's own GEMMs.
 
-EXL3 in one paragraph (DESIGN section 2). A linear's weight W (in x out, y = x W) is stored as an inner weight
+EXL3 in one paragraph. A linear's weight W (in x out, y = x W) is stored as an inner weight
 W^ in 16x16 tiles, `trellis` int16 (in/16, out/16, 16*K): each tile is a 256*K-bit stream. Read as
 little-endian uint32 words, bits MSB-first, element t of the tile is the 16-bit window ending at bit (t+1)*K,
 wrapping around the tile (tail-biting). A codebook turns each 16-bit state into an fp16 value; elements land in

@@ -1,7 +1,7 @@
 """The checkpoint as it is on disk: safetensors headers of every `*.safetensors`, config.json, expert tensors.
 
 Tensors are found by reading every shard's header, never model.safetensors.index.json (the published
-checkpoint's index omits tensors; DESIGN section 1). The index is consulted only to name a shard that it
+checkpoint's index omits tensors). The index is consulted only to name a shard that it
 lists but that is missing on disk, which makes the error message precise.
 """
 

@@ -16,6 +16,8 @@ emulated drive) goes through a narrow hook the product never installs (glm53.ben
   cpu_lane         the CPU expert kernel against the host's RAM bandwidth
   lookahead        the next layer's router run ahead: its recall
   read_contention  what the store's reads cost the planning thread
+  disk_sweep       the store disk's raw O_DIRECT random-record rate by reads in flight
+  depth_probe      the full-depth fixture in stock exllamav3: load, TTFT, decode, device memory (GPU)
   copiers, worktree, emulated_disk: their shared helpers
 """
 
@@ -36,6 +38,8 @@ BENCHES = (
     ("glm53.bench.cpu_lane", "register_bench"),
     ("glm53.bench.lookahead", "register_bench"),
     ("glm53.bench.host_step", "register_bench"),
+    ("glm53.bench.disk_sweep", "register_bench"),
+    ("glm53.bench.depth_probe", "register_bench"),
 )
 
 

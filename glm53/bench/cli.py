@@ -187,11 +187,11 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     return _run_http_bench("serve", args, lambda server, log: serve_bench.run_concurrency(server, opts, log=log),
                            serve_bench.render, serve_bench.to_json)
 def register_depth(bench_sub: Any) -> None:
-    from glm53.bench.depth import DEFAULT_FIXTURE, DEFAULT_PROMPTS, MODES
+    from glm53.bench.depth_parts import DEFAULT_FIXTURE, DEFAULT_PROMPTS, MODES
 
     p = bench_sub.add_parser("depth", help="full depth at a 24 GB budget and 131,072 tokens: the plan against what "
                                            "loads, TTFT, decode, peak device memory, stock's tokens (GPU)",
-                             description="Issue 25's proof run on one full-depth checkpoint, each mode in its own "
+                             description="The full-depth proof run on one checkpoint, each mode in its own "
                              "process (glm53.bench.depth).")
     p.add_argument("--model", metavar="DIR", help="existing EXL3 checkpoint (default: generate one with --fixture)")
     p.add_argument("--fixture", default=DEFAULT_FIXTURE, metavar="ARGS",

@@ -3,14 +3,14 @@
 One process loads the same full-width synthetic checkpoint once per mode: stock exllamav3 with every routed
 expert in VRAM (the upper bound), and each tiered mode (`--modes`: exact, fast, nvme-exact, nvme) with a 24 GB
 card's share of expert slots (the rest in the pinned RAM tier, or the record store with RAM as its cache). Decode
-windows rotate through the modes (interleaved, never compared across sessions). An earlier design is compared by
+windows rotate through the modes (interleaved, never compared across runs). An earlier design is compared by
 running its commit's code side by side (`--baseline REV`: glm53.bench.decode_baseline), not as a mode here. All sample with the same seed, so the exact modes
 generate the same tokens as stock and route the same experts (fast mode is near-exact and may drift). The PCIe
 bound is
     t_bound = (bytes that crossed host -> device per decoded token) / (measured pinned H2D rate) + t_stock,
 i.e. what exact mode would take if every miss cost only its transfer at full PCIe speed on top of the all-in-VRAM
 step. Stock `moe_cpu_split` is not run here: on the GPU machine every call into exllamav3's CPU MoE code
-segfaulted (2026-11-29, DESIGN section 3), so it dies at load.
+segfaults (docs/results.md), so it dies at load.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def _store_reads(buffered: bool, emulated_Bps: float | None) -> str:
 
 def paired_ratio(rows: list[dict], mode: str, ref: str) -> float:
     """Median over windows of mode's decode speed over ref's in the same window. Windows interleave the modes,
-    and the whole machine's speed drifts between windows (stock alone by up to 25% on the H200): a ratio within
+    and the whole machine's speed drifts between windows (stock alone by up to a quarter): a ratio within
     a window cancels that drift, a ratio of means does not."""
     speed = {(x["name"], x["window"]): x["decode_tok_s"] for x in rows}
     ratios = sorted(speed[(mode, w)] / speed[(ref, w)] for (name, w) in speed
@@ -506,14 +506,13 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         vocab = 150000
         prompt = [(13 * i + 7) % vocab for i in range(prompt_tokens)]
         # Warm-up at the measured prompt length: a fresh process spends over a minute setting up the first prefill
-        # of a new shape (seen on the H200). Decoding longer in it starts the windows with tiers that have learnt
+        # of a new shape. Decoding longer in it starts the windows with tiers that have learnt
         # the routing, as a server's are (it warms them from the routing statistics saved at its last shutdown).
         for r in runners.values():
             r.run(prompt, warmup_tokens if r.tiered is not None else 16, seed=0)
         rows: list[dict] = []
         for w in range(windows):
-            # A virtual disk's rate drifts within a run (the H200's: 1.6 GB/s at the start, 1.2 after the windows),
-            # so each nvme window's bound uses the disk's raw rate measured just before and just after it.
+            # A virtual disk's rate drifts within a run, so each nvme window's bound uses the disk's raw rate measured just before and just after it.
             disk_before = disk_probe() if disk_probe else None
             for name, r in runners.items():
                 res = r.run(prompt, tokens, seed=1000 + w)
@@ -567,7 +566,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             "stock_load_s": runners["stock"].load_s,
             "modes": {},
             "windows": [{k: v for k, v in x.items() if k != "tokens"} for x in rows],
-            "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (DESIGN section 3)",
+            "moe_cpu_split": "not run: exllamav3's CPU MoE code segfaults on the GPU machine (docs/results.md)",
             "disk_GBps": None if disk_rate is None else disk_rate / 1e9,
             "store_reads": None if disk_rate is None else _store_reads(buffered_store, emulated_disk_Bps),
             "record_ms_by_pieces": {str(n): t * 1e3 for n, t in latency.items()},

@@ -91,7 +91,7 @@ def paired(run: WindowRunner, args: argparse.Namespace, work: Path, pairs: int, 
     for m in modes:
         ratios = [r["current"][m] / r["baseline"][m] for r in rows if r["baseline"][m] > 0]
         # Each process's speed over its own stock run: stock is the same code on both sides, so this cancels what
-        # the machine gave that process (process to process, stock alone moved by 10% on the H200).
+        # the machine gave that process (from process to process, stock alone moves by several percent).
         of_stock = [(r["current"][m] / r["current"]["stock"]) / (r["baseline"][m] / r["baseline"]["stock"])
                     for r in rows if m != "stock" and min(r["baseline"][m], r["baseline"]["stock"],
                                                           r["current"]["stock"]) > 0]

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.bench.decode import _Releases
-from glm53.bench.depth import (
+from glm53.bench.depth_parts import (
     GREEDY_TOKENS,
     PEAK_TOKENS,
     SAMPLE_S,

@@ -1,7 +1,7 @@
 // The bench's emulated disk: a read hook for the store's native reads (glm53_store_set_read_hook), so store read
 // scheduling can be studied on a machine whose store reads come from a fast disk or the page cache as on a disk
-// that is the bottleneck (the H200 machine's virtual disk: ~1.5 GB/s whatever the reads in flight). The product
-// never installs it.
+// that is the bottleneck (a virtual disk whose rate stays the same whatever the reads in flight). The product never
+// installs it.
 //
 // Each part read, once its real pread is in, books its bytes on one timeline shared by the whole process, from when
 // the read began (so the real read's own time counts towards its booking, not on top of it), and sleeps until its

@@ -1,13 +1,13 @@
 """`glm53 bench host-step --nvme`: the host's share of a decoded MoE layer step in the nvme modes.
 
-On the H200 (docs/results.md, third session) the host side of a decode layer step cost ~340 us all-RAM but
-~900-990 us in the nvme modes, not counting the time blocked on disk reads: the nvme path's own bookkeeping (store
-reads in flight, prefetch guards, held RAM experts) is what this measures. It packs a record store from a synthetic
+The host side of a decode layer step costs more in the nvme modes than all-RAM, before any time blocked on disk
+reads (docs/results.md): the nvme path's own bookkeeping (store reads in flight, prefetch guards, held RAM experts)
+is what this measures. It packs a record store from a synthetic
 expert checkpoint with the real model's counts where the bookkeeping scales with them (288 experts per layer,
 top-k 8, 32 VRAM slots per layer, a RAM tier of ~0.47 of all experts as a 55 GiB cap gives the real model) but tiny
 experts, opens an NvmeTier on it and replays decode steps through `MoeStepper.resolve()` followed by the next
 layer's `ahead()` (the router lookahead the GPU engine runs in the nvme modes), guessing with a noisy copy of the
-next layer's real picks at the recall measured on the GPU.
+next layer's real picks at the GPU engine's lookahead recall.
 
 Copies are CPU copies whose tickets stay in flight until the next layer step begins, as the GPU's do (the engine
 synchronises its stream before each step): with the plain CPU copier every ticket is done at issue, and the paths
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class NvmeBenchOptions:
     ram_share: float = 0.47  # RAM tier records as a share of all experts (55 GiB of the real model's 117 GiB)
-    recall: float = 0.575  # mean share of a row's real picks the lookahead guessed (H200: 0.55-0.6)
+    recall: float = 0.575  # mean share of a row's real picks the GPU engine's lookahead guesses
     store_threads: int = 4  # the store reader's threads (the plan's default)
 
 
@@ -177,8 +177,8 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
     clock = time.perf_counter
     stepper, copier = rig.stepper, rig.copier
     after_launch = getattr(stepper, "after_launch", None)  # a stepper from before deferred admissions has none
-    # Since 2026-11-30 the engine queues the lookahead's reads inside resolve(), behind the step's own; a stepper
-    # from before takes them after it.
+    # The engine queues the lookahead's reads inside resolve(), behind the step's own; an earlier commit's stepper
+    # (--baseline) takes them after it.
     inside = "read_ahead" in inspect.signature(stepper.resolve).parameters
     spent = stepper.host_seconds
     last = len(rig.traces) - 1

@@ -11,7 +11,7 @@ in interleaved windows:
            two and three layers (perfect-2, perfect-3: what reading further ahead could win when a record read
            takes several layers' compute) and with one of --recall (0.6, the router lookahead measured 0.55-0.75),
            its guesses read as the engine does, once the layer's own store reads are queued, and (realistic-after)
-           as the engine did before 2026-11-30: only once those have landed, and a guess still queued when its layer
+           as an earlier engine did: only once those have landed, and a guess still queued when its layer
            needs it left in its place behind the other guesses. Picks per tier, NVMe bytes/s, and tokens/s against the bound
            max(compute, NVMe bytes per token / raw rate) that perfect overlap would reach.
 Every expert is computed "in place" (CPU lane, no admissions): this measures the store and RAM tiers, not PCIe.
@@ -328,7 +328,7 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
             return fut
 
         tier.reader.read = logged
-        if mode.endswith("-after"):  # the engine before 2026-11-30 also left a needed guess in its queue place
+        if mode.endswith("-after"):  # that earlier engine also left a needed guess in its queue place
             tier.reader.promote = lambda *a: False
         tokens, slept = trace.shape[1], 0.0
         t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """How much the store's reads slow the thread that plans each decode step.
 
-In the nvme modes that thread queues a step's copies while the step's store reads run: on the H200 machine (docs/
-results.md, ninth session) it spent about 2.5x as long per copy as in fast mode, with nothing else to tell apart.
+In the nvme modes that thread queues a step's copies while the step's store reads run, and on the GPU machine it
+spends longer per copy than in fast mode (docs/results.md), with nothing else to tell apart.
 Two suspects: Python threads taking the GIL each time a read lands, and the native read pool's threads taking the
 cores and the memory bandwidth. This times one piece of the planning thread's kind of work (a step's copies of
 slot-sized pinned buffers to the device, queued through the tiers' Copier, and a little Python bookkeeping) alone,
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-COPIES = 5  # a decode step's misses sent over PCIe, about (H200 bench: 0.55 of 8 picks)
+COPIES = 5  # a decode step's misses sent over PCIe: about half its 8 picks
 READS = 4  # store reads in flight beside it (a step's demand reads and the next layer's guesses)
 
 

@@ -1,7 +1,7 @@
 // The CPU expert kernel's generic part: decode tables, CPU feature detection, the pinned thread pool, the
 // per-expert phase program, and the C ABI that glm53/cpu_lane/kernel.py loads with ctypes.
 //
-// Why our own kernel: exllamav3's CPU MoE code segfaulted on the GPU machine (DESIGN section 3); this one needs
+// Why our own kernel: exllamav3's CPU MoE code segfaults on the GPU machine (docs/results.md); this one needs
 // no torch headers, builds with any C++17 compiler at `pip install`, and is tested on the CPU against the numpy
 // reference decoder. One call runs a list of experts (one layer step's CPU picks) with T pinned threads:
 //   per expert: prep (gate/up input transforms) | gate+up GEMV | mid (output transforms, SwiGLU, down input

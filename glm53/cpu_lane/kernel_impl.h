@@ -4,7 +4,7 @@
 // the SIMD ones after a target pragma, so the plain loops here are also auto-vectorised for that ISA. C headers
 // only (see kernel_api.h).
 //
-// Data flow for one linear (DESIGN section 2): x -> H(x * suh) -> x W^ -> H(.) * svh, H = blockwise 128x128
+// Data flow for one linear (glm53/exl3ref.py describes EXL3): x -> H(x * suh) -> x W^ -> H(.) * svh, H = blockwise 128x128
 // Sylvester Hadamard / sqrt(128). W^ is never materialised: each 16x16 tile is decoded into 256 fp32 weights in
 // the trellis' element order t, used at once for every activation row, and dropped. Element t = 8g + j of a tile
 // sits at row 2(g%4) + (j&1) + 8((j>>1)&1), column g/4 + 8(j>>2). So the 8 weights of group g multiply the
@@ -288,7 +288,7 @@ using V = __m512;
 using VI = __m512i;
 constexpr int kLanes = 16;
 constexpr int kXv = 2;  // vector p (groups 2p, 2p+1) multiplies pattern vector p % 2 (patterns 0,1 or 2,3)
-constexpr int kBatch = 8;  // (8 measured ~6% faster than 4 at one row on Zen 5; AVX2 has half the registers)
+constexpr int kBatch = 8;  // (8 is ~6% faster than 4 at one row on Zen 5; AVX2 has half the registers)
 
 inline V vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, V v) { _mm512_storeu_ps(p, v); }

@@ -5,7 +5,7 @@
     ...                                     # the GPU computes its hits and the PCIe picks meanwhile
     partial = ticket.partial(tokens)        # (tokens, hidden) float32: add it before the shared-expert merge
 
-Failure semantics (DESIGN section 4: never drop an expert's contribution, never a silent wrong token):
+Failure semantics (never drop an expert's contribution, never a silent wrong token):
 - a step that misses its deadline is cancelled; every job the kernel had not finished is recomputed on the exact
   path by the caller's `recompute` callback and counted; jobs it had finished are used (their outputs are
   complete: the kernel marks a job done only after its last write);

@@ -262,7 +262,7 @@ def _pcie_features(s: PcieSample) -> list[float]:
 def _fit(features: list[list[float]], seconds: list[float], weights: list[float]) -> tuple[np.ndarray, float]:
     """Least squares in relative error (each residual over its sample's time): in absolute seconds the slow
     samples (one thread, eight rows: tens of ms) outweigh the decode steps the planner prices (a fraction of a
-    ms), and the fit of the H200 host's lane bench was 13-16% off at its decode point (3-7% relative)."""
+    ms), and an absolute fit misses the decode point several times further than a relative one (docs/results.md)."""
     a = np.array(features, np.float64)
     b = np.array(seconds, np.float64)
     w = np.sqrt(np.array(weights, np.float64)) / np.maximum(b, 1e-9)

@@ -15,7 +15,7 @@ import socket
 import sys
 from typing import Any
 
-from glm53.server import http_url
+from glm53.server.urls import http_url
 
 log = logging.getLogger("glm53.server")
 

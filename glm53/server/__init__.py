@@ -12,9 +12,4 @@ def create_app(engine: Any, settings: Any, **kw: Any) -> Any:
     return _create_app(engine, settings, **kw)
 
 
-def http_url(host: str, port: int) -> str:
-    """The URL a client would use; an IPv6 literal needs brackets (http://[::1]:30000)."""
-    return f"http://[{host.strip('[]')}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-__all__ = ["create_app", "http_url"]
+__all__ = ["create_app"]

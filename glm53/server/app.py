@@ -1,4 +1,5 @@
-"""The FastAPI app: routes, API key, request metrics, and loading the engine in the background.
+"""The FastAPI app: API key, request metrics, and loading the engine in the background; the routes are
+glm53.server.routes.
 
 The HTTP server comes up first so /health answers and /ready (and /v1/models) say 503 while the weights
 load; "Application startup complete" and the ready line are logged once the model can actually answer,
@@ -19,16 +20,15 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
-from glm53.server import anthropic_api, chat_api, completions_api, errors, http_url, responses_api
-from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
-from glm53.server.errors import APIError, bad_request
+from glm53.server import errors, routes
+from glm53.server.common import ServerState
+from glm53.server.errors import APIError
 from glm53.server.metrics import Metrics
-from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from glm53.server.urls import http_url
 
 log = logging.getLogger("glm53.server")
 
@@ -247,139 +247,46 @@ def _announce_ready(state: ServerState) -> None:
              state.engine.kind, state.engine.context_length, url)
 
 
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Load an engine that is not ready yet in the background (and close it at shutdown); an engine handed over
+    ready is announced at once and left to its owner."""
+    state: ServerState = app.state.glm53
+    engine = state.engine
+    owns = not engine.ready
+    loader = None
+    if owns:
+        loader = asyncio.ensure_future(_load_in_background(state, lambda: _announce_ready(state)))
+    else:
+        _announce_ready(state)
+    try:
+        yield
+    finally:
+        loading = loader is not None and not loader.done()
+        if loading:
+            # Closing an engine mid-load races the load; the process is about to end, which frees it all.
+            loader.cancel()
+            log.info("stopped while the model was loading: the load is abandoned")
+        elif owns:
+            await asyncio.to_thread(engine.close)
+
+
 def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = None) -> FastAPI:
     """An app serving `engine`. If the engine is not loaded yet, the app loads it at startup (in a worker
     thread) and closes it at shutdown; an engine handed over ready is left to its owner."""
-    metrics = Metrics(engine)
-    state = ServerState(engine=engine, settings=settings, metrics=metrics,
+    state = ServerState(engine=engine, settings=settings, metrics=Metrics(engine),
                         model_id=getattr(settings, "model_id", "") or engine.model_id,
                         reasoning_budget=int(getattr(settings, "reasoning_budget", 0) or 0),
                         reasoning_effort=getattr(settings, "reasoning_effort", "high"))
     if ping_interval is not None:
         state.ping_interval = ping_interval
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        owns = not engine.ready
-        loader = None
-        if owns:
-            loader = asyncio.ensure_future(_load_in_background(state, lambda: _announce_ready(state)))
-        else:
-            _announce_ready(state)
-        try:
-            yield
-        finally:
-            loading = loader is not None and not loader.done()
-            if loading:
-                # Closing an engine mid-load races the load; the process is about to end, which frees it all.
-                loader.cancel()
-                log.info("stopped while the model was loading: the load is abandoned")
-            elif owns:
-                await asyncio.to_thread(engine.close)
-
     app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API serving GLM-5.3-Flash.")
-    app.state.glm53 = state
+    app.state.glm53 = state  # what the routes reach through glm53.server.routes.State
     errors.install(app)
     # Added first, so inside the metrics: refused requests are counted too.
     app.add_middleware(ApiKeyGate, key=getattr(settings, "api_key", "") or "")
     app.add_middleware(RequestMetrics, state=state)
-
-    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-    @app.api_route("/api/hello", methods=["GET", "HEAD"], include_in_schema=False)
-    async def hello() -> dict[str, str]:
-        """What clients probe before their first request (Claude Code: HEAD /api/hello): the server answers."""
-        return {"status": "ok", "api": "/v1"}
-
-    @app.get("/health", tags=["ops"])
-    async def health() -> dict[str, str]:
-        """Liveness: the process answers (the model may still be loading)."""
-        return {"status": "ok"}
-
-    @app.get("/ready", tags=["ops"])
-    async def ready() -> dict[str, str]:
-        """Readiness: 200 once the model is loaded, 503 before, and 503 while a tier reports a fault (a store
-        record that cannot be read: requests that need it fail with the record named, the rest are served)."""
-        check_ready(state)
-        fault = engine.fault()
-        if fault is not None:
-            raise APIError(503, f"The expert store reports a fault: {json.dumps(fault)}. Check the disk, then run "
-                                "`glm53 verify-store` on it (pack-store rebuilds a damaged store).", code="store_fault")
-        return {"status": "ready", "model": state.model_id}
-
-    def model_card() -> dict[str, Any]:
-        return {"id": state.model_id, "object": "model", "created": int(metrics.started), "owned_by": "glm53",
-                "max_model_len": engine.context_length}
-
-    @app.get("/v1/models", tags=["openai"])
-    async def list_models() -> dict[str, Any]:
-        # Launchers treat a 200 here as "ready": answer 503 until the model can generate.
-        check_ready(state)
-        return {"object": "list", "data": [model_card()]}
-
-    @app.get("/v1/models/{model}", tags=["openai"])
-    async def get_model(model: str) -> dict[str, Any]:
-        check_model(state, model)
-        return model_card()
-
-    @app.post("/v1/chat/completions", tags=["openai"])
-    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-        return await chat_api.chat_completions(state, request, body)
-
-    @app.post("/v1/completions", tags=["openai"])
-    async def completions(request: Request, body: CompletionRequest) -> Response:
-        return await completions_api.completions(state, request, body)
-
-    @app.post("/v1/messages", tags=["anthropic"])
-    async def messages(request: Request, body: anthropic_api.MessagesRequest) -> Response:
-        """Anthropic's Messages API (Claude Code, the anthropic SDK): see docs/clients.md."""
-        return await anthropic_api.messages(state, request, body)
-
-    @app.post("/v1/messages/count_tokens", tags=["anthropic"])
-    async def count_tokens(body: anthropic_api.CountTokensRequest) -> dict[str, int]:
-        return await anthropic_api.count_tokens(state, body)
-
-    @app.post("/v1/responses", tags=["openai"])
-    async def responses(request: Request, body: responses_api.ResponsesRequest) -> Response:
-        """OpenAI's Responses API, without stored state (store and previous_response_id are refused)."""
-        return await responses_api.responses(state, request, body)
-
-    @app.post("/tokenize", tags=["extras"])
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """Token ids of a raw `prompt`, or of `messages` rendered with the chat template."""
-        check_model(state, body.model)
-        check_ready(state)
-        if (body.prompt is None) == (body.messages is None):
-            raise bad_request("Give exactly one of prompt or messages.", param="prompt")
-        if body.prompt is not None:
-            ids = await asyncio.to_thread(tokenize_prompt, state, body.prompt, body.add_special_tokens, "prompt")
-            return {"tokens": ids, "count": len(ids), "max_model_len": engine.context_length}
-        # The prompt the chat route would run for the same fields, every server change included (a closed
-        # think block, re-attached reasoning, an opened forced call).
-        chat = await asyncio.to_thread(chat_api.build_chat_prompt, state, body,
-                                       add_generation_prompt=body.add_generation_prompt)
-        return {"tokens": chat.ids, "count": len(chat.ids), "max_model_len": engine.context_length,
-                "prompt": chat.prompt.text}
-
-    @app.post("/detokenize", tags=["extras"])
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        check_model(state, body.model)
-        check_ready(state)
-        return {"prompt": engine.detokenize(body.tokens)}
-
-    @app.get("/metrics", tags=["ops"])
-    async def prometheus() -> Response:
-        data, content_type = metrics.render()
-        return Response(data, media_type=content_type)
-
-    @app.get("/stats", tags=["ops"])
-    async def stats() -> dict[str, Any]:
-        """engine.stats() plus the server's own counters under "server"."""
-        try:
-            engine_stats = engine.stats()
-        except Exception as exc:  # noqa: BLE001 - stats must answer while the engine is mid-load
-            engine_stats = {"error": str(exc)}
-        return {**engine_stats, "ready": engine.ready, "model": state.model_id, "engine": engine.kind,
-                "server": metrics.server_stats()}
-
+    for router in routes.ROUTERS:
+        app.include_router(router)
     return app

@@ -3,19 +3,19 @@
 //
 // A Python thread that reads a record's parts itself takes the GIL back after every pread and for its
 // bookkeeping between them; each of those hand-offs can stall the engine's main thread, which plans every MoE
-// layer step while the GPU waits (measured on a 2-core host: the main thread's step-like work took 1.9x as long
-// with records read as 4 Python-level parts, 1.35x with one native call per record). Here the caller makes one
+// layer step while the GPU waits (on a small host the main thread's step-like work takes longer with records read as
+// Python-level parts than with one native call per record: docs/results.md). Here the caller makes one
 // call per record, with the GIL released (ctypes).
 //
-// The parts run on a process-wide pool of persistent threads, not on threads made per call: a 9 MiB record took
-// 0.67 ms in 4 parts (0.64 ms in 8) from a RAM-backed file on the 16-core H200 host against about 0.27 ms that
-// the raw parallel rate allows, and creating 3-7 threads, one after another on the caller, was on that path. The
+// The parts run on a process-wide pool of persistent threads, not on threads made per call: a record read from RAM
+// takes a fraction of a millisecond, and creating 3-7 threads, one after another on the caller, would be a large
+// part of it (docs/results.md). The
 // caller reads parts too, claiming them from the same counter as the workers, so a call never waits for a worker
 // that is busy elsewhere (or absent: a pool whose threads could not be made).
 //
 // Each part may also be hashed by the thread that read it, while its bytes are still in that core's cache: a
 // record checked as one 9 MiB hash after the read costs a demand read about as much again on a fast store
-// (0.27 ms on the H200 host against 0.58 ms for the read from RAM). The hash function is the caller's (the xxhash
+// (docs/results.md). The hash function is the caller's (the xxhash
 // library Python already loaded), so this file carries no hash of its own.
 #include <algorithm>
 #include <atomic>

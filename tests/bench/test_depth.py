@@ -15,6 +15,7 @@ from specs import spec_for
 
 from glm53.bench import depth as D
 from glm53.bench import depth_measure as M
+from glm53.bench import depth_parts as P
 from glm53.cli import build_parser
 from glm53.fixture.exl3 import write_exl3_checkpoint
 from store.safetensors_header import read_safetensors_header
@@ -28,16 +29,16 @@ def ck(tmp_path_factory) -> Path:
 
 
 def kinds(ck: Path) -> tuple[list[str], list[str]]:
-    return D.layer_kinds(json.loads((ck / "config.json").read_text()))
+    return P.layer_kinds(json.loads((ck / "config.json").read_text()))
 
 
 def test_the_prompt_maker_is_deterministic_prefix_stable_and_text_like():
-    a = D.prompt_ids(5000, 1000, seed=3)
-    assert a == D.prompt_ids(5000, 1000, seed=3) and len(a) == 5000
-    assert D.prompt_ids(1234, 1000, seed=3) == a[:1234]  # a shorter prompt is the start of a longer one
+    a = P.prompt_ids(5000, 1000, seed=3)
+    assert a == P.prompt_ids(5000, 1000, seed=3) and len(a) == 5000
+    assert P.prompt_ids(1234, 1000, seed=3) == a[:1234]  # a shorter prompt is the start of a longer one
     assert all(0 <= t < 1000 for t in a)
-    other = D.prompt_ids(5000, 1000, seed=4)
-    assert D.first_difference(a, other) is not None and D.first_difference(a, other) < 8  # no shared prefix
+    other = P.prompt_ids(5000, 1000, seed=4)
+    assert P.first_difference(a, other) is not None and P.first_difference(a, other) < 8  # no shared prefix
     bigrams = list(zip(a, a[1:], strict=False))
     assert len(set(bigrams)) < 0.7 * len(bigrams)  # words repeat, as in text (uniform ids would not)
 
@@ -48,7 +49,7 @@ def test_every_tensor_of_a_full_depth_pattern_checkpoint_has_its_layer_type(ck):
     names = [n for f in ck.glob("*.safetensors") for n in read_safetensors_header(f).tensors]
     by = {}
     for n in names:
-        by.setdefault(D.classify(n, attn, mlp), set()).add(n)
+        by.setdefault(P.classify(n, attn, mlp), set()).add(n)
     assert "other" not in by, sorted(by.get("other", ()))[:5]
     layer = lambda n: int(re.search(r"layers\.(\d+)\.", n)[1])  # noqa: E731
     assert {layer(n) for n in by["kda"]} == {i for i in range(45) if i % 4 != 3}
@@ -63,7 +64,7 @@ def test_every_tensor_of_a_full_depth_pattern_checkpoint_has_its_layer_type(ck):
     assert {layer(n) for n in by.get("mtp", ())} == {45}  # the MTP head's layer: not run in decode
     # exllamav3's module keys
     p = "model.language_model"
-    assert [D.classify(k, attn, mlp) for k in (f"{p}.layers.7", f"{p}.layers.6.self_attn", f"{p}.layers.11.self_attn",
+    assert [P.classify(k, attn, mlp) for k in (f"{p}.layers.7", f"{p}.layers.6.self_attn", f"{p}.layers.11.self_attn",
                                                f"{p}.layers.1.mlp", f"{p}.layers.9.mlp",
                                                f"{p}.layers.9.mlp.shared_experts", "hc_expand", f"{p}.embed_tokens",
                                                "hc_head", f"{p}.norm", "lm_head")] == [
@@ -71,24 +72,24 @@ def test_every_tensor_of_a_full_depth_pattern_checkpoint_has_its_layer_type(ck):
 
 
 def test_bytes_per_token_read_every_always_used_weight_and_top_k_of_the_experts(ck):
-    got = D.weight_bytes_per_token(ck)
+    got = P.weight_bytes_per_token(ck)
     attn, mlp = kinds(ck)
     sizes = {n: (t.nbytes, t.shape) for f in ck.glob("*.safetensors") for n, t in read_safetensors_header(f).tensors.items()}
-    text = {n: v for n, v in sizes.items() if D.classify(n, attn, mlp) != "mtp"}  # the MTP layer is not decoded
+    text = {n: v for n, v in sizes.items() if P.classify(n, attn, mlp) != "mtp"}  # the MTP layer is not decoded
     experts = sum(nb for n, (nb, _) in text.items() if ".mlp.experts." in n)
-    router = sum(nb for n, (nb, _) in sizes.items() if ".mlp.gate" in n and D.classify(n, attn, mlp) == "moe")
+    router = sum(nb for n, (nb, _) in sizes.items() if ".mlp.gate" in n and P.classify(n, attn, mlp) == "moe")
     assert got["moe"] == pytest.approx(router + experts * 4 / 16)
     (emb, shape), = [v for n, v in sizes.items() if n.endswith("embed_tokens.weight")]
     assert got["embed"] == emb / shape[0]
     for kind in ("kda", "mla", "dense", "shared", "head", "glue"):
-        assert got[kind] == sum(nb for n, (nb, _) in sizes.items() if D.classify(n, attn, mlp) == kind) > 0
+        assert got[kind] == sum(nb for n, (nb, _) in sizes.items() if P.classify(n, attn, mlp) == kind) > 0
 
 
 def test_token_lists_compare_at_their_first_difference():
-    assert D.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert D.first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert D.first_difference([1, 2], [1, 2, 3]) == 2
-    assert D.first_difference([], []) is None
+    assert P.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert P.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert P.first_difference([1, 2], [1, 2, 3]) == 2
+    assert P.first_difference([], []) is None
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -142,7 +143,7 @@ def test_a_mode_measures_what_loaded_its_prompts_and_where_a_step_goes(measured)
     assert ex["loaded"]["vram_slots"] == 7 * 3 and ex["loaded"]["staging"] == ex["planned"]["staging"] >= 4
     assert all(ex["matches"].values()), ex["matches"]
     assert measured["stock"]["loaded"]["vram_slots"] == 7 * 16 and all(measured["stock"]["matches"].values())
-    assert [r["prompt_tokens"] for r in ex["runs"]] == [D.SHORT_PROMPT, 40, 100]
+    assert [r["prompt_tokens"] for r in ex["runs"]] == [P.SHORT_PROMPT, 40, 100]
     assert all(r["ttft_s"] > 0 and r["decode_tok_s"] > 0 for r in ex["runs"])
     assert ex["runs"][0]["decoded"] == 7  # 8 tokens: the first release's, then 7 timed
     # Each run's tier counts: every pick read from somewhere, the prompts' prefill borrowing no slot here (the
@@ -175,7 +176,7 @@ def test_exact_is_compared_with_stock_and_a_later_call_takes_stock_from_the_firs
                                             "same_prefill_chunk": True}
     rt = first["ratios"]["exact"]
     assert rt["stock_from"] == "this call" and set(rt["ttft_over_stock"]) == {"40", "100"}
-    assert set(rt["decode_over_stock"]) == {str(D.SHORT_PROMPT), "40", "100"}
+    assert set(rt["decode_over_stock"]) == {str(P.SHORT_PROMPT), "40", "100"}
     assert D.exit_status(first) == 0
     text = D.report(first)
     assert "exact vs stock over 16 greedy tokens after the longest prompt: bit-identical" in text

@@ -156,7 +156,7 @@ step_nvmeemu() {  # the 55 GiB fraction on emulated drives: the store in /dev/sh
   rm -rf /dev/shm/glm53-bench-*
 }
 step_disk() {  # the store disk's raw rate by reads in flight (needs a store from the nvme step)
-  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 120 python3 tests/gpu/disk_sweep.py /tmp/glm53-bench-8L-0.11-0.4/experts.glm53 \
+  timeout 120 python3 -m glm53 bench disk-sweep /tmp/glm53-bench-8L-0.11-0.4/experts.glm53 \
     --records 200 > "$OUT/disk-sweep.log" 2>&1
   stamp "disk sweep rc=$?"
 }
@@ -176,7 +176,7 @@ step_split2() {  # issue 28 on two GPUs: bit-identity, a 250,000-token prompt, t
   stamp "bench decode --devices 2 rc=$?"
 }
 step_depthprobe() {
-  PYTHONPATH="$PWD:${PYTHONPATH:-}" timeout 560 python3 -u tests/gpu/depth_probe.py --experts "${DEPTH_EXPERTS:-8}" --work /tmp \
+  timeout 560 python3 -u -m glm53 bench depth-probe --experts "${DEPTH_EXPERTS:-8}" --work /tmp \
     --json "$OUT/depthprobe.json" > "$OUT/depthprobe.log" 2>&1
   local rc=$?
   stamp "depthprobe rc=$rc $(grep -E '^(fixture|loaded|[0-9]+-token)' "$OUT/depthprobe.log" | tr '\n' ';')"

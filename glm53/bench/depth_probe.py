@@ -1,7 +1,7 @@
-"""The full-depth fixture in stock exllamav3 (issue 25): write it, load it all in VRAM, greedy-decode 32 tokens
-after a short and after an 8,192-token prompt; print load time, prefill and decode time, tok/s and device memory.
+"""The full-depth fixture in stock exllamav3: write it, load it all in VRAM, greedy-decode 32 tokens after a short
+and after an 8,192-token prompt; print load time, prefill and decode time, tok/s and device memory.
 
-GPU machine (tests/gpu/session.sh step depthprobe): python3 tests/gpu/depth_probe.py [--experts 8] [--work /tmp]
+GPU machine (tests/gpu/session.sh step depthprobe): glm53 bench depth-probe [--experts 8] [--work /tmp]
 Exit status nonzero when any part fails. The checkpoint is kept under --work and reused by the next call.
 """
 
@@ -11,9 +11,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 
 def write_fixture(model_dir: Path, experts: int) -> float:
@@ -61,17 +61,22 @@ def greedy(torch, exl, gen, ids: list[int], tokens: int) -> dict:
             "total_s": stamps[-1] - t0, "tokens_head": out[:8], **mem(torch)}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
+def register_bench(bench_sub: Any) -> None:
+    ap = bench_sub.add_parser("depth-probe", help="the full-depth fixture in stock exllamav3: load, TTFT, decode "
+                              "tok/s and device memory after a short and a long prompt (GPU)",
+                              description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer (default 8)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp"), help="where the checkpoint is written and kept "
+                    "(default /tmp)")
     ap.add_argument("--long", type=int, default=8192, help="the long prompt's tokens (default 8192)")
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens decoded after each prompt (default 32)")
     ap.add_argument("--prompts", default="", help="prompt lengths to run in order (default: 16 and --long)")
     ap.add_argument("--profile", action="store_true", help="cProfile the last prompt, top 40 by cumulative time")
-    ap.add_argument("--json", type=Path)
-    args = ap.parse_args()
+    ap.add_argument("--json", type=Path, help="also write the report as JSON")
+    ap.set_defaults(func=cmd_bench_depth_probe)
 
+
+def cmd_bench_depth_probe(args: argparse.Namespace) -> int:
     import exllamav3 as exl
     import torch
 
@@ -117,7 +122,3 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

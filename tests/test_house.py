@@ -1,0 +1,298 @@
+"""The whole house's import rules, checked on the source (docs/architecture.md, "What each package may import").
+
+Every module under glm53/ and store/ is parsed (ast: imports at the top, in functions and in classes alike) into
+one graph of module -> module edges, and two things are asserted on it:
+
+- no import cycle between modules (each cycle is reported with its edges, file and line);
+- the layer order: RULES below, one row per package, says what it may not import.
+
+An edge `from a import b` points at the module a.b when b is one, else at a; an edge to a module outside the house
+(torch, exllamav3, ...) is kept by its full name. "At import time" means the imports a module runs when it is
+imported (not those inside a function or under `if TYPE_CHECKING:`), followed through the house's own modules.
+
+KNOWN lists the edges that break a rule today and are being fixed by the merge of #37 (each colleague's branch
+removes its own): the test passes with them and fails on any new one. The merge empties KNOWN.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The decision layer, where it is today (top-level modules) and where #37 moves it (glm53.planning).
+DECISION = ("glm53.settings", "glm53.host", "glm53.shape", "glm53.devices", "glm53.spec", "glm53.split",
+            "glm53.plan", "glm53.planning")
+BELOW_DECISIONS = ("glm53.tiers", "glm53.cpu_lane", "glm53.engine", "glm53.step", "glm53.exl3", "glm53.server",
+                   "glm53.serve", "glm53.bench")
+EVERYTHING = ("glm53", "store")
+
+
+@dataclass(frozen=True)
+class Rule:
+    who: tuple[str, ...]  # module prefixes the rule is about
+    may_not: tuple[str, ...]  # module prefixes they may not import
+    why: str
+    but: tuple[str, ...] = ()  # prefixes of `who` the rule leaves out
+    at_import: bool = False  # only what importing the module runs, followed through the house's modules
+
+
+RULES = (
+    Rule(("store",), ("glm53",), "the store runs alone in the bare pack-store container; glm53 imports it"),
+    Rule(DECISION, ("torch",), "decisions are plain Python and numpy: `glm53 plan` runs where torch is not",
+         at_import=True),
+    Rule(DECISION, BELOW_DECISIONS, "decisions flow down as an EngineSpec; nothing below is read back up"),
+    Rule(("glm53.tiers", "glm53.cpu_lane"),
+         ("glm53.engine", "glm53.server", "glm53.serve", "glm53.bench", "glm53.plan", "glm53.planning",
+          "glm53.settings"),
+         "the machinery under the engine takes its sizes from an EngineSpec"),
+    Rule(("glm53.engine",),
+         ("glm53.server", "glm53.serve", "glm53.bench", "glm53.fixture", "glm53.plan", "glm53.planning",
+          "glm53.settings", "glm53.shape"),
+         "the engine runs the spec it is handed; the composition (glm53.serve) chose it"),
+    Rule(("glm53.server",),
+         ("glm53.plan", "glm53.planning", "glm53.planning_cli", "glm53.fixture", "glm53.serve", "glm53.bench"),
+         "the server is handed an Engine and settings, and decides nothing about them"),
+    Rule(EVERYTHING, ("glm53.bench",), "benchmarks drive the product, never the reverse", but=("glm53.bench",)),
+    Rule(EVERYTHING, ("exllamav3",), "one place touches exllamav3, so an upgrade fails loudly there",
+         but=("glm53.exl3", "glm53.engine.exl3_adapter")),  # exl3_adapter: until it is in glm53.exl3 (#37)
+)
+
+# Fixed by the merge of #37: the (importer, imported) edges that break a rule or close a cycle today, each removed by
+# the branch named. For an at-import rule the edge is the chain's first step. The lead empties KNOWN after the merge.
+KNOWN = {
+    # decide: the cycle plan <-> split (one card is the split's one-card case); spec's sizing reads no cache policy
+    ("glm53.plan", "glm53.split"), ("glm53.split", "glm53.plan"),
+    ("glm53.spec", "glm53.tiers.policy"),
+    # exl3: the demo model and its sizing move to glm53.serve; exllamav3's generator is behind glm53.exl3
+    ("glm53.engine.demo", "glm53.fixture.hf"),
+    ("glm53.engine.reference", "glm53.fixture.hf"),
+    ("glm53.engine.worker", "glm53.fixture.hf"),
+    ("glm53.engine.exl3_engine", "glm53.fixture.exl3"),
+    ("glm53.engine.exl3_engine", "glm53.plan"),
+    ("glm53.engine.exl3_engine", "glm53.settings"),
+    ("glm53.engine.exl3_engine", "glm53.shape"),
+    ("glm53.engine.exl3_engine", "exllamav3"),
+    ("glm53.engine.exl3_engine", "exllamav3.generator.filter"),
+    ("glm53.engine.exl3_engine", "exllamav3.generator.filter.llguidance"),
+    # exl3 (depth_measure's patching of forward into glm53.exl3) and the lead (bench's stock exllamav3 runs, the
+    # reference of decode, depth and depth-probe: through glm53.exl3, or bench named beside it in the rule)
+    ("glm53.bench.depth_measure", "exllamav3"),
+    ("glm53.bench.decode", "exllamav3"),
+    ("glm53.bench.depth_probe", "exllamav3"),
+}
+
+
+# ------------------------------------------------------------------------------------------------ the graph
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+    where: str  # path:line
+    at_import: bool
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def house_modules(root: Path) -> dict[str, Path]:
+    return {module_name(p, root): p for top in EVERYTHING for p in sorted((root / top).rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, at_import: bool = True):
+    """(import node, whether it runs at import time), in source order."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node, at_import
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            yield from _imports(node, False)
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.body:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), False)
+            for child in node.orelse:
+                yield from _imports(ast.Module(body=[child], type_ignores=[]), at_import)
+        else:
+            yield from _imports(node, at_import)
+
+
+def edges_of(name: str, path: Path, modules: dict[str, Path], root: Path) -> list[Edge]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = []
+    for node, now in _imports(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*parts, *([node.module] if node.module else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        where = f"{path.relative_to(root)}:{node.lineno}"
+        out += [Edge(name, dst, where, now) for dst in dict.fromkeys(targets) if dst != name]
+    return out
+
+
+def house_graph(root: Path) -> list[Edge]:
+    modules = house_modules(root)
+    return [e for name, path in modules.items() for e in edges_of(name, path, modules, root)]
+
+
+@pytest.fixture(scope="module")
+def house() -> list[Edge]:
+    edges = house_graph(ROOT)
+    assert len({e.src for e in edges}) > 100  # the scan sees the house
+    return edges
+
+
+def under(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+# ------------------------------------------------------------------------------------------------ the checks
+
+
+def cycles(edges: list[Edge]) -> list[list[Edge]]:
+    """Each strongly connected component of more than one module, as the edges inside it (Tarjan, iterative)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in edges:
+        graph[e.src].add(e.dst)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                component = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component.add(w)
+                    if w == v:
+                        break
+                if len(component) > 1:
+                    components.append(sorted((e for e in edges if e.src in component and e.dst in component),
+                                             key=lambda e: (e.src, e.dst, e.where)))
+    return components
+
+
+def violations(edges: list[Edge], rule: Rule) -> list[tuple[str, str, str]]:
+    """(importer, imported, how) for each edge breaking `rule`; at_import rules follow import-time edges through
+    the house's modules, and name the chain."""
+    def applies(m: str) -> bool:
+        return under(m, rule.who) and not under(m, rule.but)
+
+    if not rule.at_import:
+        return sorted({(e.src, e.dst, e.where) for e in edges if applies(e.src) and under(e.dst, rule.may_not)})
+    now: dict[str, list[Edge]] = defaultdict(list)
+    for e in edges:
+        if e.at_import:
+            now[e.src].append(e)
+    found = set()
+    for start in sorted({e.src for e in edges if applies(e.src)}):
+        seen, todo = {start}, [(start, ())]
+        while todo:
+            m, chain = todo.pop()
+            for e in now[m]:
+                if under(e.dst, rule.may_not):
+                    first = chain[0] if chain else e
+                    found.add((start, first.dst, " -> ".join(x.where for x in (*chain, e))))
+                elif e.dst not in seen:
+                    seen.add(e.dst)
+                    todo.append((e.dst, (*chain, e)))
+    return sorted(found)
+
+
+def test_the_house_has_no_import_cycle(house):
+    edges = [e for e in house if (e.src, e.dst) not in KNOWN]
+    found = cycles(edges)
+    assert not found, "import cycles:\n" + "\n".join(
+        "  " + " | ".join(f"{e.src} -> {e.dst} ({e.where})" for e in c) for c in found)
+
+
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r.who[0]}-may-not-import-{r.may_not[0]}")
+def test_each_package_imports_only_what_its_layer_may(house, rule):
+    new = [v for v in violations(house, rule) if (v[0], v[1]) not in KNOWN]
+    assert not new, f"{rule.why}:\n" + "\n".join(f"  {src} imports {dst} ({how})" for src, dst, how in new)
+
+
+def test_known_breaks_are_the_ones_still_there(house):
+    """KNOWN names only edges the house has: an edge a branch of #37 removes leaves KNOWN with it, so that KNOWN
+    cannot hide the same edge coming back."""
+    assert KNOWN <= {(e.src, e.dst) for e in house}
+
+
+# ------------------------------------------------------------------------------------------------ the scan itself
+
+
+def _tree(root: Path, files: dict[str, str]) -> list[Edge]:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return house_graph(root)
+
+
+def test_the_scan_sees_every_kind_of_import_and_when_it_runs(tmp_path):
+    edges = _tree(tmp_path, {
+        "glm53/__init__.py": "",
+        "glm53/plan.py": "import numpy\nfrom glm53 import split\n",
+        "glm53/split.py": "def f():\n    from glm53.plan import X\n",
+        "glm53/tiers/__init__.py": "",
+        "glm53/tiers/policy.py": "import torch\nfrom . import arena\nfrom .arena import Slot\n",
+        "glm53/tiers/arena.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from glm53.engine import x\n",
+        "glm53/spec.py": "class S:\n    from glm53.tiers import policy\n",
+        "store/__init__.py": "",
+        "store/pack.py": "import glm53.tiers.policy as p\n",
+    })
+    got = {(e.src, e.dst, e.at_import) for e in edges}
+    assert got == {
+        ("glm53.plan", "numpy", True), ("glm53.plan", "glm53.split", True), ("glm53.split", "glm53.plan", False),
+        ("glm53.tiers.policy", "torch", True), ("glm53.tiers.policy", "glm53.tiers.arena", True),
+        ("glm53.tiers.arena", "typing", True), ("glm53.tiers.arena", "glm53.engine", False),
+        ("glm53.spec", "glm53.tiers.policy", True), ("store.pack", "glm53.tiers.policy", True)}
+    assert [sorted({e.src for e in c}) for c in cycles(edges)] == [["glm53.plan", "glm53.split"]]
+    # torch reached at import time through the house's own modules is named with its chain
+    assert violations(edges, RULES[1]) == [("glm53.spec", "glm53.tiers.policy",
+                                            "glm53/spec.py:2 -> glm53/tiers/policy.py:1")]
+    assert [v[:2] for v in violations(edges, RULES[0])] == [("store.pack", "glm53.tiers.policy")]
+
+
+def test_make_test_prints_where_the_time_goes():
+    recipe = (ROOT / "Makefile").read_text().split("\ntest:")[1].split("\n\n")[0]
+    assert "--durations=15" in recipe, recipe
