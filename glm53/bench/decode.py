@@ -278,7 +278,8 @@ class _Runner:
         import torch
         from exllamav3 import Cache, Config, Generator, Model, Tokenizer
 
-        from glm53.engine.exl3_adapter import TieredMoE, place_layers
+        from glm53.exl3.placement import place_layers
+        from glm53.exl3.tiered import TieredMoE
 
         t0 = time.perf_counter()
         config = Config.from_directory(str(model_dir))
@@ -768,7 +769,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("glm53: bench decode needs a CUDA GPU", file=sys.stderr)
         return 2
-    from glm53.engine.exl3_adapter import Exl3ContractError, check_contract
+    from glm53.exl3.contract import Exl3ContractError, check_contract
 
     try:
         check_contract()

@@ -288,7 +288,7 @@ def _tensor_bytes(objs: Any) -> int:
 
 
 def tier_counts(engine: Any) -> dict[str, int]:
-    """The tiers' running counts a run's figures are read against (glm53.engine.exl3_adapter.TieredMoE.tier_counts;
+    """The tiers' running counts a run's figures are read against (glm53.exl3.tiered.TieredMoE.tier_counts;
     empty for stock)."""
     tiered = getattr(engine, "tiered", None)
     return {} if tiered is None else tiered.tier_counts()
