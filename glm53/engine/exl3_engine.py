@@ -378,7 +378,7 @@ class Exl3Engine(WorkerEngine):
         new = prompt - int(cached or 0)
         line = (f"request {req.request_id} job {req.jobs}: prompt {prompt} tokens, {cached or 0} cached, {new} "
                 f"prefilled in {prefill_s:.2f} s ({new / prefill_s if prefill_s > 0 else 0:.0f} tok/s), queued "
-                f"{times.enqueued_s:.2f} s; {times.new_tokens} tokens in {times.generate_s:.2f} s")
+                f"{times.enqueued_s:.2f} s; {times.new_tokens or 0} tokens in {times.generate_s:.2f} s")
         if self.tiered is not None and req.tier_counts is not None:
             from glm53.tiers.stats import counts_delta, describe_counts
 

@@ -25,7 +25,7 @@ class JobTimes:
     """Where a finished job's time went, by exllamav3's own clocks."""
 
     prompt_tokens: int
-    new_tokens: int
+    new_tokens: int | None  # None: the result did not say
     enqueued_s: float
     prefill_s: float
     generate_s: float
@@ -92,7 +92,8 @@ def event_of(r: dict) -> Event | None:
     held = (r.get("held") or {}) if ended else {}
     times = None
     if ended:
-        times = JobTimes(int(r.get("prompt_tokens") or 0), int(r.get("new_tokens") or 0),
+        new = r.get("new_tokens")
+        times = JobTimes(int(r.get("prompt_tokens") or 0), None if new is None else int(new),
                          float(r.get("time_enqueued") or 0.0), float(r.get("time_prefill") or 0.0),
                          float(r.get("time_generate") or 0.0))
     return Tokens(owner, job, _ids(r.get("token_ids")), _row(r.get("logits")), ended,

@@ -248,6 +248,20 @@ class Runtime:
             doc["recurrent_checkpoints_evicted"] = recurrent.metrics["stash_evictions"]
         return doc
 
+    def sizes(self) -> dict:
+        """What exllamav3 was built with, counted from its objects: the experts the MoE layers hold, the cache's
+        tokens and sequences, the generator's prefill chunk and recurrent cache."""
+        from glm53.exl3.placement import moe_modules
+
+        cache, gen = self.cache, self.generator
+        out = {"experts": sum(int(m.num_local_experts) for m in moe_modules(self.model)),
+               "kv_tokens": int(cache.max_num_tokens),
+               "sequences": int(getattr(cache, "num_slots", getattr(cache, "max_batch_size", 0))),
+               "prefill_chunk": int(gen.max_chunk_size)}
+        if hasattr(gen, "recurrent_cache_size"):
+            out["recurrent_cache_bytes"] = int(gen.recurrent_cache_size)
+        return out
+
     def close(self) -> None:
         """Unload the model and drop the tiers (the modules are restored either way)."""
         if self.model is not None:
