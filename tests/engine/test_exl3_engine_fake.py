@@ -1,6 +1,6 @@
 """Exl3Engine end to end on the CPU, against the fake exllamav3 (tests/support/fake_exllamav3.py).
 
-The fake's Generator runs jobs the way exllamav3 1.6.5 does at the level the engine parses (its result dicts, held
+The fake's Generator runs jobs the way exllamav3 1.6.5 does at the level glm53.exl3.events reads (its result dicts, held
 tokens, eos reasons, the llguidance filter's trigger and completion, a failed job's "error" result) and each forward
 goes through the fake model's MoE layers, so in the tiered modes every step crosses TieredMoE's seam. A generated
 tiny EXL3 checkpoint; every mode the engine serves: stock, exact, fast (the CPU lane), nvme-exact (a record store
