@@ -292,6 +292,7 @@ class _Runner:
             self.tiered = TieredMoE(self.model, model_dir, spec, nvme_open=store_tier.opener(model_dir, spec)
                                     if spec.nvme else None)
             self.tiered.install()
+        rt.tiered = self.tiered
         unplace = place_layers(self.model, spec) if spec is not None else (lambda: None)
         try:
             rt.load_weights("cuda:0")
@@ -366,9 +367,7 @@ class _Runner:
     def close(self) -> None:
         import torch
 
-        self.runtime.model.unload()
-        if self.tiered is not None:
-            self.tiered.close()
+        self.runtime.close()  # the model unloaded, then the tiers closed
         self.model = self.runtime = self.tiered = None
         gc.collect()
         torch.cuda.empty_cache()
