@@ -891,8 +891,8 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
                 ram_accounting=ram_acc, devices=devices)
 
 
-# The demo checkpoints' windows: the CPU one (glm53.engine.demo's RECIPE, 131,072 positions: room for an agent's
-# first request) and what glm53.engine.exl3_engine.demo_engine gives the synthetic EXL3 one. The demo serves
+# The demo checkpoints' windows: the CPU one (glm53.serve.demo's RECIPE, 131,072 positions: room for an agent's
+# first request) and what glm53.serve.demo.demo_engine gives the synthetic EXL3 one. The demo serves
 # min(GLM53_CONTEXT, this).
 DEMO_CONTEXT = {"cpu": 131072, "gpu": 32768}
 

@@ -141,7 +141,7 @@ def planned(tmp_path, ck, mode: str, routing=None, host_spec=HostSpec(), **env: 
 def realised(engine) -> dict:
     """The sizes a loaded engine runs with, read from what it built."""
     t = engine.tiered
-    gen, cache = engine.generator, engine.cache
+    gen, cache = engine.runtime.generator, engine.runtime.cache
     out = {"kv_tokens": cache.max_num_tokens - PAGE, "cache_sequences": cache.max_batch_size,
            "max_concurrency": gen.max_batch_size, "prefill_chunk": gen.max_chunk_size,
            "context": engine.context_length}
@@ -163,7 +163,8 @@ def expected(spec) -> dict:
 
 @pytest.mark.parametrize("mode", ["exact", "fast"])
 def test_a_loaded_engine_realises_the_plan(tmp_path, ck, mode):
-    from glm53.engine.exl3_engine import Exl3Engine, engine_for_plan
+    from glm53.engine.exl3_engine import Exl3Engine
+    from glm53.serve.choice import engine_for_plan
 
     counts = np.ones((3, 16))
     counts[0, :2] = 100.0
@@ -318,7 +319,7 @@ def _measure_prefill(ck: Path, shape: M.ModelShape, chunk: int) -> dict:
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
     from specs import spec_for
 
-    from glm53.engine.exl3_adapter import TieredMoE
+    from glm53.exl3.tiered import TieredMoE
 
     config = Config.from_directory(str(ck))
     model = Model.from_config(config)

@@ -235,23 +235,25 @@ class _Releases:
         self.first = self.last = None
         self.first_count = 0  # tokens out by the first release: sampled before the decode's clock starts
         self.snap0: Any = None
-        self.final: dict | None = None
+        self.final: Any = None  # the job's last result (glm53.exl3.events.Tokens)
 
-    def add(self, r: dict) -> None:
-        if r.get("stage") != "streaming":
+    def add(self, ev: Any) -> None:
+        """One of the job's events (glm53.exl3.events): only its Tokens count."""
+        from glm53.exl3.events import Tokens
+
+        if not isinstance(ev, Tokens):
             return
-        got = r.get("token_ids")
-        if got is not None and got.numel():
+        got = ev.token_ids
+        if got:
             now = time.perf_counter()
             if self.first is None:
-                self.first, self.first_count, self.snap0 = now, got.shape[-1], self.snapshot()
-            self.ids += got[0].tolist()
+                self.first, self.first_count, self.snap0 = now, len(got), self.snapshot()
+            self.ids += got
             self.last = now
-        if r.get("eos"):
-            held = (r.get("held") or {}).get("token_ids")
-            if held is not None:
-                self.ids += held[0].tolist()
-            self.final = r
+        if ev.ended:
+            if ev.held is not None:
+                self.ids += ev.held
+            self.final = ev
             if self.first is None:  # nothing released before the end: one release, untimed decode
                 self.first = self.last = time.perf_counter()
                 self.first_count, self.snap0 = len(self.ids), self.snapshot()
@@ -260,13 +262,14 @@ class _Releases:
         """(token ids, first release time, last release time, tokens decoded in between, the snapshot at the first)."""
         if self.final is None:
             raise RuntimeError("the job ended without a final result (eos)")
-        total = int(self.final.get("new_tokens", len(self.ids)))
+        said = self.final.times.new_tokens
+        total = len(self.ids) if said is None else said
         return self.ids, self.first, self.last, max(0, total - self.first_count), self.snap0
 
     def prefill_s(self) -> float:
         """Enqueue to the first token; where the first release held several tokens, exllamav3's own prefill time
         (when it gives one), as the release came only after those tokens' decode steps."""
-        reported = float(self.final.get("time_prefill") or 0.0) if self.final else 0.0
+        reported = self.final.times.prefill_s if self.final else 0.0
         return reported if self.first_count > 1 and reported > 0 else self.first - self.t0
 
 
@@ -275,48 +278,44 @@ class _Runner:
 
     def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int, mode: str = "exact",
                  cpu_threads: int | None = None, store_tier: StoreTier | None = None, cards: int = 1):
-        import torch
-        from exllamav3 import Cache, Config, Generator, Model, Tokenizer
-
-        from glm53.engine.exl3_adapter import TieredMoE, place_layers
+        from glm53.exl3.placement import place_layers
+        from glm53.exl3.runtime import Runtime
+        from glm53.exl3.tiered import TieredMoE
 
         t0 = time.perf_counter()
-        config = Config.from_directory(str(model_dir))
-        self.model = Model.from_config(config)
-        self.cache = Cache(self.model, max_num_tokens=-(-cache_tokens // 256) * 256)  # whole KV pages
+        self.runtime = rt = Runtime.open(model_dir)
+        self.model = rt.build_model()
+        rt.build_cache(-(-cache_tokens // 256) * 256)  # whole KV pages
         self.tiered = spec = None
         if slots is not None:
             spec = bench_spec(model_dir, mode, slots, cache_tokens, cpu_threads, store_tier, cards)
             self.tiered = TieredMoE(self.model, model_dir, spec, nvme_open=store_tier.opener(model_dir, spec)
                                     if spec.nvme else None)
             self.tiered.install()
+        rt.tiered = self.tiered
         unplace = place_layers(self.model, spec) if spec is not None else (lambda: None)
         try:
-            self.model.load(device=torch.device("cuda:0"))
+            rt.load_weights("cuda:0")
         finally:
             unplace()
         if self.tiered is not None:
             self.tiered.populate()
             if self.tiered.spec.lane:
                 self.tiered.start_lane(self.tiered.spec.cpu_threads)
-        self.gen = Generator(model=self.model, cache=self.cache, tokenizer=Tokenizer.from_config(config),
-                             max_batch_size=1)
+        rt.build_generator(max_batch_size=1)
         self.load_s = time.perf_counter() - t0
 
     def run(self, prompt: list[int], tokens: int, seed: int) -> dict:
         """One job: prefill time, decode tok/s (first to last token), and the tier counters over the decode."""
-        import torch
-        from exllamav3 import ComboSampler, Job
-
-        job = Job(input_ids=torch.tensor([prompt], dtype=torch.long), max_new_tokens=tokens,
-                  sampler=ComboSampler(temperature=1.0), seed=seed, stop_conditions=[])
         before = self.tiered.snapshot() if self.tiered is not None else None  # the prompt's store reads
         t0 = time.perf_counter()
-        self.gen.enqueue(job)
         timing = _Releases(t0, lambda: self.tiered.snapshot() if self.tiered else None)
-        while self.gen.num_remaining_jobs():
-            for r in self.gen.iterate():
-                timing.add(r)
+
+        def on_step(events: list) -> None:
+            for ev in events:
+                timing.add(ev)
+
+        self.runtime.run([prompt], tokens, temperature=1.0, seed=seed, on_step=on_step)
         ids, first, last, n, snap0 = timing.done()
         out = {"prefill_s": timing.prefill_s(), "tokens": ids, "decoded_tokens": n,
                "decode_tok_s": n / (last - first) if n > 0 and last > first else float("nan")}
@@ -368,10 +367,8 @@ class _Runner:
     def close(self) -> None:
         import torch
 
-        self.model.unload()
-        if self.tiered is not None:
-            self.tiered.close()
-        self.model = self.cache = self.gen = self.tiered = None
+        self.runtime.close()  # the model unloaded, then the tiers closed
+        self.model = self.runtime = self.tiered = None
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -767,7 +764,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("glm53: bench decode needs a CUDA GPU", file=sys.stderr)
         return 2
-    from glm53.engine.exl3_adapter import Exl3ContractError, check_contract
+    from glm53.exl3.contract import Exl3ContractError, check_contract
 
     try:
         check_contract()

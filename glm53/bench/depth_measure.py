@@ -142,23 +142,18 @@ class LayerTimer:
     time is inside MoE's; shared_estimate times the same module alone."""
 
     def __init__(self, model: Any, attn: Sequence[str], mlp: Sequence[str], clock: _Clock):
+        from glm53.exl3.probe import wrap_forwards
+
         self.clock, self.on, self.calls, self._depth = clock, False, [], 0
-        self._wrapped: list[tuple[Any, Any]] = []
-        for top in model.modules:
-            self._wrap(top, attn, mlp)
-            for sub in getattr(top, "modules", ()):  # a block's attention and MLP (not its norms, not the experts)
-                if sub.key.endswith((".self_attn", ".mlp")):
-                    self._wrap(sub, attn, mlp)
-                    for shared in getattr(sub, "modules", ()):
-                        if shared.key.endswith(".mlp.shared_experts"):
-                            self._wrap(shared, attn, mlp)
-        if not any(getattr(m, "key", None) == "lm_head" for m, _ in self._wrapped):
+        self._keys: list[str] = []
+        self._undo = wrap_forwards(model, lambda mod, orig: self._wrap(mod.key, orig, attn, mlp))
+        if "lm_head" not in self._keys:
+            self.close()
             raise RuntimeError("LayerTimer: no lm_head module found: decode steps cannot be counted")
 
-    def _wrap(self, mod: Any, attn: Sequence[str], mlp: Sequence[str]) -> None:
-        if not callable(getattr(mod, "forward", None)):  # a container that is never called
-            return
-        kind, orig, head = classify(mod.key, attn, mlp), mod.forward, mod.key == "lm_head"
+    def _wrap(self, key: str, orig: Callable[..., Any], attn: Sequence[str], mlp: Sequence[str]) -> Callable[..., Any]:
+        kind, head = classify(key, attn, mlp), key == "lm_head"
+        self._keys.append(key)
 
         def forward(*args: Any, **kw: Any) -> Any:
             if not self.on:
@@ -175,16 +170,10 @@ class LayerTimer:
             self.calls.append((kind, head, outer, t1 - t0, a, self.clock.stamp()))
             return out
 
-        self._wrapped.append((mod, mod.__dict__.get("forward")))
-        mod.forward = forward
+        return forward
 
     def close(self) -> None:
-        for mod, prev in self._wrapped:
-            if prev is None:
-                mod.__dict__.pop("forward", None)
-            else:
-                mod.forward = prev
-        self._wrapped = []
+        self._undo()
 
     def summary(self, wall_s: float) -> dict:
         """Per type host and device ms per decode step over the calls recorded; wall_s: the steps' wall time."""
@@ -211,26 +200,24 @@ class LayerTimer:
 def shared_estimate(model: Any, clock: _Clock, reps: int = 20) -> tuple[float | None, str]:
     """ms per decode step of the shared experts, timed alone: one MoE layer's shared expert on a one-token input,
     `reps` times, times the number of MoE layers. (ms or None, how it was measured or why not)."""
-    mods = [m.mlp.shared_experts for m in model.modules
-            if getattr(getattr(m, "mlp", None), "shared_experts", None) is not None]
-    if not mods:
-        return None, "no shared expert modules"
-    import torch
+    from glm53.exl3.probe import shared_expert
 
-    m = mods[0]
     try:
-        x = (torch.randn(1, 1, m.hidden_size, device=m.device) * 0.1).half()
-        m.forward(x, {})
+        found = shared_expert(model)
+        if found is None:
+            return None, "no shared expert modules"
+        call, layers = found
+        call()
         clock.sync()
         a = clock.stamp()
         for _ in range(reps):
-            m.forward(x, {})
+            call()
         b = clock.stamp()
         clock.sync()
     except Exception as exc:  # a module that cannot run on its own: said, not guessed
         return None, f"not measurable alone ({type(exc).__name__}: {exc})"
-    return (1e3 * clock.elapsed(a, b) / reps * len(mods),
-            f"one layer's shared expert alone x {len(mods)} layers; fused into the MoE kernel in the step")
+    return (1e3 * clock.elapsed(a, b) / reps * layers,
+            f"one layer's shared expert alone x {layers} layers; fused into the MoE kernel in the step")
 
 
 class _Track(_Releases):
@@ -240,9 +227,9 @@ class _Track(_Releases):
         super().__init__(t0, lambda: None)
         self.marks: list[tuple[float, int]] = []
 
-    def add(self, r: dict) -> None:
+    def add(self, ev: Any) -> None:
         n = len(self.ids)
-        super().add(r)
+        super().add(ev)
         if len(self.ids) != n:
             self.marks.append((time.perf_counter(), len(self.ids)))
 
@@ -255,40 +242,23 @@ class _Track(_Releases):
         return ((n1 - n0) / (t1 - t0) if n1 > n0 and t1 > t0 else None), n1 - n0
 
 
-def _run(gen: Any, prompt: list[int], max_new: int, on_tokens: Callable[[int], None] | None = None) -> _Track:
-    """One greedy job, iterated to its end; on_tokens(count) after each iterate()."""
-    import exllamav3 as exl
-    import torch
-
-    job = exl.Job(input_ids=torch.tensor([prompt], dtype=torch.long), max_new_tokens=max_new,
-                  sampler=exl.ArgmaxSampler(), stop_conditions=[])
+def _run(runtime: Any, prompt: list[int], max_new: int, on_tokens: Callable[[int], None] | None = None) -> _Track:
+    """One greedy job, iterated to its end; on_tokens(count) after each iteration."""
     track = _Track(time.perf_counter())
-    gen.enqueue(job)
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            track.add(r)
+
+    def on_step(events: list) -> None:
+        for ev in events:
+            track.add(ev)
         if on_tokens is not None:
             on_tokens(len(track.ids))
+
+    runtime.run([prompt], max_new, on_step=on_step)
     track.done()
     return track
 
 
-def _tensor_bytes(objs: Any) -> int:
-    """Bytes of the distinct device tensors the given objects hold as attributes (cache layers, recurrent states)."""
-    import torch
-
-    seen, total = set(), 0
-    for obj in objs:
-        for v in vars(obj).values():
-            for t in v if isinstance(v, (list, tuple)) else (v,):
-                if isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.data_ptr() not in seen:
-                    seen.add(t.data_ptr())
-                    total += t.untyped_storage().nbytes()
-    return total
-
-
 def tier_counts(engine: Any) -> dict[str, int]:
-    """The tiers' running counts a run's figures are read against (glm53.engine.exl3_adapter.TieredMoE.tier_counts;
+    """The tiers' running counts a run's figures are read against (glm53.exl3.tiered.TieredMoE.tier_counts;
     empty for stock)."""
     tiered = getattr(engine, "tiered", None)
     return {} if tiered is None else tiered.tier_counts()
@@ -306,20 +276,16 @@ def planned_sizes(spec: Any) -> dict:
 
 def loaded_sizes(engine: Any) -> dict:
     """What the engine holds after load, counted from it (not from its spec)."""
-    from glm53.engine.exl3_adapter import moe_modules
-
-    tiered, cache, gen = engine.tiered, engine.cache, engine.generator
+    tiered, built = engine.tiered, engine.runtime.sizes()
     if tiered is not None:
         slots, staging, ram = sum(layer.slots for layer in tiered.layers), tiered.staging_slots, tiered.tiers.ram.num_slots
         rows = int(tiered.tiers.staging.shape[0])
     else:
-        slots, staging, ram = sum(int(m.num_local_experts) for m in moe_modules(engine.model)), 0, 0
+        slots, staging, ram = built["experts"], 0, 0
         rows = 0
     return {"vram_slots": slots, "staging": staging, "staging_rows": rows, "ram_rows": ram,
-            "kv_tokens": int(cache.max_num_tokens),
-            "sequences": int(getattr(cache, "num_slots", getattr(cache, "max_batch_size", 0))),
-            "prefill_chunk": int(gen.max_chunk_size),
-            **({"recurrent_cache_bytes": int(gen.recurrent_cache_size)} if hasattr(gen, "recurrent_cache_size") else {})}
+            "kv_tokens": built["kv_tokens"], "sequences": built["sequences"], "prefill_chunk": built["prefill_chunk"],
+            **({"recurrent_cache_bytes": built["recurrent_cache_bytes"]} if "recurrent_cache_bytes" in built else {})}
 
 
 def _pinned_bytes(engine: Any) -> int:
@@ -363,6 +329,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
     import torch
 
     from glm53.engine.exl3_engine import Exl3Engine
+    from glm53.exl3.probe import cache_bytes
 
     model_dir = Path(job["model"])
     config = json.loads((model_dir / "config.json").read_text())
@@ -387,13 +354,12 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
         dev, rss = sampler.mark()
         res["memory"].update(after_load_bytes=sampler.used(), load_peak_bytes=dev, context_bytes=sampler.context,
                              pinned_bytes=_pinned_bytes(engine))
-        cache_layers = list(getattr(engine.cache, "layers", {}).values())
-        recurrent = list(getattr(engine.cache, "recurrent_layers", {}).values())
-        kv_per_token = _tensor_bytes(cache_layers) / max(1, res["loaded"]["kv_tokens"])
-        state_per_seq = _tensor_bytes(recurrent) / max(1, res["loaded"]["sequences"])
+        kv_bytes, state_bytes = cache_bytes(engine.runtime.cache)
+        kv_per_token = kv_bytes / max(1, res["loaded"]["kv_tokens"])
+        state_per_seq = state_bytes / max(1, res["loaded"]["sequences"])
         res["cache"] = {"kv_bytes_per_token": kv_per_token, "kda_state_bytes_per_sequence": state_per_seq}
         save(res)
-        gen = engine.generator
+        model, gen = engine.runtime.model, engine.runtime
         weights = weight_bytes_per_token(model_dir)
 
         def profiled(track: _Track, plain: int, wall0: list[float], history: int, snap0: Any) -> dict:
@@ -410,7 +376,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
             if "kda" in prof["types"]:  # the pool keeps two rows per sequence: one read, one written per step
                 prof["types"]["kda"]["bytes"] += state_per_seq
                 prof["types"]["kda"]["note"] = "weights + the sequence's state as allocated, read and written"
-            ms, how = shared_estimate(engine.model, clock)
+            ms, how = shared_estimate(model, clock)
             if ms is not None and "shared" not in prof["types"]:
                 prof["types"]["shared"] = {"host_ms": None, "device_ms": ms, "bytes": weights["shared"], "note": how}
                 prof["types"]["moe"]["note"] = "routed + the fused shared expert"
@@ -436,7 +402,7 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
                 nonlocal timer
                 if n >= plain and timer is None and profile_tokens:  # wrapped only for the profiled steps
                     snap[0] = engine.tiered.snapshot() if engine.tiered is not None else None
-                    timer = LayerTimer(engine.model, attn, mlp, clock)
+                    timer = LayerTimer(model, attn, mlp, clock)
                     timer.on, wall0[0] = True, time.perf_counter()
 
             sampler.mark()

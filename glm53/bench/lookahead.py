@@ -40,7 +40,7 @@ def measure_recall(model: Any, input_ids: Any, *, predict_k: int | None = None, 
     import torch
 
     from glm53.engine.lookahead import RecallMeter, predict_topk
-    from glm53.fixture.hf import quiet_transformers
+    from glm53.engine.quiet import quiet_transformers
 
     routers = _routers(model)
     if len(routers) < 2:
@@ -103,8 +103,8 @@ def load_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoConfig
 
+    from glm53.engine.quiet import quiet_transformers
     from glm53.engine.reference import _model_class
-    from glm53.fixture.hf import quiet_transformers
 
     with quiet_transformers():
         text = AutoConfig.from_pretrained(model_dir).get_text_config()

@@ -1,7 +1,7 @@
 """The GPU engine: exllamav3's Generator and jobs, with the routed experts tiered by glm53 (every mode).
 
 Modes: "exact" keeps `slots_per_layer` routed experts per MoE layer in VRAM and the rest in the pinned RAM tier;
-every miss crosses PCIe and is computed by exllamav3's own kernels (glm53.engine.exl3_adapter), so logits are
+every miss crosses PCIe and is computed by exllamav3's own kernels (glm53.exl3.tiered), so logits are
 bit-identical to stock exllamav3 with all experts in VRAM. "fast" adds the CPU lane (calibrated at load) for
 RAM-resident misses; "nvme-exact" and "nvme" do the same with the RAM tier as a cache of the record store
 (GLM53_STORE, verified against the checkpoint at load). "stock" is plain exllamav3 (all experts in VRAM): what
@@ -10,7 +10,8 @@ the plan picks when everything fits, and the baseline the tests and `glm53 bench
 Threads: one worker thread owns the model, the cache and the generator; the request queue, the hand-off to asyncio
 and the token events are glm53.engine.worker's, shared with the CPU reference engine. The worker runs
 `Generator.iterate()` while any job is live: exllamav3 batches the running jobs' decode steps and chunks prompts
-itself. Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit the same
+itself; glm53.exl3.runtime runs the generator and hands its results over as typed events
+(glm53.exl3.events). Text is detokenized here (the HF tokenizer, as in the reference engine), so both engines emit the same
 TokenEvents; exllamav3's own text stream is ignored.
 
 KV cache: every job whose reply may exceed a page is given `max_rq_tokens`, so exllamav3 commits its pages a segment at a time (up to the next
@@ -29,28 +30,19 @@ page cache recognises the shared prefix, so only the tail is prefilled again.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
+from glm53.engine.interface import EngineError, PromptProgress, TokenEvent
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
-from glm53.settings import concurrency_of
-from glm53.spec import PAGE, EngineSpec, engine_spec
+from glm53.exl3.events import Failed, Progress, Tokens
+from glm53.spec import PAGE, EngineSpec
 
 log = logging.getLogger("glm53.engine")
-
-
-EXL3_DEMO_DIR = "demo-model-exl3"
-EXL3_DEMO_MARKER = ".glm53-demo-exl3.json"
-# Bump when the fixture writer's output changes, so cached demo checkpoints are rebuilt.
-EXL3_DEMO_RECIPE = {"recipe": 2, "seed": 0, "router_skew": [0.25, 0.5], "kind": "tiny-exl3"}
 
 
 @dataclass(eq=False, kw_only=True)
@@ -60,65 +52,6 @@ class _Request(Request):
     grammar_filter_reasoning: bool = False
     jobs: int = 0  # jobs started for it (a reasoning-budget continuation is a second)
     tier_counts: dict | None = None  # the tiers' counts when its first job started (for its log line)
-
-
-def ensure_exl3_demo_model(cache_dir: Path) -> Path:
-    """The tiny synthetic EXL3 demo checkpoint under `cache_dir` (generated once, atomically, like demo.py's)."""
-    from glm53.fixture.exl3 import write_exl3_checkpoint
-
-    cache_dir = Path(cache_dir)
-    final = cache_dir / EXL3_DEMO_DIR
-
-    def complete(path: Path) -> bool:
-        try:
-            return json.loads((path / EXL3_DEMO_MARKER).read_text()) == EXL3_DEMO_RECIPE
-        except (OSError, ValueError):
-            return False
-
-    if complete(final):
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    log.info("demo: generating the synthetic EXL3 demo model into %s (once)", final)
-    work = Path(tempfile.mkdtemp(prefix=f".{EXL3_DEMO_DIR}-", dir=cache_dir))
-    work.chmod(0o755)
-    try:
-        write_exl3_checkpoint(work, seed=EXL3_DEMO_RECIPE["seed"], router_skew=tuple(EXL3_DEMO_RECIPE["router_skew"]))
-        (work / EXL3_DEMO_MARKER).write_text(json.dumps(EXL3_DEMO_RECIPE))
-        if final.exists():
-            if complete(final):  # another process finished first
-                shutil.rmtree(work, ignore_errors=True)
-                return final
-            shutil.rmtree(final)
-        os.replace(work, final)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return final
-
-
-def gpu_engine_available() -> bool:
-    """exllamav3 importable (not imported here: that JIT-loads CUDA code) and a CUDA device present."""
-    import importlib.util
-
-    if importlib.util.find_spec("exllamav3") is None:
-        return False
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-
-
-def _llguidance_filter() -> Any:
-    """exllamav3's LLGuidanceFilter class, or None without llguidance (the engine then refuses grammars)."""
-    try:
-        from exllamav3.generator.filter import LLGuidanceFilter
-        from exllamav3.generator.filter.llguidance import llguidance_available
-    except ImportError:
-        return None
-    return LLGuidanceFilter if llguidance_available else None
 
 
 class Exl3Engine(WorkerEngine):
@@ -150,120 +83,50 @@ class Exl3Engine(WorkerEngine):
         self.device = spec.device
         self.routing_stats_dir = Path(routing_stats_dir) if routing_stats_dir else None
         self.admit = admit
-        self.model: Any = None
-        self.cache: Any = None
-        self.generator: Any = None
+        self.runtime: Any = None  # glm53.exl3.runtime.Runtime, once loaded
         self.tiered: Any = None
-        self._exl: Any = None
         self.load_seconds = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        return self.generator is not None and self._worker_alive()
+        return self.runtime is not None and self._worker_alive()
 
     def load(self) -> None:
         """Load the model (progress lines in the phrases launchers parse), fill the tiers, warm up, start serving."""
         if self.ready:
             return
-        from glm53.engine import exl3_adapter as A
+        from glm53.exl3.contract import check_contract
+        from glm53.exl3.runtime import Runtime, llguidance_filter
 
         t0 = time.perf_counter()
-        A.check_contract()
-        import exllamav3 as exl
-
-        self._exl = exl
+        check_contract()
         self._load_text()
-        self.supports_grammar = _llguidance_filter() is not None
-        config = exl.Config.from_directory(str(self.model_dir))
-        if config.infer_params.moe_cpu_split or config.infer_params.moe_cpu_offload:
+        self.supports_grammar = llguidance_filter() is not None
+        runtime = Runtime.open(self.model_dir)
+        if runtime.cpu_split_set:
             raise EngineError("EXL3_MOE_CPU_SPLIT / EXL3_MOE_CPU_OFFLOAD are set: glm53 tiers the experts itself; "
                               "unset them")
         spec = self.spec
-        tokenizer = exl.Tokenizer.from_config(config)
         # Out of memory here is the plan's sizes against this device: the message says which settings lower them.
         with out_of_memory_names_knobs("while loading the model"):
-            self._load_model(exl, config)
-            self.generator = exl.Generator(model=self.model, cache=self.cache, tokenizer=tokenizer,
-                                           max_batch_size=spec.max_concurrency, max_chunk_size=spec.prefill_chunk,
-                                           recurrent_cache_size=spec.recurrent_cache_bytes)
+            runtime.load(spec, counts_for=self._saved_counts if self.routing_stats_dir is not None else None,
+                         admit=self.admit, nvme_open=self._nvme_open())
+        self.runtime, self.tiered = runtime, runtime.tiered
         if self.supports_grammar:
-            # llguidance's tables for this vocabulary (about a second for 150k tokens), built now rather than on the
-            # event loop when the first response_format request arrives; exllamav3 caches them per tokenizer.
-            from exllamav3.generator.filter.llguidance import create_ll_tokenizer
-
-            create_ll_tokenizer(tokenizer)
-        native = int(getattr(config, "max_position_embeddings", 0) or 0) or spec.kv_tokens
+            runtime.prepare_grammar()
+        native = runtime.native_context or spec.kv_tokens
         if native < self.context_length:
             # The plan read max_position_embeddings from the same config.json, so only a hand-made spec gets here.
             log.warning("context %d lowered to the model's max_position_embeddings %d", self.context_length, native)
             self.context_length = native
         log.info("Loading weights took %.1f s", time.perf_counter() - t0)
         with out_of_memory_names_knobs("while warming up (the first prefill and decode)"):
-            self._warmup(config)
+            self._warmup()
         self._start_worker("glm53-exl3-engine")
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
                  self.context_length)
-
-    def _load_model(self, exl: Any, config: Any) -> None:
-        """The model, its cache and the tiers, on the device (self.model, self.cache, self.tiered)."""
-        import torch
-
-        from glm53.engine import exl3_adapter as A
-
-        model = exl.Model.from_config(config)
-        spec = self.spec
-        # One page more than the context: exllamav3 reserves a position past a job's last token (a job needs
-        # prompt + max_new_tokens + 1 positions), so without it the last token of the context is cut ("length" a
-        # token early) and a prompt of context_length - 1 tokens cannot be enqueued at all.
-        cache = exl.Cache(model, max_num_tokens=spec.kv_tokens + PAGE, max_batch_size=spec.cache_sequences)
-        tiered = None
-        if spec.tiered:
-            counts = self._saved_counts(model)
-            tiered = A.TieredMoE(model, self.model_dir, spec, counts=counts, admit=self.admit,
-                                 nvme_open=self._nvme_open())
-            tiered.install()
-            log.info("%s mode: VRAM slots per MoE layer %s (%s), %d staging per layer (%d rows of their own, the "
-                     "rest borrowed from %d cache slots), %d experts in the pinned RAM tier (%.1f GiB)%s", self.mode,
-                     list(spec.vram_slots), spec.split, tiered.staging_slots, tiered.tiers.staging_rows,
-                     len(tiered.tiers.lent), tiered.tiers.ram.num_slots, tiered.tiers.ram.num_slots * tiered.layout.nbytes / 2**30,
-                     f", the rest read from {spec.store}" if tiered.nvme is not None else "")
-
-        def shards(done: int, total: int) -> None:
-            log.info("Loading safetensors checkpoint shards: %d%% Completed | %d/%d", 100 * done // total, done, total)
-
-        undo = A.wrap_load_progress(model, shards)
-        unplace = A.place_layers(model, spec)  # a split across GPUs: each layer onto its card (spec.devices)
-        for d in spec.devices:
-            log.info("layer split: decoder layers %d-%d on %s (%s), %d expert slots, budget %.1f GiB", d.first_layer,
-                     d.last_layer, d.device, d.name, d.vram_slots, d.vram_budget_bytes / 2**30)
-        try:
-            with torch.inference_mode():
-                model.load(device=torch.device(self.device))
-            if tiered is not None:
-                self._fill_tiers(tiered)
-        except BaseException:
-            # A failed load must not leave the lane's threads, the store reader or the pinned arena behind.
-            model.unload()
-            if tiered is not None:
-                tiered.close()
-            raise
-        finally:
-            undo()
-            unplace()
-        self.model, self.cache, self.tiered = model, cache, tiered
-
-    def _fill_tiers(self, tiered: Any) -> None:
-        t1 = time.perf_counter()
-
-        def experts(done: int, total: int) -> None:
-            log.info("Loading routed experts into the tiers: %d%% Completed | %d/%d", 100 * done // total, done, total)
-
-        tiered.populate(experts)
-        log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
-        if self.spec.lane:
-            tiered.start_lane(self.spec.cpu_threads)
 
     def _nvme_open(self) -> Any:
         """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
@@ -278,26 +141,20 @@ class Exl3Engine(WorkerEngine):
 
         return open_
 
-    def _saved_counts(self, model: Any) -> Any:
-        if self.routing_stats_dir is None:
-            return None
-        from glm53.engine.exl3_adapter import moe_modules
+    def _saved_counts(self, moe_layers: int, experts: int) -> Any:
         from glm53.tiers.policy import saved_routing
 
-        mods = moe_modules(model)
-        if not mods:
-            return None
-        counts, reason = saved_routing(self.routing_stats_dir, self.model_dir, len(mods), mods[0].num_experts)
+        counts, reason = saved_routing(self.routing_stats_dir, self.model_dir, moe_layers, experts)
         log.info("routing statistics: %s", reason)
         return counts
 
-    def _warmup(self, config: Any) -> None:
+    def _warmup(self) -> None:
         """Generations through both MoE paths (prefill > 8 rows, decode) before serving, first with a prompt of a
         full prefill chunk and a part of another (the KDA kernels are compiled and autotuned for the chunked path
         on first use), then every shape glm53.engine.warmup lists: the first user requests must not pay for
         compiling kernels."""
-        from glm53.engine import exl3_adapter as A
         from glm53.engine.warmup import warmup_shapes
+        from glm53.exl3.contract import SMALL_QUERY_ROWS
 
         t0 = time.perf_counter()
         kernels = os.environ.get("TRITON_CACHE_DIR", "Triton's default cache")
@@ -305,9 +162,9 @@ class Exl3Engine(WorkerEngine):
                  "(the first start on a machine compiles them: minutes; later starts read them from %s)", kernels)
         n = min(self.spec.prefill_chunk + 24, max(24, self.spec.kv_tokens // 2))
         self._run_warm_jobs([self._warm_ids(n, 0)])
-        shapes = warmup_shapes(small_rows=A.SMALL_QUERY_ROWS, max_batch=self.spec.max_concurrency,
+        shapes = warmup_shapes(small_rows=SMALL_QUERY_ROWS, max_batch=self.spec.max_concurrency,
                                kv_tokens=self.spec.kv_tokens, chunk=self.spec.prefill_chunk, page=PAGE,
-                               sparse_topk=getattr(config, "index_topk", None))
+                               sparse_topk=self.runtime.sparse_topk)
         salt, prefixes = 1, set()
         for shape in shapes:
             prefix = self._warm_ids(shape.prefix, 0)
@@ -330,22 +187,15 @@ class Exl3Engine(WorkerEngine):
     def _run_warm_jobs(self, prompts: list[list[int]]) -> None:
         import torch
 
-        exl = self._exl
-        jobs = [exl.Job(input_ids=torch.tensor([ids], dtype=torch.long), max_new_tokens=2,
-                        sampler=exl.ArgmaxSampler(), stop_conditions=[]) for ids in prompts]
         with torch.inference_mode():
-            self.generator.enqueue(jobs)
-            while self.generator.num_remaining_jobs():
-                self.generator.iterate()
+            self.runtime.run(prompts, 2)
 
     def close(self) -> None:
         self._stop_worker(timeout=60)
         self._save_counts()
-        if self.model is not None:
-            self.model.unload()
-        if self.tiered is not None:
-            self.tiered.close()
-        self.generator = self.cache = self.model = self.tiered = None
+        if self.runtime is not None:
+            self.runtime.close()
+        self.runtime = self.tiered = None
         try:
             import torch
 
@@ -387,11 +237,9 @@ class Exl3Engine(WorkerEngine):
         """A fresh llguidance filter for the request's next job. Inside an open think block it waits for the
         block's close token: the grammar constrains the answer, never the reasoning (as in the reference engine).
         Completing the grammar ends the job (finish_reason "stop")."""
-        make = _llguidance_filter()
         trigger = req.reasoning_end if req.in_reasoning else None
         try:
-            return make(self.generator.tokenizer, trigger_token=trigger, lark_grammar=req.params.grammar,
-                        eos_after_completed=True)
+            return self.runtime.grammar_filter(req.params.grammar, trigger)
         except ValueError as exc:
             raise ValueError(f"invalid grammar: {exc}") from None
 
@@ -401,18 +249,10 @@ class Exl3Engine(WorkerEngine):
         return nvme.health() if nvme is not None else None
 
     def _kv_stats(self) -> dict:
-        """exllamav3's page table: pages in use by jobs, cached pages lost to eviction, pages served from the prompt
-        cache; recurrent checkpoints dropped from the RAM cache (generator/pagetable.py, cache/recurrent.py)."""
+        """The worker's counts and exllamav3's page table (glm53.exl3.runtime.Runtime.kv_stats)."""
         doc = super()._kv_stats()
-        gen = self.generator
-        pages = getattr(gen, "pagetable", None)
-        if pages is not None:
-            m = pages.metrics
-            doc.update(pages=pages.max_pages, pages_used=pages.max_pages - pages.num_unreferenced_pages(),
-                       pages_evicted=m["evictions_live"], pages_reused=m["alloc_cached_pages"])
-        recurrent = getattr(gen, "recurrent_cache", None)
-        if recurrent is not None:
-            doc["recurrent_checkpoints_evicted"] = recurrent.metrics["stash_evictions"]
+        if self.runtime is not None:
+            doc.update(self.runtime.kv_stats())
         return doc
 
     def stats(self) -> dict:
@@ -438,49 +278,28 @@ class Exl3Engine(WorkerEngine):
                         if req.cancelled and not req.done:
                             self._stop_job(req)
                             self._retire(req, "requests_cancelled", END)
-                    if self.generator.num_remaining_jobs():
-                        for r in self.generator.iterate():
-                            self._on_result(r)
+                    if self.runtime.busy():
+                        for ev in self.runtime.step():
+                            self._on_event(ev)
                     self._mark_kv_waiting()
                 except Exception as exc:  # a failed step fails its requests loudly; the server stays up
                     log.exception("exllamav3 engine: generation step failed")
                     self._fail_all(exc)
             self._drop_jobs()
 
-    def _sampler(self, p: SamplingParams) -> Any:
-        exl = self._exl
-        if p.temperature == 0:
-            return exl.ArgmaxSampler()
-        return exl.ComboSampler(temperature=p.temperature, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p)
-
     def _start(self, req: _Request) -> None:
         """Enqueue the request's (next) job: the prompt plus everything emitted so far."""
-        import torch
-
         if req.budget_spent:
             self._force_close(req)
             if req.done:
                 return
-        ids = req.prompt + req.generated
         left = req.max_new - len(req.generated)
         p = req.params
         seed = None if p.seed is None else (p.seed + len(req.generated)) & 0x7FFF_FFFF
-        req.job = self._exl.Job(
-            input_ids=torch.tensor([ids], dtype=torch.long),
-            max_new_tokens=left,
-            sampler=self._sampler(p),
-            seed=seed,
-            stop_conditions=sorted(req.stop_ids),
-            identifier=req,
-            # Pages are committed a segment at a time (exllamav3 aligns this to its recurrent-checkpoint interval)
-            # and the job requeued at each boundary, so a reply without max_tokens does not reserve the cache. A
-            # reply of a page or less reserves just itself (a segment would reserve up to the boundary).
-            max_rq_tokens=PAGE if left > PAGE else None,
-            return_logits=p.logprobs is not None,
-            decode_special_tokens=True,
-            filters=[self._job_filter(req)] if p.grammar is not None else None,
-        )
-        self.generator.enqueue(req.job)
+        req.job = self.runtime.start(
+            req, req.prompt + req.generated, max_new=left, temperature=p.temperature, min_p=p.min_p, top_k=p.top_k,
+            top_p=p.top_p, seed=seed, stop=sorted(req.stop_ids), logits=p.logprobs is not None,
+            grammar=self._job_filter(req) if p.grammar is not None else None)
         req.jobs += 1
         if not req.generated:
             self._count_prompt(len(req.prompt))
@@ -489,7 +308,7 @@ class Exl3Engine(WorkerEngine):
 
     def _stop_job(self, req: _Request) -> None:
         if req.job is not None:
-            self.generator.cancel(req.job)
+            self.runtime.cancel(req.job)
             req.job = None
 
     def _force_close(self, req: _Request) -> None:
@@ -500,79 +319,66 @@ class Exl3Engine(WorkerEngine):
                 return
             self._emit_token(req, t, None, forced=True)
 
-    def _on_result(self, r: dict) -> None:
-        if r.get("stage") == "error":
-            # exllamav3 contained a failure of this job alone (reap_failed_job: its prefill or page allocation
-            # raised) and dropped it; the result carries no "identifier", only the job.
-            req = getattr(r.get("job"), "identifier", None)
-            if isinstance(req, _Request) and not req.done and r.get("job") is req.job:
-                log.error("exllamav3 engine: request %s failed: %r", req.request_id, r.get("error"))
-                req.job = None
-                error = r.get("error")
-                self._fail(req, error if isinstance(error, BaseException) else EngineError(str(error)),
-                           "while running this request")
-            return
-        req = r.get("identifier")
-        if not isinstance(req, _Request) or req.done or r.get("job") is not req.job:
+    def _on_event(self, ev: Progress | Tokens | Failed) -> None:
+        req = ev.owner
+        if not isinstance(req, _Request) or req.done or ev.job is not req.job:
             return  # a cancelled job's late result
-        if r.get("stage") == "prefill":
+        if isinstance(ev, Failed):
+            log.error("exllamav3 engine: request %s failed: %r", req.request_id, ev.error)
+            req.job = None
+            error = ev.error
+            self._fail(req, error if isinstance(error, BaseException) else EngineError(str(error)),
+                       "while running this request")
+        elif isinstance(ev, Progress):
             # A continuation job's prefill comes after the request's first tokens: progress is for the prompt only.
-            if not req.generated and r.get("max_progress", 0) > self.spec.prefill_chunk:
-                req.emit(PromptProgress(int(r["curr_progress"]), int(r["max_progress"])))
-            return
-        if r.get("stage") != "streaming":
-            return
-        tokens, logits = r.get("token_ids"), r.get("logits")
-        stop_token = r.get("eos_triggering_token_id") if r.get("eos_reason") == "stop_token" else None
-        if stop_token is not None:
-            held = r.get("held", {})
-            tokens, logits = held.get("token_ids", tokens), held.get("logits", logits)
-        ids = tokens[0].tolist() if tokens is not None else []
-        # A job that ends without a stop token ends on its last token: its grammar completed ("stop", like the
-        # reference engine) or its max_new_tokens (capped by exllamav3 to the cache) ran out ("length").
-        end = None
-        if r.get("eos") and stop_token is None:
-            end = "stop" if r.get("eos_reason") == "end_filter" else "length"
+            if not req.generated and ev.total > self.spec.prefill_chunk:
+                req.emit(PromptProgress(ev.done, ev.total))
+        else:
+            self._on_tokens(req, ev)
+
+    def _on_tokens(self, req: _Request, ev: Tokens) -> None:
         # The page cache's reuse of the client's prompt (a job's cached pages, carried across its requeues), reported
         # on the request's last token. A continuation job reuses the request's own pages, which is no prefix-cache
         # hit for the client.
         cached = None
-        if r.get("eos"):
-            cached = r.get("cached_tokens") if req.jobs == 1 else req.cached_tokens
-            self._log_job(req, r, cached)
+        if ev.ended:
+            cached = ev.cached_tokens if req.jobs == 1 else req.cached_tokens
+            self._log_job(req, ev, cached)
         if cached is not None:
             self._note_cached(req, cached)
+        ids, logits = ev.reply()
         for i, t in enumerate(ids):
             if req.done:
                 return
-            row = logits[0, i, : self._n_vocab] if logits is not None and i < logits.shape[1] else None
+            row = logits[i, : self._n_vocab] if logits is not None and i < logits.shape[0] else None
             last = i == len(ids) - 1
-            self._emit_token(req, t, row, end=end if last else None, cached=cached if last else None)
+            # A job that ends without a stop token ends on its last token: its grammar completed ("stop", like the
+            # reference engine) or its max_new_tokens (capped by exllamav3 to the cache) ran out ("length").
+            self._emit_token(req, t, row, end=ev.finish if last else None, cached=cached if last else None)
             if req.budget_spent and not req.done:
                 # Budget reached mid-stream: stop this job, close the block, continue in a new job. The first
                 # job's reuse of the prompt is read now: no end-of-job result will carry it.
                 if req.jobs == 1:
-                    self._note_cached(req, _job_cached_tokens(req.job))
+                    self._note_cached(req, self.runtime.cached_tokens(req.job))
                 self._stop_job(req)
                 self._force_close(req)
                 if not req.done:
                     self._start(req)
                 return
-        if r.get("eos") and not req.done:
+        if ev.ended and not req.done:
             # The job ended with no token to end the request on (not expected from exllamav3): end it here.
-            self._finish(req, end or "length")
+            self._finish(req, ev.finish or "length")
 
-    def _log_job(self, req: _Request, r: dict, cached: int | None) -> None:
+    def _log_job(self, req: _Request, ev: Tokens, cached: int | None) -> None:
         """One line per finished job: where its time went (exllamav3's queue, prefill and generate times) and, in
         the tiered modes, where its picks were read from since the request started (slow agent turns are read
         from these lines)."""
-        prompt = int(r.get("prompt_tokens") or 0)
-        prefill_s = float(r.get("time_prefill") or 0.0)
+        times = ev.times
+        prompt, prefill_s = times.prompt_tokens, times.prefill_s
         new = prompt - int(cached or 0)
         line = (f"request {req.request_id} job {req.jobs}: prompt {prompt} tokens, {cached or 0} cached, {new} "
                 f"prefilled in {prefill_s:.2f} s ({new / prefill_s if prefill_s > 0 else 0:.0f} tok/s), queued "
-                f"{float(r.get('time_enqueued') or 0.0):.2f} s; {int(r.get('new_tokens') or 0)} tokens in "
-                f"{float(r.get('time_generate') or 0.0):.2f} s")
+                f"{times.enqueued_s:.2f} s; {times.new_tokens or 0} tokens in {times.generate_s:.2f} s")
         if self.tiered is not None and req.tier_counts is not None:
             from glm53.tiers.stats import counts_delta, describe_counts
 
@@ -606,7 +412,7 @@ class Exl3Engine(WorkerEngine):
 
     def _mark_kv_waiting(self) -> None:
         """Running requests whose job exllamav3 holds back (no free pages for its next segment) are waiting."""
-        pending = set(map(id, self.generator.pending_jobs))
+        pending = self.runtime.waiting()
         with self._cv:
             for req in self._running:
                 req.kv_waiting = req.job is not None and id(req.job) in pending
@@ -623,48 +429,12 @@ class Exl3Engine(WorkerEngine):
 
             torch.cuda.empty_cache()
         try:
-            self.generator.clear_queue()
+            self.runtime.clear()
         except Exception:  # the generator may be wedged by the failure; the next request will tell
             log.exception("exllamav3 engine: clearing the queue after a failure failed")
 
     def _drop_jobs(self) -> None:
         try:
-            self.generator.clear_queue()
+            self.runtime.clear()
         except Exception:
             log.debug("clear_queue on shutdown failed", exc_info=True)
-
-
-def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Exl3Engine:
-    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: exactly the plan's EngineSpec."""
-    if plan.engine is None:
-        raise ValueError(f"a {plan.mode} plan has no engine spec")
-    return Exl3Engine(model_dir, plan.engine, model_id=settings.model_id,
-                      routing_stats_dir=Path(settings.cache_dir).expanduser())
-
-
-def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineSpec:
-    """The no-model demo on a GPU: the tiny EXL3 fixture in exact mode with a quarter of its experts in VRAM, so
-    the demo exercises the tiers and the PCIe lane like the real model does."""
-    from glm53.plan import DEMO_CONTEXT
-    from glm53.shape import from_checkpoint
-
-    shape = from_checkpoint(model_dir)
-    return engine_spec("exact", moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,
-                       top_k=shape.top_k, vram_slots=max(1, shape.experts_per_layer // 4),
-                       kv_tokens=min(settings.context, DEMO_CONTEXT["gpu"]),
-                       context=min(settings.context, shape.max_context or settings.context),
-                       max_concurrency=concurrency_of(settings)[0], device=device, split="a quarter of each layer")
-
-
-def demo_engine(cache_dir: Path, settings: Any) -> tuple[Exl3Engine, Path]:
-    model_dir = ensure_exl3_demo_model(Path(cache_dir).expanduser())
-    return Exl3Engine(model_dir, demo_spec(model_dir, settings), model_id=settings.model_id), model_dir
-
-
-def _job_cached_tokens(job: Any) -> int:
-    """Prompt tokens a running exllamav3 job took from the page cache (what its end-of-job result would report:
-    carried across requeues in rq_cached)."""
-    carried = getattr(job, "rq_cached", None)
-    if carried is not None:
-        return int(carried[1])
-    return int(job.cached_pages) * PAGE + int(job.cached_tokens)

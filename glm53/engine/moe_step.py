@@ -1,6 +1,6 @@
 """The host side of one MoE layer step under exllamav3's expert kernels: where every pick's bytes are read from.
 
-exllamav3 routes, then calls the adapter's seam (glm53.engine.exl3_adapter) with the picks; the seam hands them
+exllamav3 routes, then calls the seam (glm53.exl3.tiered) with the picks; the seam hands them
 here and gets back a slot id per pick. A slot id is one of the layer's S cache slots (a VRAM hit, or an expert
 admitted this step), one of the P staging slots shared by all layers (a miss streamed over PCIe without
 admission), or `masked` (S + P: outside the module's expert interval, so exllamav3's kernels add exact zeros

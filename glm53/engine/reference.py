@@ -33,8 +33,8 @@ import torch
 
 from glm53.engine import constrain, sampling
 from glm53.engine.interface import PromptProgress
+from glm53.engine.quiet import quiet_transformers
 from glm53.engine.worker import END, Request, WorkerEngine, out_of_memory_names_knobs
-from glm53.fixture.hf import quiet_transformers
 
 log = logging.getLogger("glm53.engine")
 

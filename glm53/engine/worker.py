@@ -216,7 +216,7 @@ class WorkerEngine(ABC):
         """Tokenizer, eos ids and think tokens from the checkpoint's HF files; returns its text config."""
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        from glm53.fixture.hf import quiet_transformers
+        from glm53.engine.quiet import quiet_transformers
         from glm53.markup import THINK_CLOSE, THINK_OPEN
 
         with quiet_transformers():

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from dataclasses import dataclass, field
@@ -113,7 +112,9 @@ def model_context(config: dict) -> int | None:
 
 
 def exllamav3_available() -> bool:
-    return importlib.util.find_spec("exllamav3") is not None
+    from glm53.exl3 import contract
+
+    return contract.installed()
 
 
 def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
@@ -128,11 +129,11 @@ def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
 
 
 def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
-    from glm53.engine.exl3_engine import engine_for_plan, gpu_engine_available
+    from glm53.exl3 import contract
     from glm53.plan import PlanError
     from glm53.planning_cli import current_plan
 
-    if not gpu_engine_available():
+    if not contract.gpu_available():
         raise EngineChoiceError(f"{model_dir} is an EXL3 checkpoint: serving it needs a CUDA GPU, and torch sees none "
                                 f"here. Run the container with --gpus all, or leave GLM53_MODEL_DIR empty for the demo.")
     try:
@@ -143,6 +144,16 @@ def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
     banner = [f"serving {model_dir} (EXL3) on the exllamav3 engine, {engine.mode} mode, plan mode {plan.mode}",
               *plan.warnings]
     return EngineChoice(engine, model_dir, False, banner)
+
+
+def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Any:
+    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: exactly the plan's EngineSpec."""
+    from glm53.engine.exl3_engine import Exl3Engine
+
+    if plan.engine is None:
+        raise ValueError(f"a {plan.mode} plan has no engine spec")
+    return Exl3Engine(model_dir, plan.engine, model_id=settings.model_id,
+                      routing_stats_dir=Path(settings.cache_dir).expanduser())
 
 
 def choose_engine(settings: Any) -> EngineChoice:
@@ -159,14 +170,13 @@ def choose_engine(settings: Any) -> EngineChoice:
 
 
 def _demo(settings: Any) -> EngineChoice:
-    from glm53.engine.exl3_engine import demo_engine, gpu_engine_available
+    from glm53.exl3 import contract
+    from glm53.serve.demo import demo_engine, ensure_demo_model
 
-    if gpu_engine_available():
+    if contract.gpu_available():
         engine, model_dir = demo_engine(Path(settings.cache_dir), settings)
         return EngineChoice(engine, model_dir, True, [DEMO_BANNER, f"demo checkpoint {model_dir} (synthetic EXL3) "
                                                       "on the exllamav3 engine, exact mode (output is random text)"])
-    from glm53.engine.demo import ensure_demo_model
-
     model_dir = ensure_demo_model(Path(settings.cache_dir))
     config = read_config(model_dir)
     banner = [DEMO_BANNER,

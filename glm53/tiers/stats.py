@@ -161,7 +161,7 @@ class TierStats:
 
 
 def counts_delta(was: dict[str, int], now: dict[str, int]) -> dict[str, int]:
-    """What a span of work added to running counts (glm53.engine.exl3_adapter.TieredMoE.tier_counts)."""
+    """What a span of work added to running counts (glm53.exl3.tiered.TieredMoE.tier_counts)."""
     return {k: v - was.get(k, 0) for k, v in now.items()}
 
 

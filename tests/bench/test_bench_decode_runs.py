@@ -46,9 +46,12 @@ def ids(*xs: int) -> torch.Tensor:
 
 
 def run(batches: list[list[dict]]) -> dict:
+    from glm53.exl3.runtime import Runtime
+
     runner = B._Runner.__new__(B._Runner)  # no model: the generator is scripted
-    runner.gen, runner.tiered = ScriptedGenerator(batches), None
-    with F.installed():
+    with F.installed() as mods:
+        runner.runtime, runner.tiered = Runtime(Path("."), mods["exllamav3"], None), None
+        runner.runtime.generator = ScriptedGenerator(batches)
         return runner.run([1, 2, 3], 8, seed=0)
 
 

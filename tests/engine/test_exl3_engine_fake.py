@@ -1,6 +1,6 @@
 """Exl3Engine end to end on the CPU, against the fake exllamav3 (tests/support/fake_exllamav3.py).
 
-The fake's Generator runs jobs the way exllamav3 1.6.5 does at the level the engine parses (its result dicts, held
+The fake's Generator runs jobs the way exllamav3 1.6.5 does at the level glm53.exl3.events reads (its result dicts, held
 tokens, eos reasons, the llguidance filter's trigger and completion, a failed job's "error" result) and each forward
 goes through the fake model's MoE layers, so in the tiered modes every step crosses TieredMoE's seam. A generated
 tiny EXL3 checkpoint; every mode the engine serves: stock, exact, fast (the CPU lane), nvme-exact (a record store
@@ -199,12 +199,12 @@ def test_reasoning_budget_forces_think_close_and_continues_in_a_new_job(stock):
     prompt = chat(stock, thinking=True)
     assert prompt[-1] == stock.token_id(gtok.THINK_OPEN)
     close = stock.tokenize(gtok.THINK_CLOSE + "\n")
-    serial = stock.generator.job_serial
+    serial = stock.runtime.generator.job_serial
     params = SamplingParams(temperature=0, max_tokens=10, reasoning_budget=3, reasoning_end_ids=close)
     events = collect(stock, prompt, params)
     assert [e.forced for e in events] == [False] * 3 + [True] * 2 + [False] * 5
     assert tokens(events)[3:5] == close and events[-1].finish_reason == "length" and len(events) == 10
-    assert stock.generator.job_serial == serial + 2  # the continuation is a second job
+    assert stock.runtime.generator.job_serial == serial + 2  # the continuation is a second job
     # It continues exactly as a fresh request on the prompt plus what was emitted
     head = tokens(events)[:5]
     rest = collect(stock, prompt + head, SamplingParams(temperature=0, max_tokens=5))
@@ -217,7 +217,7 @@ def test_a_budget_continuation_reports_the_first_jobs_prefix_reuse(stock, monkey
     # job, and the request's last event reports it (usage.prompt_tokens_details.cached_tokens).
     prompt = chat(stock, thinking=True)
     close = stock.tokenize(gtok.THINK_CLOSE + "\n")
-    enqueue, jobs = stock.generator.enqueue, []
+    enqueue, jobs = stock.runtime.generator.enqueue, []
 
     def enqueue_reusing(job):
         if not jobs:
@@ -225,7 +225,7 @@ def test_a_budget_continuation_reports_the_first_jobs_prefix_reuse(stock, monkey
         jobs.append(job)
         return enqueue(job)
 
-    monkeypatch.setattr(stock.generator, "enqueue", enqueue_reusing)
+    monkeypatch.setattr(stock.runtime.generator, "enqueue", enqueue_reusing)
     events = collect(stock, prompt, SamplingParams(temperature=0, max_tokens=8, reasoning_budget=2,
                                                    reasoning_end_ids=close))
     assert len(jobs) == 2 and events[-1].finish_reason == "length"
@@ -267,19 +267,19 @@ def test_grammar_triggers_on_a_sampled_think_close(stock, monkeypatch):
     after = free[2]  # steer the model: </think> is the most likely token after this one
     assert after not in free[:2]
     think_close = stock.token_id(gtok.THINK_CLOSE)
-    forward = stock.model.forward
+    forward = stock.runtime.model.forward
 
     def steered(input_ids, params):
         logits = forward(input_ids, params)
         logits[..., think_close] += 1000.0 * (input_ids == after).float()
         return logits
 
-    monkeypatch.setattr(stock.model, "forward", steered)
-    serial = stock.generator.job_serial
+    monkeypatch.setattr(stock.runtime.model, "forward", steered)
+    serial = stock.runtime.generator.job_serial
     events = collect(stock, prompt, SamplingParams(temperature=0, max_tokens=30, grammar=GRAMMAR))
     ids = tokens(events)
     assert ids[:4] == [*free[:3], think_close] and not any(e.forced for e in events)
-    assert events[-1].finish_reason == "stop" and stock.generator.job_serial == serial + 1
+    assert events[-1].finish_reason == "stop" and stock.runtime.generator.job_serial == serial + 1
     assert json.loads(stock.detokenize(ids[4:])) in ({"ok": True}, {"ok": False})
 
 
@@ -326,14 +326,14 @@ def test_long_prompts_and_the_end_of_the_context(ck):
 def test_a_failed_prefill_fails_its_request(stock, monkeypatch):
     """exllamav3 contains a job's prefill failure (an "error" result without the identifier): the request must
     fail, not hang, and the engine keep serving."""
-    forward = stock.model.forward
+    forward = stock.runtime.model.forward
 
     def broken(input_ids, params):
         if input_ids.shape[1] > 1:
             raise RuntimeError("simulated prefill fault")
         return forward(input_ids, params)
 
-    monkeypatch.setattr(stock.model, "forward", broken)
+    monkeypatch.setattr(stock.runtime.model, "forward", broken)
 
     async def main():
         return await asyncio.wait_for(collect_async(stock, list(range(1, 40))), timeout=10)
@@ -341,19 +341,19 @@ def test_a_failed_prefill_fails_its_request(stock, monkeypatch):
     with pytest.raises(EngineError, match="simulated prefill fault"):
         asyncio.run(main())
     monkeypatch.undo()
-    assert stock.stats()["requests_failed"] >= 1 and stock.generator.num_remaining_jobs() == 0
+    assert stock.stats()["requests_failed"] >= 1 and stock.runtime.generator.num_remaining_jobs() == 0
     assert len(collect(stock, [1, 2, 3], SamplingParams(temperature=0, max_tokens=3))) == 3
 
 
 def test_a_request_that_cannot_start_fails_alone(stock, monkeypatch):
-    enqueue = stock.generator.enqueue
+    enqueue = stock.runtime.generator.enqueue
 
     def refuse(job):
         if job.input_ids.shape[1] == 9:
             raise AssertionError("Job requires 3 pages (only 2 available) and cannot be enqueued")
         return enqueue(job)
 
-    monkeypatch.setattr(stock.generator, "enqueue", refuse)
+    monkeypatch.setattr(stock.runtime.generator, "enqueue", refuse)
 
     async def main():
         other = stock.generate([5, 6, 7], SamplingParams(temperature=0, max_tokens=20), "running")
@@ -372,7 +372,7 @@ def test_held_tokens_arrive_together(stock, monkeypatch):
     assert len(chars) == 6 and all(stock.detokenize([t]) == "\ufffd" for t in chars)
     prompt = [5, 6, 7]
     after = dict(zip([prompt[-1], *chars[:-1]], chars, strict=True))  # steer: each token is followed by the next
-    forward = stock.model.forward
+    forward = stock.runtime.model.forward
 
     def steered(input_ids, params):
         logits = forward(input_ids, params)
@@ -381,15 +381,15 @@ def test_held_tokens_arrive_together(stock, monkeypatch):
         return logits
 
     released = []
-    on_result = stock._on_result
+    on_tokens = stock._on_tokens
 
-    def spy(r):
-        if r.get("stage") == "streaming" and "token_ids" in r:
-            released.append(r["token_ids"].shape[1])
-        on_result(r)
+    def spy(req, ev):
+        if ev.token_ids:
+            released.append(len(ev.token_ids))
+        on_tokens(req, ev)
 
-    monkeypatch.setattr(stock.model, "forward", steered)
-    monkeypatch.setattr(stock, "_on_result", spy)
+    monkeypatch.setattr(stock.runtime.model, "forward", steered)
+    monkeypatch.setattr(stock, "_on_tokens", spy)
     events = collect(stock, prompt, SamplingParams(temperature=0, max_tokens=8, logprobs=1))
     assert tokens(events)[:6] == chars and released[:2] == [3, 3]
     assert [e.text for e in events[:6]] == ["", "", "東", "", "", "京"]
@@ -415,9 +415,9 @@ def test_closing_the_stream_cancels_the_job(stock):
     before = stock.stats()["requests_cancelled"]
     asyncio.run(main())
     deadline = time.monotonic() + 5
-    while (stock.stats()["running"] or stock.generator.num_remaining_jobs()) and time.monotonic() < deadline:
+    while (stock.stats()["running"] or stock.runtime.generator.num_remaining_jobs()) and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert stock.stats()["requests_cancelled"] == before + 1 and stock.generator.num_remaining_jobs() == 0
+    assert stock.stats()["requests_cancelled"] == before + 1 and stock.runtime.generator.num_remaining_jobs() == 0
 
 
 def test_moe_cpu_split_is_refused(ck, monkeypatch):
@@ -432,7 +432,7 @@ def test_moe_cpu_split_is_refused(ck, monkeypatch):
 
 def test_close_fails_in_flight_requests_and_restores_the_model(ck):
     with running(ck, "exact") as engine:
-        model = engine.model
+        model = engine.runtime.model
         stepped = asyncio.Event()
 
         async def main():
@@ -450,7 +450,7 @@ def test_close_fails_in_flight_requests_and_restores_the_model(ck):
 
         (result,) = asyncio.run(main())
         assert isinstance(result, EngineNotReady)
-        assert not engine.ready and engine.generator is None and engine.tiered is None and engine.model is None
+        assert not engine.ready and engine.runtime is None and engine.tiered is None
         assert not model.loaded and not any(c.initialized for c in model.caches)
         for m in model.moe():
             assert m.num_local_experts == m.num_experts and m.routing_first is None and m.cpu_split_first is None
@@ -522,9 +522,9 @@ def test_the_warm_up_runs_every_shape_before_serving(ck, fake_exllamav3, monkeyp
     """Every row count and decode batch glm53.engine.warmup lists goes through the generator before the engine is
     ready, in both regimes when the model has a sparse indexer (a top-k on the fake's config): on exllamav3 each is
     a kernel variant compiled at start-up instead of inside a user's request."""
-    from glm53.engine.exl3_adapter import SMALL_QUERY_ROWS
     from glm53.engine.exl3_engine import Exl3Engine
     from glm53.engine.warmup import warmup_shapes
+    from glm53.exl3.contract import SMALL_QUERY_ROWS
     from glm53.spec import PAGE
 
     prompts, batches = [], set()

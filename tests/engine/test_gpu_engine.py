@@ -28,7 +28,8 @@ def greedy_runs(model_dir, prompts, steps, slots=None, staging=None, admit=True,
     import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
 
-    from glm53.engine.exl3_adapter import TieredMoE, place_layers
+    from glm53.exl3.placement import place_layers
+    from glm53.exl3.tiered import TieredMoE
 
     config = Config.from_directory(str(model_dir))
     model = Model.from_config(config)

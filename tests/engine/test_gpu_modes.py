@@ -49,7 +49,7 @@ def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None) 
     import torch
     from exllamav3 import Config, Model
 
-    from glm53.engine.exl3_adapter import TieredMoE
+    from glm53.exl3.tiered import TieredMoE
 
     model = Model.from_config(Config.from_directory(str(model_dir)))
     tiered = None

@@ -131,7 +131,8 @@ def test_two_cards_long_prompt_within_budgets(tmp_path, exl3):
     import torch
     from exllamav3 import ArgmaxSampler, Cache, Config, Generator, Job, Model, Tokenizer
 
-    from glm53.engine.exl3_adapter import TieredMoE, place_layers
+    from glm53.exl3.placement import place_layers
+    from glm53.exl3.tiered import TieredMoE
 
     path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=3, mtp_layers=0, shards=4,
                                  router_skew=(0.11, 0.40))

@@ -65,10 +65,10 @@ def test_exl3_checkpoint_without_exllamav3_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(engines, "exllamav3_available", lambda: False)
     with pytest.raises(EngineChoiceError, match="exllamav3"):
         choose_engine(settings(model_dir=str(d)))
-    import glm53.engine.exl3_engine as exl3_engine
+    from glm53.exl3 import contract
 
     monkeypatch.setattr(engines, "exllamav3_available", lambda: True)
-    monkeypatch.setattr(exl3_engine, "gpu_engine_available", lambda: False)
+    monkeypatch.setattr(contract, "gpu_available", lambda: False)
     with pytest.raises(EngineChoiceError, match="needs a CUDA GPU"):
         choose_engine(settings(model_dir=str(d)))
 
@@ -88,7 +88,7 @@ def test_hf_checkpoint_and_demo_use_the_reference_engine(hf_model_dir, monkeypat
     assert choice.engine.kind == "reference-cpu" and not choice.demo
     assert choice.engine.context_length == 4096  # clamped to the checkpoint's window
     assert choice.engine.max_running == 3 and not choice.engine.ready  # the app loads it
-    import glm53.engine.demo as demo
+    import glm53.serve.demo as demo
 
     monkeypatch.setattr(demo, "ensure_demo_model", lambda cache_dir: hf_model_dir)
     choice = choose_engine(settings(cache_dir=str(tmp_path), context="1024"))

@@ -1,4 +1,4 @@
-"""A fake exllamav3 1.6.5 for CPU tests of glm53.engine.exl3_adapter's glue and of Exl3Engine (helpers only, no
+"""A fake exllamav3 1.6.5 for CPU tests of glm53.exl3's glue and of Exl3Engine (helpers only, no
 tests here).
 
 `installed()` puts fake modules into sys.modules for the duration of a `with` block (exllamav3, .version,

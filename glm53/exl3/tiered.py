@@ -1,8 +1,7 @@
-"""The one place that touches exllamav3 internals: routed experts of every MoE layer through glm53.tiers.
+"""TieredMoE: routed experts of every MoE layer of an exllamav3 model through glm53.tiers.
 
-Supported: exllamav3 1.6.5 (layer-split loading, one CUDA device). `check_contract()` verifies every hook below
-at start-up and fails with the missing piece named, before any weight is read. The CPU tests run this glue end to
-end against a fake exllamav3 that imitates these hooks (tests/support/fake_exllamav3.py, tests/engine/test_exl3_adapter_glue.py)
+glm53.exl3.contract checks every exllamav3 internal this relies on at start-up. The CPU tests run this glue end to
+end against a fake exllamav3 that imitates these hooks (tests/support/fake_exllamav3.py, tests/exl3/test_exl3_tiered_glue.py)
 on a CPU device, where host buffers are not pinned and there is no stream to synchronise.
 
 How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
@@ -37,11 +36,8 @@ resident, after its copy's ticket says the bytes landed (ExpertTiers.settle / po
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import os
-import re
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -52,153 +48,21 @@ from typing import Any
 import numpy as np
 
 from glm53.engine.moe_step import MoeStepper
+from glm53.exl3.contract import MAX_BSZN
+from glm53.exl3.placement import decoder_layer, moe_modules
+from glm53.exl3.tensors import SafetensorsIndex
 from glm53.spec import EngineSpec, staging_for
-from store.safetensors_header import read_safetensors_header
 
 log = logging.getLogger("glm53.engine")
 
-SUPPORTED_VERSION = "1.6.5"
 PROJECTIONS = ("gate", "up", "down")
-MAX_BSZN = 8  # exllamav3's fused decode kernel row limit (block_sparse_mlp.MAX_BSZN); checked by the contract
-# The most query rows MLA attention runs through its captured path (mla_attn.MAX_DECODE_QLEN), compiled per row
-# count: the warm-up covers each (glm53.engine.warmup); checked by the contract
-SMALL_QUERY_ROWS = 16
-
-
-class Exl3ContractError(RuntimeError):
-    """The installed exllamav3 lacks something the adapter hooks (another version, or a changed internal)."""
 
 
 class Exl3TierError(RuntimeError):
     """A step could not make its picks readable on the GPU (configuration too small): fail loudly, never guess."""
 
 
-@dataclass(frozen=True)
-class Hook:
-    """One thing the adapter relies on: `target` is "module:Class" or "module", `name` an attribute on it."""
-
-    target: str
-    name: str
-    why: str
-    source_contains: str | None = None  # for methods: a call that must appear in the method's source
-
-
-CONTRACT: tuple[Hook, ...] = (
-    Hook("exllamav3", "Config", "Config.from_directory reads the checkpoint"),
-    Hook("exllamav3", "Model", "Model.from_config builds the modules we patch before load()"),
-    Hook("exllamav3", "Cache", "paged KV cache sized by the plan"),
-    Hook("exllamav3", "Tokenizer", "the generator's tokenizer"),
-    Hook("exllamav3", "Generator", "jobs, streaming, sampling"),
-    Hook("exllamav3", "Job", "one request"),
-    Hook("exllamav3.modules.block_sparse_mlp", "MAX_BSZN", "decode batches (<= 8 rows) run the fused kernel"),
-    Hook("exllamav3.modules.mla_attn", "MAX_DECODE_QLEN", "MLA's small-query path, compiled per row count (warm-up)"),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
-         "calls the CPU-split seam after routing, before any expert kernel", "self.cpu_split_submit("),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
-         "folds the seam's partial back in (None: identity)", "self.cpu_split_combine("),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "load",
-         "builds the pointer tables from the (slot) expert lists after the submodules load", "self.load_local("),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "load_local",
-         "bakes expert tensor pointers into MultiLinear / BC_BlockSparseMLP", "MultiLinear("),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "cpu_unload",
-         "restores the expert lists from _split_saved on unload", "self._split_saved"),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "cpu_split_combine",
-         "the stock combine (identity for a None partial); replaced per instance to add the CPU lane's partial"),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "forward",
-         "the torch expert path we mirror to recompute a CPU-lane job on the GPU", "self.activation_fn_call(g, u, a"),
-    Hook("exllamav3.modules.block_sparse_mlp_routing", "RoutingCFG",
-         "gate_tensor (hidden, experts) and e_score_correction_bias: the next layer's router, run ahead"),
-    Hook("exllamav3.modules.block_sparse_mlp:BlockSparseMLP", "_cpu_init_state",
-         "initialises cpu_split_first / _split_map to None"),
-    Hook("exllamav3.modules.linear:Linear", "load", "replaced per slot Linear: builds LinearEXL3 on arena views"),
-    Hook("exllamav3.modules.linear:Linear", "load_exl3", "the stock EXL3 load we mirror (codebook markers)",
-         "get_codebook_marker("),
-    Hook("exllamav3.modules.quant.exl3:LinearEXL3", "__init__",
-         "LinearEXL3(config, in, out, scale, su, sv, suh, svh, trellis, mcg, mul1, bias, out_dtype, key=)",
-         "ext.BC_LinearEXL3("),
-    Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mul1_mult", "mul1 codebook marker value"),
-    Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mcg_mult", "mcg codebook marker value"),
-)
-
-ROUTING_FIELDS = ("gate_tensor", "e_score_correction_bias", "num_experts_per_tok", "n_group", "topk_group")
 LANE_TAG = "glm53-cpu-lane"  # marks our cpu_pending: (LANE_TAG, LaneTicket, rows)
-
-# LinearEXL3's positional parameters, in order: the slot loader passes them by position like the stock loader.
-LINEAR_EXL3_PARAMS = ("config", "in_features", "out_features", "scale", "su", "sv", "suh", "svh", "trellis", "mcg",
-                      "mul1", "bias", "out_dtype")
-
-
-def describe_contract() -> str:
-    """The contract as text (for logs and `glm53 bench decode --help`-style output)."""
-    lines = [f"glm53 exllamav3 adapter contract (exllamav3 {SUPPORTED_VERSION}):"]
-    for h in CONTRACT:
-        extra = f" [source contains {h.source_contains!r}]" if h.source_contains else ""
-        lines.append(f"  {h.target}.{h.name}: {h.why}{extra}")
-    return "\n".join(lines)
-
-
-def _resolve(target: str, importer: Callable[[str], Any]) -> Any:
-    mod_name, _, cls = target.partition(":")
-    obj = importer(mod_name)
-    return getattr(obj, cls) if cls else obj
-
-
-def check_contract(importer: Callable[[str], Any] | None = None, version: str | None = None) -> None:
-    """Raise Exl3ContractError naming the first missing piece; `importer`/`version` let CPU tests inject fakes."""
-    import importlib
-
-    importer = importer or importlib.import_module
-    where = f"glm53 supports exllamav3 {SUPPORTED_VERSION} only"
-    if version is None:
-        try:
-            version = importer("exllamav3.version").__version__
-        except Exception as exc:  # an ImportError, or a broken build: both mean "not usable"
-            raise Exl3ContractError(f"exllamav3 is not importable ({exc!r}); {where}") from exc
-    if version != SUPPORTED_VERSION:
-        raise Exl3ContractError(f"exllamav3 {version} is installed; {where} (pip install exllamav3=={SUPPORTED_VERSION})")
-    for h in CONTRACT:
-        try:
-            owner = _resolve(h.target, importer)
-        except (ImportError, AttributeError) as exc:
-            raise Exl3ContractError(f"exllamav3 {version}: {h.target} is missing ({exc}); {where}") from exc
-        if not hasattr(owner, h.name):
-            raise Exl3ContractError(f"exllamav3 {version}: {h.target}.{h.name} is missing (needed: {h.why}); {where}")
-        if h.source_contains:
-            try:
-                src = inspect.getsource(getattr(owner, h.name))
-            except (OSError, TypeError) as exc:
-                raise Exl3ContractError(f"exllamav3 {version}: cannot read the source of {h.target}.{h.name} "
-                                        f"to check it ({exc}); {where}") from exc
-            if h.source_contains not in src:
-                raise Exl3ContractError(f"exllamav3 {version}: {h.target}.{h.name} no longer contains "
-                                        f"{h.source_contains!r} (needed: {h.why}); {where}")
-    lin = _resolve("exllamav3.modules.quant.exl3:LinearEXL3", importer)
-    params = tuple(inspect.signature(lin.__init__).parameters)[1 : 1 + len(LINEAR_EXL3_PARAMS)]
-    if params != LINEAR_EXL3_PARAMS:
-        raise Exl3ContractError(f"exllamav3 {version}: LinearEXL3.__init__ takes {params}, expected "
-                                f"{LINEAR_EXL3_PARAMS}; {where}")
-    fields = getattr(_resolve("exllamav3.modules.block_sparse_mlp_routing:RoutingCFG", importer),
-                     "__dataclass_fields__", {})
-    for name in ROUTING_FIELDS:
-        if name not in fields:
-            raise Exl3ContractError(f"exllamav3 {version}: RoutingCFG has no field {name!r} (needed: the router "
-                                    f"lookahead); {where}")
-    bsz = _resolve("exllamav3.modules.block_sparse_mlp", importer).MAX_BSZN
-    if bsz != MAX_BSZN:
-        raise Exl3ContractError(f"exllamav3 {version}: MAX_BSZN is {bsz}, expected {MAX_BSZN}; {where}")
-    rows = _resolve("exllamav3.modules.mla_attn", importer).MAX_DECODE_QLEN
-    if rows != SMALL_QUERY_ROWS:
-        raise Exl3ContractError(f"exllamav3 {version}: MAX_DECODE_QLEN is {rows}, expected {SMALL_QUERY_ROWS} (the "
-                                f"warm-up's small-query shapes); {where}")
-
-
-# ---- pure helpers (CPU-tested) ---------------------------------------------------------------------------------
-
-def moe_modules(model: Any) -> list:
-    """The model's routed-expert layers (exllamav3 BlockSparseMLP modules), in layer order."""
-    from exllamav3.modules.block_sparse_mlp import BlockSparseMLP
-
-    return [m for top in model.modules for m in top if isinstance(m, BlockSparseMLP)]
 
 
 def staging_needed(rows: int, top_k: int, num_experts: int) -> int:
@@ -206,76 +70,6 @@ def staging_needed(rows: int, top_k: int, num_experts: int) -> int:
     return min(num_experts, rows * top_k)
 
 
-_ST_DTYPES = {"I16": np.int16, "F16": np.float16, "BF16": None, "F32": np.float32, "I32": np.int32, "I64": np.int64,
-              "U8": np.uint8}
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    path: Path
-    dtype: str  # safetensors dtype string (I16, F16, ...)
-    shape: tuple[int, ...]
-    offset: int  # absolute byte offset of the data in the file
-    nbytes: int
-
-
-class SafetensorsIndex:
-    """Tensor name -> where its bytes are, from the headers of every *.safetensors file on disk.
-
-    Like exllamav3, it never trusts model.safetensors.index.json (the published checkpoint's index omits files).
-    Reads are raw `pread`s into caller buffers: the bytes that land are exactly the checkpoint's, which is
-    what stock exllamav3 loads for int16 trellis and fp16 scales (no conversion on either side)."""
-
-    def __init__(self, model_dir: str | os.PathLike):
-        self.model_dir = Path(model_dir)
-        self.entries: dict[str, TensorEntry] = {}
-        files = sorted(self.model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors files in {self.model_dir}")
-        for path in files:
-            head = read_safetensors_header(path)
-            for name, t in head.tensors.items():
-                self.entries[name] = TensorEntry(path, t.dtype, t.shape, head.data_start + t.begin, t.nbytes)
-        self._fds: dict[Path, int] = {}
-        self._lock = threading.Lock()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def entry(self, name: str) -> TensorEntry:
-        try:
-            return self.entries[name]
-        except KeyError:
-            raise KeyError(f"tensor {name} is in no *.safetensors file of {self.model_dir}") from None
-
-    def _fd(self, path: Path) -> int:
-        with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            return fd
-
-    def read_into(self, name: str, out: np.ndarray, start: int = 0, length: int | None = None) -> None:
-        """Copy bytes [start, start+length) of tensor `name` into the uint8 array `out` (exactly that size)."""
-        e = self.entry(name)
-        length = e.nbytes - start if length is None else length
-        if out.dtype != np.uint8 or out.nbytes != length:
-            raise ValueError(f"{name}: destination of {out.nbytes} bytes for {length}")
-        fd, mv, done = self._fd(e.path), memoryview(out).cast("B"), 0
-        while done < length:
-            n = os.preadv(fd, [mv[done:]], e.offset + start + done)
-            if n <= 0:
-                raise OSError(f"{e.path}: short read of {name} at byte {start + done} of {e.nbytes}")
-            done += n
-
-    def close(self) -> None:
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-
-# ---- the runtime: tiered routed experts under a loaded exllamav3 model ------------------------------------------
 
 @dataclass
 class _Layer:
@@ -798,14 +592,6 @@ class TieredMoE:
         self.index.close()
 
 
-_LAYER_KEY = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
-
-def _decoder_layer(key: str) -> int | None:
-    m = _LAYER_KEY.search(key)
-    return int(m.group(1)) if m else None
-
-
 def _links(spec: EngineSpec, mods: Sequence[Any]) -> tuple[list[str], list[int]]:
     """Each link's device and each MoE module's link, from the spec's device shares; every module's decoder layer
     must lie in its share's layers (else the plan was made for another checkpoint)."""
@@ -813,41 +599,13 @@ def _links(spec: EngineSpec, mods: Sequence[Any]) -> tuple[list[str], list[int]]
 
     devices, link_of = link_plan(spec.devices, len(mods), spec.device)
     for m, i in zip(mods, link_of, strict=True):
-        layer = _decoder_layer(m.key)
+        layer = decoder_layer(m.key)
         if spec.devices and layer is not None and not spec.devices[i].first_layer <= layer <= spec.devices[i].last_layer:
             raise Exl3TierError(f"{m.key} is MoE layer {mods.index(m)}, which the spec's device shares put on "
                                 f"{spec.devices[i].device} with decoder layers {spec.devices[i].first_layer}-"
                                 f"{spec.devices[i].last_layer}: the plan was made for another checkpoint")
     return devices, link_of
 
-
-def place_layers(model: Any, spec: EngineSpec) -> Callable[[], None]:
-    """exllamav3's layer split by the spec's device shares: each top-level module loads onto its decoder layer's
-    share's device (the embedding with the first layer, the head with the last), its cache layers with it, since
-    exllamav3 allocates them in the module's load. `model.load(device=...)` then runs the stock single-device
-    loader, module by module, on the devices given here. No shares: nothing changes. Returns the undo."""
-    from glm53.devices import share_of_layer
-
-    if not spec.devices:
-        return lambda: None
-    import torch
-
-    cpu = spec.device == "cpu"
-    targets, seen = [], False
-    for mod in model.modules:
-        layer = _decoder_layer(mod.key)
-        seen = seen or layer is not None
-        share = share_of_layer(spec.devices, layer) if layer is not None else (len(spec.devices) - 1 if seen else 0)
-        targets.append(torch.device("cpu" if cpu else spec.devices[share].device))
-
-    def wrap(i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def load(device: Any, *args: Any, **kwargs: Any) -> Any:
-            # A module exllamav3 keeps on the CPU (an unquantized embedding) stays there.
-            return orig(device if torch.device(device).type == "cpu" else targets[i], *args, **kwargs)
-
-        return load
-
-    return _wrap_loads(model.modules, wrap)
 
 
 def _slot_loader(lin: Any, trellis: Any, suh: Any, svh: Any, mcg: Any, mul1: Any) -> Callable[..., None]:
@@ -890,32 +648,3 @@ def _combine(module: Any, stepper: Any) -> Callable[..., Any]:
 
     return cpu_split_combine
 
-
-def wrap_load_progress(model: Any, report: Callable[[int, int], None]) -> Callable[[], None]:
-    """Report after each top-level module of `model` loads (exllamav3's single-device loader has no callback).
-    Returns a function that removes the wrappers."""
-    total = len(model.modules)
-
-    def wrap(i: int, orig: Callable[..., Any]) -> Callable[..., Any]:
-        def load(*args: Any, **kwargs: Any) -> Any:
-            out = orig(*args, **kwargs)
-            report(i + 1, total)
-            return out
-
-        return load
-
-    return _wrap_loads(model.modules, wrap)
-
-
-def _wrap_loads(mods: Sequence[Any], wrap: Callable[[int, Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
-    """Replace each module's `load` by wrap(index, its load), as an instance attribute; returns the undo (which
-    removes every wrapper of these modules at once, whoever stacked them)."""
-    mods = list(mods)
-    for i, mod in enumerate(mods):
-        mod.load = wrap(i, mod.load)
-
-    def undo() -> None:
-        for mod in mods:
-            mod.__dict__.pop("load", None)
-
-    return undo

@@ -1,5 +1,5 @@
-"""The exllamav3 adapter's pure parts, on the CPU: the contract check and the header index. (The host side of a
-layer step, which the adapter delegates to, is tested in test_moe_step.py.)"""
+"""glm53.exl3's pure parts, on the CPU: the contract check, the staging rule and the header index. (The host side
+of a layer step, which the seam delegates to, is tested in test_moe_step.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import types
 import numpy as np
 import pytest
 
-from glm53.engine import exl3_adapter as A
+from glm53.exl3 import contract as A
+from glm53.exl3.tensors import SafetensorsIndex
+from glm53.exl3.tiered import staging_needed
 
 # ---- a fake exllamav3 that satisfies the contract (method bodies carry the calls the contract looks for) --------
 
@@ -142,9 +144,9 @@ def test_describe_contract_lists_every_hook():
 
 
 def test_staging_needed():
-    assert A.staging_needed(1, 8, 288) == 8
-    assert A.staging_needed(8, 8, 288) == 64
-    assert A.staging_needed(2048, 8, 288) == 288
+    assert staging_needed(1, 8, 288) == 8
+    assert staging_needed(8, 8, 288) == 64
+    assert staging_needed(2048, 8, 288) == 288
 
 
 # ---- the header index -------------------------------------------------------------------------------------------
@@ -169,7 +171,7 @@ def test_index_reads_raw_bytes_from_every_shard_ignoring_the_index_json(tmp_path
     _write_safetensors(tmp_path / "model-00001.safetensors", {"a.trellis": t})
     _write_safetensors(tmp_path / "kpool_aux.safetensors", {"a.suh": s})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a.trellis": "x"}}))
-    idx = A.SafetensorsIndex(tmp_path)
+    idx = SafetensorsIndex(tmp_path)
     assert "a.suh" in idx and idx.entry("a.trellis").shape == (4, 8, 48) and idx.entry("a.suh").dtype == "F16"
     out = np.zeros(t.nbytes, np.uint8)
     idx.read_into("a.trellis", out)
@@ -186,7 +188,7 @@ def test_index_reads_raw_bytes_from_every_shard_ignoring_the_index_json(tmp_path
 
 def test_index_needs_safetensors(tmp_path):
     with pytest.raises(FileNotFoundError):
-        A.SafetensorsIndex(tmp_path)
+        SafetensorsIndex(tmp_path)
 
 
 def test_contract_needs_the_routing_fields_the_lookahead_reads():

@@ -1,4 +1,4 @@
-"""The exllamav3 adapter's glue end to end on the CPU, against a fake exllamav3 (tests/support/fake_exllamav3.py).
+"""glm53.exl3's glue (TieredMoE, the layer placement) end to end on the CPU, against a fake exllamav3 (tests/support/fake_exllamav3.py).
 
 TieredMoE shrinks every FakeBlockSparseMLP of a model built from a generated EXL3 checkpoint to slot Linears on
 the tier arenas (install, load, populate), then each forward goes through its seam (step: ids to the host, the
@@ -15,7 +15,9 @@ import pytest
 import torch
 from specs import packed_store, spec_for, split_spec
 
-from glm53.engine import exl3_adapter as A
+from glm53.exl3.contract import check_contract
+from glm53.exl3.placement import place_layers, wrap_load_progress
+from glm53.exl3.tiered import Exl3TierError, TieredMoE
 from glm53.fixture.exl3 import write_exl3_checkpoint
 
 HIDDEN = 256
@@ -56,14 +58,14 @@ def stock_model(ck, interm=torch.half) -> F.Model:
 
 
 def tiered_model(ck, interm=torch.half, slots=SLOTS, staging_slots=None, nvme_open=None, staging_rows=None,
-                 **kw) -> tuple[F.Model, A.TieredMoE]:
+                 **kw) -> tuple[F.Model, TieredMoE]:
     """The fake model with TieredMoE installed and populated (the engine's lifecycle); sized by nvme_open's spec in
     the nvme modes, else by an exact-mode spec of `slots` per layer (staging_rows: its own staging rows, the rest
     borrowed cache slots)."""
     model = F.Model.from_config(F.Config.from_directory(str(ck)), interm_dtype=interm)
     spec = nvme_open.spec if nvme_open is not None else spec_for(ck, "exact", slots, staging_slots=staging_slots,
                                                                  staging_rows=staging_rows)
-    tiered = A.TieredMoE(model, ck, spec, nvme_open=nvme_open, **kw)
+    tiered = TieredMoE(model, ck, spec, nvme_open=nvme_open, **kw)
     tiered.install()
     model.load("cpu")
     tiered.populate()
@@ -91,7 +93,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
-def drive(stock: F.Model, model: F.Model, rows: list[int], seed: int, check, tiered: A.TieredMoE | None = None):
+def drive(stock: F.Model, model: F.Model, rows: list[int], seed: int, check, tiered: TieredMoE | None = None):
     """Forward the same inputs through both models, layer by layer (the next layer's input is the stock output
     added to the residual and normalised, so a router run ahead sees a related input); check(step, layer, rows,
     got, want) per layer; invariants every few steps."""
@@ -150,7 +152,7 @@ def nvme_opener(store, ck, ram_records: int, mode: str, slots=SLOTS, staging_slo
     return open_
 
 
-def masked_picks(model: F.Model, tiered: A.TieredMoE) -> int:
+def masked_picks(model: F.Model, tiered: TieredMoE) -> int:
     """Picks the fake kernels masked; and every slot id they saw was a slot or the layer's masked id."""
     total = 0
     for li, m in enumerate(model.moe()):
@@ -167,7 +169,7 @@ def masked_picks(model: F.Model, tiered: A.TieredMoE) -> int:
 def test_the_fake_satisfies_the_contract_and_computes_the_reference(ck):
     from glm53.exl3ref import expert_forward, read_exl3_linear
 
-    A.check_contract()  # through sys.modules: what TieredMoE's imports see
+    check_contract()  # through sys.modules: what TieredMoE's imports see
     m = stock_model(ck).moe()[0]
     x = rms(torch.from_numpy(np.random.default_rng(0).standard_normal((1, 1, HIDDEN))))
     y = m.forward(x, {}).clone()
@@ -466,7 +468,7 @@ def test_close_restores_the_modules(ck, order):
     stock = stock_model(ck)
     model = F.Model.from_config(F.Config.from_directory(str(ck)))
     before = [(m.gates, m.ups, m.downs, list(m.modules)) for m in model.moe()]
-    tiered = A.TieredMoE(model, ck, spec_for(ck, "exact", SLOTS), lookahead=False)
+    tiered = TieredMoE(model, ck, spec_for(ck, "exact", SLOTS), lookahead=False)
     tiered.install()
     if order == "installed-only":
         tiered.close()
@@ -502,7 +504,7 @@ def test_close_restores_the_modules(ck, order):
 def test_load_progress_reports_each_top_level_module(ck):
     model = F.Model.from_config(F.Config.from_directory(str(ck)))
     seen = []
-    undo = A.wrap_load_progress(model, lambda done, total: seen.append((done, total)))
+    undo = wrap_load_progress(model, lambda done, total: seen.append((done, total)))
     model.load("cpu")
     n = len(model.modules)
     assert seen == [(i, n) for i in range(1, n + 1)]
@@ -516,12 +518,12 @@ def test_load_progress_reports_each_top_level_module(ck):
 # is shared: exact and nvme-exact stay bit-identical, fast within 1e-5, and each layer's copies use its own link.
 
 
-def split_model(ck, spec, interm=torch.half, **kw) -> tuple[F.Model, A.TieredMoE]:
+def split_model(ck, spec, interm=torch.half, **kw) -> tuple[F.Model, TieredMoE]:
     """The engine's lifecycle with the layers placed by the spec's device shares."""
     model = F.Model.from_config(F.Config.from_directory(str(ck)), interm_dtype=interm)
-    tiered = A.TieredMoE(model, ck, spec, **kw)
+    tiered = TieredMoE(model, ck, spec, **kw)
     tiered.install()
-    undo = A.place_layers(model, spec)
+    undo = place_layers(model, spec)
     try:
         model.load("cpu")
     finally:
@@ -530,7 +532,7 @@ def split_model(ck, spec, interm=torch.half, **kw) -> tuple[F.Model, A.TieredMoE
     return model, tiered
 
 
-def check_links(tiered: A.TieredMoE, spec) -> dict:
+def check_links(tiered: TieredMoE, spec) -> dict:
     """Each layer's slots and staging on its own share's link; the per-device report adds up."""
     tiers = tiered.tiers
     assert len(tiers.links) == len(spec.devices) == 2
@@ -608,13 +610,12 @@ def test_a_spec_for_another_checkpoint_is_refused(ck):
     from specs import spec_for
 
     from glm53.devices import DeviceShare
-    from glm53.engine.exl3_adapter import Exl3TierError
 
     # Shares that cover the MoE layers but put MoE layer 2 (decoder layer 3) with decoder layers 0-2.
     shares = (DeviceShare(0, "a", 1, 0, 2, 0, 3, sum(SLOTS)), DeviceShare(0, "b", 1, 3, 3, 3, 0, 0))
     model = F.Model.from_config(F.Config.from_directory(str(ck)))
     with pytest.raises(Exl3TierError, match=r"layers\.3\.mlp is MoE layer 2"):
-        A.TieredMoE(model, ck, spec_for(ck, "exact", SLOTS, devices=shares))
+        TieredMoE(model, ck, spec_for(ck, "exact", SLOTS, devices=shares))
 
 
 def test_place_layers_puts_each_module_on_its_share():
@@ -638,7 +639,7 @@ def test_place_layers_puts_each_module_on_its_share():
     shares = (DeviceShare(0, "a", 1, 0, 2, 0, 2, 4), DeviceShare(1, "b", 1, 3, 5, 2, 3, 6))
     spec = engine_spec("exact", moe_layers=5, experts_per_layer=8, top_k=2, vram_slots=2, kv_tokens=1024,
                        device="cuda:0", devices=shares)
-    undo = A.place_layers(model, spec)
+    undo = place_layers(model, spec)
     for m in model.modules:
         m.load(torch.device("cuda:0"))
     model.modules[0].load(torch.device("cpu"))  # exllamav3 keeps an unquantized embedding on the CPU
@@ -649,5 +650,5 @@ def test_place_layers_puts_each_module_on_its_share():
         "model.layers.5": "cuda:1", "model.norm": "cuda:1", "lm_head": "cuda:1"}
     assert all("load" not in vars(m) for m in model.modules)  # undone
     one = engine_spec("exact", moe_layers=5, experts_per_layer=8, top_k=2, vram_slots=2, kv_tokens=1024)
-    A.place_layers(model, one)()
+    place_layers(model, one)()
     assert all("load" not in vars(m) for m in model.modules)  # no shares: nothing wrapped
