@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from glm53 import settings as S
+from glm53.planning import settings as S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,7 +85,7 @@ def test_configuration_table_rows_have_four_cells():
     """A bare | inside a cell (GLM53_MODE's allowed values) would split the row into extra columns."""
     import re
 
-    from glm53.settings import render_markdown
+    from glm53.planning.settings import render_markdown
 
     rows = [line for line in render_markdown().splitlines() if line.startswith("| `GLM53_")]
     assert len(rows) == len(S.SCHEMA)

@@ -41,8 +41,8 @@ from typing import Any
 
 from glm53.engine.interface import EngineError, PromptProgress, SamplingParams, TokenEvent
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
-from glm53.settings import concurrency_of
-from glm53.spec import PAGE, EngineSpec, engine_spec
+from glm53.planning.settings import concurrency_of
+from glm53.planning.spec import PAGE, EngineSpec, engine_spec
 
 log = logging.getLogger("glm53.engine")
 
@@ -138,7 +138,7 @@ class Exl3Engine(WorkerEngine):
         routing_stats_dir: Path | None = None,
         admit: bool = True,
     ) -> None:
-        """spec: every size this engine runs with (glm53.spec; the plan's, or engine_spec's for a shape of the
+        """spec: every size this engine runs with (glm53.planning.spec; the plan's, or engine_spec's for a shape of the
         caller's own). routing_stats_dir: where routing statistics are read at load (to warm the tiers) and
         saved at close. admit=False: misses are only streamed, never admitted into VRAM."""
         if spec.nvme and not spec.store:
@@ -645,8 +645,8 @@ def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Exl3Engine:
 def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineSpec:
     """The no-model demo on a GPU: the tiny EXL3 fixture in exact mode with a quarter of its experts in VRAM, so
     the demo exercises the tiers and the PCIe lane like the real model does."""
-    from glm53.plan import DEMO_CONTEXT
-    from glm53.shape import from_checkpoint
+    from glm53.planning.plan import DEMO_CONTEXT
+    from glm53.planning.shape import from_checkpoint
 
     shape = from_checkpoint(model_dir)
     return engine_spec("exact", moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,

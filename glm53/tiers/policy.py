@@ -23,6 +23,8 @@ from typing import Protocol
 
 import numpy as np
 
+from glm53.planning.spec import split_budget  # noqa: F401  (glm53.tiers exports it)
+
 STATS_FORMAT = 1  # bump when the routing-stats file layout changes; older files are ignored, not misread
 
 
@@ -264,40 +266,6 @@ def zipf_trace(
             rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
             by_rank = np.argsort(rank_of)
     return out
-
-
-def split_budget(counts: np.ndarray, total_slots: int, min_per_layer: int = 0, max_per_layer: int | None = None) -> np.ndarray:
-    """Split `total_slots` VRAM slots across layers where each slot buys the most hit rate.
-
-    counts: (num_layers, num_experts) pick statistics. Under a frequency policy the k-th slot of layer l gains
-    about the k-th largest share of l's picks; shares sorted descending are concave, so handing out slots by
-    the largest next marginal gain (equivalently: the globally largest shares) is optimal. A skewed layer
-    gets many slots, a flat one few. Layers with no statistics count as uniform. Returns int64 (num_layers,).
-    """
-    counts = np.asarray(counts, np.float64)
-    num_layers, num_experts = counts.shape
-    cap = num_experts if max_per_layer is None else min(max_per_layer, num_experts)
-    if not 0 <= min_per_layer <= cap:
-        raise ValueError(f"min_per_layer {min_per_layer} outside [0, {cap}]")
-    if total_slots > cap * num_layers:
-        raise ValueError(f"{total_slots} slots exceed {num_layers} layers x {cap} slots per layer")
-    if total_slots < min_per_layer * num_layers:
-        raise ValueError(f"{total_slots} slots cannot give {num_layers} layers {min_per_layer} each")
-    totals = counts.sum(axis=1, keepdims=True)
-    shares = np.where(totals > 0, counts / np.where(totals > 0, totals, 1), 1.0 / num_experts)
-    # gains[l, k]: the hit rate the (k+1)-th slot of layer l adds. Rounded so that equal statistics computed
-    # two ways (1/288 vs c/sum(c)) tie exactly instead of by their last bit.
-    gains = np.round(-np.sort(-shares, axis=1)[:, :cap], 12)
-    budgets = np.full(num_layers, min_per_layer, np.int64)
-    rest = gains[:, min_per_layer:]
-    left = total_slots - budgets.sum()
-    if left > 0:
-        # Equal gains go to the lower slot index first, so layers with identical statistics (or none) share
-        # evenly instead of the first layer taking every tie; then to the lower layer: deterministic.
-        layer_idx, k_idx = np.indices(rest.shape)
-        order = np.lexsort((layer_idx.reshape(-1), k_idx.reshape(-1), -rest.reshape(-1)))[:left]
-        budgets += np.bincount(layer_idx.reshape(-1)[order], minlength=num_layers)
-    return budgets
 
 
 def hot_order(counts: np.ndarray) -> np.ndarray:

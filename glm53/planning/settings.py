@@ -241,7 +241,7 @@ def _default_column(s: Setting) -> str:
 
 
 def render_env_example() -> str:
-    lines = ["# glm53 settings. Generated from glm53/settings.py by `glm53 settings --write`; do not edit by hand.",
+    lines = ["# glm53 settings. Generated from glm53/planning/settings.py by `glm53 settings --write`; do not edit by hand.",
              "# Copy to .env and change what you need. The environment overrides this file.", ""]
     for s in SCHEMA:
         lines.append(f"# {s.meaning} Allowed: {s.allowed}.")
@@ -254,7 +254,7 @@ def render_env_example() -> str:
 
 def render_markdown() -> str:
     lines = ["# Configuration", "",
-             "Generated from `glm53/settings.py` by `glm53 settings --write`; a test fails when this file drifts.",
+             "Generated from `glm53/planning/settings.py` by `glm53 settings --write`; a test fails when this file drifts.",
              "Set these in the environment (`docker run -e ...`) or in a `.env` file. An invalid value stops",
              "start-up with a message naming it (exit status 2); an unknown `GLM53_*` name is warned about.", "",
              "| setting | default | allowed | meaning |", "|---|---|---|---|"]

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from glm53.host import Gpu, HostFacts
-from glm53.settings import AUTO_CONCURRENCY, concurrency_of
-from glm53.shape import DEFAULT_SHAPE, ModelShape
-from glm53.spec import (
+from glm53.planning.host import Gpu, HostFacts
+from glm53.planning.settings import AUTO_CONCURRENCY, concurrency_of
+from glm53.planning.shape import DEFAULT_SHAPE, ModelShape
+from glm53.planning.spec import (
     FREE_RAM_SLOTS,
     PAGE,
     PREFILL_CHUNK,
@@ -31,11 +31,8 @@ from glm53.spec import (
     link_of_layers,
     split_slots,
 )
-from glm53.split import CardsPlan, plan_cards, usable
-
-GIB = 1 << 30
-MIB = 1 << 20
-KIB = 1 << 10
+from glm53.planning.split import CardsPlan, plan_cards, usable
+from glm53.planning.units import GIB, MIB, gib, human
 
 IMAGE = "glm53"
 # The one-shot that writes the expert store (as in README); refusals print it with the store's path filled in.
@@ -57,7 +54,7 @@ VRAM_RESERVE = 26 * 64 * MIB
 VRAM_RESERVE_SOURCE = "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md"
 # Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
 # torch.cuda.max_memory_allocated() during a prefill minus memory_allocated() before it, at chunks of 2,048 and
-# 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.shape's estimate.
+# 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.planning.shape's estimate.
 PREFILL_MEASURED: tuple[int, int, str] | None = None
 # The reference appliance keeps 1,376 of GLM-5.3-Flash's 12,096 experts in VRAM on a 24 GB card: the decode hot set
 # the plan keeps before it spends VRAM on a longer prefill chunk or more concurrent sequences.
@@ -219,7 +216,7 @@ class Plan:
     # together): what a GPU run compares its measured peak with.
     vram_accounting: dict[str, int] = field(default_factory=dict)
     ram_accounting: dict[str, int] = field(default_factory=dict)
-    # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.devices.DeviceShare's
+    # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.planning.devices.DeviceShare's
     # JSON); one entry on one GPU, none for the demo.
     devices: list[dict[str, Any]] = field(default_factory=list)
 
@@ -249,18 +246,6 @@ REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "kv_tokens", "sequenc
 def ordered(reasons: dict[str, str]) -> dict[str, str]:
     rank = {k: i for i, k in enumerate(REASON_ORDER)}
     return dict(sorted(reasons.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-
-
-def gib(n: float) -> str:
-    """Bytes as GiB for messages: 12 GiB, 11.8 GiB."""
-    return f"{n / GIB:.1f}".removesuffix(".0") + " GiB"
-
-
-def human(n: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size:
-            return f"{n / size:.1f}".removesuffix(".0") + f" {unit}"
-    return f"{n} B"
 
 
 def pack_store_command(store_path: str) -> str:
@@ -399,7 +384,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
         return _Vram(shape.experts, 0, 0, context, want, PREFILL_CHUNK, everything)
     # A whole layer's experts of staging ids: exact prefill stages every picked expert of a layer, in id order. Only
     # a decode step's worth are rows of their own; a wider step borrows the rest from other layers' cache slots,
-    # where they can lend it (glm53.spec.can_lend).
+    # where they can lend it (glm53.planning.spec.can_lend).
     staging = shape.experts_per_layer
     min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
     most = shape.moe_layers * (shape.experts_per_layer - 1)
@@ -481,7 +466,7 @@ def prefill_activation_bytes(shape: ModelShape, chunk: int) -> tuple[int, str]:
         per_token, fixed, source = PREFILL_MEASURED
         return per_token * chunk + fixed, f"measured ({source})"
     nbytes, phase = shape.prefill_bytes(chunk)
-    return nbytes, (f"estimated from exllamav3 1.6.5's temporaries, at their peak in the {phase} (glm53.shape; "
+    return nbytes, (f"estimated from exllamav3 1.6.5's temporaries, at their peak in the {phase} (glm53.planning.shape; "
                     "the GPU run's measurement replaces it)")
 
 
@@ -600,7 +585,7 @@ def plan(facts: HostFacts, shape: ModelShape, settings, routing: tuple[Any, str]
     """Decide the mode and size every tier. Raises PlanError (with the fix) when this host cannot serve.
 
     routing: (counts or None, why): the routing statistics an earlier run saved for this checkpoint, which split
-    the VRAM slots among layers (glm53.spec.split_slots)."""
+    the VRAM slots among layers (glm53.planning.spec.split_slots)."""
     if not settings.model_dir:
         return _demo_plan(facts, shape, settings)
     warnings: list[str] = []
@@ -804,7 +789,7 @@ def _budget_of(settings):
 
 def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
                 routing: Any) -> tuple[Gpu, CardsPlan, _Vram] | None:
-    """Two or more usable GPUs: the layer split (glm53.split), each card paying the reserve, the chunk's prefill
+    """Two or more usable GPUs: the layer split (glm53.planning.split), each card paying the reserve, the chunk's prefill
     activations and its staging beside its layers. None: one GPU (or none usable), the one-card plan; cards too
     small to hold a share are left out with a warning either way. The sequences asked for are kept."""
     cards, left_out = usable(facts.gpus, _budget_of(settings), MIN_GPU_GIB * GIB)
@@ -836,7 +821,7 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[st
 def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
                routing: Any) -> Plan:
     multi = _plan_cards(facts, shape, settings, warnings, reasons, routing)
-    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging, KV and chunk (glm53.split)
+    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging, KV and chunk (glm53.planning.split)
         gpu, cards, v = multi
         budget, shares, vram, split = sum(s.vram_budget_bytes for s in cards.shares), cards.shares, cards.vram_slots, \
             cards.how

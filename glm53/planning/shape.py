@@ -64,8 +64,8 @@ class ModelShape:
     mtp_layer: int | None         # index of the MTP head's layer (skipped for serving)
     source: str                   # where the numbers came from, for the plan's reasons
     max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
-    # Per decoder layer, for splitting the layers across GPUs (glm53.split); empty: not known (the defaults' and
-    # a headerless checkpoint's), then glm53.split assumes GLM's layout and spreads the weights evenly.
+    # Per decoder layer, for splitting the layers across GPUs (glm53.planning.split); empty: not known (the defaults' and
+    # a headerless checkpoint's), then glm53.planning.split assumes GLM's layout and spreads the weights evenly.
     layer_bytes: tuple[int, ...] = ()    # each layer's own VRAM bytes (the rest of always_used: the head)
     moe_layer_ids: tuple[int, ...] = ()  # decoder layers with routed experts
     mla_layer_ids: tuple[int, ...] = ()  # decoder layers with a per-token KV cache
