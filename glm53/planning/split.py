@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from glm53.planning.devices import DeviceShare
-from glm53.planning.settings import concurrency_of
+from glm53.planning.settings import Settings, concurrency_of
 from glm53.planning.shape import ModelShape
 from glm53.planning.spec import PAGE, PREFILL_CHUNK, can_lend, decode_staging, kv_cache_bytes, split_slots
 from glm53.planning.units import gib
@@ -221,7 +221,7 @@ def usable(gpus: Sequence, budget_of, min_bytes: int) -> tuple[list, list[str]]:
     return sorted(ok, key=lambda g: g.cuda if g.cuda is not None else g.index), warnings
 
 
-def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserve: int,
+def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings: Settings, *, reserve: int,
                activations: Callable[[int], int], choose_chunk: Callable[[int, Callable[[int], int]], tuple[int, str]],
                min_slots: int, min_tokens: int, kv_round: int, counts=None, counts_why: str = "") -> CardsPlan:
     """Split the model over `gpus` (two or more usable cards, CUDA order), each card paying `reserve` and
@@ -287,7 +287,7 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
 
 
 def _fit_cards(cards, costs, context: int, eb: int, experts: int, staging: int, reserve: int, activations,
-               choose_chunk, min_slots: int, min_tokens: int, kv_round: int, settings) -> tuple:
+               choose_chunk, min_slots: int, min_tokens: int, kv_round: int, settings: Settings) -> tuple:
     """The tiered split with `staging` rows per card: the context fitted beside a 2,048-token chunk, then the chunk
     the plan's cost model picks. Returns (split, chunk, chunk_why, warnings)."""
     warnings: list[str] = []
