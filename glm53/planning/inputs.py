@@ -15,6 +15,7 @@ from glm53.planning import host as H
 from glm53.planning import plan as P
 from glm53.planning import settings as S
 from glm53.planning import shape as M
+from glm53.planning.routing import saved_routing
 
 
 @dataclass
@@ -59,8 +60,6 @@ def inputs(settings: S.Settings, root: str = "/") -> Inputs:
 def _routing(settings: S.Settings, model_dir: Path, shape: M.ModelShape) -> tuple:
     """The routing statistics an earlier run of this checkpoint saved under the cache dir: they split the VRAM
     slots among layers (the plan) and warm the tiers (the engine)."""
-    from glm53.tiers.policy import saved_routing
-
     return saved_routing(Path(settings.cache_dir).expanduser(), model_dir, shape.moe_layers, shape.experts_per_layer)
 
 
