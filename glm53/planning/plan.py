@@ -2,8 +2,8 @@
 
 plan(facts, shape, settings) returns a Plan or raises PlanError; it reads no files and runs nothing, so every
 decision is testable on fake hosts. Each number carries a reason; each refusal and warning names the fact,
-the threshold and the fix. `glm53 plan` prints it and `glm53 serve` obeys it. DESIGN section 5 is the source
-of the mode table; docs/modes.md renders AUTO_RULES and MODE_NEEDS from here (a test keeps them equal).
+the threshold and the fix. `glm53 plan` prints it and `glm53 serve` obeys it. AUTO_RULES is the mode table;
+docs/modes.md renders it and MODE_NEEDS from here (a test keeps them equal).
 """
 
 from __future__ import annotations
@@ -49,8 +49,7 @@ MIN_GPU_GIB = 20
 # activations): the CUDA context and kernel images, exllamav3's captured graphs, allocator slack and whatever those
 # counts miss. Measured as the peak device memory the driver reported for the process minus the counted tensors:
 # `glm53 bench depth`, exact mode, full-depth fixture, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072, 8 sequences, a
-# 120,000-token prompt + 512 tokens on an H200 (docs/results.md, 2026-12-01): 1.61 GiB (0.51 GiB of it the CUDA
-# context), rounded up to 64 MiB.
+# 120,000-token prompt + 512 tokens (the run is in docs/results.md), rounded up to 64 MiB.
 VRAM_RESERVE = 26 * 64 * MIB
 VRAM_RESERVE_SOURCE = "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md"
 # Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
@@ -111,7 +110,7 @@ class PlanError(Exception):
                 "reasons": ordered(self.reasons)}
 
 
-# ---------------------------------------------------------------- the decision table (DESIGN section 5)
+# ---------------------------------------------------------------- the decision table
 
 
 @dataclass(frozen=True)

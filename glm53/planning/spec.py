@@ -28,7 +28,7 @@ RECURRENT_CACHE_BYTES = 4 << 30
 # expert's row is freed (exclusive tiers), and a decode step can admit up to top_k of them.
 RAM_SPARE_OF_TOP_K = 2
 # nvme modes: RAM slots kept free after each decode step's launch, so that the next step's store reads need no victim
-# search while the GPU waits (a batch-1 step reads 0.5-0.8 records from the store on the H200 bench). A RAM tier
+# search while the GPU waits (a batch-1 step reads under one record from the store; docs/results.md). A RAM tier
 # that can hold every expert outside VRAM holds these too, or every step would drop one it needs again.
 FREE_RAM_SLOTS = 4
 DECODE_ROWS = 8            # exllamav3's fused decode kernels take up to this many rows (block_sparse_mlp.MAX_BSZN)
