@@ -379,7 +379,7 @@ QUICK_HASH_LIMIT = 16 << 20   # at start-up only the small files (config, index,
 def claims_pinned(config: dict) -> bool:
     """Does config.json describe GLM-5.3-Flash (its layer count, width and experts)? Generated test checkpoints,
     narrower or shallower, do not, so no lock applies to them."""
-    from glm53.shape import DEFAULT_SHAPE as real
+    from glm53.planning.shape import DEFAULT_SHAPE as real
 
     text = config.get("text_config") or config
     try:

@@ -18,7 +18,7 @@ from glm53 import __version__
 COMMAND_MODULES = (
     "glm53.serve.cli",       # serve
     "glm53.bench",           # bench: every benchmark
-    "glm53.planning_cli",    # plan, preflight
+    "glm53.plan_cli",        # plan, preflight
     "glm53.settings_cli",    # settings
     "glm53.fixture.cli",     # fixture
     "glm53.checkpoint",      # model verify / fetch

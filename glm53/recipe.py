@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from glm53 import settings as S
+from glm53.planning import settings as S
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "docker" / "recipes.json"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from glm53 import settings as S
+from glm53.planning import settings as S
 
 ROOT = Path(__file__).resolve().parent.parent
 GENERATED = {ROOT / ".env.example": S.render_env_example, ROOT / "docs" / "configuration.md": S.render_markdown}
@@ -28,7 +28,7 @@ def run(args) -> int:
         stale = [str(p.relative_to(ROOT)) for p, render in GENERATED.items()
                  if not p.is_file() or p.read_text() != render()]
         for name in stale:
-            print(f"{name} is out of date with glm53/settings.py: run `glm53 settings --write`")
+            print(f"{name} is out of date with glm53/planning/settings.py: run `glm53 settings --write`")
         return 1 if stale else 0
     print(S.render_table(S.load_or_exit()))
     return 0

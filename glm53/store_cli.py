@@ -87,7 +87,7 @@ def register(sub) -> None:
 
 
 def _settings():
-    from glm53.settings import load_or_exit
+    from glm53.planning.settings import load_or_exit
 
     return load_or_exit()
 

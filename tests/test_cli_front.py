@@ -43,7 +43,7 @@ def test_a_bad_bool_lists_the_accepted_words():
 
 
 def test_the_demo_plan_reports_the_context_the_demo_serves(tmp_path):
-    from glm53 import settings as S
+    from glm53.planning import settings as S
     from glm53.serve.choice import choose_engine
 
     env = _env(GLM53_CACHE_DIR=str(tmp_path))

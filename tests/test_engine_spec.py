@@ -1,4 +1,4 @@
-"""The plan is the only source of sizes: glm53.spec's rules, the plan's EngineSpec, and an engine loaded from a plan
+"""The plan is the only source of sizes: glm53.planning.spec's rules, the plan's EngineSpec, and an engine loaded from a plan
 realising exactly the spec (under the fake exllamav3, on a generated checkpoint and a real store)."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 from fakehost import HostSpec, write_host
 from specs import packed_store
 
-from glm53 import host as H
-from glm53 import plan as P
-from glm53 import settings as S
-from glm53 import shape as M
 from glm53.fixture.exl3 import write_exl3_checkpoint
-from glm53.spec import PAGE, engine_spec, split_slots, staging_for
+from glm53.planning import host as H
+from glm53.planning import plan as P
+from glm53.planning import settings as S
+from glm53.planning import shape as M
+from glm53.planning.spec import PAGE, engine_spec, split_slots, staging_for
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -363,7 +363,7 @@ def test_gpu_prefill_memory_against_the_plan(tmp_path, exl3):
     """What a prefill really holds, against the plan's estimates: torch's peak allocated bytes over two chunks'
     forwards less what was allocated before (the activations), and this process's device memory at its peak less
     torch's peak allocated bytes (the reserve: CUDA context, kernel images, graphs, allocator slack). Chunks of 2,048
-    and 4,096 give the per-token and fixed terms. Prints the figures glm53.plan's VRAM_RESERVE and
+    and 4,096 give the per-token and fixed terms. Prints the figures glm53.planning.plan's VRAM_RESERVE and
     PREFILL_MEASURED take (and writes $OUT/plan-memory.json); fails where the plan counts less than a prefill uses.
     GLM53_MEMORY_CKPT: the checkpoint to measure (the full-depth fixture: its graphs and layer count make the
     reserve's real figure); default a generated full-width 4-layer one (dense + KDA, KDA + MoE, MLA + MoE)."""
@@ -391,7 +391,7 @@ def test_gpu_prefill_memory_against_the_plan(tmp_path, exl3):
 
 
 def test_borrowed_rows_lend_each_layer_a_layer_of_staging_from_the_others():
-    from glm53.spec import borrowable, borrowed_rows
+    from glm53.planning.spec import borrowable, borrowed_rows
 
     slots = [33] * 42
     rows = borrowed_rows(slots, 280)

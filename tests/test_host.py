@@ -6,7 +6,7 @@ import json
 
 from fakehost import BROADWELL_2S, GIB, RTX3090, RTX4080, RTX4090, HostSpec, write_host
 
-from glm53 import host as H
+from glm53.planning import host as H
 
 
 def facts(tmp_path, spec=HostSpec(), store=None) -> H.HostFacts:

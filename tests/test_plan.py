@@ -18,10 +18,11 @@ import pytest
 from fakehost import BROADWELL_2S, FULL_STORE_BYTES, IVYBRIDGE, RTX3090, RTX4080, HostSpec, write_host
 from safetensors.numpy import save_file
 
-from glm53 import host as H
-from glm53 import plan as P
-from glm53 import settings as S
-from glm53 import shape as M
+from glm53.planning import host as H
+from glm53.planning import plan as P
+from glm53.planning import settings as S
+from glm53.planning import shape as M
+from glm53.planning import units as U
 
 ROOT = Path(__file__).resolve().parent.parent
 STORE = "/nvx/experts.glm53"
@@ -139,7 +140,7 @@ def test_3090_at_131072_counts_everything(tmp_path):
     assert p.vram_slots >= P.hot_set_floor(M.DEFAULT_SHAPE) == 1376 and 1 < spec.cache_sequences < 8
     assert not any("VRAM expert slots <" in w for w in p.warnings)
     assert "borrowing the other" in p.reasons["vram_slots"] and "cache slots lent" in p.reasons["engine"]
-    assert acc["prefill_activations"] > 700 * P.MIB and "measured" in p.reasons["reserve"]
+    assert acc["prefill_activations"] > 700 * U.MIB and "measured" in p.reasons["reserve"]
     # One sequence: its rows and state go to slots, and a longer chunk fits beside the hot set.
     one = run(tmp_path / "one", GLM53_CONTEXT="131072", GLM53_MAX_CONCURRENCY="1")
     assert one.engine.cache_sequences == 1 and one.engine.dedicated_staging == 8
@@ -157,7 +158,7 @@ def test_3090_at_131072_counts_everything(tmp_path):
 def test_3090_at_65536_keeps_the_hot_set(tmp_path):
     p = run(tmp_path, GLM53_CONTEXT="65536")
     spec, acc = p.engine, _accounted(p)
-    assert spec.kv_tokens == spec.context == 65536 and acc["kv_cache"] < 1.1 * P.GIB
+    assert spec.kv_tokens == spec.context == 65536 and acc["kv_cache"] < 1.1 * U.GIB
     # The KV saved buys the hot set and every sequence the plan would choose.
     assert p.vram_slots >= 1376 and spec.cache_sequences == 8
     more = P.plan(H.read_host(write_host(tmp_path / "h2")), M.DEFAULT_SHAPE,
@@ -179,7 +180,7 @@ def test_prefill_chunk_follows_the_link_and_the_budget(tmp_path):
     assert big.engine.prefill_chunk == 8192 and big.vram_slots > 2 * 1376
     assert big.vram_accounting["prefill_activations"] == P.prefill_activation_bytes(d, 8192)[0]
     # Every expert in VRAM: nothing streams, so exllamav3's default chunk.
-    small = replace(d, moe_layers=2, always_used_bytes=P.GIB)
+    small = replace(d, moe_layers=2, always_used_bytes=U.GIB)
     stock = run(tmp_path / "c", shape=small)
     assert stock.engine.engine == "stock" and stock.engine.prefill_chunk == 2048
     assert "streams nothing" in stock.reasons["prefill_chunk"]
@@ -188,7 +189,7 @@ def test_prefill_chunk_follows_the_link_and_the_budget(tmp_path):
 def test_16g_cap_counts_the_recurrent_cache_and_the_embedding(tmp_path):
     p = run(tmp_path, NVME_55.but(mem_cap_gib=16), GLM53_STORE=STORE)
     ram = p.ram_accounting
-    usable = 16 * P.GIB - 180 * P.MIB  # the cap minus what the cgroup holds already
+    usable = 16 * U.GIB - 180 * U.MIB  # the cap minus what the cgroup holds already
     assert ram["recurrent_cache"] == p.engine.recurrent_cache_bytes == usable // 8  # its share of a small cap
     assert ram["host_weights"] == M.DEFAULT_SHAPE.host_bytes
     record = -(-M.DEFAULT_SHAPE.expert_bytes // 4096) * 4096
@@ -289,7 +290,7 @@ def test_vram_budget_emulates_a_smaller_card(tmp_path):
     big = run(tmp_path / "a", h200)
     assert big.mode == "exact" and big.ram_slots == 0  # every expert fits in 139 GiB: no misses at all
     small = run(tmp_path / "b", h200, GLM53_VRAM_BUDGET_GB="24")
-    assert small.mode == "fast" and small.vram_budget_bytes == 24 * P.GIB and small.vram_slots < 1700
+    assert small.mode == "fast" and small.vram_budget_bytes == 24 * U.GIB and small.vram_slots < 1700
     err = refused(tmp_path / "c", h200, GLM53_VRAM_BUDGET_GB="16")
     assert "GLM53_VRAM_BUDGET_GB=16 < 20 GiB" in err.message
 
@@ -493,19 +494,19 @@ def _fake_torch(pin_error: str | None):
         return _FakeBuffer()
 
     cuda = types.SimpleNamespace(is_available=lambda: True, synchronize=lambda device=None: None,
-                                 mem_get_info=lambda device=None: (23 * P.GIB, 24 * P.GIB))
+                                 mem_get_info=lambda device=None: (23 * U.GIB, 24 * U.GIB))
     return types.SimpleNamespace(empty=empty, uint8="uint8", cuda=cuda)
 
 
 @pytest.mark.parametrize("pin_error", [None, "CUDA error: out of memory"])
 def test_pin_proof_refuses_with_the_fix_only_when_pinning_fails(tmp_path, monkeypatch, pin_error):
-    from glm53 import planning_cli
+    from glm53 import plan_cli
 
     facts = H.read_host(write_host(tmp_path, HostSpec(memlock=65536)))
     p = P.plan(facts, M.DEFAULT_SHAPE, settings())
     assert any(w.startswith("RLIMIT_MEMLOCK 64 KiB") for w in p.warnings)  # the plan only warns
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(pin_error))
-    check = planning_cli.check_pinning(p, facts)
+    check = plan_cli.check_pinning(p, facts)
     if pin_error is None:
         # Pinned past the limit anyway (some drivers pin without RLIMIT_MEMLOCK): no refusal, and it says so.
         assert check.status == "ok" and "works despite RLIMIT_MEMLOCK 64 KiB" in check.detail
@@ -589,23 +590,23 @@ def test_shape_errors(tmp_path):
 def test_default_shape_matches_design():
     d = M.DEFAULT_SHAPE
     assert d.experts == 12096 and d.expert_bytes == 9 * (1 << 20) + 36 * 1024
-    assert 106 * P.GIB < d.all_experts_bytes < 107 * P.GIB
+    assert 106 * U.GIB < d.all_experts_bytes < 107 * U.GIB
 
 
 def test_current_plan_for_serve():
     # What `glm53 serve` calls: this machine, these settings. With no model configured it is always the demo.
-    from glm53 import planning_cli
+    from glm53.planning.inputs import current_plan
 
-    plan, inp = planning_cli.current_plan(S.load(environ={}, dotenv=None))
+    plan, inp = current_plan(S.load(environ={}, dotenv=None))
     assert plan.mode == "demo" and inp.facts.root == "/" and plan.real_model is not None
 
 
 def test_nvme_ram_tier_that_can_hold_the_rest_also_holds_the_rows_kept_free(tmp_path):
     """A cap large enough for every expert outside VRAM: the tier takes those, the experts of the slots staging
-    borrows, the admissions' spare rows and the rows each decode step keeps free (glm53.spec.FREE_RAM_SLOTS), not
+    borrows, the admissions' spare rows and the rows each decode step keeps free (glm53.planning.spec.FREE_RAM_SLOTS), not
     one more; without the last two a warm tier keeps dropping experts it reads again
     (tests/engine/test_moe_step.py)."""
-    from glm53.spec import FREE_RAM_SLOTS
+    from glm53.planning.spec import FREE_RAM_SLOTS
 
     shape = replace(M.DEFAULT_SHAPE, moe_layers=6)
     p = run(tmp_path, NVME_55, shape=shape, GLM53_STORE=STORE, GLM53_MODE="nvme-exact")

@@ -14,12 +14,13 @@ import pytest
 from fakehost import A6000, DUAL_3090, MIXED_3090_4090, QUAD_3090, RTX3090, WITH_SMALL, HostSpec, write_host
 from test_plan import cli, run, settings
 
-from glm53 import devices as D
-from glm53 import host as H
-from glm53 import plan as P
-from glm53 import shape as M
-from glm53 import split as X
-from glm53.spec import PAGE, engine_spec
+from glm53.planning import devices as D
+from glm53.planning import host as H
+from glm53.planning import plan as P
+from glm53.planning import shape as M
+from glm53.planning import split as X
+from glm53.planning import units as U
+from glm53.planning.spec import PAGE, engine_spec
 
 H200 = ("NVIDIA H200", 143771, 142000, 5, 16)
 FULL = {"GLM53_CONTEXT": "262144"}
@@ -90,11 +91,11 @@ def test_mixed_cards_get_uneven_shares(tmp_path):
     small, big = p.devices
     layers = [d["layers"][1] - d["layers"][0] + 1 for d in p.devices]
     assert layers[1] > layers[0] and big["vram_slots"] > 1.5 * small["vram_slots"]
-    assert big["vram_budget_bytes"] > 2 * small["vram_budget_bytes"] - 1 * P.GIB
+    assert big["vram_budget_bytes"] > 2 * small["vram_budget_bytes"] - 1 * U.GIB
     # A 3090 beside a 4090: both serve, each with its own free VRAM as its budget.
     q = run(tmp_path / "b", HostSpec(gpus=MIXED_3090_4090), **FULL)
     check_split(q)
-    assert [d["vram_budget_bytes"] for d in q.devices] == [24135 * P.MIB, 24080 * P.MIB]
+    assert [d["vram_budget_bytes"] for d in q.devices] == [24135 * U.MIB, 24080 * U.MIB]
     assert q.kv_tokens == 262144 and "NVIDIA GeForce RTX 4090" in q.reasons["gpu"]
 
 
@@ -130,7 +131,7 @@ def test_cuda_visible_devices_picks_the_cards(tmp_path):
 def test_per_card_budget_and_stock_across_cards(tmp_path):
     p = run(tmp_path / "a", HostSpec(gpus=(H200, H200)), GLM53_VRAM_BUDGET_GB="24", **FULL)
     check_split(p)
-    assert [d["vram_budget_bytes"] for d in p.devices] == [24 * P.GIB] * 2 and p.kv_tokens == 262144
+    assert [d["vram_budget_bytes"] for d in p.devices] == [24 * U.GIB] * 2 and p.kv_tokens == 262144
     # Two whole H200s hold every expert: stock exllamav3, split by layers, no tiers.
     q = run(tmp_path / "b", HostSpec(gpus=(H200, H200)), **FULL)
     assert q.mode == "exact" and q.engine.engine == "stock" and q.ram_slots == 0 and len(q.engine.devices) == 2
@@ -184,7 +185,7 @@ def _brute(cards, costs, **kw):
 def test_split_fits_every_card_and_is_best(a, b):
     shape = M.DEFAULT_SHAPE
     costs = X.layer_costs(shape, 8)
-    cards = [X.Card(0, "a", a * P.GIB), X.Card(1, "b", b * P.GIB)]
+    cards = [X.Card(0, "a", a * U.GIB), X.Card(1, "b", b * U.GIB)]
     eb, staging = shape.expert_bytes, shape.experts_per_layer
     overhead = P.vram_reserve()[0] + P.prefill_activation_bytes(shape, 2048)[0]  # what the plan charges each card
     s = X.best_split(cards, costs, tokens=131072, expert_bytes=eb, staging=staging, overhead=overhead,

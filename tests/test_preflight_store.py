@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from glm53 import host as H
-from glm53 import planning_cli
-from glm53 import settings as S
+from glm53 import plan_cli
 from glm53.fixture.exl3 import write_exl3_checkpoint
+from glm53.planning import host as H
+from glm53.planning import settings as S
 from store.pack import PackOptions, pack_store
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,9 +68,9 @@ def _facts_with(store_path: Path, **store_fields) -> H.HostFacts:
 def test_no_o_direct_blocks_unless_buffered_reads_are_allowed(packed):
     _, store = packed
     facts = _facts_with(store, odirect=False, fstype="fuse.sshfs", odirect_how="probe: O_DIRECT refused (EINVAL)")
-    strict = planning_cli.check_odirect(None, facts, S.load(environ={}, dotenv=None))
+    strict = plan_cli.check_odirect(None, facts, S.load(environ={}, dotenv=None))
     assert strict.status == "fail" and strict.blocks and "GLM53_ALLOW_BUFFERED_READS=1" in strict.detail
-    loose = planning_cli.check_odirect(None, facts, S.load(environ={"GLM53_ALLOW_BUFFERED_READS": "1"}, dotenv=None))
+    loose = plan_cli.check_odirect(None, facts, S.load(environ={"GLM53_ALLOW_BUFFERED_READS": "1"}, dotenv=None))
     assert loose.status == "fail" and not loose.blocks and "buffered" in loose.detail
 
 
@@ -85,7 +85,7 @@ def test_a_store_on_tmpfs_is_told_its_cost(packed, tmp_path):
     try:
         facts = H.read_host("/", store=str(target))
         settings = S.load(environ={"GLM53_MODEL_DIR": str(ck), "GLM53_STORE": str(target)}, dotenv=None)
-        check = planning_cli.check_store_place(facts, settings)
+        check = plan_cli.check_store_place(facts, settings)
     finally:
         target.unlink()
     assert check.status == "fail" and not check.blocks
@@ -93,4 +93,4 @@ def test_a_store_on_tmpfs_is_told_its_cost(packed, tmp_path):
     # a store on a disk: nothing to say
     facts = H.read_host("/", store=str(store))
     settings = S.load(environ={"GLM53_MODEL_DIR": str(ck), "GLM53_STORE": str(store)}, dotenv=None)
-    assert planning_cli.check_store_place(facts, settings).status == "ok" or facts.store.fstype == "tmpfs"
+    assert plan_cli.check_store_place(facts, settings).status == "ok" or facts.store.fstype == "tmpfs"

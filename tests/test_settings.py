@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from glm53 import settings as S
+from glm53.planning import settings as S
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -85,9 +85,37 @@ def test_configuration_table_rows_have_four_cells():
     """A bare | inside a cell (GLM53_MODE's allowed values) would split the row into extra columns."""
     import re
 
-    from glm53.settings import render_markdown
+    from glm53.planning.settings import render_markdown
 
     rows = [line for line in render_markdown().splitlines() if line.startswith("| `GLM53_")]
     assert len(rows) == len(S.SCHEMA)
     for row in rows:
         assert len(re.findall(r"(?<!\\)\|", row)) == 5, row
+
+
+def test_the_settings_fields_are_the_schema_with_its_types():
+    # Settings is what editors and type checkers follow; SCHEMA is what parses and documents. They name the same
+    # settings, in the same order, and each field's type is what its parser returns.
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(S.Settings)
+    fields = [f.name for f in dataclasses.fields(S.Settings) if f.name != "warnings"]
+    assert fields == [S.attr_name(s.name) for s in S.SCHEMA]
+    for s in S.SCHEMA:
+        assert hints[S.attr_name(s.name)] is typing.get_type_hints(s.parse)["return"], s.name
+    loaded = S.load(environ={}, dotenv=None)
+    for s in S.SCHEMA:
+        assert isinstance(getattr(loaded, S.attr_name(s.name)), hints[S.attr_name(s.name)]), s.name
+
+
+def test_settings_are_frozen_and_overrides_make_a_new_one():
+    import dataclasses
+
+    s = S.load(environ={}, dotenv=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.port = 1  # type: ignore[misc]
+    t = s.with_overrides(model_dir="/model")
+    assert t.model_dir == "/model" and s.model_dir == "" and t.port == s.port and t.warnings == s.warnings
+    with pytest.raises(TypeError):
+        s.with_overrides(no_such_setting=1)

@@ -27,7 +27,7 @@ def register_store(bench_sub: Any) -> None:
 
 def cmd_bench_store(args: argparse.Namespace) -> int:
     from glm53.bench.store import BenchOptions, run_bench
-    from glm53.settings import load_or_exit
+    from glm53.planning.settings import load_or_exit
     from store.errors import StoreError
 
     settings = load_or_exit()

@@ -389,13 +389,13 @@ class StoreTier:
 
 def bench_spec(model_dir: Path, mode: str, slots: int, cache_tokens: int, cpu_threads: int | None,
                store_tier: StoreTier | None, cards: int = 1) -> Any:
-    """The EngineSpec of a tiered mode at `slots` VRAM slots per layer: the plan's sizing rules (glm53.spec) on
+    """The EngineSpec of a tiered mode at `slots` VRAM slots per layer: the plan's sizing rules (glm53.planning.spec) on
     the checkpoint's shape, with the bench's RAM tier in the nvme modes. cards > 1: the layers split across
-    cuda:0..cards-1 (glm53.devices.even_shares)."""
+    cuda:0..cards-1 (glm53.planning.devices.even_shares)."""
     from glm53.cpu_lane.calibrate import default_threads
-    from glm53.devices import even_shares
-    from glm53.shape import from_checkpoint
-    from glm53.spec import engine_spec
+    from glm53.planning.devices import even_shares
+    from glm53.planning.shape import from_checkpoint
+    from glm53.planning.spec import engine_spec
 
     shape = from_checkpoint(model_dir)
     nvme = mode.startswith("nvme")
@@ -494,7 +494,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads, nvme_open)
             log(f"{mode} ({slots} slots/layer) loaded in {runners[mode].load_s:.1f} s, "
                 f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
-        from glm53.shape import from_checkpoint
+        from glm53.planning.shape import from_checkpoint
 
         split_slots = min(from_checkpoint(model_dir).experts_per_layer - 1, cards * slots)  # each card holds what the one card held
         for mode, name in zip(modes, split_modes(modes, cards), strict=False):

@@ -181,20 +181,20 @@ def mode_spec(job: dict) -> tuple[Any, dict]:
     """The EngineSpec a mode runs with and the plan it came from: the plan of this host for the job's budget,
     context and mode (stock: the exact plan's KV, context, sequences and chunk with every expert in VRAM). Raises
     ValueError naming why a mode cannot be measured."""
-    from glm53 import planning_cli
-    from glm53 import settings as S
-    from glm53.plan import GIB
+    from glm53.planning import inputs as planning_inputs
+    from glm53.planning import settings as S
+    from glm53.planning.units import GIB
 
     mode = job["mode"]
     env = {"GLM53_MODEL_DIR": job["model"], "GLM53_VRAM_BUDGET_GB": str(job["vram_budget_gb"]),
            "GLM53_CONTEXT": str(job["context"]), "GLM53_MODE": "exact" if mode == "stock" else mode,
            "GLM53_MAX_CONCURRENCY": str(job.get("concurrency", 0)), "GLM53_CACHE_DIR": job["cache_dir"], "GLM53_STORE": job.get("store") or "",
            "GLM53_ALLOW_BUFFERED_READS": "1" if job.get("buffered") else "0"}
-    inp = planning_cli.inputs(S.load(environ=env, dotenv=None), job.get("host_root", "/"))
+    inp = planning_inputs.inputs(S.load(environ=env, dotenv=None), job.get("host_root", "/"))
     if mode.startswith("nvme") and job.get("memory_gib"):  # the cap the nvme modes are planned for
         mem = replace(inp.facts.memory, limit=int(job["memory_gib"] * GIB), current=0)
         inp = replace(inp, facts=replace(inp.facts, memory=mem))
-    plan, doc = planning_cli.make_plan(inp)
+    plan, doc = planning_inputs.make_plan(inp)
     if plan is None:
         raise ValueError(f"the plan refused {mode}: {doc['error']}")
     doc.pop("facts", None)
@@ -224,7 +224,7 @@ def child(job_path: Path) -> int:
 
     try:
         if job.get("spec"):  # a spec given whole (tests: the fake exllamav3 on the CPU)
-            from glm53.spec import EngineSpec
+            from glm53.planning.spec import EngineSpec
 
             spec, plan_doc = EngineSpec(**{**job["spec"], "vram_slots": tuple(job["spec"]["vram_slots"])}), None
         else:

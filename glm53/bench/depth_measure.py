@@ -265,7 +265,7 @@ def tier_counts(engine: Any) -> dict[str, int]:
 
 
 def planned_sizes(spec: Any) -> dict:
-    from glm53.spec import PAGE
+    from glm53.planning.spec import PAGE
 
     return {"vram_slots": sum(spec.vram_slots) if spec.tiered else "all", "staging": spec.staging_slots,
             "staging_rows": spec.dedicated_staging if spec.tiered else 0, "ram_rows": spec.ram_slots,

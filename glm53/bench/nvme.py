@@ -232,8 +232,7 @@ def plan_for(opts: NvmeBenchOptions, store: Path):
     """The nvme tier's EngineSpec for the bench's fractions: VRAM slots split evenly over the layers."""
     import numpy as np
 
-    from glm53.spec import engine_spec
-    from glm53.tiers.policy import split_budget
+    from glm53.planning.spec import engine_spec, split_budget
 
     total = opts.layers * opts.experts
     ram = max(opts.experts + 1, round(opts.ram_fraction * total))
@@ -459,7 +458,7 @@ def register_bench(bench_sub) -> None:
 
 
 def cmd_bench_nvme(args: argparse.Namespace) -> int:
-    from glm53.settings import load_or_exit
+    from glm53.planning.settings import load_or_exit
     from store.errors import StoreError
 
     settings = load_or_exit()

@@ -40,7 +40,7 @@ from typing import Any
 from glm53.engine.interface import EngineError, PromptProgress, TokenEvent
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
 from glm53.exl3.events import Failed, Progress, Tokens
-from glm53.spec import PAGE, EngineSpec
+from glm53.planning.spec import PAGE, EngineSpec
 
 log = logging.getLogger("glm53.engine")
 
@@ -71,7 +71,7 @@ class Exl3Engine(WorkerEngine):
         routing_stats_dir: Path | None = None,
         admit: bool = True,
     ) -> None:
-        """spec: every size this engine runs with (glm53.spec; the plan's, or engine_spec's for a shape of the
+        """spec: every size this engine runs with (glm53.planning.spec; the plan's, or engine_spec's for a shape of the
         caller's own). routing_stats_dir: where routing statistics are read at load (to warm the tiers) and
         saved at close. admit=False: misses are only streamed, never admitted into VRAM."""
         if spec.nvme and not spec.store:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from glm53.engine.lookahead import RecallMeter
-from glm53.spec import FREE_RAM_SLOTS
+from glm53.planning.spec import FREE_RAM_SLOTS
 
 
 class StepError(RuntimeError):

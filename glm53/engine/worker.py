@@ -50,7 +50,7 @@ from glm53.engine.interface import (
     TokenEvent,
 )
 from glm53.engine.template import render_chat
-from glm53.spec import PAGE
+from glm53.planning.spec import PAGE
 
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
 RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from glm53.spec import EngineSpec
+from glm53.planning.spec import EngineSpec
 
 
 def moe_modules(model: Any) -> list:
@@ -33,7 +33,7 @@ def place_layers(model: Any, spec: EngineSpec) -> Callable[[], None]:
     share's device (the embedding with the first layer, the head with the last), its cache layers with it, since
     exllamav3 allocates them in the module's load. `model.load(device=...)` then runs the stock single-device
     loader, module by module, on the devices given here. No shares: nothing changes. Returns the undo."""
-    from glm53.devices import share_of_layer
+    from glm53.planning.devices import share_of_layer
 
     if not spec.devices:
         return lambda: None

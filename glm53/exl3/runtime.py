@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.exl3.events import Event, event_of
-from glm53.spec import PAGE, EngineSpec
+from glm53.planning.spec import PAGE, EngineSpec
 
 log = logging.getLogger("glm53.engine")
 

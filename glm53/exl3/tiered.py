@@ -51,7 +51,7 @@ from glm53.engine.moe_step import MoeStepper
 from glm53.exl3.contract import MAX_BSZN
 from glm53.exl3.placement import decoder_layer, moe_modules
 from glm53.exl3.tensors import SafetensorsIndex
-from glm53.spec import EngineSpec, staging_for
+from glm53.planning.spec import EngineSpec, staging_for
 
 log = logging.getLogger("glm53.engine")
 
@@ -109,7 +109,7 @@ class TieredMoE:
         nvme_open: Callable[[], Any] | None = None,
         lookahead: bool | None = None,
     ):
-        """spec: the sizes (glm53.spec.EngineSpec): VRAM slots per MoE layer, the staging slots shared by every
+        """spec: the sizes (glm53.planning.spec.EngineSpec): VRAM slots per MoE layer, the staging slots shared by every
         layer, the RAM tier's rows, the device (a CPU device, under the fake exllamav3 in the CPU tests, gets
         unpinned host buffers and no stream synchronisation, and is otherwise the same code). counts: saved routing
         statistics (num_moe_layers, num_experts) to warm the VRAM cache and the policies. admit=False: misses are
@@ -154,7 +154,7 @@ class TieredMoE:
         if self.staging_slots < self.top_k or staging_for(budgets, self.num_experts, self.staging_slots) != \
                 self.staging_slots:
             raise Exl3TierError(f"{self.staging_slots} staging slots cannot serve VRAM slots {budgets} of "
-                                f"{self.num_experts} experts, top-{self.top_k} (glm53.spec.staging_for)")
+                                f"{self.num_experts} experts, top-{self.top_k} (glm53.planning.spec.staging_for)")
         self.layers = [
             _Layer(m, [(g.key, u.key, d.key) for g, u, d in zip(m.gates, m.ups, m.downs, strict=True)], s,
                    (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))

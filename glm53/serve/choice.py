@@ -48,7 +48,7 @@ def read_config(model_dir: Path) -> dict:
 
 def tensor_sizes(model_dir: Path) -> dict[str, int]:
     """Tensor name -> bytes, from the safetensors headers (what the loaders read, whatever config.json says)."""
-    from glm53.shape import ShapeError, read_safetensors_sizes
+    from glm53.planning.shape import ShapeError, read_safetensors_sizes
 
     sizes: dict[str, int] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
@@ -96,7 +96,7 @@ def reference_refusal(model_dir: Path, weight_bytes: int, available: int | None)
 
 def ram_available() -> int | None:
     """What a new allocation can get: MemAvailable, or less under a cgroup cap."""
-    from glm53.host import read_memory
+    from glm53.planning.host import read_memory
 
     m = read_memory(Path("/"))
     room = [m.available] if m.available is not None else []
@@ -119,7 +119,7 @@ def exllamav3_available() -> bool:
 
 def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
     from glm53.engine.reference import ReferenceEngine
-    from glm53.settings import concurrency_of
+    from glm53.planning.settings import concurrency_of
 
     native = model_context(config)
     context = min(settings.context, native) if native else settings.context
@@ -130,8 +130,8 @@ def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
 
 def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
     from glm53.exl3 import contract
-    from glm53.plan import PlanError
-    from glm53.planning_cli import current_plan
+    from glm53.planning.plan import PlanError
+    from glm53.planning.inputs import current_plan
 
     if not contract.gpu_available():
         raise EngineChoiceError(f"{model_dir} is an EXL3 checkpoint: serving it needs a CUDA GPU, and torch sees none "

@@ -104,7 +104,7 @@ def bind_refusal(settings: Any) -> str | None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
-    from glm53 import settings as S
+    from glm53.planning import settings as S
 
     settings = S.load_or_exit()
     overrides = {k: v for k, v in (("model_dir", getattr(args, "model", None)),

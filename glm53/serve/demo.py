@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from glm53.spec import EngineSpec, engine_spec
+from glm53.planning.spec import EngineSpec, engine_spec
 
 log = logging.getLogger("glm53.engine")
 
@@ -118,9 +118,9 @@ def ensure_exl3_demo_model(cache_dir: Path) -> Path:
 def demo_spec(model_dir: Path, settings: Any, device: str = "cuda:0") -> EngineSpec:
     """The no-model demo on a GPU: the tiny EXL3 fixture in exact mode with a quarter of its experts in VRAM, so
     the demo exercises the tiers and the PCIe lane like the real model does."""
-    from glm53.plan import DEMO_CONTEXT
-    from glm53.settings import concurrency_of
-    from glm53.shape import from_checkpoint
+    from glm53.planning.plan import DEMO_CONTEXT
+    from glm53.planning.settings import concurrency_of
+    from glm53.planning.shape import from_checkpoint
 
     shape = from_checkpoint(model_dir)
     return engine_spec("exact", moe_layers=shape.moe_layers, experts_per_layer=shape.experts_per_layer,

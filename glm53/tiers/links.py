@@ -1,6 +1,6 @@
 """A device share's copy path: its staging rows and copy streams, one per card of a layer split.
 
-With the layers split across GPUs (glm53.devices), each MoE layer's VRAM slots live on its card, and its misses
+With the layers split across GPUs (glm53.planning.devices), each MoE layer's VRAM slots live on its card, and its misses
 are copied over that card's PCIe link into that card's staging rows: every share has its own `Link` (a Copier
 with its fill and write-back streams, and the staging arena), while the RAM tier (and the store) is one, shared
 by all. One device is one link: the single-GPU tiers are the one-link case of the same code.
@@ -64,12 +64,12 @@ class _Counting:
 
 
 def link_plan(devices: Sequence[Any], moe_layers: int, device: str) -> tuple[list[str], list[int]]:
-    """(each link's device, each MoE layer's link) for an EngineSpec's device shares (glm53.devices.DeviceShare);
+    """(each link's device, each MoE layer's link) for an EngineSpec's device shares (glm53.planning.devices.DeviceShare);
     no shares: one link on `device` for every layer. A spec on the CPU (the fake exllamav3 in CI) keeps every
     share on the CPU, each still with its own link."""
     if not devices:
         return [device], [0] * moe_layers
-    from glm53.devices import moe_share_of
+    from glm53.planning.devices import moe_share_of
 
     on = ["cpu"] * len(devices) if torch.device(device).type == "cpu" else [d.device for d in devices]
     return on, list(moe_share_of(devices, moe_layers))

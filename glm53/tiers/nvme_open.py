@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from glm53.spec import EngineSpec
+from glm53.planning.spec import EngineSpec
 from store import native
 from store.errors import StoreError
 from store.format import StoreHeader, read_header
@@ -54,7 +54,7 @@ def open_nvme_tier(
     warm: bool = True,
     vram_storage: Sequence[torch.Tensor] | None = None,
 ) -> NvmeTier:
-    """Verify the store against the mounted checkpoint, size the tiers as the spec says (glm53.spec: VRAM slots per
+    """Verify the store against the mounted checkpoint, size the tiers as the spec says (glm53.planning.spec: VRAM slots per
     layer, staging rows, RAM rows, reader threads, the device, whether buffered reads are allowed), warm them from
     saved routing statistics. Raises StoreRefused (with the exact pack-store command) for another checkpoint's or
     a damaged store, NativeUnavailable (naming the rebuild command) where the store's native library is not built,

@@ -1,4 +1,4 @@
-"""Which experts deserve a VRAM slot: scores, admission, per-layer budgets, saved routing statistics.
+"""Which experts deserve a VRAM slot: scores and admission (per-layer budgets and saved routing: glm53.planning).
 
 Expert routing is skewed (about 11% of experts draw ~40% of picks) and drifts slowly with the text. LRU
 reacts to every miss by evicting something, so a cold expert picked once pushes out a hot one that merely
@@ -14,16 +14,20 @@ rate of the code that runs.
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-STATS_FORMAT = 1  # bump when the routing-stats file layout changes; older files are ignored, not misread
+# The decision package owns these (the plan splits VRAM slots by saved routing); glm53.tiers exports them.
+from glm53.planning.routing import (  # noqa: F401
+    load_routing_stats,
+    routing_key,
+    routing_stats_path,
+    save_routing_stats,
+    saved_routing,
+)
+from glm53.planning.spec import split_budget  # noqa: F401
 
 
 class Policy(Protocol):
@@ -266,120 +270,6 @@ def zipf_trace(
     return out
 
 
-def split_budget(counts: np.ndarray, total_slots: int, min_per_layer: int = 0, max_per_layer: int | None = None) -> np.ndarray:
-    """Split `total_slots` VRAM slots across layers where each slot buys the most hit rate.
-
-    counts: (num_layers, num_experts) pick statistics. Under a frequency policy the k-th slot of layer l gains
-    about the k-th largest share of l's picks; shares sorted descending are concave, so handing out slots by
-    the largest next marginal gain (equivalently: the globally largest shares) is optimal. A skewed layer
-    gets many slots, a flat one few. Layers with no statistics count as uniform. Returns int64 (num_layers,).
-    """
-    counts = np.asarray(counts, np.float64)
-    num_layers, num_experts = counts.shape
-    cap = num_experts if max_per_layer is None else min(max_per_layer, num_experts)
-    if not 0 <= min_per_layer <= cap:
-        raise ValueError(f"min_per_layer {min_per_layer} outside [0, {cap}]")
-    if total_slots > cap * num_layers:
-        raise ValueError(f"{total_slots} slots exceed {num_layers} layers x {cap} slots per layer")
-    if total_slots < min_per_layer * num_layers:
-        raise ValueError(f"{total_slots} slots cannot give {num_layers} layers {min_per_layer} each")
-    totals = counts.sum(axis=1, keepdims=True)
-    shares = np.where(totals > 0, counts / np.where(totals > 0, totals, 1), 1.0 / num_experts)
-    # gains[l, k]: the hit rate the (k+1)-th slot of layer l adds. Rounded so that equal statistics computed
-    # two ways (1/288 vs c/sum(c)) tie exactly instead of by their last bit.
-    gains = np.round(-np.sort(-shares, axis=1)[:, :cap], 12)
-    budgets = np.full(num_layers, min_per_layer, np.int64)
-    rest = gains[:, min_per_layer:]
-    left = total_slots - budgets.sum()
-    if left > 0:
-        # Equal gains go to the lower slot index first, so layers with identical statistics (or none) share
-        # evenly instead of the first layer taking every tie; then to the lower layer: deterministic.
-        layer_idx, k_idx = np.indices(rest.shape)
-        order = np.lexsort((layer_idx.reshape(-1), k_idx.reshape(-1), -rest.reshape(-1)))[:left]
-        budgets += np.bincount(layer_idx.reshape(-1)[order], minlength=num_layers)
-    return budgets
-
-
 def hot_order(counts: np.ndarray) -> np.ndarray:
     """Experts of one layer, most picked first: the warm-start order (ties by lower id)."""
     return np.argsort(-np.asarray(counts, np.float64), kind="stable")
-
-
-def routing_key(model_dir: str | os.PathLike) -> str:
-    """The identity a checkpoint's routing statistics are saved under: its directory name and config.json hash."""
-    import hashlib
-
-    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
-    return f"{Path(model_dir).name}-{digest}"
-
-
-def saved_routing(cache_dir: str | os.PathLike, model_dir: str | os.PathLike, num_layers: int,
-                  num_experts: int) -> tuple[np.ndarray | None, str]:
-    """The statistics an earlier run of checkpoint `model_dir` saved under `cache_dir`: (counts or None, why)."""
-    key = routing_key(model_dir)
-    return load_routing_stats(routing_stats_path(cache_dir, key), key, num_layers, num_experts)
-
-
-def routing_stats_path(cache_dir: str | os.PathLike, model_key: str) -> Path:
-    """Where one model's routing statistics live under the cache dir (one file per model identity)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_key)
-    return Path(cache_dir) / f"routing-{safe}.json"
-
-
-def save_routing_stats(path: str | os.PathLike, counts: np.ndarray, model_key: str, steps: int = 0) -> None:
-    """Write per-layer pick statistics (num_layers, num_experts) as JSON, atomically (write aside, rename).
-
-    A crash mid-write leaves the previous file intact; a half-written file would cost a cold start.
-    """
-    counts = np.asarray(counts, np.float64)
-    doc = {
-        "format": STATS_FORMAT,
-        "model": model_key,
-        "num_layers": int(counts.shape[0]),
-        "num_experts": int(counts.shape[1]),
-        "steps": int(steps),
-        "counts": [[round(float(c), 4) for c in row] for row in counts],
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load_routing_stats(
-    path: str | os.PathLike, model_key: str, num_layers: int, num_experts: int
-) -> tuple[np.ndarray | None, str]:
-    """Read statistics saved by `save_routing_stats`; returns (counts or None, reason).
-
-    Anything that does not match this model exactly (missing, unreadable, other format, other model, other
-    shape, negative or non-finite counts) yields None with the reason, for a start-up log line: a cold cache is
-    slower, a cache warmed from another model's routing is merely wrong-headed, never an error.
-    """
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None, f"no routing statistics at {path} (cold start)"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable routing statistics {path}: {e}"
-    if not isinstance(doc, dict) or doc.get("format") != STATS_FORMAT:
-        return None, f"{path}: format {doc.get('format') if isinstance(doc, dict) else '?'}, expected {STATS_FORMAT}"
-    if doc.get("model") != model_key:
-        return None, f"{path}: statistics of model {doc.get('model')!r}, not {model_key!r}"
-    try:
-        counts = np.asarray(doc["counts"], np.float64)
-    except (KeyError, TypeError, ValueError) as e:
-        return None, f"{path}: bad counts: {e}"
-    if counts.shape != (num_layers, num_experts):
-        return None, f"{path}: counts shape {counts.shape}, expected ({num_layers}, {num_experts})"
-    if not np.all(np.isfinite(counts)) or np.any(counts < 0):
-        return None, f"{path}: counts not finite and non-negative"
-    return counts, f"loaded routing statistics from {path} ({doc.get('steps', 0)} steps)"

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from glm53.spec import borrowed_rows
+from glm53.planning.spec import borrowed_rows
 
 from .copier import Copier, Ticket
 from .layout import SlotLayout
@@ -108,7 +108,7 @@ class ExpertTiers:
         RAM is a cache of the store and `fetch` reads a record into it. staging_slots: device buffers for
         misses streamed over PCIe without admission, per layer: staging_rows of them (default all) device rows of
         their own on each link, the rest cache slots of other layers on the same link that a step borrows
-        (glm53.spec.borrowed_rows; see `borrow`). vram_storage: per-layer (slots, nbytes) tensors to adopt.
+        (glm53.planning.spec.borrowed_rows; see `borrow`). vram_storage: per-layer (slots, nbytes) tensors to adopt.
         ram_storage: a (ram_slots, stride >= nbytes) host tensor to adopt as the RAM arena (the nvme tier's
         4 KiB-aligned rows, which O_DIRECT reads land in). link_devices, link_of: a layer split across devices
         (glm53.tiers.links.link_plan): each link's device, each layer's link; every link gets its own copier and

@@ -48,7 +48,7 @@ def store(ck, tmp_path_factory):
 
 @contextlib.contextmanager
 def running(ck, mode: str = "stock", **kw) -> Iterator:
-    """The engine in `mode` on the checkpoint: SLOTS VRAM slots per layer, sized otherwise by glm53.spec's rules."""
+    """The engine in `mode` on the checkpoint: SLOTS VRAM slots per layer, sized otherwise by glm53.planning.spec's rules."""
     from glm53.engine.exl3_engine import Exl3Engine
 
     engine = Exl3Engine(ck, spec_for(ck, mode, 0 if mode == "stock" else SLOTS, **kw))
@@ -525,7 +525,7 @@ def test_the_warm_up_runs_every_shape_before_serving(ck, fake_exllamav3, monkeyp
     from glm53.engine.exl3_engine import Exl3Engine
     from glm53.engine.warmup import warmup_shapes
     from glm53.exl3.contract import SMALL_QUERY_ROWS
-    from glm53.spec import PAGE
+    from glm53.planning.spec import PAGE
 
     prompts, batches = [], set()
 

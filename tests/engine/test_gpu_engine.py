@@ -129,7 +129,7 @@ def test_tiny_exact_bit_identical(tmp_path, exl3):
     assert stream["stats"]["picks"]["vram_hit"] == 0
     _report("tiny, 0 slots (all staged)", stock, stream, steps)
     # Staging of top_k rows of its own: the 39-row prefill and the two-row decode steps (8 picks) borrow the other
-    # layers' cache slots, writing their experts back first (glm53.spec.borrowed_rows, ExpertTiers.borrow).
+    # layers' cache slots, writing their experts back first (glm53.planning.spec.borrowed_rows, ExpertTiers.borrow).
     lent = greedy_runs(path, prompts, steps, spec=spec_for(path, "exact", 6, staging_rows=4, device="cuda:0"))
     assert_bit_identical(stock, lent, steps)
     assert lent["stats"]["staging_rows"] == 4 and lent["stats"]["lent_out"] > 0

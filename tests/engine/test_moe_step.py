@@ -704,7 +704,7 @@ def test_a_store_read_failing_after_the_lane_started_cancels_the_lane_job(packed
 @pytest.mark.parametrize("spare", [0, FREE_RAM_SLOTS, FREE_RAM_SLOTS + 2 * 4])
 def test_a_ram_tier_holding_the_rest_reads_nothing_once_warm_only_with_the_spare_rows(tmp_path, spare):
     """nvme-exact with RAM for every expert outside VRAM: with the admissions' spare rows and the rows each decode
-    step keeps free on top (what the plan sizes, glm53.plan), steady decode reads nothing from the store; short of
+    step keeps free on top (what the plan sizes, glm53.planning.plan), steady decode reads nothing from the store; short of
     them, the room made for admissions' victims and the next reads drops experts that are soon read again."""
     from glm53.tiers.nvme_open import open_nvme_tier
 

@@ -609,7 +609,7 @@ def test_nvme_exact_split_shares_the_ram_tier_and_store(ck, store):
 def test_a_spec_for_another_checkpoint_is_refused(ck):
     from specs import spec_for
 
-    from glm53.devices import DeviceShare
+    from glm53.planning.devices import DeviceShare
 
     # Shares that cover the MoE layers but put MoE layer 2 (decoder layer 3) with decoder layers 0-2.
     shares = (DeviceShare(0, "a", 1, 0, 2, 0, 3, sum(SLOTS)), DeviceShare(0, "b", 1, 3, 3, 3, 0, 0))
@@ -622,8 +622,8 @@ def test_place_layers_puts_each_module_on_its_share():
     """Modules load onto their decoder layer's share (embedding first, head last); a CPU-kept module stays."""
     from types import SimpleNamespace
 
-    from glm53.devices import DeviceShare
-    from glm53.spec import engine_spec
+    from glm53.planning.devices import DeviceShare
+    from glm53.planning.spec import engine_spec
 
     loads: dict[str, torch.device] = {}
 

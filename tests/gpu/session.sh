@@ -42,7 +42,7 @@
 #             first-token time, decode tok/s, torch's peak allocation and the device memory in use
 #   planmem   the plan's VRAM estimates against a real prefill (tests/test_engine_spec.py, gpu): torch's peak over two
 #             chunks of 2,048 and of 4,096 tokens (activations) and the process's device memory beyond it (the reserve);
-#             writes $OUT/plan-memory.json with the figures glm53/plan.py's PREFILL_MEASURED / RESERVE_MEASURED take
+#             writes $OUT/plan-memory.json with the figures glm53/planning/plan.py's PREFILL_MEASURED / RESERVE_MEASURED take
 #   depth     issue 25's proof, first call: glm53 bench depth --modes stock,exact on the full-depth fixture (3 dense +
 #             42 MoE layers, 48 experts, ~26 GB, generated into /tmp/depth and kept; DEPTH_FIXTURE='...': other
 #             fixture args), planned for a 24 GB budget at 131,072 tokens: plan vs loaded, TTFT at 8K/32K/120K,

@@ -16,7 +16,7 @@ import pytest
 
 from glm53 import checkpoint as C
 from glm53.fixture.exl3 import write_exl3_checkpoint
-from glm53.shape import DEFAULT_SHAPE
+from glm53.planning.shape import DEFAULT_SHAPE
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from glm53 import settings as S
 from glm53.cli import build_parser
+from glm53.planning import settings as S
 from glm53.serve import choice as engines
 from glm53.serve import cli as serve_cli
 from glm53.serve.choice import EngineChoiceError, choose_engine

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = ROOT / "glm53" / "server"
-FORBIDDEN = ("glm53.planning_cli", "glm53.plan", "glm53.fixture", "glm53.serve")
+FORBIDDEN = ("glm53.plan_cli", "glm53.planning.plan", "glm53.planning.inputs", "glm53.fixture", "glm53.serve")
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -43,8 +43,8 @@ def test_the_server_package_imports_no_planning_or_fixture(tmp_path):
 
 def test_the_scan_catches_each_kind_of_import(tmp_path):
     src = tmp_path / "m.py"
-    for line in ("from glm53.fixture.tokenizer import THINK_OPEN", "import glm53.planning_cli",
-                 "from glm53 import plan", "def f():\n    from glm53.serve.choice import choose_engine"):
+    for line in ("from glm53.fixture.tokenizer import THINK_OPEN", "import glm53.plan_cli",
+                 "from glm53.planning import plan", "def f():\n    from glm53.serve.choice import choose_engine"):
         src.write_text(line + "\n")
         assert offending(imported_modules(src)), line
     src.write_text("from glm53.markup import THINK_OPEN\nfrom glm53.engine.interface import Engine\n"

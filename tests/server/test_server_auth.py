@@ -6,7 +6,7 @@ import httpx
 import pytest
 from server_support import FakeEngine, ServerThread
 
-from glm53 import settings as S
+from glm53.planning import settings as S
 from glm53.server import create_app
 from glm53.server.app import OPEN_ROUTES
 

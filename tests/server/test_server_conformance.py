@@ -18,8 +18,8 @@ import openai
 import pytest
 from server_support import ServerThread, wait_until
 
-from glm53 import settings as S
 from glm53.engine.reference import ReferenceEngine
+from glm53.planning import settings as S
 from glm53.server import create_app
 
 MODEL = "glm-5.3-flash"

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from server_support import FakeEngine
 
-from glm53 import settings as S
 from glm53.engine.reference import ReferenceEngine
+from glm53.planning import settings as S
 from glm53.server import create_app
 
 pytestmark = pytest.mark.slow  # end to end and long: make test runs it after the unit suite

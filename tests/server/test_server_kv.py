@@ -19,8 +19,8 @@ import pytest
 import torch
 from server_support import ServerThread, server_settings, wait_until
 
+from glm53.planning.spec import PAGE
 from glm53.server.app import create_app
-from glm53.spec import PAGE
 
 EXL3 = os.environ.get("GLM53_TEST_ENGINE", "reference") == "exl3"
 SEGMENT = 2048 if EXL3 else PAGE

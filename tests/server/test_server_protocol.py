@@ -13,7 +13,7 @@ import openai
 import pytest
 from server_support import FakeEngine, ServerThread, wait_until
 
-from glm53 import settings as S
+from glm53.planning import settings as S
 from glm53.server import create_app
 
 THOUGHT_AND_ANSWER = "Let me think.</think>\nThe answer is 42."

@@ -35,8 +35,8 @@ def test_no_store_module_names_glm53_in_an_import():
 
 def test_the_scan_sees_an_import_inside_a_function(tmp_path):
     probe = tmp_path / "probe.py"
-    probe.write_text("def f():\n    from glm53.settings import load\n    import glm53.cpu_lane.kernel as k\n")
-    assert [n for _, n in imported_names(probe)] == ["glm53.settings", "glm53.cpu_lane.kernel"]
+    probe.write_text("def f():\n    from glm53.planning.settings import load\n    import glm53.cpu_lane.kernel as k\n")
+    assert [n for _, n in imported_names(probe)] == ["glm53.planning.settings", "glm53.cpu_lane.kernel"]
 
 
 def test_every_store_module_imports_and_reads_with_glm53_unimportable(tmp_path):

@@ -14,7 +14,7 @@ from specs import store_spec
 
 import store.reader as R
 from glm53.exl3ref import Exl3Linear, expert_forward, read_exl3_linear
-from glm53.spec import EngineSpec
+from glm53.planning.spec import EngineSpec
 from glm53.tiers import SlotLayout, Where, combine, group_picks
 from store.format import read_header
 from store.pack import PackOptions, pack_store

@@ -210,7 +210,7 @@ def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float 
 
 def server_settings(**env: str):
     """Server settings from GLM53_* values (no environment, no .env file)."""
-    from glm53 import settings as S
+    from glm53.planning import settings as S
 
     return S.load(environ={f"GLM53_{k.upper()}": str(v) for k, v in env.items()}, dotenv=None)
 

@@ -1,4 +1,4 @@
-"""EngineSpecs for test checkpoints and stores: the plan's sizing rules (glm53.spec.engine_spec) applied to a
+"""EngineSpecs for test checkpoints and stores: the plan's sizing rules (glm53.planning.spec.engine_spec) applied to a
 shape read from the files, as the plan would read it, without a host to plan for."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from glm53.shape import from_checkpoint
-from glm53.spec import EngineSpec, engine_spec
-from glm53.tiers.policy import split_budget
+from glm53.planning.shape import from_checkpoint
+from glm53.planning.spec import EngineSpec, engine_spec, split_budget
 from store.format import read_header
 
 
@@ -51,9 +50,9 @@ def packed_store(ck: str | Path, where: Path) -> Path:
 def split_spec(ck: str | Path, engine: str = "exact", vram_slots: int | list[int] = 0, *, cards: int = 2,
                index: int | tuple[int, ...] = 0, device: str = "cpu", budget: int = 12 << 30, **kw) -> EngineSpec:
     """`spec_for` with the decoder layers split `cards` ways, the MoE layers as evenly as whole layers allow
-    (glm53.devices.even_shares), every share on cuda:`index` with `budget` bytes (a split onto one card, two
+    (glm53.planning.devices.even_shares), every share on cuda:`index` with `budget` bytes (a split onto one card, two
     budgets), on cuda:index[i] (a tuple: one card per share), or on the CPU (device="cpu": the fake exllamav3)."""
-    from glm53.devices import even_shares
+    from glm53.planning.devices import even_shares
 
     shape = from_checkpoint(ck)
     slots = [vram_slots] * shape.moe_layers if isinstance(vram_slots, int) else list(vram_slots)

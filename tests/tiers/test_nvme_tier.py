@@ -226,9 +226,9 @@ def test_start_up_warms_vram_and_ram_from_saved_statistics(packed):
     path = ck.parent / "routing-warm.json"
     from glm53.tiers import save_routing_stats
     save_routing_stats(path, counts, key)
-    # The plan's split of two VRAM slots by these statistics (glm53.spec.split_slots): both to layer 1, whose top
+    # The plan's split of two VRAM slots by these statistics (glm53.planning.spec.split_slots): both to layer 1, whose top
     # two draw the larger share of its picks.
-    from glm53.spec import split_slots
+    from glm53.planning.spec import split_slots
 
     assert split_slots(1, 2, EXPERTS, 0, counts)[0] == (0, 2)
     with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 1, [0, 2]), stats_path=path) as tier:

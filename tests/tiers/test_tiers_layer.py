@@ -421,7 +421,7 @@ def test_exl3_layout_matches_the_model() -> None:
     assert views["down.svh"].dtype == torch.float16 and views["down.svh"].shape == (4096,)
 
 
-# ---- staging that borrows cache slots (glm53.spec.borrowed_rows, ExpertTiers.borrow) --------------------------
+# ---- staging that borrows cache slots (glm53.planning.spec.borrowed_rows, ExpertTiers.borrow) --------------------------
 
 
 @pytest.mark.parametrize("keep_all", [True, False])

@@ -93,7 +93,7 @@ def test_bad_link_maps_are_refused() -> None:
 
 
 def test_link_plan_from_device_shares() -> None:
-    from glm53.devices import DeviceShare
+    from glm53.planning.devices import DeviceShare
 
     shares = (DeviceShare(0, "a", 1, 0, 4, 0, 3, 9), DeviceShare(1, "b", 1, 5, 9, 3, 2, 6))
     assert link_plan(shares, 5, "cuda:0") == (["cuda:0", "cuda:1"], [0, 0, 0, 1, 1])

@@ -1,6 +1,6 @@
 """EngineSpec: every size the engine runs with, decided once by the plan and passed down unchanged.
 
-The plan (glm53.plan) builds one from host facts, the model's shape and the settings; `glm53 plan` prints it,
+The plan (glm53.planning.plan) builds one from host facts, the model's shape and the settings; `glm53 plan` prints it,
 and the engine, the tiers and the store reader take their numbers from it and from nowhere else, so what the
 plan says is what loads. `engine_spec` holds the sizing rules that are not about the host (staging, the RAM
 tier's rows, the split of VRAM slots by saved routing statistics): the plan uses it, and so do tests and
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from glm53.devices import DeviceShare, check_shares
+from glm53.planning.devices import DeviceShare, check_shares
 
 ENGINES = ("stock", "exact", "fast", "nvme", "nvme-exact")
 TIERED = ("exact", "fast", "nvme", "nvme-exact")
@@ -28,7 +28,7 @@ RECURRENT_CACHE_BYTES = 4 << 30
 # expert's row is freed (exclusive tiers), and a decode step can admit up to top_k of them.
 RAM_SPARE_OF_TOP_K = 2
 # nvme modes: RAM slots kept free after each decode step's launch, so that the next step's store reads need no victim
-# search while the GPU waits (a batch-1 step reads 0.5-0.8 records from the store on the H200 bench). A RAM tier
+# search while the GPU waits (a batch-1 step reads under one record from the store; docs/results.md). A RAM tier
 # that can hold every expert outside VRAM holds these too, or every step would drop one it needs again.
 FREE_RAM_SLOTS = 4
 DECODE_ROWS = 8            # exllamav3's fused decode kernels take up to this many rows (block_sparse_mlp.MAX_BSZN)
@@ -52,7 +52,7 @@ class EngineSpec:
     prefill_chunk: int               # prompt tokens per forward
     recurrent_cache_bytes: int       # host RAM for exllamav3's recurrent-state checkpoints (prefix reuse of KDA layers)
     split: str                       # how the VRAM slots were divided among layers, for the plan's reasons
-    # The layer split across GPUs (glm53.devices), in layer order; empty: everything on `device` (one GPU).
+    # The layer split across GPUs (glm53.planning.devices), in layer order; empty: everything on `device` (one GPU).
     devices: tuple[DeviceShare, ...] = ()
     # Device rows of staging of their own (per card); the other staging_slots - staging_rows are borrowed from the
     # cache slots of other layers (`borrowed_rows`) by the steps that need them. None: all staging_slots.
@@ -64,7 +64,7 @@ class EngineSpec:
 
     @property
     def borrowed(self) -> tuple[tuple[int, int], ...]:
-        """The (MoE layer, slot) cache slots the staging borrows (glm53.spec.borrowed_rows)."""
+        """The (MoE layer, slot) cache slots the staging borrows (glm53.planning.spec.borrowed_rows)."""
         if not self.tiered:
             return ()
         return borrowed_rows(self.vram_slots, self.staging_slots - self.dedicated_staging,
@@ -93,7 +93,7 @@ def link_of_layers(devices: Sequence[DeviceShare], moe_layers: int) -> list[int]
     """Each MoE layer's device share (0 for every layer on one GPU)."""
     if not devices:
         return [0] * moe_layers
-    from glm53.devices import moe_share_of
+    from glm53.planning.devices import moe_share_of
 
     return [int(x) for x in moe_share_of(devices, moe_layers)]
 
@@ -170,6 +170,40 @@ def staging_for(vram_slots: Sequence[int], experts_per_layer: int, staging: int)
     return staging
 
 
+def split_budget(counts: np.ndarray, total_slots: int, min_per_layer: int = 0, max_per_layer: int | None = None) -> np.ndarray:
+    """Split `total_slots` VRAM slots across layers where each slot buys the most hit rate.
+
+    counts: (num_layers, num_experts) pick statistics. Under a frequency policy the k-th slot of layer l gains
+    about the k-th largest share of l's picks; shares sorted descending are concave, so handing out slots by
+    the largest next marginal gain (equivalently: the globally largest shares) is optimal. A skewed layer
+    gets many slots, a flat one few. Layers with no statistics count as uniform. Returns int64 (num_layers,).
+    """
+    counts = np.asarray(counts, np.float64)
+    num_layers, num_experts = counts.shape
+    cap = num_experts if max_per_layer is None else min(max_per_layer, num_experts)
+    if not 0 <= min_per_layer <= cap:
+        raise ValueError(f"min_per_layer {min_per_layer} outside [0, {cap}]")
+    if total_slots > cap * num_layers:
+        raise ValueError(f"{total_slots} slots exceed {num_layers} layers x {cap} slots per layer")
+    if total_slots < min_per_layer * num_layers:
+        raise ValueError(f"{total_slots} slots cannot give {num_layers} layers {min_per_layer} each")
+    totals = counts.sum(axis=1, keepdims=True)
+    shares = np.where(totals > 0, counts / np.where(totals > 0, totals, 1), 1.0 / num_experts)
+    # gains[l, k]: the hit rate the (k+1)-th slot of layer l adds. Rounded so that equal statistics computed
+    # two ways (1/288 vs c/sum(c)) tie exactly instead of by their last bit.
+    gains = np.round(-np.sort(-shares, axis=1)[:, :cap], 12)
+    budgets = np.full(num_layers, min_per_layer, np.int64)
+    rest = gains[:, min_per_layer:]
+    left = total_slots - budgets.sum()
+    if left > 0:
+        # Equal gains go to the lower slot index first, so layers with identical statistics (or none) share
+        # evenly instead of the first layer taking every tie; then to the lower layer: deterministic.
+        layer_idx, k_idx = np.indices(rest.shape)
+        order = np.lexsort((layer_idx.reshape(-1), k_idx.reshape(-1), -rest.reshape(-1)))[:left]
+        budgets += np.bincount(layer_idx.reshape(-1)[order], minlength=num_layers)
+    return budgets
+
+
 def split_slots(per_layer: int, layers: int, experts_per_layer: int, top_k: int,
                 counts: np.ndarray | None, total: int | None = None) -> tuple[tuple[int, ...], str]:
     """VRAM slots per MoE layer, `total` of them (default per_layer x layers): without saved routing statistics
@@ -185,8 +219,6 @@ def split_slots(per_layer: int, layers: int, experts_per_layer: int, top_k: int,
     counts = np.asarray(counts, np.float64)
     if counts.shape != (layers, experts_per_layer):
         return even, f"{how}: saved statistics are {counts.shape}, not {(layers, experts_per_layer)}"
-    from glm53.tiers.policy import split_budget
-
     got = split_budget(counts, total, min_per_layer=min(top_k, base))
     slots = tuple(int(s) for s in np.minimum(got, experts_per_layer))
     return slots, f"by saved routing statistics ({min(slots)}-{max(slots)} per layer)"
@@ -220,7 +252,7 @@ def engine_spec(
     step fills, `decode_staging`, or all where the cache slots are under twice a layer) are device rows of their own
     and the rest borrowed cache slots (`borrowed_rows`). The RAM tier outside the nvme modes holds every expert VRAM
     does not, the borrowed slots' experts (written back while a step borrows them) and the admission spare
-    (`ram_slots` is required in the nvme modes: there the memory cap sizes it). devices: the layer split across GPUs (glm53.devices; `device` is then the first
+    (`ram_slots` is required in the nvme modes: there the memory cap sizes it). devices: the layer split across GPUs (glm53.planning.devices; `device` is then the first
     share's). Refuses sizes the engine could not run with, naming them."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

@@ -13,13 +13,13 @@ import os
 import sys
 import textwrap
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
-from glm53 import host as H
-from glm53 import plan as P
-from glm53 import settings as S
-from glm53 import shape as M
+from glm53.planning import host as H
+from glm53.planning import plan as P
+from glm53.planning import settings as S
+from glm53.planning import units as U
+from glm53.planning.inputs import Inputs, inputs, make_plan
 
 EXIT_BLOCKED = 2
 
@@ -43,17 +43,6 @@ def _common(p) -> None:
     p.add_argument("--store", metavar="PATH", help="expert store file (overrides GLM53_STORE)")
 
 
-@dataclass
-class Inputs:
-    settings: S.Settings
-    facts: H.HostFacts
-    shape: M.ModelShape
-    warnings: list[str]
-    model_error: str | None = None   # the checkpoint is there but unreadable: a refusal, reported like one
-    model_mounted: bool = False
-    routing: tuple = (None, "no checkpoint mounted")  # saved routing statistics (counts or None, why)
-
-
 def gather(args, root: str) -> Inputs:
     """Settings (with the command line's overrides), host facts under `root`, and the model's shape."""
     settings = S.load_or_exit()
@@ -61,74 +50,12 @@ def gather(args, root: str) -> Inputs:
     return inputs(settings.with_overrides(**overrides), root)
 
 
-def inputs(settings: S.Settings, root: str = "/") -> Inputs:
-    """Host facts under `root` and the model's shape for `settings`: everything plan() needs."""
-    if root == "/" and settings.store:
-        # The plan compares this path with the store facts, which hold it absolute.
-        settings = settings.with_overrides(store=os.path.abspath(settings.store))
-    warnings: list[str] = []
-    shape, error, mounted = M.DEFAULT_SHAPE, None, False
-    if settings.model_dir:
-        # On a fake host the model directory is part of the tree, like every other path.
-        model = Path(root) / settings.model_dir.lstrip("/") if root != "/" else Path(settings.model_dir)
-        mounted = (model / "config.json").is_file()
-        if mounted:
-            try:
-                shape = M.from_checkpoint(model)
-            except M.ShapeError as exc:
-                error = f"{exc}: check the checkpoint with `glm53 model verify {settings.model_dir}`"
-        else:
-            warnings.append(f"no config.json in {settings.model_dir} (model not mounted yet?): planned with the "
-                            "GLM-5.3-Flash 3.05 bpw defaults")
-    facts = H.read_host(root, store=settings.store or None)
-    if root == "/":
-        from glm53.cpu_lane import kernel
-
-        facts = replace(facts, lane_kernel_error=kernel.unavailable_reason())
-    routing = _routing(settings, model, shape) if mounted and error is None else (None, "no checkpoint mounted")
-    return Inputs(settings, facts, shape, warnings, error, mounted, routing)
-
-
-def _routing(settings: S.Settings, model_dir: Path, shape: M.ModelShape) -> tuple:
-    """The routing statistics an earlier run of this checkpoint saved under the cache dir: they split the VRAM
-    slots among layers (the plan) and warm the tiers (the engine)."""
-    from glm53.tiers.policy import saved_routing
-
-    return saved_routing(Path(settings.cache_dir).expanduser(), model_dir, shape.moe_layers, shape.experts_per_layer)
-
-
-def make_plan(inp: Inputs) -> tuple[P.Plan | None, dict]:
-    """(plan or None, its JSON with facts and shape attached); input warnings go first."""
-    try:
-        if inp.model_error:
-            raise P.PlanError(inp.model_error)
-        plan = P.plan(inp.facts, inp.shape, inp.settings, inp.routing)
-        plan.warnings[:0] = inp.warnings
-        out = plan.to_json()
-    except P.PlanError as exc:
-        exc.warnings[:0] = inp.warnings
-        plan, out = None, exc.to_json()
-    out["facts"] = inp.facts.to_json()
-    out["shape"] = inp.shape.to_json()
-    return plan, out
-
-
-def current_plan(settings: S.Settings) -> tuple[P.Plan, Inputs]:
-    """The plan `glm53 serve` obeys: this host, these settings. Raises PlanError (its message has the fix)."""
-    inp = inputs(settings)
-    if inp.model_error:
-        raise P.PlanError(inp.model_error, inp.warnings)
-    plan = P.plan(inp.facts, inp.shape, inp.settings, inp.routing)
-    plan.warnings[:0] = inp.warnings
-    return plan, inp
-
-
 # ---------------------------------------------------------------- text rendering
 
 
 def _host_lines(f: H.HostFacts) -> list[str]:
-    gib = P.gib
-    gpus = "; ".join(f"GPU {g.index} {g.name}, {gib(g.free_mib * P.MIB)} free of {gib(g.total_mib * P.MIB)}, "
+    gib = U.gib
+    gpus = "; ".join(f"GPU {g.index} {g.name}, {gib(g.free_mib * U.MIB)} free of {gib(g.total_mib * U.MIB)}, "
                      f"PCIe {g.pcie_gen or '?'} x{g.pcie_width or '?'}" for g in f.gpus) or "no NVIDIA GPU"
     c, m = f.cpu, f.memory
     isa = ", ".join(x.upper() for x in ("avx2", "fma", "f16c") if c.has(x)) or "no AVX2/FMA/F16C"
@@ -139,7 +66,7 @@ def _host_lines(f: H.HostFacts) -> list[str]:
     cap = "none" if m.limit is None else gib(m.limit)
     swap = "unlimited" if m.swap_limit is None else gib(m.swap_limit)
     ram = (f"MemTotal {gib(m.total or 0)}, MemAvailable {gib(m.available or 0)}; cgroup {m.cgroup or 'none'} cap "
-           f"{cap}, swap cap {swap}; memlock {'unlimited' if m.memlock is None else P.human(m.memlock)}; "
+           f"{cap}, swap cap {swap}; memlock {'unlimited' if m.memlock is None else U.human(m.memlock)}; "
            f"THP {m.thp or '?'}")
     lines = [f"  gpu     {gpus}", f"  cpu     {cpu}", f"  ram     {ram}"]
     if f.store:
@@ -151,7 +78,7 @@ def _host_lines(f: H.HostFacts) -> list[str]:
 
 
 def _value(key: str, out: dict) -> str:
-    gib = P.gib
+    gib = U.gib
     return {
         "mode": str(out["mode"]),
         "gpu": str(out["device"]),
@@ -197,15 +124,15 @@ def render(out: dict, facts: H.HostFacts) -> str:
     for key, reason in out["reasons"].items():
         value = "" if out["error"] else _value(key, out)
         if key == "model":
-            value = f"{out['shape']['experts']} experts x {P.human(out['shape']['expert_bytes'])}"
+            value = f"{out['shape']['experts']} experts x {U.human(out['shape']['expert_bytes'])}"
         lines.append(f"{key:<13} {value}".rstrip())
         lines += textwrap.wrap(reason, width, initial_indent=" " * 14, subsequent_indent=" " * 16)
     for name, key, total in (("VRAM", "vram_accounting", out.get("vram_budget_bytes")), ("RAM", "ram_accounting", None)):
         terms = out.get(key) or {}
         if terms:
-            of = f" of the {P.gib(total)} budget" if total else ""
-            text = f"{P.human(sum(terms.values()))}{of}: " + ", ".join(
-                f"{k.replace('_', ' ')} {P.human(v)}" for k, v in terms.items())
+            of = f" of the {U.gib(total)} budget" if total else ""
+            text = f"{U.human(sum(terms.values()))}{of}: " + ", ".join(
+                f"{k.replace('_', ' ')} {U.human(v)}" for k, v in terms.items())
             lines += textwrap.wrap(text, width, initial_indent=f"{name.lower():<14}", subsequent_indent=" " * 16)
     if out["warnings"]:
         lines.append("")
@@ -258,7 +185,7 @@ def check_pinning(plan: P.Plan | None, facts: H.HostFacts) -> Check:
         return Check("pin", "skip", "no CUDA device visible to torch (CPU-only build, or no --gpus)")
     memlock = facts.memory.memlock
     # Cross the memlock limit on purpose when it is low: pinning only below it would prove nothing.
-    size = 256 * P.MIB if memlock is None else min(P.GIB, max(256 * P.MIB, memlock + 64 * P.MIB))
+    size = 256 * U.MIB if memlock is None else min(U.GIB, max(256 * U.MIB, memlock + 64 * U.MIB))
     device = plan.device if plan and plan.device.startswith("cuda") else "cuda:0"
     needs_pin = plan is not None and plan.mode != "demo"
     try:
@@ -278,11 +205,11 @@ def check_pinning(plan: P.Plan | None, facts: H.HostFacts) -> Check:
         del buf, dst
     except RuntimeError as exc:
         fix = "add --ulimit memlock=-1" if memlock is not None else "check the NVIDIA driver and container toolkit"
-        return Check("pin", "fail", f"pinning {P.human(size)} failed: {str(exc).splitlines()[0]}: {fix}", needs_pin)
-    note = (f" (works despite RLIMIT_MEMLOCK {P.human(memlock)}: the driver pins without it)"
+        return Check("pin", "fail", f"pinning {U.human(size)} failed: {str(exc).splitlines()[0]}: {fix}", needs_pin)
+    note = (f" (works despite RLIMIT_MEMLOCK {U.human(memlock)}: the driver pins without it)"
             if memlock is not None and memlock < size else "")
-    return Check("pin", "ok", f"pinned {P.human(size)} in {pinned:.2f} s{note}; host->{device} {rate:.1f} GB/s; "
-                              f"{P.gib(free)} free of {P.gib(total)} VRAM")
+    return Check("pin", "ok", f"pinned {U.human(size)} in {pinned:.2f} s{note}; host->{device} {rate:.1f} GB/s; "
+                              f"{U.gib(free)} free of {U.gib(total)} VRAM")
 
 
 RAM_FS = ("tmpfs", "ramfs")
@@ -303,7 +230,7 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
                                              f"reads (GLM53_ALLOW_BUFFERED_READS=1), slower; ext4 or xfs is faster")
         return Check("o_direct", "fail", f"{st.path} on {st.fstype}: {st.odirect_how}: put the store on ext4 or xfs "
                                          f"(or set GLM53_ALLOW_BUFFERED_READS=1 to serve it slower, buffered)", True)
-    chunk, total = 8 * P.MIB, min(256 * P.MIB, (st.size or 0) // H.ODIRECT_BLOCK * H.ODIRECT_BLOCK)
+    chunk, total = 8 * U.MIB, min(256 * U.MIB, (st.size or 0) // H.ODIRECT_BLOCK * H.ODIRECT_BLOCK)
     fd = os.open(st.path, os.O_RDONLY | os.O_DIRECT)
     buf = mmap.mmap(-1, chunk)
     try:
@@ -319,7 +246,7 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
     finally:
         buf.close()
         os.close(fd)
-    rate = (f"; read {P.human(done)} at {done / secs / 1e9:.2f} GB/s (page cache bypassed)"
+    rate = (f"; read {U.human(done)} at {done / secs / 1e9:.2f} GB/s (page cache bypassed)"
             if done and secs > 0 else "")
     return Check("o_direct", "ok", f"{st.odirect_how}{rate}")
 
@@ -335,7 +262,7 @@ def check_store_place(facts: H.HostFacts, settings: S.Settings) -> Check:
                                          "demo model does not use a store; set GLM53_MODEL_DIR to the checkpoint "
                                          "the store was packed from (or unset GLM53_STORE)", True)
     if st.fstype in RAM_FS:
-        held = P.gib(st.size) if st.size else "the whole store"
+        held = U.gib(st.size) if st.size else "the whole store"
         return Check("store_fs", "fail", f"{st.path} is on {st.fstype} ({st.mount_point}), which is RAM: {held} "
                                          "stay in RAM, counting against the memory an nvme mode is meant to save; "
                                          "put the store on an NVMe drive (ext4 or xfs)")
@@ -356,7 +283,7 @@ def check_store_header(plan: P.Plan | None, settings: S.Settings, model_dir: str
         head = store_format.read_header(path)
     except Exception as exc:  # StoreFormatError and I/O errors alike: report them, do not crash preflight
         return Check("store", "fail", f"{exc}", blocks)
-    summary = f"format v{head.version}, {len(head.entries)} records, {P.gib(head.file_size)}"
+    summary = f"format v{head.version}, {len(head.entries)} records, {U.gib(head.file_size)}"
     try:
         from store.verify import quick_verify
     except ImportError:

@@ -12,7 +12,7 @@ import difflib
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,19 +158,34 @@ NOT_SETTINGS = frozenset({"GLM53_PYTHON", "GLM53_TEST_ENGINE", "GLM53_EXLLAMAV3_
 
 @dataclass(frozen=True)
 class Settings:
-    """Parsed values, keyed by the setting name without the GLM53_ prefix, lower case."""
+    """Every setting, parsed: one typed field per GLM53_* name (the name without the prefix, lower case), in
+    SCHEMA's order. SCHEMA holds the defaults, meanings and parsers; a test keeps its names and types equal to
+    these fields."""
 
-    values: dict[str, Any]
+    model_dir: str
+    store: str
+    mode: str
+    exact: bool
+    host: str
+    port: int
+    model_id: str
+    api_key: str
+    allow_no_api_key: bool
+    context: int
+    reasoning_budget: int
+    reasoning_effort: str
+    max_concurrency: int
+    max_queue: int
+    vram_budget_gb: float
+    cpu_threads: int
+    allow_buffered_reads: bool
+    cache_dir: str
+    log_level: str
     warnings: tuple[str, ...] = ()
 
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self.values[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
     def with_overrides(self, **kw: Any) -> Settings:
-        return Settings({**self.values, **kw}, self.warnings)
+        """These settings with some fields replaced (the command line's --model, --store, ...)."""
+        return replace(self, **kw)
 
 
 def attr_name(name: str) -> str:
@@ -188,7 +203,7 @@ def read_dotenv(path: Path) -> dict[str, str]:
 AUTO_CONCURRENCY = 8  # what GLM53_MAX_CONCURRENCY=0 allows at most
 
 
-def concurrency_of(settings: Any) -> tuple[int, bool]:
+def concurrency_of(settings: Settings) -> tuple[int, bool]:
     """(sequences at most, whether the plan may lower them): GLM53_MAX_CONCURRENCY=0 leaves it to the plan."""
     n = int(settings.max_concurrency)
     return (n, False) if n else (AUTO_CONCURRENCY, True)
@@ -218,7 +233,7 @@ def load(environ: dict[str, str] | None = None, dotenv: Path | None = Path(".env
             raise SettingsError(f"{s.name}={text!r} is invalid (allowed: {s.allowed}). "
                                 f"Fix it in the environment or .env.", warnings) from None
     values["cache_dir"] = str(Path(values["cache_dir"]).expanduser())
-    return Settings(values, tuple(warnings))
+    return Settings(**values, warnings=tuple(warnings))
 
 
 def load_or_exit(**kw: Any) -> Settings:
@@ -241,7 +256,7 @@ def _default_column(s: Setting) -> str:
 
 
 def render_env_example() -> str:
-    lines = ["# glm53 settings. Generated from glm53/settings.py by `glm53 settings --write`; do not edit by hand.",
+    lines = ["# glm53 settings. Generated from glm53/planning/settings.py by `glm53 settings --write`; do not edit by hand.",
              "# Copy to .env and change what you need. The environment overrides this file.", ""]
     for s in SCHEMA:
         lines.append(f"# {s.meaning} Allowed: {s.allowed}.")
@@ -254,7 +269,7 @@ def render_env_example() -> str:
 
 def render_markdown() -> str:
     lines = ["# Configuration", "",
-             "Generated from `glm53/settings.py` by `glm53 settings --write`; a test fails when this file drifts.",
+             "Generated from `glm53/planning/settings.py` by `glm53 settings --write`; a test fails when this file drifts.",
              "Set these in the environment (`docker run -e ...`) or in a `.env` file. An invalid value stops",
              "start-up with a message naming it (exit status 2); an unknown `GLM53_*` name is warned about.", "",
              "| setting | default | allowed | meaning |", "|---|---|---|---|"]
@@ -269,6 +284,6 @@ def render_markdown() -> str:
 def render_table(settings: Settings | None = None) -> str:
     rows = []
     for s in SCHEMA:
-        current = "" if settings is None else f"  = {settings.values[attr_name(s.name)]!r}"
+        current = "" if settings is None else f"  = {getattr(settings, attr_name(s.name))!r}"
         rows.append(f"{s.name:28} default {_default_column(s)!r:18} {s.meaning}{current}")
     return "\n".join(rows)

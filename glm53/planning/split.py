@@ -1,6 +1,6 @@
 """The layer split across GPUs: which decoder layers each card runs, and how many expert slots and tokens fit.
 
-Pure, like glm53.plan (which calls it when more than one card is usable, and gives it its own accounting: the
+Pure, like glm53.planning.plan (which calls it when more than one card is usable, and gives it its own accounting: the
 reserve, a prefill chunk's activations and the chunk's cost model). Each card holds a contiguous run of decoder
 layers, exllamav3's layer split: their always-used VRAM weights (the embedding stays in host RAM), their MLA
 layers' share of the KV cache and their KDA layers' state for the cache's sequences, plus per card the plan's
@@ -16,10 +16,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from glm53.devices import DeviceShare
-from glm53.settings import concurrency_of
-from glm53.shape import ModelShape
-from glm53.spec import PAGE, PREFILL_CHUNK, can_lend, decode_staging, kv_cache_bytes
+from glm53.planning.devices import DeviceShare
+from glm53.planning.settings import Settings, concurrency_of
+from glm53.planning.shape import ModelShape
+from glm53.planning.spec import PAGE, PREFILL_CHUNK, can_lend, decode_staging, kv_cache_bytes, split_slots
+from glm53.planning.units import gib
 
 
 @dataclass(frozen=True)
@@ -220,17 +221,14 @@ def usable(gpus: Sequence, budget_of, min_bytes: int) -> tuple[list, list[str]]:
     return sorted(ok, key=lambda g: g.cuda if g.cuda is not None else g.index), warnings
 
 
-def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserve: int,
+def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings: Settings, *, reserve: int,
                activations: Callable[[int], int], choose_chunk: Callable[[int, Callable[[int], int]], tuple[int, str]],
                min_slots: int, min_tokens: int, kv_round: int, counts=None, counts_why: str = "") -> CardsPlan:
     """Split the model over `gpus` (two or more usable cards, CUDA order), each card paying `reserve` and
     `activations(chunk)` for the prefill chunk. The context is fitted beside exllamav3's 2,048-token chunk; then
-    choose_chunk(total slots at 2,048, total slots at a chunk) picks the chunk (glm53.plan's cost model). Raises
+    choose_chunk(total slots at 2,048, total slots at a chunk) picks the chunk (glm53.planning.plan's cost model). Raises
     ValueError naming the shortfall and the fix when no split leaves every MoE layer `min_slots` slots and
     `min_tokens` of context."""
-    from glm53.plan import gib  # the plan's wording for sizes (glm53.plan imports this module)
-    from glm53.spec import split_slots
-
     cards = [Card(g.cuda if g.cuda is not None else g.index, g.name, budget_of(g)) for g in gpus]
     sequences = concurrency_of(settings)[0]
     costs = layer_costs(shape, sequences)
@@ -243,7 +241,7 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
                         overhead=reserve + activations(chunk))
     if split is None:
         # Each card keeps a decode step's staging rows and its prefill borrows the rest of a layer's from the card's
-        # cache slots (glm53.spec.borrowed_rows) where they can lend it; else a layer of rows per card.
+        # cache slots (glm53.planning.spec.borrowed_rows) where they can lend it; else a layer of rows per card.
         rows = decode_staging(shape.top_k, sequences, experts)
         for staging in (rows, experts) if rows < experts else (experts,):
             split, chunk, chunk_why, warnings = _fit_cards(cards, costs, context, eb, experts, staging, reserve,
@@ -289,11 +287,9 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings, *, reserv
 
 
 def _fit_cards(cards, costs, context: int, eb: int, experts: int, staging: int, reserve: int, activations,
-               choose_chunk, min_slots: int, min_tokens: int, kv_round: int, settings) -> tuple:
+               choose_chunk, min_slots: int, min_tokens: int, kv_round: int, settings: Settings) -> tuple:
     """The tiered split with `staging` rows per card: the context fitted beside a 2,048-token chunk, then the chunk
     the plan's cost model picks. Returns (split, chunk, chunk_why, warnings)."""
-    from glm53.plan import gib
-
     warnings: list[str] = []
     chunk = PREFILL_CHUNK
     split = fit_split(cards, costs, context=context, expert_bytes=eb, experts=experts, staging=staging,

@@ -2,21 +2,22 @@
 
 plan(facts, shape, settings) returns a Plan or raises PlanError; it reads no files and runs nothing, so every
 decision is testable on fake hosts. Each number carries a reason; each refusal and warning names the fact,
-the threshold and the fix. `glm53 plan` prints it and `glm53 serve` obeys it. DESIGN section 5 is the source
-of the mode table; docs/modes.md renders AUTO_RULES and MODE_NEEDS from here (a test keeps them equal).
+the threshold and the fix. `glm53 plan` prints it and `glm53 serve` obeys it. AUTO_RULES is the mode table;
+docs/modes.md renders it and MODE_NEEDS from here (a test keeps them equal).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
-from glm53.host import Gpu, HostFacts
-from glm53.settings import AUTO_CONCURRENCY, concurrency_of
-from glm53.shape import DEFAULT_SHAPE, ModelShape
-from glm53.spec import (
+from glm53.planning.host import Gpu, HostFacts
+from glm53.planning.settings import AUTO_CONCURRENCY, Settings, concurrency_of
+from glm53.planning.shape import DEFAULT_SHAPE, ModelShape
+from glm53.planning.spec import (
     FREE_RAM_SLOTS,
     PAGE,
     PREFILL_CHUNK,
@@ -31,11 +32,8 @@ from glm53.spec import (
     link_of_layers,
     split_slots,
 )
-from glm53.split import CardsPlan, plan_cards, usable
-
-GIB = 1 << 30
-MIB = 1 << 20
-KIB = 1 << 10
+from glm53.planning.split import CardsPlan, plan_cards, usable
+from glm53.planning.units import GIB, MIB, gib, human
 
 IMAGE = "glm53"
 # The one-shot that writes the expert store (as in README); refusals print it with the store's path filled in.
@@ -51,13 +49,12 @@ MIN_GPU_GIB = 20
 # activations): the CUDA context and kernel images, exllamav3's captured graphs, allocator slack and whatever those
 # counts miss. Measured as the peak device memory the driver reported for the process minus the counted tensors:
 # `glm53 bench depth`, exact mode, full-depth fixture, GLM53_VRAM_BUDGET_GB=24, GLM53_CONTEXT=131072, 8 sequences, a
-# 120,000-token prompt + 512 tokens on an H200 (docs/results.md, 2026-12-01): 1.61 GiB (0.51 GiB of it the CUDA
-# context), rounded up to 64 MiB.
+# 120,000-token prompt + 512 tokens (the run is in docs/results.md), rounded up to 64 MiB.
 VRAM_RESERVE = 26 * 64 * MIB
 VRAM_RESERVE_SOURCE = "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md"
 # Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
 # torch.cuda.max_memory_allocated() during a prefill minus memory_allocated() before it, at chunks of 2,048 and
-# 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.shape's estimate.
+# 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.planning.shape's estimate.
 PREFILL_MEASURED: tuple[int, int, str] | None = None
 # The reference appliance keeps 1,376 of GLM-5.3-Flash's 12,096 experts in VRAM on a 24 GB card: the decode hot set
 # the plan keeps before it spends VRAM on a longer prefill chunk or more concurrent sequences.
@@ -113,7 +110,7 @@ class PlanError(Exception):
                 "reasons": ordered(self.reasons)}
 
 
-# ---------------------------------------------------------------- the decision table (DESIGN section 5)
+# ---------------------------------------------------------------- the decision table
 
 
 @dataclass(frozen=True)
@@ -219,7 +216,7 @@ class Plan:
     # together): what a GPU run compares its measured peak with.
     vram_accounting: dict[str, int] = field(default_factory=dict)
     ram_accounting: dict[str, int] = field(default_factory=dict)
-    # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.devices.DeviceShare's
+    # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.planning.devices.DeviceShare's
     # JSON); one entry on one GPU, none for the demo.
     devices: list[dict[str, Any]] = field(default_factory=list)
 
@@ -249,18 +246,6 @@ REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "kv_tokens", "sequenc
 def ordered(reasons: dict[str, str]) -> dict[str, str]:
     rank = {k: i for i, k in enumerate(REASON_ORDER)}
     return dict(sorted(reasons.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-
-
-def gib(n: float) -> str:
-    """Bytes as GiB for messages: 12 GiB, 11.8 GiB."""
-    return f"{n / GIB:.1f}".removesuffix(".0") + " GiB"
-
-
-def human(n: int) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
-        if n >= size:
-            return f"{n / size:.1f}".removesuffix(".0") + f" {unit}"
-    return f"{n} B"
 
 
 def pack_store_command(store_path: str) -> str:
@@ -309,18 +294,20 @@ def _suggested_cap(facts: HostFacts) -> int:
     return max(NVME_MIN_RAM_GIB + 1, min(NVME_SUGGESTED_GIB, int(total / GIB) - 4))
 
 
-def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu, int]:
+def budget_of(settings: Settings) -> Callable[[Gpu], int]:
+    """Each card's VRAM budget: its free VRAM, capped by GLM53_VRAM_BUDGET_GB (0: no cap). The one place the plan
+    reads the setting: the one card's budget and every card's of a layer split come from it."""
+    cap = int(settings.vram_budget_gb * GIB) if settings.vram_budget_gb else None
+    return lambda g: g.free_mib * MIB if cap is None else min(g.free_mib * MIB, cap)
+
+
+def _pick_gpu(facts: HostFacts, settings: Settings, budget: Callable[[Gpu], int], reasons: dict[str, str]
+              ) -> tuple[Gpu, int]:
     """The GPU to serve on and its byte budget, or a refusal naming the VRAM fact and the fix."""
     if not facts.gpus:
         raise PlanError(f"no NVIDIA GPU found: serving GLM-5.3-Flash needs one GPU with >= {MIN_GPU_GIB} GiB: "
                         "run the container with --gpus all (install the NVIDIA container toolkit on the host), "
                         "or leave GLM53_MODEL_DIR empty to serve the demo model on the CPU")
-    cap = int(settings.vram_budget_gb * GIB) if settings.vram_budget_gb else None
-
-    def budget(g: Gpu) -> int:
-        free = g.free_mib * MIB
-        return free if cap is None else min(free, cap)
-
     # PCIe bandwidth first (every miss crosses it), then free VRAM, then the lowest index.
     ranked = sorted(facts.gpus, key=lambda g: (-(g.pcie_gbps or 0), -budget(g), g.index))
     eligible = [g for g in ranked if budget(g) >= MIN_GPU_GIB * GIB]
@@ -330,7 +317,7 @@ def _pick_gpu(facts: HostFacts, settings, reasons: dict[str, str]) -> tuple[Gpu,
             raise PlanError(f"GPU {g.index} ({g.name}) has {gib(g.total_mib * MIB)} of VRAM < {MIN_GPU_GIB} GiB "
                             "needed for GLM-5.3-Flash: use a 24 GB GPU (RTX 3090/4090 class or larger), or leave "
                             "GLM53_MODEL_DIR empty to serve the demo model")
-        if cap is not None and cap < g.free_mib * MIB:
+        if budget(g) < g.free_mib * MIB:  # GLM53_VRAM_BUDGET_GB is what binds
             raise PlanError(f"GLM53_VRAM_BUDGET_GB={settings.vram_budget_gb:g} < {MIN_GPU_GIB} GiB needed for "
                             f"GLM-5.3-Flash: raise it to at least {MIN_GPU_GIB}, or set 0 to use all free VRAM")
         raise PlanError(f"GPU {g.index} ({g.name}) has {gib(g.free_mib * MIB)} free of {gib(g.total_mib * MIB)}, "
@@ -369,7 +356,7 @@ STOCK_CHUNK_WHY = (f"{PREFILL_CHUNK} tokens (exllamav3's default): every expert 
                    "nothing over PCIe and a larger one would only take memory")
 
 
-def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict, warnings: list) -> _Vram:
+def _size_vram(shape: ModelShape, settings: Settings, gpu: Gpu, budget: int, reasons: dict, warnings: list) -> _Vram:
     """Weights, KV, staging, the reserve, the prefill chunk's activations and the KDA state of the cache's sequences
     first; expert slots get the rest. The sequences (not below 1), then the chunk (`_choose_chunk`) are lowered while
     the slots would fall below the decode hot set (`hot_set_floor`); the context only when not even top_k slots per
@@ -399,7 +386,7 @@ def _size_vram(shape: ModelShape, settings, gpu: Gpu, budget: int, reasons: dict
         return _Vram(shape.experts, 0, 0, context, want, PREFILL_CHUNK, everything)
     # A whole layer's experts of staging ids: exact prefill stages every picked expert of a layer, in id order. Only
     # a decode step's worth are rows of their own; a wider step borrows the rest from other layers' cache slots,
-    # where they can lend it (glm53.spec.can_lend).
+    # where they can lend it (glm53.planning.spec.can_lend).
     staging = shape.experts_per_layer
     min_slots = MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k * shape.moe_layers
     most = shape.moe_layers * (shape.experts_per_layer - 1)
@@ -481,7 +468,7 @@ def prefill_activation_bytes(shape: ModelShape, chunk: int) -> tuple[int, str]:
         per_token, fixed, source = PREFILL_MEASURED
         return per_token * chunk + fixed, f"measured ({source})"
     nbytes, phase = shape.prefill_bytes(chunk)
-    return nbytes, (f"estimated from exllamav3 1.6.5's temporaries, at their peak in the {phase} (glm53.shape; "
+    return nbytes, (f"estimated from exllamav3 1.6.5's temporaries, at their peak in the {phase} (glm53.planning.shape; "
                     "the GPU run's measurement replaces it)")
 
 
@@ -538,7 +525,7 @@ def _seq_reason(shape: ModelShape, sequences: int, asked: int, lowered: str) -> 
             f"KDA state in VRAM ({gib(sequences * shape.state_bytes_per_seq)} in all)")
 
 
-def _store_problem(facts: HostFacts, shape: ModelShape, settings, warnings: list[str]) -> str | None:
+def _store_problem(facts: HostFacts, shape: ModelShape, settings: Settings, warnings: list[str]) -> str | None:
     """Why the store cannot serve an nvme mode (None = it can)."""
     path = settings.store
     cmd = pack_store_command(path)
@@ -569,7 +556,7 @@ def _store_problem(facts: HostFacts, shape: ModelShape, settings, warnings: list
     return None
 
 
-def _cpu_threads(facts: HostFacts, settings, mode: str, reasons: dict, warnings: list) -> int:
+def _cpu_threads(facts: HostFacts, settings: Settings, mode: str, reasons: dict, warnings: list) -> int:
     cpu = facts.cpu
     if mode in ("exact", "nvme-exact"):
         if settings.cpu_threads:
@@ -596,11 +583,11 @@ def _cpu_threads(facts: HostFacts, settings, mode: str, reasons: dict, warnings:
     return auto
 
 
-def plan(facts: HostFacts, shape: ModelShape, settings, routing: tuple[Any, str] | None = None) -> Plan:
+def plan(facts: HostFacts, shape: ModelShape, settings: Settings, routing: tuple[Any, str] | None = None) -> Plan:
     """Decide the mode and size every tier. Raises PlanError (with the fix) when this host cannot serve.
 
     routing: (counts or None, why): the routing statistics an earlier run saved for this checkpoint, which split
-    the VRAM slots among layers (glm53.spec.split_slots)."""
+    the VRAM slots among layers (glm53.planning.spec.split_slots)."""
     if not settings.model_dir:
         return _demo_plan(facts, shape, settings)
     warnings: list[str] = []
@@ -636,7 +623,7 @@ class _Fit:
         return not self.lane_missing and not self.exact_wanted
 
 
-def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, warnings: list[str]) -> _Fit:
+def _fit(facts: HostFacts, shape: ModelShape, settings: Settings, slots: int, ram: _Ram, warnings: list[str]) -> _Fit:
     rest = (shape.experts - slots) * shape.expert_bytes  # what VRAM cannot hold
     in_use = f", {gib(facts.memory.current or 0)} in use" if ram.capped else ""
     fast_msg = (f"fast/exact mode needs {gib(rest + ram.kept)} of RAM for the {shape.experts - slots} experts not "
@@ -661,7 +648,7 @@ def _fit(facts: HostFacts, shape: ModelShape, settings, slots: int, ram: _Ram, w
     )
 
 
-def _choose_mode(fit: _Fit, settings, reasons: dict[str, str], warnings: list[str]) -> str:
+def _choose_mode(fit: _Fit, settings: Settings, reasons: dict[str, str], warnings: list[str]) -> str:
     """GLM53_MODE=auto walks AUTO_RULES; an explicit mode is checked against MODE_NEEDS."""
     if settings.mode == "auto":
         mode = decide(fit.all_in_vram, fit.fits_ram, fit.nvme_ok, fit.lane_ok)
@@ -699,7 +686,7 @@ class _RamTier:
     recurrent_cache: int   # host bytes for exllamav3's recurrent-state checkpoints
 
 
-def _size_ram(facts: HostFacts, shape: ModelShape, settings, mode: str, fit: _Fit, vram: int, ram: _Ram,
+def _size_ram(facts: HostFacts, shape: ModelShape, settings: Settings, mode: str, fit: _Fit, vram: int, ram: _Ram,
               reasons: dict[str, str], warnings: list[str], lent: int = 0) -> _RamTier:
     """Exclusive RAM tier: every non-VRAM expert in fast/exact (and those of the `lent` cache slots staging may
     borrow, written back meanwhile); what the memory allows in the nvme modes (a borrowed slot's expert displaces
@@ -797,17 +784,12 @@ def _cuda(shares, gpu: Gpu) -> str:
     return f"cuda:{shares[0].index}" if shares else f"cuda:{gpu.index if gpu.cuda is None else gpu.cuda}"
 
 
-def _budget_of(settings):
-    cap = int(settings.vram_budget_gb * GIB) if settings.vram_budget_gb else None
-    return lambda g: g.free_mib * MIB if cap is None else min(g.free_mib * MIB, cap)
-
-
-def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
-                routing: Any) -> tuple[Gpu, CardsPlan, _Vram] | None:
-    """Two or more usable GPUs: the layer split (glm53.split), each card paying the reserve, the chunk's prefill
+def _plan_cards(facts: HostFacts, shape: ModelShape, settings: Settings, budget: Callable[[Gpu], int],
+                warnings: list[str], reasons: dict[str, str], routing: Any) -> tuple[Gpu, CardsPlan, _Vram] | None:
+    """Two or more usable GPUs: the layer split (glm53.planning.split), each card paying the reserve, the chunk's prefill
     activations and its staging beside its layers. None: one GPU (or none usable), the one-card plan; cards too
     small to hold a share are left out with a warning either way. The sequences asked for are kept."""
-    cards, left_out = usable(facts.gpus, _budget_of(settings), MIN_GPU_GIB * GIB)
+    cards, left_out = usable(facts.gpus, budget, MIN_GPU_GIB * GIB)
     warnings.extend(left_out)
     if len(cards) < 2:
         return None
@@ -815,7 +797,7 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[st
     reserve, reserve_why = vram_reserve()
     floor = hot_set_floor(shape)
     try:
-        cp = plan_cards(cards, _budget_of(settings), shape, settings, reserve=reserve,
+        cp = plan_cards(cards, budget, shape, settings, reserve=reserve,
                         activations=lambda chunk: prefill_activation_bytes(shape, chunk)[0],
                         choose_chunk=lambda default, at: _choose_chunk(shape, cards[0], default, at, floor),
                         min_slots=MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k, min_tokens=MIN_KV_TOKENS,
@@ -833,16 +815,17 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings, warnings: list[st
                                cp.chunk, cp.accounting)
 
 
-def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str], reasons: dict[str, str],
+def _plan_real(facts: HostFacts, shape: ModelShape, settings: Settings, warnings: list[str], reasons: dict[str, str],
                routing: Any) -> Plan:
-    multi = _plan_cards(facts, shape, settings, warnings, reasons, routing)
-    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging, KV and chunk (glm53.split)
+    budget_of_card = budget_of(settings)
+    multi = _plan_cards(facts, shape, settings, budget_of_card, warnings, reasons, routing)
+    if multi is not None:  # ---- several GPUs: the layer split decides slots, staging, KV and chunk (glm53.planning.split)
         gpu, cards, v = multi
         budget, shares, vram, split = sum(s.vram_budget_bytes for s in cards.shares), cards.shares, cards.vram_slots, \
             cards.how
         per_layer = min(vram)
     else:
-        gpu, budget = _pick_gpu(facts, settings, reasons)
+        gpu, budget = _pick_gpu(facts, settings, budget_of_card, reasons)
         v = _size_vram(shape, settings, gpu, budget, reasons, warnings)
         counts, why = routing if routing is not None else (None, "no routing statistics read")
         per_layer = v.slots // shape.moe_layers
@@ -897,7 +880,7 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings, warnings: list[str
 DEMO_CONTEXT = {"cpu": 131072, "gpu": 32768}
 
 
-def _demo_plan(facts: HostFacts, shape: ModelShape, settings) -> Plan:
+def _demo_plan(facts: HostFacts, shape: ModelShape, settings: Settings) -> Plan:
     """No model configured: serve the generated tiny model, and say what the real model would get here."""
     warnings: list[str] = []
     if settings.mode != "auto":

@@ -3,7 +3,7 @@
 Everything is read from `root/proc/...`, `root/sys/...` and, for GPUs, `root/nvidia-smi.csv` when a fake root
 is given, so tests describe a host as a small file tree (tests/support/fakehost.py). With the real root ("/") GPUs
 come from running nvidia-smi and the store's O_DIRECT support from a real read. Nothing here decides
-anything: glm53/plan.py turns these facts into a plan. A fact that cannot be read is None (unknown), never
+anything: glm53/planning/plan.py turns these facts into a plan. A fact that cannot be read is None (unknown), never
 a guess, and a note says why.
 """
 
@@ -105,7 +105,7 @@ class HostFacts:
     store: Store | None
     notes: tuple[str, ...] = field(default=())
     # Why glm53's CPU-lane kernel cannot run here (not built, failed to load), or None. A fact of this install on
-    # this host, filled in at the edge (planning_cli) on the real host; fake trees leave it None.
+    # this host, filled in at the edge (glm53.planning.inputs) on the real host; fake trees leave it None.
     lane_kernel_error: str | None = None
 
     def to_json(self) -> dict:

@@ -2,7 +2,7 @@
 
 Sizes come from the safetensors headers of every `*.safetensors` file in the directory (8-byte length, JSON
 header; no weights are read). We never read `model.safetensors.index.json`: the published 3.05 bpw branch
-leaves 22 indexer tensors out of it, and exllamav3 globs the files too (DESIGN section 1).
+leaves 22 indexer tensors out of it, and exllamav3 globs the files too.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ class ModelShape:
     mtp_layer: int | None         # index of the MTP head's layer (skipped for serving)
     source: str                   # where the numbers came from, for the plan's reasons
     max_context: int | None = None  # config.json's max_position_embeddings (None: not given)
-    # Per decoder layer, for splitting the layers across GPUs (glm53.split); empty: not known (the defaults' and
-    # a headerless checkpoint's), then glm53.split assumes GLM's layout and spreads the weights evenly.
+    # Per decoder layer, for splitting the layers across GPUs (glm53.planning.split); empty: not known (the defaults' and
+    # a headerless checkpoint's), then glm53.planning.split assumes GLM's layout and spreads the weights evenly.
     layer_bytes: tuple[int, ...] = ()    # each layer's own VRAM bytes (the rest of always_used: the head)
     moe_layer_ids: tuple[int, ...] = ()  # decoder layers with routed experts
     mla_layer_ids: tuple[int, ...] = ()  # decoder layers with a per-token KV cache
@@ -166,7 +166,7 @@ def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe_intermediate: int
 # GLM-5.3-Flash's real geometry (transformers' Glm5NextTextConfig): 34 KDA layers of 64 heads x 128, 11 NoPE MLA
 # layers (latent 512) each with a full k-pool indexer (128 dims, pools of 16), 64 attention heads of 256, mHC x4.
 _DEFAULT_KDA = _kda_state(34, 64, 128, 4)
-# GLM-5.3-Flash, EXL3 3.05 bpw (DESIGN section 1): 9 MiB of K=3 trellis + 36 KiB of suh/svh per expert; about 5.8 GB
+# GLM-5.3-Flash, EXL3 3.05 bpw: 9 MiB of K=3 trellis + 36 KiB of suh/svh per expert; about 5.8 GB
 # of always-used weights in VRAM, and the 154,880 x 4,096 bf16 embedding table in host RAM.
 DEFAULT_SHAPE = ModelShape(
     hidden=4096, layers=45, moe_layers=42, experts_per_layer=288, top_k=8,

@@ -2,8 +2,8 @@
 
 A `DeviceShare` is one card's contiguous run of decoder layers (with their always-used weights, KV cache and KDA
 state), the MoE layers among them (as tier ordinals, the order glm53.tiers numbers them) and the expert slots
-it holds. The plan (glm53.split) makes them, the EngineSpec carries them (empty: one device, today's engine),
-and the engine and the tiers read them through the helpers here. Torch-free, like glm53.spec.
+it holds. The plan (glm53.planning.split) makes them, the EngineSpec carries them (empty: one device, today's engine),
+and the engine and the tiers read them through the helpers here. Torch-free, like glm53.planning.spec.
 
 Two shares may name the same card: a split onto one GPU with two budgets runs the per-card bookkeeping (its own
 slot arenas, staging and copy streams per share) where only one GPU exists, which is how it is tested.
@@ -78,7 +78,7 @@ def even_shares(layers: int, moe_layer_ids: Sequence[int], vram_slots: Sequence[
                 budget: int = 0, name: str = "") -> tuple[DeviceShare, ...]:
     """Shares splitting the MoE layers as evenly as whole layers allow over the CUDA ordinals `indices` (the same
     one repeated: a split onto one card), each MoE layer holding its `vram_slots`. For benchmarks and tests, which
-    size by slots rather than by a host's VRAM: the plan's split is glm53.split's."""
+    size by slots rather than by a host's VRAM: the plan's split is glm53.planning.split's."""
     moe, n = list(moe_layer_ids), len(indices)
     if len(moe) < n or len(vram_slots) != len(moe):
         raise ValueError(f"{len(moe)} MoE layers ({len(vram_slots)} slot counts) cannot be split {n} ways")
