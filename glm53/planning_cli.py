@@ -92,7 +92,7 @@ def inputs(settings: S.Settings, root: str = "/") -> Inputs:
 def _routing(settings: S.Settings, model_dir: Path, shape: M.ModelShape) -> tuple:
     """The routing statistics an earlier run of this checkpoint saved under the cache dir: they split the VRAM
     slots among layers (the plan) and warm the tiers (the engine)."""
-    from glm53.tiers.policy import saved_routing
+    from glm53.tiers.routing_stats import saved_routing
 
     return saved_routing(Path(settings.cache_dir).expanduser(), model_dir, shape.moe_layers, shape.experts_per_layer)
 

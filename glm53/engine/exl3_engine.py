@@ -282,7 +282,7 @@ class Exl3Engine(WorkerEngine):
         if self.routing_stats_dir is None:
             return None
         from glm53.engine.exl3_adapter import moe_modules
-        from glm53.tiers.policy import saved_routing
+        from glm53.tiers.routing_stats import saved_routing
 
         mods = moe_modules(model)
         if not mods:
@@ -357,7 +357,7 @@ class Exl3Engine(WorkerEngine):
         if self.tiered is None or self.routing_stats_dir is None or self.tiered.tiers is None:
             return
         from glm53.tiers import routing_stats_path, save_routing_stats
-        from glm53.tiers.policy import routing_key
+        from glm53.tiers.routing_stats import routing_key
 
         key = routing_key(self.model_dir)
         try:

@@ -1,29 +1,23 @@
-"""Which experts deserve a VRAM slot: scores, admission, per-layer budgets, saved routing statistics.
+"""Which experts deserve a VRAM slot: the per-layer cache policy, its admission rule, the per-layer budgets.
 
 Expert routing is skewed (about 11% of experts draw ~40% of picks) and drifts slowly with the text. LRU
 reacts to every miss by evicting something, so a cold expert picked once pushes out a hot one that merely
-skipped a few tokens; the reference measured LRU as a weak policy for experts. Here every expert carries an
+skipped a few tokens, a weak policy for experts. Here every expert carries an
 exponentially decayed pick count (frequency that forgets, so drift is followed) plus a short-lived recency
 bonus (bursts are real), and a missed expert is admitted only when its score beats the weakest resident's by a
 margin, so near-ties do not ping-pong 9 MiB copies across PCIe.
 
 Everything here is pure numpy on per-layer arrays of `num_experts` entries: no torch, no devices. The same
-`choose_admissions` drives both the simulator below and `ExpertTiers`, so the simulated hit rate is the hit
-rate of the code that runs.
+`choose_admissions` drives both `ExpertTiers` and the tests' replay of a routing trace (tests/support/policy_lab.py),
+so a replayed hit rate is the hit rate of the code that runs. Saved routing statistics: glm53.tiers.routing_stats.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-
-STATS_FORMAT = 1  # bump when the routing-stats file layout changes; older files are ignored, not misread
 
 
 class Policy(Protocol):
@@ -53,9 +47,9 @@ class ScoredPolicy:
 
     score(e) = f(e) + recency_weight * 0.5 ** ((now - last(e)) / recency_half_life)
     where f(e) = sum over past picks of 0.5 ** (age / half_life), in picks; ages are in steps (decode tokens).
-    Defaults from a sweep over `zipf_trace` (drift every 50-1000 steps, locality 0-2, seeds other than the
-    test's): a half-life of 100 follows drift better than 200+ and is steadier than 50; the recency bonus is
-    worth ~1-2 points of hit rate when consecutive tokens share experts and costs nothing when they don't;
+    The defaults are the best of a sweep over synthetic traces (glm53.bench.routing_trace.zipf_trace: drift every
+    50-1000 steps, locality 0-2, seeds other than the test's): a half-life of 100 follows drift better than 200+
+    and is steadier than 50; the recency bonus is worth ~1-2 points of hit rate when consecutive tokens share experts and costs nothing when they don't;
     a margin of 1 pick halves the slot swaps (each a write-back over PCIe) of margin 0.25 for <= 0.2 points of
     hit rate, and swaps ~20x less often than LRU.
     """
@@ -115,36 +109,6 @@ class ScoredPolicy:
         self._scores = None
 
 
-@dataclass
-class LruPolicy:
-    """Least recently used, always admitting: the baseline the scored policy must beat."""
-
-    num_experts: int
-
-    def __post_init__(self) -> None:
-        self._last = np.full(self.num_experts, -1.0)
-        self._picks = np.zeros(self.num_experts, np.float64)
-        self._now = 0
-
-    def observe(self, ids: np.ndarray, weight: float = 1.0) -> None:
-        ids = np.asarray(ids).reshape(-1)
-        self._now += 1
-        self._last[ids] = self._now
-        np.add.at(self._picks, ids, weight)
-
-    def scores(self) -> np.ndarray:
-        return self._last.copy()
-
-    def admits(self, expert: int, victim: int) -> bool:
-        return True
-
-    def counts(self) -> np.ndarray:
-        return self._picks.copy()
-
-    def seed(self, counts: np.ndarray) -> None:
-        self._picks = np.asarray(counts, np.float64).copy()
-
-
 def choose_admissions(
     policy: Policy, resident: np.ndarray, free_slots: int, misses: np.ndarray, protect: np.ndarray
 ) -> list[tuple[int, int | None]]:
@@ -190,82 +154,6 @@ def choose_admissions(
     return out
 
 
-@dataclass(frozen=True)
-class SimResult:
-    hit_rate: float  # picks whose expert was resident at the start of their step / all picks
-    admissions: int  # experts copied into a slot (each one PCIe copy)
-    swaps: int  # admissions that displaced a resident (each also a write-back)
-
-
-def simulate(trace: np.ndarray, policy: Policy, num_slots: int, warm: np.ndarray | None = None) -> SimResult:
-    """Replay a routing trace (steps x picks, expert ids) against `policy` with `num_slots` slots.
-
-    A pick hits when its expert was resident at the start of its step; misses are admitted by the same
-    `choose_admissions` that ExpertTiers runs. `warm`: experts resident at the start, best first.
-    """
-    trace = np.asarray(trace)
-    resident = np.zeros(policy.num_experts, bool)
-    if warm is not None:
-        resident[np.asarray(warm, np.int64)[:num_slots]] = True
-    hits = admissions = swaps = 0
-    for step in trace:
-        hits += int(resident[step].sum())
-        policy.observe(step)
-        uniq = np.unique(step)
-        misses = uniq[~resident[uniq]]
-        free = num_slots - int(resident.sum())
-        for e, v in choose_admissions(policy, resident, free, misses, uniq):
-            if v is not None:
-                resident[v] = False
-                swaps += 1
-            resident[e] = True
-            admissions += 1
-    return SimResult(hits / trace.size if trace.size else 0.0, admissions, swaps)
-
-
-def zipf_trace(
-    num_steps: int,
-    num_experts: int = 288,
-    top_k: int = 8,
-    exponent: float = 0.8,
-    drift_every: int = 200,
-    drift_swaps: int = 2,
-    hot_fraction: float = 0.11,
-    locality: float = 0.0,
-    seed: int = 0,
-) -> np.ndarray:
-    """A synthetic routing trace: Zipf-like popularity over a drifting ranking, top-k distinct picks per step.
-
-    Popularity of rank r is r ** -exponent (0.8 over 288 experts: the top 11% draw ~40% of picks, as published
-    for GLM-5.3-Flash). Every `drift_every` steps, `drift_swaps` hot experts (rank < hot_fraction * experts)
-    trade places with random others, so the hot set slowly changes as it does between topics. `locality` adds
-    that log-bonus to the previous step's picks (consecutive tokens share experts more than chance). Picks are
-    sampled without replacement in proportion to popularity (Gumbel top-k). Returns int64 (num_steps, top_k).
-    """
-    rng = np.random.default_rng(seed)
-    logp = -exponent * np.log(np.arange(1, num_experts + 1))
-    rank_of = rng.permutation(num_experts)  # rank_of[e]: e's popularity rank
-    hot = max(1, int(hot_fraction * num_experts))
-    out = np.empty((num_steps, top_k), np.int64)
-    prev = np.empty(0, np.int64)
-    for start in range(0, num_steps, drift_every):
-        n = min(drift_every, num_steps - start)
-        g = logp[rank_of][None, :] + rng.gumbel(size=(n, num_experts))
-        if locality:
-            for i in range(n):  # sequential: each step leans on the one before
-                g[i, prev] += locality
-                prev = out[start + i] = np.argpartition(-g[i], top_k - 1)[:top_k]
-        else:
-            out[start : start + n] = np.argpartition(-g, top_k - 1, axis=1)[:, :top_k]
-        by_rank = np.argsort(rank_of)
-        for _ in range(drift_swaps):
-            a = by_rank[rng.integers(hot)]
-            b = by_rank[rng.integers(num_experts)]
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-            by_rank = np.argsort(rank_of)
-    return out
-
-
 def split_budget(counts: np.ndarray, total_slots: int, min_per_layer: int = 0, max_per_layer: int | None = None) -> np.ndarray:
     """Split `total_slots` VRAM slots across layers where each slot buys the most hit rate.
 
@@ -305,81 +193,3 @@ def hot_order(counts: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(counts, np.float64), kind="stable")
 
 
-def routing_key(model_dir: str | os.PathLike) -> str:
-    """The identity a checkpoint's routing statistics are saved under: its directory name and config.json hash."""
-    import hashlib
-
-    digest = hashlib.sha256((Path(model_dir) / "config.json").read_bytes()).hexdigest()[:16]
-    return f"{Path(model_dir).name}-{digest}"
-
-
-def saved_routing(cache_dir: str | os.PathLike, model_dir: str | os.PathLike, num_layers: int,
-                  num_experts: int) -> tuple[np.ndarray | None, str]:
-    """The statistics an earlier run of checkpoint `model_dir` saved under `cache_dir`: (counts or None, why)."""
-    key = routing_key(model_dir)
-    return load_routing_stats(routing_stats_path(cache_dir, key), key, num_layers, num_experts)
-
-
-def routing_stats_path(cache_dir: str | os.PathLike, model_key: str) -> Path:
-    """Where one model's routing statistics live under the cache dir (one file per model identity)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_key)
-    return Path(cache_dir) / f"routing-{safe}.json"
-
-
-def save_routing_stats(path: str | os.PathLike, counts: np.ndarray, model_key: str, steps: int = 0) -> None:
-    """Write per-layer pick statistics (num_layers, num_experts) as JSON, atomically (write aside, rename).
-
-    A crash mid-write leaves the previous file intact; a half-written file would cost a cold start.
-    """
-    counts = np.asarray(counts, np.float64)
-    doc = {
-        "format": STATS_FORMAT,
-        "model": model_key,
-        "num_layers": int(counts.shape[0]),
-        "num_experts": int(counts.shape[1]),
-        "steps": int(steps),
-        "counts": [[round(float(c), 4) for c in row] for row in counts],
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load_routing_stats(
-    path: str | os.PathLike, model_key: str, num_layers: int, num_experts: int
-) -> tuple[np.ndarray | None, str]:
-    """Read statistics saved by `save_routing_stats`; returns (counts or None, reason).
-
-    Anything that does not match this model exactly (missing, unreadable, other format, other model, other
-    shape, negative or non-finite counts) yields None with the reason, for a start-up log line: a cold cache is
-    slower, a cache warmed from another model's routing is merely wrong-headed, never an error.
-    """
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None, f"no routing statistics at {path} (cold start)"
-    except (OSError, ValueError) as e:
-        return None, f"unreadable routing statistics {path}: {e}"
-    if not isinstance(doc, dict) or doc.get("format") != STATS_FORMAT:
-        return None, f"{path}: format {doc.get('format') if isinstance(doc, dict) else '?'}, expected {STATS_FORMAT}"
-    if doc.get("model") != model_key:
-        return None, f"{path}: statistics of model {doc.get('model')!r}, not {model_key!r}"
-    try:
-        counts = np.asarray(doc["counts"], np.float64)
-    except (KeyError, TypeError, ValueError) as e:
-        return None, f"{path}: bad counts: {e}"
-    if counts.shape != (num_layers, num_experts):
-        return None, f"{path}: counts shape {counts.shape}, expected ({num_layers}, {num_experts})"
-    if not np.all(np.isfinite(counts)) or np.any(counts < 0):
-        return None, f"{path}: counts not finite and non-negative"
-    return counts, f"loaded routing statistics from {path} ({doc.get('steps', 0)} steps)"

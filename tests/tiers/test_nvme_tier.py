@@ -403,7 +403,7 @@ def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monke
     """load(): 1 until measured; then, each span of at least LOAD_SPAN_S, smoothed toward the share of the span
     the reader was busy; a span longer than LOAD_IDLE_S (an idle server) leaves it as it was. The real reader's
     busy clock moves it too, and /stats shows both."""
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_meter as nvme_mod
 
     ck, store = packed
     plan = nvme_spec(store, 2 * EXPERTS, 0)

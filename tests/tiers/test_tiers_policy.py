@@ -7,10 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from policy_lab import LruPolicy, simulate
 
+from glm53.bench.routing_trace import zipf_trace
 from glm53.tiers import (
     ExpertTiers,
-    LruPolicy,
     ScoredPolicy,
     SlotLayout,
     TierStats,
@@ -18,9 +19,7 @@ from glm53.tiers import (
     load_routing_stats,
     routing_stats_path,
     save_routing_stats,
-    simulate,
     split_budget,
-    zipf_trace,
 )
 
 EXPERTS, SLOTS = 288, 32  # 32 / 288 = 11%: the 24 GB card's share of GLM-5.3-Flash's experts
