@@ -62,9 +62,9 @@ def _build(opts: HostBenchOptions, bsz: int) -> tuple[Any, Any, list[np.ndarray]
     stepper, and per layer the (steps, bsz, top_k) picks to replay."""
     import torch
 
+    from glm53.bench.routing_trace import zipf_trace
     from glm53.engine.moe_step import MoeStepper
     from glm53.tiers import ExpertTiers, SlotLayout
-    from glm53.tiers.policy import zipf_trace
 
     layout = SlotLayout.packed([("w", torch.uint8, (256,))])
     total = opts.layers * opts.experts

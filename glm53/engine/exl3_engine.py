@@ -142,7 +142,7 @@ class Exl3Engine(WorkerEngine):
         return open_
 
     def _saved_counts(self, moe_layers: int, experts: int) -> Any:
-        from glm53.tiers.policy import saved_routing
+        from glm53.planning.routing import saved_routing
 
         counts, reason = saved_routing(self.routing_stats_dir, self.model_dir, moe_layers, experts)
         log.info("routing statistics: %s", reason)
@@ -206,8 +206,7 @@ class Exl3Engine(WorkerEngine):
     def _save_counts(self) -> None:
         if self.tiered is None or self.routing_stats_dir is None or self.tiered.tiers is None:
             return
-        from glm53.tiers import routing_stats_path, save_routing_stats
-        from glm53.tiers.policy import routing_key
+        from glm53.planning.routing import routing_key, routing_stats_path, save_routing_stats
 
         key = routing_key(self.model_dir)
         try:

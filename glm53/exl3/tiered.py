@@ -104,7 +104,6 @@ class TieredMoE:
         *,
         counts: np.ndarray | None = None,
         admit: bool = True,
-        policy_factory: Callable[[int], Any] | None = None,
         read_threads: int = 8,
         nvme_open: Callable[[], Any] | None = None,
         lookahead: bool | None = None,
@@ -128,7 +127,6 @@ class TieredMoE:
         self.pin = self.device.type == "cuda"  # page-locked host buffers (async copies) only where there is CUDA
         self.admit = admit
         self.counts = counts
-        self.policy_factory = policy_factory
         self.index = SafetensorsIndex(self.model_dir)
         self.read_threads = max(1, read_threads)
         mods = moe_modules(model)
@@ -215,7 +213,7 @@ class TieredMoE:
     def install(self) -> None:
         """Allocate the tiers and shrink every MoE layer to its slots. Call before model.load()."""
 
-        from glm53.tiers import ExpertTiers, ScoredPolicy
+        from glm53.tiers import ExpertTiers
 
         if self._installed:
             raise RuntimeError("install() runs once")
@@ -227,7 +225,7 @@ class TieredMoE:
         else:
             self.tiers = ExpertTiers(
                 self.layout, self.num_experts, slots, self.spec.ram_slots,
-                keep_all=True, device=self.device, policy_factory=self.policy_factory or ScoredPolicy,
+                keep_all=True, device=self.device,
                 staging_slots=self.staging_slots, staging_rows=self.spec.dedicated_staging, pin=self.pin,
                 link_devices=self.link_devices, link_of=self.link_of,
             )

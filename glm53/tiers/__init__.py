@@ -15,13 +15,10 @@ _EXPORTS = {
     "Copier": "copier", "Ticket": "copier",
     "LayerResult": "layer", "combine": "layer", "direct_moe": "layer", "group_picks": "layer", "tiered_moe": "layer",
     "Field": "layout", "SlotLayout": "layout", "exl3_expert_layout": "layout",
-    "LruPolicy": "policy", "Policy": "policy", "ScoredPolicy": "policy", "SimResult": "policy",
-    "choose_admissions": "policy", "hot_order": "policy", "load_routing_stats": "policy",
-    "routing_stats_path": "policy", "save_routing_stats": "policy", "simulate": "policy", "split_budget": "policy",
-    "zipf_trace": "policy",
+    "Policy": "policy", "ScoredPolicy": "policy", "choose_admissions": "policy", "hot_order": "policy",
     "RamTier": "ram",
     "DIRECTIONS": "stats", "LANES": "stats", "TierStats": "stats",
-    "ExpertTiers": "tiers", "TierError": "tiers", "Where": "tiers",
+    "ExpertTiers": "tiers", "TierError": "tiers", "Where": "states",
     "VramLayer": "vram",
 }
 

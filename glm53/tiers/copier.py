@@ -39,8 +39,8 @@ _STREAMS: dict[tuple[int, int], torch.cuda.Stream] = {}
 def compute_stream(index: int) -> torch.cuda.Stream:
     """torch.cuda.current_stream(index) for a device index, without its cost: in torch 2.11 that call spends
     ~30 us in Python (device-index normalisation, a new wrapper object), and a decode layer step needs the
-    current stream several times (profiled on the H200: ~160 us of a ~480 us host step). The raw lookup is one C
-    call; the wrapper for each stream seen is made once."""
+    current stream several times, a third of the host's step. The raw lookup is one C call; the wrapper for each
+    stream seen is made once."""
     raw = getattr(torch._C, "_cuda_getCurrentStream", None)
     if raw is None:  # a torch without the private lookup: the public call, at its price
         return torch.cuda.current_stream(index)
@@ -143,8 +143,8 @@ class Copier:
     def _copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The pairs' copies queued on the current stream, in order, in one call into torch (its list copy copies
         pair by pair, each as copy_ would, across devices too): each copy_ call lets go of the GIL, and in the nvme
-        modes a store reader thread waiting for it may then run before the planning thread gets it back (on the
-        H200 the nvme modes spent 2.5x fast mode's host time per copy queued one by one)."""
+        modes a store reader thread waiting for it may then run before the planning thread gets it back, which
+        makes each copy queued one by one cost the nvme modes a multiple of fast mode's host time."""
         if len(pairs) > 1:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
         else:

@@ -10,11 +10,12 @@ A read's expert is FROM_STORE while it is in flight and
 becomes RAM only when the reader says its bytes are there and pass their xxh3 check (`ExpertTiers.land_read`).
 
   demand    the step's store misses, all queued at once at demand priority, then waited for one by one;
-  prefetch  predicted (layer, expert) picks (router lookahead for the next layer; every expert of prefill's
-            upcoming layers) at prefetch priority, which demand reads overtake in the reader's queue. Prefetched
-            experts are guarded (dropped last) until their layer next runs, and at most `window` are outstanding.
-            When their layer runs, the wrong guesses whose reads are still queued are dropped unread.
-  victims   when RAM is full the weakest RAM expert by its layer's policy score is dropped (the store has it).
+  prefetch  predicted (layer, expert) picks read ahead at prefetch priority, guarded until their layer runs and
+            scored when it does (glm53.tiers.nvme_prefetch);
+  victims   when RAM is full the weakest RAM expert by its layer's policy score is dropped (the store has it;
+            glm53.tiers.ranking);
+  warm-up   the tiers filled from saved routing statistics at start (glm53.tiers.nvme_warm);
+  meter     the store's load, its idle time between decode steps, what a right guess saves (glm53.tiers.nvme_meter);
   faults    the reader retries I/O errors, short reads and checksum failures; a demanded read that is still not
             back after `timeout_s` is retried into a fresh slot (its old slot is retired until the slow read
             returns, since it may still write there). What still fails is raised as the reader's StoreReadError or
@@ -32,7 +33,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -50,22 +50,15 @@ from store.verify import pack_command
 
 from .copier import Copier
 from .layout import Field, SlotLayout
-from .policy import Policy, ScoredPolicy, hot_order, save_routing_stats
+from .nvme_meter import StoreMeter
+from .nvme_prefetch import Prefetch
+from .nvme_warm import warm
 from .ram import pin_host
-from .tiers import FROM_STORE, RAM, STORE, ExpertTiers, TierError, Where
+from glm53.planning.routing import save_routing_stats
+from .tiers import FROM_STORE, STORE, ExpertTiers, TierError, Where
 
 log = logging.getLogger("glm53.tiers.nvme")
 
-GUESS_SAVING_PRIOR = 4.0  # right guesses the starting value (all read in time) counts as
-GUESS_SAVING_DECAY = 0.998  # per decode layer step: the last ~500 layer steps count
-GUESS_SAVING_TRICKLE = 0.002  # "saved whole" added per decode layer step: a weight of 1 guess when nothing else
-# The store's load: the share of wall time it had a read under way, measured over spans of at least LOAD_SPAN_S and
-# smoothed; a span longer than LOAD_IDLE_S (the server idle between requests) says nothing of decode and is skipped.
-LOAD_SPAN_S = 0.05
-LOAD_IDLE_S = 1.0
-# mark_step: a gap between two decode layer steps longer than this is not one token's way from a layer to the next
-# (a layer step takes milliseconds; this is a request ending and the next beginning) and is not charged.
-STEP_GAP_S = 0.25
 DEFAULT_TIMEOUT_S = 5.0  # a 9 MiB O_DIRECT read takes milliseconds; seconds means a stalled or failing disk
 TORCH_DTYPES = {"int16": torch.int16, "float16": torch.float16}
 READABLE = (Where.VRAM, Where.RAM, Where.TO_VRAM)
@@ -111,7 +104,6 @@ class NvmeTier:
         layers: Sequence[int] | None = None,
         device: torch.device | str = "cpu",
         pin: bool | None = None,
-        policy_factory: Callable[[int], Policy] = ScoredPolicy,
         copier: Copier | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         timeout_retries: int = 1,
@@ -132,9 +124,6 @@ class NvmeTier:
         self.reader = reader
         self.read_timing: dict[int, float] = {}  # open_nvme_tier: seconds a record alone took by parts, when timed
         self.two_at_once_gain: float | None = None  # open_nvme_tier: two records at once over one after the other
-        # A right guess's saving, decayed sums (saved, right guesses): see guess_saving. The prior counts as a few
-        # guesses all read in time, so a tier starts with the rule that held before it was measured.
-        self._saving = [GUESS_SAVING_PRIOR, GUESS_SAVING_PRIOR]
         header = reader.header
         self.store_layers = list(layers) if layers is not None else sorted({e.layer for e in header.entries})
         self.layout = slot_layout(header, self.store_layers)
@@ -150,7 +139,7 @@ class NvmeTier:
             pin_host(storage)
         self.tiers = ExpertTiers(
             self.layout, num_experts, vram_slots, ram_slots, keep_all=False, device=device, pin=pin,
-            policy_factory=policy_factory, fetch=self._read_sync, copier=copier, ram_storage=storage,
+            fetch=self._read_sync, copier=copier, ram_storage=storage,
             vram_storage=vram_storage, staging_slots=staging_slots, staging_rows=staging_rows,
             link_devices=link_devices, link_of=link_of,
         )
@@ -158,15 +147,12 @@ class NvmeTier:
         self.stats = self.tiers.stats
         self._reads: dict[tuple[int, int], _Read] = {}
         self._retired: dict[int, Future] = {}  # RAM slot -> the timed-out read that may still write into it
-        self._prefetched: set[tuple[int, int]] = set()  # read ahead, their layer has not run since
+        self.guesses = Prefetch(self)  # reads ahead of the layers that need them
         self._faults: dict[tuple[int, int], dict] = {}
         self._lock = threading.Lock()  # health() runs on the server's thread; the rest on the tiers' owner
         self._bounce: np.ndarray | None = None
-        self._load = 1.0  # until measured, as if the store were always busy
-        self._load_mark: tuple[float, float] | None = None  # (perf_counter, reader busy seconds) at the span's start
-        # Decode: the seconds the store sat idle from each layer's step to the next step (see mark_step).
-        self.idle_after = [0.0] * len(self.store_layers)
-        self._step_mark: tuple[int, float, float] | None = None  # (layer, perf_counter, busy seconds) of the last step
+        self.meter = StoreMeter(reader, len(self.store_layers))  # the store's load and idle, what guesses save
+        self.idle_after = self.meter.idle_after
 
     # ---- geometry -------------------------------------------------------------------------------------------
 
@@ -206,7 +192,7 @@ class NvmeTier:
         where = self.tiers.where[layer]
         es = experts.tolist()
         codes = where[experts].tolist() if es else []
-        self._account_prefetch(layer, es, codes, decode)
+        self.guesses.settle(layer, es, codes, decode)
         now = self.clock()
         for e, c in zip(es, codes, strict=True):
             # Only an expert in (or being read from) the store may need a read: issuing one never drops this step's
@@ -262,102 +248,19 @@ class NvmeTier:
 
     def prefetch(self, picks: Iterable[tuple[int, int]], *, protect: Mapping[int, Iterable[int]] | None = None,
                  window: int | None = None) -> int:
-        """Read predicted (layer, expert) picks ahead, in the given order (most likely first); returns the number of
-        reads started. Only experts in the store alone are read; a prefetch never waits, never drops a guarded
-        expert, one in `protect` ({layer: experts a lane is reading now}) or another of these picks, and stops
-        when `window` prefetched experts are outstanding or RAM has nothing it may drop."""
-        self.poll()
-        window = self.window if window is None else window
-        picks = picks if isinstance(picks, list) else list(picks)
-        self._prune_prefetched()
-        where, ram = self.tiers.where, self.tiers.ram
-        keep: dict[int, set[int]] | None = None  # made when RAM is first found full: most calls never need it
-        started = 0
-        for layer, e in picks:
-            if where[layer, e] != STORE:
-                continue
-            layer, e = int(layer), int(e)  # plain ints from here (numpy ones would reach the reads and /stats)
-            if len(self._prefetched) >= window:
-                break
-            if not ram.free_count():
-                if keep is None:
-                    keep = self._keep(picks, protect)
-                if not self._room_without_waiting(keep):
-                    break
-            self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False)
-            self.tiers.guard(layer, e)
-            self._prefetched.add((layer, e))
-            started += 1
-        if started:
-            self.stats.add_prefetch(issued=started)
-        return started
-
-    @staticmethod
-    def _keep(picks: list[tuple[int, int]], protect: Mapping[int, Iterable[int]] | None) -> dict[int, set[int]]:
-        """{layer: experts} a prefetch may not drop: its own picks and `protect`."""
-        # Only looked up (a numpy integer finds the equal int): no conversions, and no set made per pick.
-        keep: dict[int, set[int]] = {}
-        for layer, e in picks:
-            mine = keep.get(layer)
-            if mine is None:
-                mine = keep[layer] = set()
-            mine.add(e)
-        for layer, es in (protect or {}).items():
-            mine = keep.get(layer)
-            if mine is None:
-                keep[layer] = set(es)
-            else:
-                mine.update(es)
-        return keep
+        """Read predicted (layer, expert) picks ahead, most likely first; returns the reads started (Prefetch.read)."""
+        return self.guesses.read(picks, protect=protect, window=window)
 
     def prefetch_prefill(self, layers: Sequence[int], picks: Mapping[int, Iterable[int]] | None = None, *,
                          protect: Mapping[int, Iterable[int]] | None = None, window: int | None = None) -> int:
-        """Prefill's upcoming layers, nearest first: the experts `picks` names per layer (the router run ahead on
-        the prompt), else every expert of the layer (a long prompt picks nearly all), most popular first.
-        window defaults to one layer's experts: prefill reads drop the weakest RAM experts, which after the first
-        layer are mostly prefill's own earlier reads (prefill does not raise scores), never the decode hot set
-        first."""
-        window = self.num_experts if window is None else window
-        order = []
-        for layer in layers:
-            es = hot_order(self.tiers.scores()[layer])
-            if picks is not None and layer in picks:
-                named = {int(e) for e in picks[layer]}
-                es = [e for e in es if int(e) in named]
-            order.extend((layer, int(e)) for e in es)
-        return self.prefetch(order, protect=protect, window=window)
+        """Read prefill's upcoming layers ahead, nearest first (Prefetch.read_prefill)."""
+        return self.guesses.read_prefill(layers, picks, protect=protect, window=window)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
 
     def warm(self, counts: np.ndarray | None, depth: int = 16) -> dict:
-        """Place experts from saved routing statistics: each layer's most-picked in VRAM, the next best across
-        layers in RAM (only experts that were picked at all: without statistics RAM fills by demand). VRAM loads
-        read ahead through a few bounce rows; RAM reads land in their slots, `depth` in flight (a deeper queue would
-        only make its tail look stalled). A record that cannot be read is left in the store and kept as a fault;
-        start-up goes on."""
-        t0 = time.perf_counter()
-        counts = None if counts is None else np.asarray(counts, np.float64)
-        zeros = np.zeros((self.num_layers, self.num_experts))
-        vram_order = [(layer, int(e)) for layer, vl in enumerate(self.tiers.vram)
-                      for e in hot_order((zeros if counts is None else counts)[layer])[: vl.num_slots]]
-        ahead = _ReadAhead(self, vram_order, depth=depth)
-        try:
-            self.tiers.populate(ahead, counts, fill_ram=False)
-        finally:
-            ahead.close()
-        ram_order = [] if counts is None else [k for k in self.tiers.warm_ram_order(counts) if counts[k] > 0]
-        issued = ram_order[: self.tiers.ram.free_count()]
-        queue: deque[_Read] = deque()
-        for i, (layer, e) in enumerate(issued):
-            queue.append(self._issue(layer, e, None, Priority.PREFETCH, demanded=False, may_wait=False,
-                                     kind="warm_reads"))
-            while queue and (len(queue) >= depth or i == len(issued) - 1):
-                r = queue.popleft()
-                if self._reads.get((r.layer, r.expert)) is r:  # not landed by a poll meanwhile
-                    self._await(r, None)
-        landed = sum(self.tiers.where[k] == Where.RAM for k in issued)
-        return {"vram": len(vram_order), "ram": int(landed), "failed": len(issued) - int(landed),
-                "seconds": round(time.perf_counter() - t0, 3)}
+        """Place experts from saved routing statistics, `depth` reads in flight (glm53.tiers.nvme_warm.warm)."""
+        return warm(self, counts, depth)
 
     def save_routing_stats(self, path: str | Path, steps: int = 0) -> None:
         """Save the per-layer pick statistics for the next start's warm-up."""
@@ -377,7 +280,7 @@ class NvmeTier:
         with self._lock:
             faults = [dict(f) for f in self._faults.values()]
             # Only reads a step waits for: a prefetch may queue behind demand reads on a busy disk for longer than
-            # the timeout (seen on the H200 machine's 2.2 GB/s disk), which is a guess waiting, not a disk fault.
+            # the timeout, which is a guess waiting, not a disk fault.
             stalled = sum(r.demanded and now - r.since > self.timeout_s for r in self._reads.values())
             retired = len(self._retired)
         if not faults and not stalled and not retired:
@@ -387,54 +290,16 @@ class NvmeTier:
                 "stalled_reads": stalled, "retired_slots": retired}
 
     def load(self) -> float:
-        """The share of recent wall time the store had a read under way, 0..1 (1 until measured, or for a reader
-        without a busy clock). A store that keeps up sits well under 1, and a guess read ahead then costs it little;
-        a disk that is the decode's bottleneck sits near 1, where every wasted read delays one that is needed."""
-        busy_seconds = getattr(self.reader, "busy_seconds", None)
-        if busy_seconds is None:
-            return self._load
-        now = time.perf_counter()
-        mark = self._load_mark
-        if mark is not None and now - mark[0] < LOAD_SPAN_S:
-            return self._load  # asked every layer step: the reader's clock only once a span is over
-        busy = busy_seconds()
-        if mark is None:
-            self._load_mark = (now, busy)
-            return self._load
-        t0, b0 = mark
-        span = now - t0
-        if span >= LOAD_SPAN_S:
-            if span <= LOAD_IDLE_S:
-                self._load = 0.5 * self._load + 0.5 * min(1.0, (busy - b0) / span)
-            self._load_mark = (now, busy)
-        return self._load
+        """The store's recent load, 0..1 (StoreMeter.load)."""
+        return self.meter.load()
 
     def mark_step(self, layer: int | None) -> None:
-        """A decode step of `layer` begins (None: a prompt's step, which ends the chain). The store's idle time since
-        the step before is charged to that step's layer: after the last layer it is the token's end (the head,
-        sampling, the next token's layers up to its first MoE router), elsewhere the GPU's and the host's work from
-        one layer's reads to the next one's, less what guesses kept the store reading. Where the idle sits says
-        which reads could fill it. A gap over STEP_GAP_S (between requests) is skipped. A prompt short enough to run
-        as decode steps (MoeStepper's caller decides by rows) counts as decode."""
-        busy_seconds = getattr(self.reader, "busy_seconds", None)
-        if busy_seconds is None:
-            return
-        if layer is None:
-            self._step_mark = None
-            return
-        now, busy = time.perf_counter(), busy_seconds()
-        mark, self._step_mark = self._step_mark, (layer, now, busy)
-        if mark is not None and now - mark[1] <= STEP_GAP_S:
-            self.idle_after[mark[0]] += max(0.0, (now - mark[1]) - (busy - mark[2]))
+        """A decode step of `layer` begins, None a prompt's (StoreMeter.mark_step)."""
+        self.meter.mark_step(layer)
 
     def guess_saving(self) -> float:
-        """The share of a store read that a right guess has recently saved the step that needed it, 0..1: 1 for a
-        guess read in time, the share done for one still being read, 0 for one still queued (over the last ~500
-        decode layer steps; 1 until measured, and drifting back to 1 while no guess is read). Near 1 on a store
-        that keeps up. On a disk where a read takes several layers' time, most right guesses are still queued or
-        being read when their layer runs, and each saves only part of a read while a wrong one costs a whole one."""
-        saved, right = self._saving
-        return saved / right if right > 0 else 1.0
+        """The share of a store read a right guess recently saved, 0..1 (StoreMeter.guess_saving)."""
+        return self.meter.guess_saving()
 
     def read_summary(self) -> dict:
         """How the store is read, for /stats: parts per record, the timings that chose it (ms by parts, when the
@@ -443,10 +308,7 @@ class NvmeTier:
         seconds so far, and the reader's counts (reads, bytes, retries, errors, cancelled, reads checked by their
         parts' hashes, queued; the guess reads allowed at once), and the decode's idle seconds
         after each layer's step (see `mark_step`)."""
-        busy = getattr(self.reader, "busy_seconds", None)
-        return {"parts": getattr(self.reader, "pieces", 1), "load": round(self._load, 3),
-                "busy_s": None if busy is None else round(busy(), 4),
-                "idle_after_layer_s": [round(v, 4) for v in self.idle_after],
+        return {"parts": getattr(self.reader, "pieces", 1), **self.meter.summary(),
                 "timed_ms_by_parts": {str(n): round(t * 1e3, 3) for n, t in sorted(self.read_timing.items())},
                 "two_at_once_gain": None if self.two_at_once_gain is None else round(self.two_at_once_gain, 3),
                 **self.reader.stats()}
@@ -478,7 +340,7 @@ class NvmeTier:
         retired = set(np.flatnonzero(t.ram.owner == -2).tolist())
         assert retired == set(self._retired), "retired RAM slots disagree with the reads given up on"
         guarded = {(int(a), int(b)) for a, b in zip(*np.nonzero(t.ram_guard), strict=True)}
-        assert guarded <= self._prefetched, "a guard on an expert that was not prefetched"
+        assert guarded <= self.guesses.outstanding, "a guard on an expert that was not prefetched"
         assert self.resident_bytes() <= self.budget_bytes, "the RAM tier outgrew its budget"
 
     # ---- internals --------------------------------------------------------------------------------------------
@@ -547,7 +409,7 @@ class NvmeTier:
                     del self._faults[key]
             return None
         self.tiers.abort_read(r.layer, r.expert)  # the reader is done with the slot: free it
-        self._prefetched.discard(key)
+        self.guesses.outstanding.discard(key)
         self.stats.add_nvme("failed_reads")
         if not isinstance(exc, StoreError):
             exc = StoreReadError(f"store {self.path}: {self._where(key)}: {type(exc).__name__}: {exc}", self._fix())
@@ -563,7 +425,7 @@ class NvmeTier:
         slot = self.tiers.abort_read(r.layer, r.expert, retire=True)
         with self._lock:
             self._retired[slot] = r.future
-        self._prefetched.discard(key)
+        self.guesses.outstanding.discard(key)
         self.stats.add_nvme("timeouts")
         if not r.demanded:
             return None  # a guess that did not come back: the store still has the expert
@@ -574,79 +436,6 @@ class NvmeTier:
                              f"{self.timeout_s:g} s each (the disk is stalled or failing)", self._fix())
         self._fault(key, err)
         return err
-
-    def _room_without_waiting(self, keep: dict[int, set[int]]) -> bool:
-        """A free RAM slot, or one made by dropping the weakest RAM expert that is neither guarded nor kept."""
-        t = self.tiers
-        if t.ram.free_count():
-            return True
-        victim = t.weakest_droppable(keep)
-        if victim is None:  # none, or only ones scored +inf: the search over the full masks
-            kept = np.zeros_like(t.ram_guard)
-            for layer, es in keep.items():
-                kept[layer, list(es)] = True
-            ok = t.droppable() > (t.ram_guard | kept)  # droppable, neither guarded nor kept
-            if not ok.any():
-                return False
-            victim = t.weakest(ok)
-        t.drop_ram(*victim)
-        return True
-
-    def _account_prefetch(self, layer: int, experts: list[int], codes: list[int], decode: bool = True) -> None:
-        """The layer runs: settle what was read ahead for it (hit, late, wasted) and count the store misses no
-        prefetch covered (codes: the experts' tier states). Its guards end here either way. decode: a decode step,
-        whose right guesses' savings count towards guess_saving."""
-        hits = late = under_way = wasted = cancelled = 0
-        saved = 0.0
-        mine = [k for k in self._prefetched if k[0] == layer] if self._prefetched else ()
-        if mine:
-            used = set(experts)
-            where = self.tiers.where[layer]
-            for key in mine:
-                self._prefetched.discard(key)
-                e = key[1]
-                w = int(where[e])
-                if w == RAM or w == FROM_STORE:
-                    self.tiers.unguard(layer, e)
-                if e not in used:
-                    wasted += 1
-                    if w == FROM_STORE:
-                        cancelled += self._cancel_queued(key)
-                elif w in _READABLE:
-                    hits += 1
-                elif w == FROM_STORE:
-                    late += 1
-                    fut = self._reads[key].future if key in self._reads else None
-                    if fut is not None and fut.done():  # landed since demand's poll: in time after all, unless failed
-                        saved += not fut.cancelled() and fut.exception() is None
-                    elif fut is not None and fut.running():
-                        under_way += 1
-                        share = getattr(fut, "share_done", None)  # a test double's future may not say
-                        saved += share() if share is not None else 0.5
-        misses = codes.count(STORE)
-        if decode:
-            # Read in time: the whole read saved; under way: the share of it done; still queued: nothing yet. Every
-            # decode layer step also adds a trickle of "saved whole": with no guess read for a long while (a floor
-            # above every rank), s drifts back towards 1 and guesses are tried, and measured, again.
-            sums = self._saving
-            sums[0] = GUESS_SAVING_DECAY * sums[0] + hits + saved + GUESS_SAVING_TRICKLE
-            sums[1] = GUESS_SAVING_DECAY * sums[1] + hits + late + GUESS_SAVING_TRICKLE
-        if hits or late or wasted or misses:  # most layer steps have nothing to count: no lock taken for it
-            self.stats.add_prefetch(hits=hits, late=late, late_under_way=under_way, wasted=wasted,
-                                    demand_misses=misses)
-        if cancelled:
-            self.stats.add_nvme("cancelled_prefetches", cancelled)
-
-    def _cancel_queued(self, key: tuple[int, int]) -> int:
-        """A wrong guess whose layer has run and whose read has not started: drop it from the reader's queue and
-        free its RAM slot (a queued guess would still cost the disk a record). 1 if cancelled."""
-        r = self._reads.get(key)
-        if r is None or r.demanded or not r.future.cancel():
-            return 0
-        with self._lock:
-            del self._reads[key]
-        self.tiers.abort_read(*key)
-        return 1
 
     def keep_free(self, n: int, keep: Mapping[int, Collection[int]] | None = None) -> int:
         """Drop the weakest droppable RAM experts (neither guarded, nor read by a copy in flight, nor in `keep`,
@@ -660,14 +449,6 @@ class NvmeTier:
             t.drop_ram(*victim)
             dropped += 1
         return dropped
-
-    def _prune_prefetched(self) -> None:
-        """Prefetched experts dropped again before their layer ran no longer count against the window."""
-        where = self.tiers.where
-        gone = {k for k in self._prefetched if where[k] == STORE}
-        if gone:
-            self._prefetched -= gone
-            self.stats.add_prefetch(wasted=len(gone))
 
     def _fault(self, key: tuple[int, int], exc: StoreError) -> None:
         now = time.time()
@@ -697,48 +478,6 @@ class NvmeTier:
             raise StoreReadError(f"store {self.path}: {self._where((layer, e))}: no data after "
                                  f"{self.timeout_s * 4:g} s (the disk is stalled or failing)", self._fix()) from None
         out.copy_(torch.from_numpy(done.data[: self.layout.nbytes]))
-
-
-class _ReadAhead:
-    """A `populate` loader that keeps `depth` reads of the expected order in flight through bounce rows, so the
-    VRAM warm-up runs at the disk's rate rather than one record's latency at a time."""
-
-    def __init__(self, tier: NvmeTier, order: list[tuple[int, int]], depth: int):
-        self.tier = tier
-        self.todo = deque(order)
-        self.rows = alloc_slots(max(1, min(depth, len(order))), tier.stride) if order else None
-        self.free = list(range(0 if self.rows is None else len(self.rows)))
-        self.inflight: deque[tuple[tuple[int, int], int, Future]] = deque()
-        self._fill()
-
-    def _fill(self) -> None:
-        while self.free and self.todo:
-            layer, e = self.todo.popleft()
-            row = self.free.pop()
-            fut = self.tier.reader.read(self.tier.store_layers[layer], e, self.rows[row], priority=Priority.DEMAND)
-            self.inflight.append(((layer, e), row, fut))
-
-    def __call__(self, layer: int, e: int, out: torch.Tensor) -> None:
-        if not self.inflight or self.inflight[0][0] != (layer, e):
-            self.tier._read_sync(layer, e, out)  # not the expected order: correct, just not read ahead
-            return
-        _, row, fut = self.inflight.popleft()
-        try:
-            done = fut.result(self.tier.timeout_s * 4)
-        except FutureTimeout:
-            raise StoreReadError(f"store {self.tier.path}: {self.tier._where((layer, e))}: no data after "
-                                 f"{self.tier.timeout_s * 4:g} s (the disk is stalled or failing)",
-                                 self.tier._fix()) from None
-        out.copy_(torch.from_numpy(done.data[: self.tier.layout.nbytes]))
-        self.free.append(row)
-        self._fill()
-
-    def close(self) -> None:
-        # Reads still running keep their row's mapping alive (the reader holds the array), so no waiting here.
-        for _, _, fut in self.inflight:
-            fut.cancel()
-        self.inflight.clear()
-        self.rows = None
 
 
 def _exception(fut: Future) -> BaseException | None:

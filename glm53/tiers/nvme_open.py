@@ -7,7 +7,7 @@ sized by the plan's EngineSpec and warmed from saved routing statistics. glm53.t
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -22,15 +22,15 @@ from store.verify import pack_command, quick_verify
 
 from .links import link_plan
 from .nvme import DEFAULT_TIMEOUT_S, NvmeTier, model_key
-from .policy import Policy, ScoredPolicy, load_routing_stats
+from glm53.planning.routing import load_routing_stats
 
 log = logging.getLogger("glm53.tiers.nvme")  # one log for the tier, opening or open
 
-# A demand read is on the decode's critical path, usually alone: on the H200 machine's virtual disk (2026-11-30) one
-# 9 MiB record read alone took 7.27 ms as one pread, 3.95 ms as 4 parallel parts and 8.45 ms as 8, against
-# 1.93 GB/s (4.9 ms a record) with 8 whole reads in flight; from a RAM-backed store, more parts keep helping. So the
-# tier times a few records alone in each of these part counts when it opens, and reads in the fastest (parts of at
-# least 1 MiB stay large reads on any disk). READ_PIECES: where nothing could be timed.
+# A demand read is on the decode's critical path, usually alone, and how many parallel parts read one record fastest
+# depends on the disk: a virtual disk may read a lone record as 4 parts in about half the time of one pread, and
+# slower again as 8; a RAM-backed store keeps gaining from more parts (figures: docs/results.md). So the tier times a
+# few records alone in each of these part counts when it opens, and reads in the fastest (parts of at least 1 MiB stay
+# large reads on any disk). READ_PIECES: where nothing could be timed.
 READ_PIECES = 4
 PIECE_CHOICES = (1, 2, 4, 8)
 PIECE_SAMPLE = 6  # records timed in each part count, each read once: about 0.2 s on a 1.5 GB/s disk
@@ -50,7 +50,6 @@ def open_nvme_tier(
     verify_sample: int = 8,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pin: bool | None = None,
-    policy_factory: Callable[[int], Policy] = ScoredPolicy,
     warm: bool = True,
     vram_storage: Sequence[torch.Tensor] | None = None,
 ) -> NvmeTier:
@@ -92,7 +91,7 @@ def open_nvme_tier(
         log.info("nvme tier: %s", why)
         link_devices, link_of = link_plan(spec.devices, len(layers), spec.device)
         tier = NvmeTier(reader, num_experts, list(spec.vram_slots), spec.ram_slots, layers=layers,
-                        device=spec.device, pin=pin, policy_factory=policy_factory, timeout_s=timeout_s,
+                        device=spec.device, pin=pin, timeout_s=timeout_s,
                         vram_storage=vram_storage, staging_slots=spec.staging_slots,
                         staging_rows=spec.dedicated_staging, link_devices=link_devices,
                         link_of=link_of)

@@ -1,15 +1,16 @@
-"""Which experts deserve a VRAM slot: scores and admission (per-layer budgets and saved routing: glm53.planning).
+"""Which experts deserve a VRAM slot: the per-layer cache policy and its admission rule.
 
 Expert routing is skewed (about 11% of experts draw ~40% of picks) and drifts slowly with the text. LRU
 reacts to every miss by evicting something, so a cold expert picked once pushes out a hot one that merely
-skipped a few tokens; the reference measured LRU as a weak policy for experts. Here every expert carries an
+skipped a few tokens, a weak policy for experts. Here every expert carries an
 exponentially decayed pick count (frequency that forgets, so drift is followed) plus a short-lived recency
 bonus (bursts are real), and a missed expert is admitted only when its score beats the weakest resident's by a
 margin, so near-ties do not ping-pong 9 MiB copies across PCIe.
 
 Everything here is pure numpy on per-layer arrays of `num_experts` entries: no torch, no devices. The same
-`choose_admissions` drives both the simulator below and `ExpertTiers`, so the simulated hit rate is the hit
-rate of the code that runs.
+`choose_admissions` drives both `ExpertTiers` and the tests' replay of a routing trace (tests/support/policy_lab.py),
+so a replayed hit rate is the hit rate of the code that runs. The per-layer budgets (split_budget) and saved routing
+statistics belong to the decision package: glm53.planning.spec, glm53.planning.routing.
 """
 
 from __future__ import annotations
@@ -18,16 +19,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-
-# The decision package owns these (the plan splits VRAM slots by saved routing); glm53.tiers exports them.
-from glm53.planning.routing import (  # noqa: F401
-    load_routing_stats,
-    routing_key,
-    routing_stats_path,
-    save_routing_stats,
-    saved_routing,
-)
-from glm53.planning.spec import split_budget  # noqa: F401
 
 
 class Policy(Protocol):
@@ -57,9 +48,9 @@ class ScoredPolicy:
 
     score(e) = f(e) + recency_weight * 0.5 ** ((now - last(e)) / recency_half_life)
     where f(e) = sum over past picks of 0.5 ** (age / half_life), in picks; ages are in steps (decode tokens).
-    Defaults from a sweep over `zipf_trace` (drift every 50-1000 steps, locality 0-2, seeds other than the
-    test's): a half-life of 100 follows drift better than 200+ and is steadier than 50; the recency bonus is
-    worth ~1-2 points of hit rate when consecutive tokens share experts and costs nothing when they don't;
+    The defaults are the best of a sweep over synthetic traces (glm53.bench.routing_trace.zipf_trace: drift every
+    50-1000 steps, locality 0-2, seeds other than the test's): a half-life of 100 follows drift better than 200+
+    and is steadier than 50; the recency bonus is worth ~1-2 points of hit rate when consecutive tokens share experts and costs nothing when they don't;
     a margin of 1 pick halves the slot swaps (each a write-back over PCIe) of margin 0.25 for <= 0.2 points of
     hit rate, and swaps ~20x less often than LRU.
     """
@@ -119,36 +110,6 @@ class ScoredPolicy:
         self._scores = None
 
 
-@dataclass
-class LruPolicy:
-    """Least recently used, always admitting: the baseline the scored policy must beat."""
-
-    num_experts: int
-
-    def __post_init__(self) -> None:
-        self._last = np.full(self.num_experts, -1.0)
-        self._picks = np.zeros(self.num_experts, np.float64)
-        self._now = 0
-
-    def observe(self, ids: np.ndarray, weight: float = 1.0) -> None:
-        ids = np.asarray(ids).reshape(-1)
-        self._now += 1
-        self._last[ids] = self._now
-        np.add.at(self._picks, ids, weight)
-
-    def scores(self) -> np.ndarray:
-        return self._last.copy()
-
-    def admits(self, expert: int, victim: int) -> bool:
-        return True
-
-    def counts(self) -> np.ndarray:
-        return self._picks.copy()
-
-    def seed(self, counts: np.ndarray) -> None:
-        self._picks = np.asarray(counts, np.float64).copy()
-
-
 def choose_admissions(
     policy: Policy, resident: np.ndarray, free_slots: int, misses: np.ndarray, protect: np.ndarray
 ) -> list[tuple[int, int | None]]:
@@ -191,82 +152,6 @@ def choose_admissions(
         if not policy.admits(e, v):
             break
         out.append((e, v))
-    return out
-
-
-@dataclass(frozen=True)
-class SimResult:
-    hit_rate: float  # picks whose expert was resident at the start of their step / all picks
-    admissions: int  # experts copied into a slot (each one PCIe copy)
-    swaps: int  # admissions that displaced a resident (each also a write-back)
-
-
-def simulate(trace: np.ndarray, policy: Policy, num_slots: int, warm: np.ndarray | None = None) -> SimResult:
-    """Replay a routing trace (steps x picks, expert ids) against `policy` with `num_slots` slots.
-
-    A pick hits when its expert was resident at the start of its step; misses are admitted by the same
-    `choose_admissions` that ExpertTiers runs. `warm`: experts resident at the start, best first.
-    """
-    trace = np.asarray(trace)
-    resident = np.zeros(policy.num_experts, bool)
-    if warm is not None:
-        resident[np.asarray(warm, np.int64)[:num_slots]] = True
-    hits = admissions = swaps = 0
-    for step in trace:
-        hits += int(resident[step].sum())
-        policy.observe(step)
-        uniq = np.unique(step)
-        misses = uniq[~resident[uniq]]
-        free = num_slots - int(resident.sum())
-        for e, v in choose_admissions(policy, resident, free, misses, uniq):
-            if v is not None:
-                resident[v] = False
-                swaps += 1
-            resident[e] = True
-            admissions += 1
-    return SimResult(hits / trace.size if trace.size else 0.0, admissions, swaps)
-
-
-def zipf_trace(
-    num_steps: int,
-    num_experts: int = 288,
-    top_k: int = 8,
-    exponent: float = 0.8,
-    drift_every: int = 200,
-    drift_swaps: int = 2,
-    hot_fraction: float = 0.11,
-    locality: float = 0.0,
-    seed: int = 0,
-) -> np.ndarray:
-    """A synthetic routing trace: Zipf-like popularity over a drifting ranking, top-k distinct picks per step.
-
-    Popularity of rank r is r ** -exponent (0.8 over 288 experts: the top 11% draw ~40% of picks, as published
-    for GLM-5.3-Flash). Every `drift_every` steps, `drift_swaps` hot experts (rank < hot_fraction * experts)
-    trade places with random others, so the hot set slowly changes as it does between topics. `locality` adds
-    that log-bonus to the previous step's picks (consecutive tokens share experts more than chance). Picks are
-    sampled without replacement in proportion to popularity (Gumbel top-k). Returns int64 (num_steps, top_k).
-    """
-    rng = np.random.default_rng(seed)
-    logp = -exponent * np.log(np.arange(1, num_experts + 1))
-    rank_of = rng.permutation(num_experts)  # rank_of[e]: e's popularity rank
-    hot = max(1, int(hot_fraction * num_experts))
-    out = np.empty((num_steps, top_k), np.int64)
-    prev = np.empty(0, np.int64)
-    for start in range(0, num_steps, drift_every):
-        n = min(drift_every, num_steps - start)
-        g = logp[rank_of][None, :] + rng.gumbel(size=(n, num_experts))
-        if locality:
-            for i in range(n):  # sequential: each step leans on the one before
-                g[i, prev] += locality
-                prev = out[start + i] = np.argpartition(-g[i], top_k - 1)[:top_k]
-        else:
-            out[start : start + n] = np.argpartition(-g, top_k - 1, axis=1)[:, :top_k]
-        by_rank = np.argsort(rank_of)
-        for _ in range(drift_swaps):
-            a = by_rank[rng.integers(hot)]
-            b = by_rank[rng.integers(num_experts)]
-            rank_of[a], rank_of[b] = rank_of[b], rank_of[a]
-            by_rank = np.argsort(rank_of)
     return out
 
 

@@ -15,6 +15,12 @@ A RAM slot is reused only after the copies touching it have landed (host-confirm
 Store reads are asynchronous in the nvme modes: a `StoreSource` (glm53.tiers.nvme) attached as `store` claims a
 RAM slot with `begin_read`, reads into it on its own threads, and calls `land_read` (or `abort_read`) from the
 thread that owns these tiers. Without one, `fetch` reads synchronously.
+
+The parts it keeps, each on its own: the VRAM slot arenas (glm53.tiers.vram) and the RAM arena (glm53.tiers.ram),
+which only keep books; who leaves RAM (glm53.tiers.ranking: the policies, the guards, each layer's weakest expert);
+the staging rows lent by other layers' slots (glm53.tiers.lending); one copy link per card (glm53.tiers.links).
+What stays here is the state of each expert and every move between the tiers, since each move changes several
+parts at once and must keep them agreeing.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, Protocol
 
 import numpy as np
@@ -32,29 +37,17 @@ from glm53.planning.spec import borrowed_rows
 
 from .copier import Copier, Ticket
 from .layout import SlotLayout
+from .lending import Lending
 from .links import Link
-from .policy import Policy, ScoredPolicy, choose_admissions, hot_order
+from .policy import choose_admissions, hot_order
 from .ram import RamTier
+from .ranking import Ranking
+from .states import FROM_STORE, RAM, STORE, TO_RAM, TO_VRAM, VRAM, Where
 from .stats import TierStats
 from .vram import LENT, VramLayer
 
 # fill(layer, expert, out): write the expert's slot image into `out` (a contiguous uint8 host tensor).
 Loader = Callable[[int, int, torch.Tensor], None]
-
-
-class Where(IntEnum):
-    VRAM = 0
-    RAM = 1
-    TO_VRAM = 2
-    TO_RAM = 3
-    STORE = 4
-    FROM_STORE = 5
-
-
-# The states as plain ints for the per-step paths: an IntEnum member lookup goes through the enum machinery
-# (about a microsecond each in Python 3.11), and these run several times per expert of every layer step. Worse, a
-# numpy value compared with a member (`where[l, e] != Where.STORE`) costs ~3 us, against ~0.05 us with an int.
-VRAM, RAM, TO_VRAM, TO_RAM, STORE, FROM_STORE = (int(w) for w in Where)
 
 
 class StoreSource(Protocol):
@@ -92,7 +85,6 @@ class ExpertTiers:
         *,
         keep_all: bool = True,
         device: torch.device | str = "cpu",
-        policy_factory: Callable[[int], Policy] = ScoredPolicy,
         fetch: Loader | None = None,
         copier: Copier | None = None,
         staging_slots: int = 2,
@@ -103,7 +95,7 @@ class ExpertTiers:
         link_devices: Sequence[torch.device | str] | None = None,
         link_of: Sequence[int] | None = None,
     ):
-        """vram_slots: slots per MoE layer (e.g. from policy.split_budget). keep_all: the all-RAM modes, where
+        """vram_slots: slots per MoE layer (e.g. from glm53.planning.spec.split_budget). keep_all: the all-RAM modes, where
         RAM must hold every expert not in VRAM plus at least one spare slot for a write-back in flight; else
         RAM is a cache of the store and `fetch` reads a record into it. staging_slots: device buffers for
         misses streamed over PCIe without admission, per layer: staging_rows of them (default all) device rows of
@@ -149,49 +141,25 @@ class ExpertTiers:
                       None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
         ]
-        # Each layer's staging rows: its link's own, then the cache slots of other layers it borrows, as
-        # (layer, slot) and as rows.
-        self.lent = lent
-        self._lent_now: list[tuple[int, int]] = []  # lent by the steps whose kernels may not be queued yet
-        self._borrowed = [[(lay, slot) for lay, slot in lent if lay != li and self.link_of[lay] == self.link_of[li]]
-                          [: staging_slots - self.staging_rows] for li in range(self.num_layers)]
-        self._staging_rows = [self.links[self.link_of[li]].rows + [self.vram[lay].flat(slot) for lay, slot in b]
-                              for li, b in enumerate(self._borrowed)]
+        self.lending = Lending(lent, staging_slots - self.staging_rows, self.staging_rows, self.link_of, self.links,
+                               self.vram)
+        self.lent = self.lending.lent
         self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin, storage=ram_storage)
-        self.policies = [policy_factory(num_experts) for _ in range(self.num_layers)]
+        self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
+        self.ranking = Ranking(self.where)  # who leaves RAM: the policies, the guards, each layer's weakest
+        self.policies = self.ranking.policies
+        self.ram_guard = self.ranking.ram_guard
         self.copier = self.links[0].copier  # the first link's (the only one on one device)
         self.fetch = fetch
         self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
-        # RAM experts to drop last (prefetched, not used yet): a soft guard, so a demand read is never refused.
-        # Read-only: set with guard() and unguard(), which keep the victim orders below current.
-        self._guard = np.zeros((self.num_layers, num_experts), bool)
-        self.ram_guard = self._guard.view()
-        self.ram_guard.flags.writeable = False
         # RAM experts a copy in flight still reads (a staging or prestaging copy the host did not wait for): their
         # slots must not be handed to a store read before it lands. A hard rule, unlike the guard.
         self._held: dict[tuple[int, int], Ticket] = {}
         self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
-        self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
         self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
         self.staging = self.links[0].staging  # the first link's own rows
         self._populated = False
-        # Every layer's policy scores stacked, for the victim searches (several a step, each needing all of them):
-        # kept up to date in place, only the layers whose policy learned since being read again.
-        self._scores: np.ndarray | None = None
-        self._stale_scores: set[int] = set()
-        # The RAM victim search (nvme modes), per layer so that it costs about the same at 75 layers as at 8: each
-        # layer's weakest unguarded RAM expert (lowest score, then id) and its score (inf: none), kept as RAM experts
-        # come, and found again (one pass over the layer) when the layer's policy learned or that expert went.
-        self._victim = [-1] * self.num_layers
-        self._victim_score = np.full(self.num_layers, np.inf)
-        self._stale_victims: set[int] = set(range(self.num_layers))
-        # Each unguarded RAM expert's score, inf for every other expert: what the victim passes take the argmin of.
-        # Kept in place where an expert becomes or stops being a candidate, and rebuilt only for the layers whose
-        # policy learned (_stale_rows, a subset of _stale_victims): a drop, several a step, then costs its layer one
-        # argmin instead of building the masks again (~3 us a pass on the dev host).
-        self._cand = np.full((self.num_layers, num_experts), np.inf)
-        self._stale_rows: set[int] = set(range(self.num_layers))
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
@@ -209,8 +177,7 @@ class ExpertTiers:
         counts = np.zeros((self.num_layers, self.num_experts)) if counts is None else np.asarray(counts, np.float64)
         bounce = torch.empty(self.layout.nbytes, dtype=torch.uint8, pin_memory=self.ram.pinned)
         for layer, vl in enumerate(self.vram):
-            self.policies[layer].seed(counts[layer])
-            self._scores_changed(layer)
+            self.ranking.seed(layer, counts[layer])
             order = hot_order(counts[layer])
             for slot, e in enumerate(order[: vl.num_slots]):
                 load(layer, int(e), bounce)
@@ -257,7 +224,7 @@ class ExpertTiers:
     def staging_slot(self, i: int, layer: int) -> torch.Tensor:
         """The layer's staging row i: its link's own rows first, then the cache slots it borrows (`borrow` them
         first)."""
-        return self._staging_rows[layer][i]
+        return self.lending.row(layer, i)
 
     def borrow(self, layer: int, n: int, keep: Collection[int] = ()) -> int:
         """Make the layer's first n staging rows writable: each borrowed cache slot among them that holds (or is
@@ -268,7 +235,7 @@ class ExpertTiers:
         empties it again. Returns how many experts left VRAM."""
         gone, waits = 0, []
         protect = {layer: set(keep)}
-        for lay, slot in self._borrowed[layer][: max(0, n - self.staging_rows)]:
+        for lay, slot in self.lending.to_borrow(layer, n):
             vl = self.vram[lay]
             e = int(vl.owner[slot])
             if e == LENT:  # lent already, by this step
@@ -286,8 +253,7 @@ class ExpertTiers:
             reader = self._slot_reader.pop((lay, slot), None)  # a write-back still reading it (this one's too)
             if reader is not None:
                 waits.append(reader)
-            vl.lend(slot)
-            self._lent_now.append((lay, slot))
+            self.lending.lend(lay, slot)
         for t in waits:  # the staging copies into these slots come next, on the other stream
             t.wait()
         if gone or waits:
@@ -309,10 +275,7 @@ class ExpertTiers:
     def give_back_lent(self) -> None:
         """The slots lent to staging are free again: call once the borrowing steps' kernels are queued (the next
         step's copies wait for those)."""
-        if self._lent_now:
-            for lay, slot in self._lent_now:
-                self.vram[lay].give_back(slot)
-            self._lent_now.clear()
+        self.lending.give_back()
 
     def stage(self, layer: int, expert: int) -> torch.Tensor:
         """Stream a RAM expert to a staging buffer of its layer's link without admitting it (PCIe, no eviction).
@@ -405,7 +368,7 @@ class ExpertTiers:
             raise TierError(f"land {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not FROM_STORE")
         self.ram.land(int(self.ram.slot_of[layer, expert]))
         self.where[layer, expert] = RAM
-        self._rank(layer, expert)
+        self.ranking.rank(layer, expert)
         self.stats.add_bytes("store_to_ram", self.layout.nbytes)
         self.stats.set_ram_in_use(self.ram.in_use())
 
@@ -416,7 +379,7 @@ class ExpertTiers:
             raise TierError(f"abort {layer}/{expert}: it is {Where(self.where[layer, expert]).name}, not FROM_STORE")
         r = self.ram.retire(layer, expert) if retire else self.ram.free(layer, expert)
         self.where[layer, expert] = STORE
-        self._guard[layer, expert] = False
+        self.ranking.forget_guard(layer, expert)
         self.stats.set_ram_in_use(self.ram.in_use())
         return r
 
@@ -448,125 +411,34 @@ class ExpertTiers:
         held = self._held.get((layer, expert))
         if held is not None and not held.done():
             raise TierError(f"drop {layer}/{expert}: a copy in flight still reads it")
-        self._unrank(layer, expert)
+        self.ranking.unrank(layer, expert)
         self.ram.free(layer, expert)
         self.where[layer, expert] = STORE
-        self._guard[layer, expert] = False
+        self.ranking.forget_guard(layer, expert)
         self.stats.add_ram_drop()
         self.stats.set_ram_in_use(self.ram.in_use())
 
     def guard(self, layer: int, expert: int) -> None:
         """Drop (layer, expert) only when nothing unguarded can go (read ahead for a step still to come)."""
-        if not self._guard[layer, expert]:
-            self._guard[layer, expert] = True
-            if self.where[layer, expert] == RAM:
-                self._unrank(layer, expert)
+        self.ranking.guard(layer, expert)
 
     def unguard(self, layer: int, expert: int) -> None:
         """End the guard (its layer ran, or the expert went): it is dropped by its score again."""
-        if self._guard[layer, expert]:
-            self._guard[layer, expert] = False
-            if self.where[layer, expert] == RAM:
-                self._rank(layer, expert)
+        self.ranking.unguard(layer, expert)
 
     def weakest_droppable(self, exclude: Mapping[int, Collection[int]] | None = None) -> tuple[int, int] | None:
-        """The RAM expert to drop while an unguarded one may go: the one `weakest` picks (lowest score, then
-        layer, then id) among those no copy in flight reads, not guarded and not in `exclude` ({layer: experts}).
-        None when there is none, or only ones scored +inf: then `weakest` over the full masks decides. Reads each
-        layer's weakest candidate, kept current, rather than every layer's experts: about the same cost at 75
-        layers as at 8."""
-        live = self._live_holds()
-        held = set(live)
-        exclude = exclude or {}
-        self._fresh_victims()
-        score = self._victim_score
-        instead: dict[int, int] = {}  # layer -> its weakest candidate that may go, where the kept one may not
-        while True:
-            # Each layer's entry is a lower bound of the score of its weakest candidate that may go, exact for the
-            # layers in `instead` and where the kept one may go: the first lowest entry, once exact, is the victim.
-            layer = int(score.argmin())
-            if score[layer] == np.inf:
-                return None
-            if layer in instead:
-                return layer, instead[layer]
-            e, es = self._victim[layer], exclude.get(layer, ())
-            if (layer, e) not in held and e not in es:
-                return layer, e
-            if not instead:
-                score = score.copy()
-            instead[layer], score[layer] = self._layer_weakest(layer, {x for lay, x in live if lay == layer}.union(es))
+        """The weakest RAM expert that may go now: not read by a copy in flight, not guarded, not in `exclude`
+        ({layer: experts}); None when none is (Ranking.weakest_droppable)."""
+        return self.ranking.weakest_droppable(self._live_holds(), exclude)
 
     def scores(self) -> np.ndarray:
         """(num_layers, num_experts) policy scores: the keep-worthiness the RAM tier ranks victims by (a new
         array, the caller's to keep)."""
-        return self._current_scores().copy()
+        return self.ranking.current().copy()
 
     def weakest(self, ok: np.ndarray) -> tuple[int, int]:
-        """The (layer, expert) with the lowest score where `ok` (num_layers, num_experts) holds, the first in layer
-        then expert order among equals; `ok` must hold somewhere. Searched among the `ok` ones only: where all of
-        them score +inf, an argmin over the masked scores would name the first expert, ok or not."""
-        flat = np.flatnonzero(ok)
-        return divmod(int(flat[self._current_scores().ravel()[flat].argmin()]), self.num_experts)
-
-    def _current_scores(self) -> np.ndarray:
-        """Every layer's scores, stacked once and then kept up to date in place: the policies learn only through
-        these tiers (observe, populate), which note the layers to read again. Stacking every layer for each
-        victim search cost more than the search itself (75 layers: ~27 us against ~15 us)."""
-        s = self._scores
-        if s is None:
-            s = self._scores = np.stack([p.scores() for p in self.policies])
-        else:
-            for layer in self._stale_scores:
-                s[layer] = self.policies[layer].scores()
-        self._stale_scores.clear()
-        return s
-
-    def _scores_changed(self, layer: int) -> None:
-        """The layer's policy learned: its scores and weakest RAM expert are found again when next needed."""
-        self._stale_scores.add(layer)
-        self._stale_rows.add(layer)
-        self._stale_victims.add(layer)
-
-    def _fresh_victims(self) -> None:
-        """Find the weakest RAM expert again in each layer whose scores changed or that lost it."""
-        if self._stale_victims:
-            if self._stale_rows:
-                s = self._current_scores()
-                for layer in self._stale_rows:
-                    self._cand[layer] = np.where((self.where[layer] == RAM) > self._guard[layer], s[layer], np.inf)
-                self._stale_rows.clear()
-            for layer in self._stale_victims:
-                self._victim[layer], self._victim_score[layer] = self._layer_weakest(layer)
-            self._stale_victims.clear()
-
-    def _layer_weakest(self, layer: int, skip: Collection[int] = ()) -> tuple[int, float]:
-        """The layer's unguarded RAM expert of lowest score (the lowest id among equals), none of `skip`, and its
-        score: inf when there is none. Reads the layer's candidate scores, which must be current."""
-        s = self._cand[layer]
-        if skip:
-            s = s.copy()
-            s[list(skip)] = np.inf
-        e = int(s.argmin())
-        return e, float(s[e])
-
-    def _rank(self, layer: int, expert: int) -> None:
-        """A RAM expert became a candidate victim (landed, or unguarded): is it its layer's weakest now?"""
-        if self._guard[layer, expert]:
-            return
-        if layer not in self._stale_rows:  # else the row is rebuilt, from scores that may not be read yet
-            self._cand[layer, expert] = self._scores[layer, expert]
-        if layer in self._stale_victims:
-            return
-        s, weakest = self._scores[layer, expert], self._victim_score[layer]
-        if s < weakest or (s == weakest and expert < self._victim[layer]):
-            self._victim[layer], self._victim_score[layer] = expert, s
-
-    def _unrank(self, layer: int, expert: int) -> None:
-        """A RAM expert stops being a candidate victim (dropped, admitted, guarded): if it was its layer's weakest,
-        the layer's next weakest is found at the next search."""
-        self._cand[layer, expert] = np.inf
-        if self._victim[layer] == expert:
-            self._stale_victims.add(layer)
+        """The lowest-scored (layer, expert) where `ok` holds (Ranking.weakest)."""
+        return self.ranking.weakest(ok)
 
     def _live_holds(self) -> list[tuple[int, int]]:
         """The held experts whose copy is still in flight; forgets the others. Each ticket is asked once: a step's
@@ -600,8 +472,8 @@ class ExpertTiers:
         else:
             slot = self._write_back(layer, victim, protect, also=expert)
         vl.reserve(slot, expert)
-        self._unrank(layer, expert)
-        self._guard[layer, expert] = False  # in use now: the guard's job is done
+        self.ranking.unrank(layer, expert)
+        self.ranking.forget_guard(layer, expert)  # in use now: the guard's job is done
         from_ram = src is None
         if from_ram:
             src = self.ram.flat(int(self.ram.slot_of[layer, expert]))
@@ -640,12 +512,11 @@ class ExpertTiers:
         return started
 
     def observe(self, layer: int, ids: np.ndarray, weight: float = 1.0) -> None:
-        self.policies[layer].observe(ids, weight)
-        self._scores_changed(layer)
+        self.ranking.observe(layer, ids, weight)
 
     def routing_counts(self) -> np.ndarray:
         """(num_layers, num_experts) statistics to save for the next start's warm-up."""
-        return np.stack([p.counts() for p in self.policies])
+        return self.ranking.counts()
 
     # ---- internals --------------------------------------------------------------------------------------------
 
@@ -697,7 +568,7 @@ class ExpertTiers:
             ok = self.droppable()
             if protect is not None:
                 ok[layer, np.asarray(protect, np.int64)] = False
-            unguarded = ok > self._guard  # ok and not guarded
+            unguarded = ok > self.ram_guard  # ok and not guarded
             if unguarded.any():  # guarded experts (prefetched for a step still to come) go only when nothing else can
                 ok = unguarded
             elif not ok.any():
@@ -716,7 +587,7 @@ class ExpertTiers:
         else:
             self.ram.land(mv.slot)
             self.where[layer, expert] = RAM
-            self._rank(layer, expert)
+            self.ranking.rank(layer, expert)
         self._refresh_gauges(layer)
 
     def _refresh_gauges(self, layer: int | None = None) -> None:
@@ -736,19 +607,7 @@ class ExpertTiers:
             vl.check_invariants()
         if self.keep_all:
             assert not (self.where == Where.STORE).any(), "an expert was lost (all-RAM mode, in neither tier)"
-        assert not (self.ram_guard & (self.where != Where.RAM) & (self.where != Where.FROM_STORE)).any(), \
-            "a guard on an expert that is not (being read) in RAM"
-        assert self._stale_rows <= self._stale_victims, "a layer's candidate scores outlived its kept victim"
-        for layer in set(range(self.num_layers)) - self._stale_rows:
-            want = np.where((self.where[layer] == Where.RAM) & ~self.ram_guard[layer], self._scores[layer], np.inf)
-            assert np.array_equal(self._cand[layer], want), f"layer {layer}'s candidate scores are not current"
-        for layer in set(range(self.num_layers)) - self._stale_victims:  # each kept weakest RAM expert is it
-            assert layer not in self._stale_scores, f"layer {layer}'s weakest RAM expert outlived its scores"
-            s = self._scores[layer]
-            ram = np.flatnonzero((self.where[layer] == Where.RAM) & ~self.ram_guard[layer]).tolist()
-            want = min([(s[e], e) for e in ram if s[e] < np.inf], default=(np.inf, None))
-            got = (self._victim_score[layer], self._victim[layer] if self._victim_score[layer] < np.inf else None)
-            assert got == want, f"layer {layer}'s weakest RAM expert is kept as {got}, not {want}"
+        self.ranking.check_invariants()
         for (layer, e), mv in self._moves.items():
             want = Where.TO_VRAM if mv.to_vram else Where.TO_RAM
             assert self.where[layer, e] == want, f"move of {layer}/{e} but state {Where(self.where[layer, e]).name}"

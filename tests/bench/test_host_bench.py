@@ -179,7 +179,7 @@ def test_the_emulated_disk_and_gpu_need_nvme(capsys):
 
 def test_guesses_keep_about_the_recall_and_name_distinct_experts():
     from glm53.bench.host_step_nvme import guesses
-    from glm53.tiers.policy import zipf_trace
+    from glm53.bench.routing_trace import zipf_trace
 
     trace = zipf_trace(2000, 64, 8, exponent=1.1, seed=5).reshape(-1, 2, 8)
     g = guesses(trace, 64, 0.575, seed=1)

@@ -407,7 +407,7 @@ def test_nvme_decode_steps_charge_the_store_idle_time_to_the_layer_before(packed
     chain, and a gap longer than STEP_GAP_S (between requests) is not charged. /stats shows the sums."""
     import time
 
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_meter as nvme_mod
 
     with small_nvme_tier(packed) as tier:
         tier.warm(None)

@@ -63,7 +63,7 @@ def test_tiered_through_the_store_equals_direct(packed, direct, monkeypatch, see
     stats = None
     if seed % 2:
         stats = ck.parent / f"routing-{seed}.json"
-        from glm53.tiers import save_routing_stats
+        from glm53.planning.routing import save_routing_stats
         save_routing_stats(stats, rng.random((2, EXPERTS)) * 5, model_key(read_header(store)))
     if parts is not None:
         read_in_parts(monkeypatch, parts)
@@ -205,7 +205,7 @@ def test_prefill_prefetch_reads_upcoming_layers_without_touching_the_hot_set(pac
     stats = ck.parent / "routing-prefill.json"
     counts = np.zeros((2, EXPERTS))
     counts[:, :4] = 50.0  # a decode hot set: experts 0-3 of both layers
-    from glm53.tiers import save_routing_stats
+    from glm53.planning.routing import save_routing_stats
     save_routing_stats(stats, counts, model_key(read_header(store)))
     with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 4, 0), stats_path=stats) as tier:
         t = tier.tiers
@@ -224,7 +224,7 @@ def test_start_up_warms_vram_and_ram_from_saved_statistics(packed):
     counts[0, [5, 6, 7]] = [9, 8, 7]
     counts[1, [1, 2]] = [6, 5]
     path = ck.parent / "routing-warm.json"
-    from glm53.tiers import save_routing_stats
+    from glm53.planning.routing import save_routing_stats
     save_routing_stats(path, counts, key)
     # The plan's split of two VRAM slots by these statistics (glm53.planning.spec.split_slots): both to layer 1, whose top
     # two draw the larger share of its picks.
@@ -403,7 +403,7 @@ def test_the_store_load_is_the_share_of_recent_time_it_was_reading(packed, monke
     """load(): 1 until measured; then, each span of at least LOAD_SPAN_S, smoothed toward the share of the span
     the reader was busy; a span longer than LOAD_IDLE_S (an idle server) leaves it as it was. The real reader's
     busy clock moves it too, and /stats shows both."""
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_meter as nvme_mod
 
     ck, store = packed
     plan = nvme_spec(store, 2 * EXPERTS, 0)

@@ -31,7 +31,8 @@ from test_nvme_tier import settle_reads
 from test_store_reader import corrupt, needs_hash, slow_first, started, under_way
 
 import store.reader as N
-from glm53.tiers import Where, save_routing_stats, tiered_moe
+from glm53.planning.routing import save_routing_stats
+from glm53.tiers import Where, tiered_moe
 from glm53.tiers.nvme import NvmeTier, model_key
 from glm53.tiers.nvme_open import open_nvme_tier
 from store.errors import StoreCorruptError, StoreError, StoreReadError
@@ -437,7 +438,7 @@ def test_when_its_layer_runs_a_needed_queued_guess_goes_first_and_wrong_ones_are
 
 
 def test_a_right_guess_saves_its_whole_read_in_time_half_under_way_and_nothing_queued(site, monkeypatch):
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_meter as nvme_mod
 
     tier = site.open(threads=1, ram=2 * EXPERTS, timeout_s=5.0)
     assert tier.guess_saving() == 1.0  # unmeasured: as if every right guess were read in time
@@ -451,10 +452,10 @@ def test_a_right_guess_saves_its_whole_read_in_time_half_under_way_and_nothing_q
     under_way(futs[0])  # the only worker holds the first; 2 and 3 wait in the queue
     assert [f.share_done() for f in futs[1:]] == [0.0, 0.0]  # queued: nothing of them read yet
     monkeypatch.setattr(N.ReadFuture, "share_done", lambda self: 0.25)  # the one under way: a quarter done
-    saved, right = tier._saving
+    saved, right = tier.meter._saving
     tier.demand(0, np.array([1, 2, 3]))  # all three right, none in time: a quarter of one read saved, of three
     d, trickle = nvme_mod.GUESS_SAVING_DECAY, nvme_mod.GUESS_SAVING_TRICKLE
-    assert tier._saving == pytest.approx([d * saved + 0.25 + trickle, d * right + 3 + trickle])
+    assert tier.meter._saving == pytest.approx([d * saved + 0.25 + trickle, d * right + 3 + trickle])
     low = tier.guess_saving()
     assert low == pytest.approx((d * saved + 0.25 + trickle) / (d * right + 3 + trickle)) and low < 1
     pf = tier.stats.snapshot()["prefetch"]
@@ -466,9 +467,9 @@ def test_a_right_guess_saves_its_whole_read_in_time_half_under_way_and_nothing_q
     slow_first(monkeypatch, 0.2)
     tier.prefetch([(1, e) for e in (4, 5, 6)])
     under_way(tier._reads[(1, 4)].future)
-    before = list(tier._saving)
+    before = list(tier.meter._saving)
     tier.demand(1, np.array([4, 5, 6]), decode=False)
-    assert tier._saving == before and tier.stats.snapshot()["prefetch"]["late"] == 6  # counted, not scored
+    assert tier.meter._saving == before and tier.stats.snapshot()["prefetch"]["late"] == 6  # counted, not scored
     settle_reads(tier)
     # With no guess read for a long while, the saving drifts back towards 1: guesses get tried again.
     for _ in range(2000):
@@ -477,7 +478,7 @@ def test_a_right_guess_saves_its_whole_read_in_time_half_under_way_and_nothing_q
 
 
 def test_a_guess_that_landed_just_after_the_steps_poll_saved_its_whole_read(site, monkeypatch):
-    import glm53.tiers.nvme as nvme_mod
+    import glm53.tiers.nvme_meter as nvme_mod
 
     tier = site.open(threads=1, ram=2 * EXPERTS, timeout_s=5.0)
     tier.prefetch([(0, 4)])
@@ -490,10 +491,10 @@ def test_a_guess_that_landed_just_after_the_steps_poll_saved_its_whole_read(site
         return n
 
     monkeypatch.setattr(tier, "poll", poll)
-    saved, right = tier._saving
+    saved, right = tier.meter._saving
     tier.demand(0, np.array([4]))
     d, trickle = nvme_mod.GUESS_SAVING_DECAY, nvme_mod.GUESS_SAVING_TRICKLE
-    assert tier._saving == pytest.approx([d * saved + 1 + trickle, d * right + 1 + trickle])
+    assert tier.meter._saving == pytest.approx([d * saved + 1 + trickle, d * right + 1 + trickle])
     settle_reads(tier)
     check_bytes(tier, site.store)
 

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from nvme_support import make_store
+from policy_lab import use_policy
 from test_tiers_props import DeferredCopier
 
 from glm53.tiers import TierError, Where, direct_moe, tiered_moe
@@ -115,7 +116,8 @@ class NvmeMachine(RuleBasedStateMachine):
         self.reader = DeferredReader(store_file())
         self.copier = DeferredCopier()
         self.tier = NvmeTier(self.reader, EXPERTS, vram, EXPERTS + 1 + spare, copier=self.copier, timeout_s=1.0,
-                             window=4, policy_factory=lambda n: ScoredPolicy(n, margin=0.0))
+                             window=4)
+        use_policy(self.tier.tiers, lambda n: ScoredPolicy(n, margin=0.0))
         TIER_LAYOUT[:] = [self.tier.layout]
         lo = self.tier.tiers.ram.storage.data_ptr()
         hi = lo + self.tier.tiers.ram.storage.numel()

@@ -9,10 +9,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from policy_lab import LruPolicy, use_policy
 
 from glm53.bench.copiers import HeldCopier
 from glm53.tiers import ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
-from glm53.tiers.policy import LruPolicy, ScoredPolicy
+from glm53.tiers.policy import ScoredPolicy
 
 HIDDEN, INTER, LIMIT = 16, 8, 10.0
 LAYOUT = SlotLayout.packed([("gate", torch.float16, (HIDDEN, INTER)), ("up", torch.float16, (HIDDEN, INTER)),
@@ -209,7 +210,7 @@ def test_ties_between_victims_go_to_the_lowest_layer_then_id() -> None:
     assert tiers.weakest(ok) == (0, 5)
     ok[0, 5] = False
     assert tiers.weakest(ok) == (1, 0)
-    tiers._current_scores()[:] = np.inf  # every expert scored +inf (a policy that pins them): still one of `ok`
+    tiers.ranking.current()[:] = np.inf  # every expert scored +inf (a policy that pins them): still one of `ok`
     ok[1, 0] = False
     assert tiers.weakest(ok) == (1, 2)
 
@@ -281,8 +282,8 @@ def test_the_victim_search_picks_what_a_search_over_every_expert_picks(lru, ops)
     a lot, across layers too), under copies in flight, guards and exclusions; _drop_weakest drops exactly the
     reference's victim, guarded ones included when nothing else may go."""
     experts = VICTIM_EXPERTS
-    tiers = build(experts, [1, 2, 1], keep_all=False, ram_slots=2 * VE + 3,
-                  policy_factory=LruPolicy if lru else ScoredPolicy)
+    tiers = build(experts, [1, 2, 1], keep_all=False, ram_slots=2 * VE + 3)
+    use_policy(tiers, LruPolicy if lru else ScoredPolicy)
     tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), np.arange(VL * VE).reshape(VL, VE) % 3)
     held: dict[tuple[int, int], Flag] = {}
 
@@ -437,20 +438,20 @@ def test_borrow_empties_lent_slots_keeps_the_experts_and_lends_them_until_given_
     rows0 = [tiers.staging_slot(i, 0) for i in range(8)]
     own = {tiers.vram[0].flat(s).data_ptr() for s in range(4)}
     assert not own & {r.data_ptr() for r in rows0[2:]}, "layer 0 borrowed its own cache slot"
-    residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers._borrowed[0][:need]}
+    residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers.lending.borrowed[0][:need]}
     keep = [int(e) for e in np.flatnonzero(tiers.where[0] == Where.RAM)]  # layer 0's step copies these from RAM
     assert tiers.borrow(0, 8, keep=keep) == len(residents) == need
     for lay, e in residents:  # gone from VRAM into RAM (nvme: RAM dropped its weakest for each)
         assert tiers.where[lay, e] == Where.RAM
     assert all(tiers.where[0, e] == Where.RAM for e in keep), "RAM dropped an expert the borrowing step needs"
-    for lay, s in tiers._borrowed[0][:need]:  # lent: no admission may land in them while layer 0's kernels read
+    for lay, s in tiers.lending.borrowed[0][:need]:  # lent: no admission may land in them while layer 0's kernels read
         assert tiers.vram[lay].owner[s] == -2 and tiers.vram[lay].free_count() < 4
     tiers.check_invariants()
     for i, r in enumerate(rows0):  # staging writes do not touch any resident
         r.copy_(experts[0, i])
     check_contents(tiers, experts)
     tiers.give_back_lent()
-    assert all(tiers.vram[lay].owner[s] == -1 for lay, s in tiers._borrowed[0][:need])
+    assert all(tiers.vram[lay].owner[s] == -1 for lay, s in tiers.lending.borrowed[0][:need])
     assert tiers.borrow(0, 8) == 0  # emptied already: nothing to give up
     tiers.give_back_lent()
     tiers.check_invariants()
@@ -463,7 +464,7 @@ def test_nvme_borrow_drops_the_expert_itself_when_ram_may_drop_nothing():
     ram = [(int(lay), int(e)) for lay, e in zip(*np.nonzero(tiers.where == Where.RAM), strict=True)]
     assert tiers.ram.free_count() == 0 and len(ram) == 9
     keep = {lay: {e for la, e in ram if la == lay} for lay in range(3)}  # every RAM expert is needed
-    residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers._borrowed[0][:6]}
+    residents = {(lay, int(tiers.vram[lay].owner[s])) for lay, s in tiers.lending.borrowed[0][:6]}
     for lay in (1, 2):  # guard the other layers' RAM experts (prefetched for a coming step): soft, but enough here
         for e in keep[lay]:
             tiers.guard(lay, e)

@@ -115,7 +115,7 @@ def test_each_layer_borrows_staging_only_from_its_own_links_layers():
         assert all(_inside(r, tiers.link(li).staging) for r in rows[:2])
         assert all(any(_inside(r, tiers.vram[la].storage) for la in other) for r in rows[2:])
     tiers.borrow(0, 8)
-    assert {lay for lay, _ in tiers._lent_now} == {1}
+    assert {lay for lay, _ in tiers.lending.lent_now} == {1}
     tiers.give_back_lent()
     check_contents(tiers, experts)
     tiers.check_invariants()

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from policy_lab import use_policy
 
 from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe, tiered_moe
 from glm53.tiers.policy import ScoredPolicy
@@ -100,8 +101,8 @@ class TierMachine(RuleBasedStateMachine):
         self.tiers = ExpertTiers(
             LAYOUT, EXPERTS, vram, ram, keep_all=keep_all, copier=self.copier,
             fetch=lambda lay, e, out: out.copy_(self.src[lay, e]),
-            policy_factory=lambda n: ScoredPolicy(n, margin=0.0),
         )
+        use_policy(self.tiers, lambda n: ScoredPolicy(n, margin=0.0))
         lo = self.tiers.ram.storage.data_ptr()
         hi = lo + self.tiers.ram.storage.numel()
         self.copier.is_ram = lambda t: lo <= t.data_ptr() < hi

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from policy_lab import use_policy
 
 from glm53.tiers import ExpertTiers, SlotLayout, Where
 
@@ -84,8 +85,8 @@ def test_the_victim_search_names_what_a_brute_force_names(ops, excludes, seed) -
     """After every operation and for each exclusion: the same victim as the reference, each distinct ticket asked at
     most once a search (a step's staged experts share one; on the GPU each ask is an event query), the holds of
     landed copies forgotten, and the victim can be dropped."""
-    tiers = ExpertTiers(LAYOUT, EXPERTS, [2] * LAYERS, 2 * EXPERTS, keep_all=False, fetch=lambda lay, e, out: None,
-                        policy_factory=SetPolicy)
+    tiers = ExpertTiers(LAYOUT, EXPERTS, [2] * LAYERS, 2 * EXPERTS, keep_all=False, fetch=lambda lay, e, out: None)
+    use_policy(tiers, SetPolicy)
     tiers.populate(lambda lay, e, out: None, np.array(seed).reshape(LAYERS, EXPERTS))
     holds: dict[tuple[int, int], Ticket] = {}
     where = tiers.where
