@@ -62,7 +62,10 @@ def _build(opts: HostBenchOptions, bsz: int) -> tuple[Any, Any, list[np.ndarray]
     stepper, and per layer the (steps, bsz, top_k) picks to replay."""
     import torch
 
-    from glm53.engine.moe_step import MoeStepper
+    try:
+        from glm53.step.stepper import MoeStepper
+    except ImportError:  # a baseline tree from before glm53/step (`--baseline-driver this`)
+        from glm53.engine.moe_step import MoeStepper
     from glm53.tiers import ExpertTiers, SlotLayout
     from glm53.tiers.policy import zipf_trace
 
@@ -129,7 +132,7 @@ def profile_rows(prof: cProfile.Profile, top: int, roots: tuple[str, ...] = ("re
     functions by own time, each as a share of the roots' total less `blocked` (seconds blocked on store reads) and
     as profiled microseconds per layer step."""
     st = pstats.Stats(prof).stats  # func -> (primitive calls, calls, own time, cumulative time, callers)
-    found = {f[2]: f for f in st if f[2] in roots and f[0].endswith("moe_step.py")}
+    found = {f[2]: f for f in st if f[2] in roots and f[0].endswith(("stepper.py", "moe_step.py"))}
     root_funcs = [found[name] for name in roots if name in found]
     total = sum(st[f][3] for f in root_funcs) - blocked
     n = st[root_funcs[0]][1]

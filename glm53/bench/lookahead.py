@@ -39,7 +39,7 @@ def measure_recall(model: Any, input_ids: Any, *, predict_k: int | None = None, 
     """
     import torch
 
-    from glm53.engine.lookahead import RecallMeter, predict_topk
+    from glm53.step.lookahead import RecallMeter, predict_topk
     from glm53.fixture.hf import quiet_transformers
 
     routers = _routers(model)

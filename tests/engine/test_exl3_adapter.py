@@ -1,5 +1,5 @@
 """The exllamav3 adapter's pure parts, on the CPU: the contract check and the header index. (The host side of a
-layer step, which the adapter delegates to, is tested in test_moe_step.py.)"""
+layer step, which the adapter delegates to, is tested in tests/step/test_stepper.py.)"""
 
 from __future__ import annotations
 
