@@ -51,8 +51,8 @@ from typing import Any
 
 import numpy as np
 
-from glm53.step.stepper import MoeStepper
 from glm53.spec import EngineSpec, staging_for
+from glm53.step.stepper import MoeStepper
 from store.safetensors_header import read_safetensors_header
 
 log = logging.getLogger("glm53.engine")
