@@ -151,11 +151,12 @@ class MoeStepper:
         reading, ahead_later = self._decode_reads(p, read_ahead)
         hits, misses = self._split_hits(p)
         step = Step(slots=NO_SLOTS)
-        step.cpu, n_cpu = self._plan_lane(li, p.ids, misses)
-        if self.lane is not None:
+        pcie = misses
+        if self.lane is not None:  # fast / nvme: the planner's split of the misses, and the judge told of it
+            step.cpu, n_cpu = self._plan_lane(li, p.ids, misses)
             self.lane_judge.done(p.ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
-        on_cpu = set(step.cpu)
-        pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
+            on_cpu = set(step.cpu)
+            pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
         step.staged = list(pcie)
         self._make_room(p, step.staged)
         self._count_picks(li, p.picks, hits, p.from_store, step.cpu)
@@ -167,7 +168,7 @@ class MoeStepper:
         self._charge_copies(p, step.staged, hits)
         self._deferred = (li, p.ids, p.uniq, pcie, step.staged, ahead_later, p.uniq_l)
         if last is not None:  # the GPU waits for the copies, the host goes on
-            self._charge_copy_wait(self.timer.wait("copy_wait", self._order_after, li, step.staged, last))
+            self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", self._order_after, li, step.staged, last))
         self.timer.phase("plan_copies")
         step.slots = decode_slots(p.ids, p.picks, p.uniq, self.tiers.vram[li].slot_of, step.staged,
                                   self.cache_slots[li], step.cpu, self.masked_id(li))
@@ -188,7 +189,7 @@ class MoeStepper:
         last = self._copy_staged(li, step.staged) if step.staged else None
         self._charge_copies(p, step.staged, hits)
         if last is not None:
-            self._charge_copy_wait(self.timer.wait("copy_wait", last.wait))
+            self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", last.wait))
         self.timer.phase("plan_copies")
         step.slots = translate(p.ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
                                step.cpu, self.masked_id(li))
@@ -354,9 +355,6 @@ class MoeStepper:
         tiers.copier_of(li).order_compute_after([last])
         if not tiers.keep_all:
             tiers.hold(li, staged, last)
-
-    def _charge_copy_wait(self, seconds: float) -> None:
-        self.tiers.stats.add_wait("pcie", seconds)
 
     # ---- the CPU lane's share -----------------------------------------------------------------------------------
 
