@@ -605,7 +605,7 @@ def test_nvme_ram_tier_that_can_hold_the_rest_also_holds_the_rows_kept_free(tmp_
     """A cap large enough for every expert outside VRAM: the tier takes those, the experts of the slots staging
     borrows, the admissions' spare rows and the rows each decode step keeps free (glm53.planning.spec.FREE_RAM_SLOTS), not
     one more; without the last two a warm tier keeps dropping experts it reads again
-    (tests/engine/test_moe_step.py)."""
+    (tests/step/test_stepper.py)."""
     from glm53.planning.spec import FREE_RAM_SLOTS
 
     shape = replace(M.DEFAULT_SHAPE, moe_layers=6)

@@ -63,7 +63,10 @@ def _build(opts: HostBenchOptions, bsz: int) -> tuple[Any, Any, list[np.ndarray]
     import torch
 
     from glm53.bench.routing_trace import zipf_trace
-    from glm53.engine.moe_step import MoeStepper
+    try:
+        from glm53.step.stepper import MoeStepper
+    except ImportError:  # a baseline tree from before glm53/step (`--baseline-driver this`)
+        from glm53.engine.moe_step import MoeStepper
     from glm53.tiers import ExpertTiers, SlotLayout
 
     layout = SlotLayout.packed([("w", torch.uint8, (256,))])
@@ -119,8 +122,9 @@ def _breakdown(stepper: Any, traces: list[np.ndarray], steps: range, top: int) -
 
 # What a profiled replay spends blocked on store reads is charged here (resolve's call that waits for the reads, and
 # the lock a Future.result() sleeps on): they lose it, so that the shares are of the host's own work.
-_BLOCKED_CALL = ("tiers.py", "fetch_to_ram")
+_BLOCKED_CALLS = {("tiers.py", "fetch_to_ram"), ("timing.py", "wait")}  # the step's waits go through its timer
 _BLOCKED_OWN = "<method 'acquire' of '_thread.lock' objects>"
+_STEPS = ("_decode_step", "_prefill_step")
 
 
 def profile_rows(prof: cProfile.Profile, top: int, roots: tuple[str, ...] = ("resolve",), blocked: float = 0.0) -> dict:
@@ -129,21 +133,25 @@ def profile_rows(prof: cProfile.Profile, top: int, roots: tuple[str, ...] = ("re
     functions by own time, each as a share of the roots' total less `blocked` (seconds blocked on store reads) and
     as profiled microseconds per layer step."""
     st = pstats.Stats(prof).stats  # func -> (primitive calls, calls, own time, cumulative time, callers)
-    found = {f[2]: f for f in st if f[2] in roots and f[0].endswith("moe_step.py")}
+    found = {f[2]: f for f in st if f[2] in roots and f[0].endswith(("stepper.py", "moe_step.py"))}
     root_funcs = [found[name] for name in roots if name in found]
     total = sum(st[f][3] for f in root_funcs) - blocked
     n = st[root_funcs[0]][1]
     callees: list[tuple[float, str]] = []
     for i, root in enumerate(root_funcs):
         prefix = "" if i == 0 else f"{root[2]} > "
-        for f, (*_, callers) in st.items():
-            if root in callers:
-                ct = callers[root][3]
-                label = _label(f)
-                if blocked and (Path(f[0]).name, f[2]) == _BLOCKED_CALL:
-                    ct, label = max(0.0, ct - blocked), f"{label} (less store_wait)"
-                callees.append((ct, prefix + label))
-        callees.append((st[root][2], f"{root[2]} (own time)"))
+        # resolve() dispatches to the decode or the prefill step: the breakdown is what those call.
+        sources = [root] + ([f for f in st if f[2] in _STEPS and f[0].endswith("stepper.py")]
+                            if root[2] == "resolve" else [])
+        for src in sources:
+            for f, (*_, callers) in st.items():
+                if src in callers and f not in sources:
+                    ct = callers[src][3]
+                    label = _label(f)
+                    if blocked and (Path(f[0]).name, f[2]) in _BLOCKED_CALLS:
+                        ct, label = max(0.0, ct - blocked), f"{label} (less store_wait)"
+                    callees.append((ct, prefix + label))
+        callees.append((sum(st[src][2] for src in sources), f"{root[2]} (own time)"))
     own = []
     for f, (_, _, tt, _, _) in st.items():
         if f in root_funcs:

@@ -140,7 +140,10 @@ def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
     prefetch_at_once: the guess reads under way at once, as open_nvme_tier calibrates it (None: the reader's default)."""
     from glm53.bench.copiers import StepCopier
     from glm53.bench.routing_trace import zipf_trace
-    from glm53.engine.moe_step import MoeStepper
+    try:
+        from glm53.step.stepper import MoeStepper
+    except ImportError:  # a baseline tree from before glm53/step (`--baseline-driver this`)
+        from glm53.engine.moe_step import MoeStepper
     from glm53.tiers.nvme import NvmeTier
     from store.reader import StoreReader
 

@@ -39,8 +39,8 @@ def measure_recall(model: Any, input_ids: Any, *, predict_k: int | None = None, 
     """
     import torch
 
-    from glm53.engine.lookahead import RecallMeter, predict_topk
     from glm53.engine.quiet import quiet_transformers
+    from glm53.step.lookahead import RecallMeter, predict_topk
 
     routers = _routers(model)
     if len(routers) < 2:

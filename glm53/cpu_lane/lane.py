@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .kernel import SWIGLU_LIMIT, CpuKernel, ExpertCall, ExpertGeometry
-from .planner import Assignment, CostModel, LiveFit, assign
+from .planner import Assignment, LiveFit
 
 log = logging.getLogger("glm53.cpu_lane")
 
@@ -224,7 +224,7 @@ class CpuLane:
     def submit(self, layer: int, jobs: Sequence[LaneJob], recompute: Recompute, deadline: float,
                count_picks: bool = True) -> LaneTicket:
         """Queue one layer step's jobs; `deadline` is in seconds from now. count_picks: add the step's picks to
-        stats (False when the caller counts them, as tiered_moe does)."""
+        stats (False when the caller counts them, as the step does)."""
         jobs = list(jobs)
         experts = [j.expert for j in jobs]
         if len(set(experts)) != len(experts):
@@ -306,59 +306,6 @@ class CpuLane:
             self.stats.add_wait("cpu", waited)
         if self.fit is not None and not t.recomputed and t.error is None and t.jobs:
             self.fit.add_cpu([j.rows for j in t.jobs], t.kernel_seconds, self.threads)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The lane under a tiered MoE layer
-
-
-def lane_moe(tiers: Any, layer: int, x: Any, ids: Any, weights: Any, expert_forward: Callable[[Any, Any], Any],
-             lane: CpuLane, model: CostModel, *, gpu_busy: float = 0.0,
-             deadline: float | None = None) -> tuple[Any, Assignment]:
-    """One MoE layer's routed experts through the tiers with the CPU lane: the planner splits the step's settled
-    RAM-resident picks between the lane and PCIe, the lane starts on its share at once, and glm53.tiers.tiered_moe
-    does the rest (hits, PCIe admissions and staging) and combines, taking the lane's outputs for its experts.
-    Returns (LayerResult, Assignment). A deadline miss or a dead lane recomputes through staging with
-    `expert_forward`, the exact path, so the result is right either way. deadline: seconds for the lane's share
-    (default: lane.deadline_for the planner's prediction). (The exllamav3 engine adds the lane's partial at its
-    CPU-split seam instead; this is the tiers-level composition, used on the CPU in tests.)"""
-    import torch
-
-    from glm53.tiers import Where, group_picks, tiered_moe
-
-    ids_np = (ids.cpu().numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)).astype(np.int64)
-    groups = group_picks(ids_np)
-    tiers.poll()
-    for e, _, _ in groups:
-        tiers.stats.add_wait("pcie", tiers.settle(layer, e))  # only settled RAM experts can go to the lane
-    misses = [(e, len(rows)) for e, rows, _ in groups if tiers.where[layer, e] == Where.RAM]
-    plan = assign(misses, model, gpu_busy=gpu_busy, cpu_ok=lane.alive)
-    cpu = set(plan.cpu)
-    x_host = x.detach().to("cpu", torch.float32).numpy()
-    rows_of = {e: rows for e, rows, _ in groups}
-    jobs = [LaneJob(e, tiers.bytes_of(layer, e), np.ascontiguousarray(x_host[rows_of[e]])) for e in plan.cpu]
-
-    def recompute(job: LaneJob) -> Any:
-        rows = torch.from_numpy(rows_of[job.expert]).to(x.device)
-        return expert_forward(tiers.stage(layer, job.expert), x[rows])
-
-    budget = lane.deadline_for(plan.cpu_seconds) if deadline is None else deadline
-    ticket = lane.submit(layer, jobs, recompute, budget, count_picks=False)
-    order = iter(groups)
-
-    def forward(src: Any, x_rows: Any) -> Any:
-        # tiered_moe calls this once per picked expert in ascending id order (its documented contract).
-        e, rows, _ = next(order)
-        if len(rows) != x_rows.shape[0]:
-            raise AssertionError(f"tiered_moe's expert order changed: expert {e} has {len(rows)} rows, got {x_rows.shape[0]}")
-        if e in cpu:
-            return torch.from_numpy(ticket.outputs()[e]).to(x_rows.device, x_rows.dtype)
-        return expert_forward(src, x_rows)
-
-    res = tiered_moe(tiers, layer, x, ids_np, weights, forward, lane_for=lambda _layer, e: "cpu" if e in cpu else "pcie")
-    if jobs:
-        ticket.outputs()  # resolved already (an expert of it was combined); accounts the step
-    return res, plan
 
 
 def assignment_json(a: Assignment) -> dict:

@@ -29,7 +29,7 @@ inputs, with every pick's weights byte-identical (raw checkpoint bytes, copied w
 k order (the fused decode kernel and the prefill gather both reduce in k order; slot ids only change which
 pointer a pick reads and how picks of one expert are grouped, which is a bijective relabelling per step).
 
-Nothing here decides placement: glm53.engine.moe_step and glm53.tiers do (MoeStepper, ExpertTiers, policy). Only the host marks an expert
+Nothing here decides placement: glm53.step and glm53.tiers do (MoeStepper, ExpertTiers, policy). Only the host marks an expert
 resident, after its copy's ticket says the bytes landed (ExpertTiers.settle / poll).
 """
 
@@ -47,11 +47,11 @@ from typing import Any
 
 import numpy as np
 
-from glm53.engine.moe_step import MoeStepper
 from glm53.exl3.contract import MAX_BSZN
 from glm53.exl3.placement import decoder_layer, moe_modules
 from glm53.exl3.tensors import SafetensorsIndex
 from glm53.planning.spec import EngineSpec, staging_for
+from glm53.step.stepper import MoeStepper
 
 log = logging.getLogger("glm53.engine")
 
@@ -91,7 +91,7 @@ class TieredMoE:
     tier (or, with `nvme_open`, in the record store with RAM as its cache), misses over PCIe into admitted or
     staging slots and computed by exllamav3's own kernels (exact, nvme-exact), or, once `enable_lane` attached a
     CPU lane, split per decode step between the lane and PCIe by the calibrated planner (fast, nvme). Which tier
-    each pick is read from is decided in glm53.engine.moe_step; this class only connects that to exllamav3.
+    each pick is read from is decided in glm53.step; this class only connects that to exllamav3.
 
     Lifecycle: construct (after Model.from_config, before load) -> install() -> model.load() -> populate() ->
     [enable_lane()] -> forwards ... -> close() (after model.unload() or before; both orders restore the modules)."""
@@ -117,7 +117,7 @@ class TieredMoE:
         input and start the store reads of its predicted experts one layer ahead (default: in the nvme modes;
         elsewhere it would only admit ahead, over the PCIe link decode is already bound by). A decode step's copies
         are waited for by the GPU, not the host, and its admissions are decided and copied (device to device, from
-        staging) once its kernels are queued (glm53.engine.moe_step)."""
+        staging) once its kernels are queued (glm53.step)."""
         import torch
 
         self.model = model
@@ -456,14 +456,14 @@ class TieredMoE:
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
-        (pinned): glm53.engine.lookahead.predict_topk, GLM's selection rule (sigmoid scores plus the selection
+        (pinned): glm53.step.lookahead.predict_topk, GLM's selection rule (sigmoid scores plus the selection
         bias, group-limited where the config says so) on exllamav3's loaded router. A guess for prefetching,
         scored against the real picks. `out` of shape (experts,) and dtype bool gets the set of experts any row
         names instead (a prompt chunk: its rows can outnumber any fixed buffer, its set cannot). Returns False
         (and turns lookahead off with a log line) when the next layer's router is not reachable."""
         import torch
 
-        from glm53.engine.lookahead import predict_topk
+        from glm53.step.lookahead import predict_topk
 
         m = self.layers[li].module
         cfg = getattr(m, "routing_cfg", None)

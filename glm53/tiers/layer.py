@@ -1,4 +1,4 @@
-"""A routed-expert MoE layer computed through the tiers (tests and the CPU lane), and its direct twin.
+"""A routed-expert MoE layer computed through the tiers (the tiers' tests and the nvme bench), and its direct twin.
 
 Both functions group picks by expert, run `expert_forward(slot_image, x_rows)` once per expert in ascending
 id order, and combine with `combine` (per token, picks summed in top-k order). Given the same bytes, the

@@ -1,6 +1,6 @@
 """The store meter: how busy the store is, where decode leaves it idle, and what a right guess saves.
 
-These are the figures the step's guesses are weighed by (glm53.engine.moe_step, glm53.engine.lookahead): reading a
+These are the figures the step's guesses are weighed by (glm53.step.stepper, glm53.step.lookahead): reading a
 guess ahead costs a store that keeps up little, and saves the step that needs it as much of the read as was done by
 the time its layer ran. Measured on the thread that owns the tiers, from the reader's busy clock where it has one.
 """

@@ -4,7 +4,7 @@ S slots are allocated once as one (S, nbytes) uint8 tensor on the device; a slot
 once and never replaced, because exllamav3 bakes slot pointers into device tables and graphs. The router map
 is an int32 device tensor of num_experts entries, updated in place: the slot of a landed resident, or
 `absent` (>= S: exllamav3 makes such ids contribute exact zeros) for everything else. The decode seam
-translates ids to slots on the host (glm53.engine.moe_step), so nothing reads the device map on the hot path:
+translates ids to slots on the host (glm53.step.stepper), so nothing reads the device map on the hot path:
 it is brought up to date when `router_map` is read, in one copy, instead of one device write per land or
 release (each a kernel launch on CUDA, on the host's critical path of every layer step).
 

@@ -1,4 +1,4 @@
-"""The CPU lane: its tiered MoE layer equals the reference, deadline misses are recomputed and counted, a failed
+"""The CPU lane: a layer through the real step with the lane equals the reference, deadline misses are recomputed and counted, a failed
 worker disables the lane and the results stay right."""
 
 from __future__ import annotations
@@ -7,15 +7,18 @@ import json
 import logging
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
+from step_layer import step_layer
 
 from glm53 import exl3ref as R
 from glm53.cpu_lane import kernel as K
-from glm53.cpu_lane.lane import CpuLane, LaneJob, assignment_json, lane_moe
+from glm53.cpu_lane.lane import CpuLane, LaneJob, assignment_json
 from glm53.cpu_lane.planner import CostModel, CpuCost, CpuSample, LiveFit, PcieCost, PcieSample
+from glm53.step.stepper import MoeStepper
 from glm53.tiers import ExpertTiers, TierStats, Where, direct_moe, exl3_expert_layout
 
 HIDDEN, INTER, BITS, LIMIT = 256, 128, 3, 10.0
@@ -55,10 +58,10 @@ def experts() -> torch.Tensor:
     return make_experts()
 
 
-def build_tiers(experts: torch.Tensor, vram: int = 3) -> ExpertTiers:
+def build_tiers(experts: torch.Tensor, vram: int = 3, staging: int = 2) -> ExpertTiers:
     total = NUM_LAYERS * NUM_EXPERTS
     tiers = ExpertTiers(LAYOUT, NUM_EXPERTS, [vram] * NUM_LAYERS, total - vram * NUM_LAYERS + 1, keep_all=True,
-                        fetch=lambda lay, e, out: out.copy_(experts[lay, e]))
+                        fetch=lambda lay, e, out: out.copy_(experts[lay, e]), staging_slots=staging)
     tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
     return tiers
 
@@ -76,29 +79,43 @@ def test_kernel_available():
     assert K.available(), K.unavailable_reason()
 
 
-# ---- the lane under a tiered layer ----------------------------------------------------------------------------
+# ---- the lane under the real step ------------------------------------------------------------------------------
 
 
-def test_lane_and_tiered_layer_equal_the_reference(experts):
-    tiers = build_tiers(experts)
+def lane_stepper(tiers: ExpertTiers, experts: torch.Tensor, lane: CpuLane, model: CostModel) -> MoeStepper:
+    """The real step with the lane, under a fixed cost model; its exact path is the reference from the bytes."""
+    return MoeStepper(tiers, [tiers.vram[li].num_slots for li in range(tiers.num_layers)], NUM_EXPERTS + 1, lane=lane,
+                      fit=types.SimpleNamespace(model=lambda: model),
+                      recompute=lambda li, e, x_rows: reference_forward(experts[li, e], torch.from_numpy(x_rows)))
+
+
+def cpu_picks_of(tiers: ExpertTiers) -> int:
+    return tiers.stats.snapshot()["picks"]["cpu"]
+
+
+def test_lane_and_the_step_equal_the_reference(experts, monkeypatch):
+    tiers = build_tiers(experts, staging=NUM_EXPERTS + 1)
     rng = np.random.default_rng(0)
     cpu_picks = 0
     with CpuLane(LAYOUT, threads=2) as lane:
+        # A generous deadline: this test is about the sums (CI hosts are shared; deadlines have their own tests).
+        monkeypatch.setattr(lane, "deadline_for", lambda seconds: 60.0)
+        stepper = lane_stepper(tiers, experts, lane, MODEL)
         for step in range(12):
             layer = step % NUM_LAYERS
             ids, w = route(rng, int(rng.integers(1, 6)))
             x = torch.from_numpy(rng.standard_normal((len(ids), HIDDEN))).float()
             want = direct_moe(x, ids, w, lambda e, layer=layer: experts[layer, e], reference_forward)
-            # A generous deadline: this test is about the sums (CI hosts are shared; deadlines have their own tests).
-            res, plan = lane_moe(tiers, layer, x, ids, w, reference_forward, lane, MODEL, deadline=60.0)
-            assert rel_err(res.y, want) < 1e-5
-            assert sum(res.picks.values()) == ids.size
-            for e in plan.cpu:  # the lane only ever gets settled RAM experts
-                assert e in ids
-            cpu_picks += res.picks["cpu"]
-            json.dumps(assignment_json(plan))
+            ram = {e for e in ids.ravel().tolist() if tiers.where[layer, e] == Where.RAM}
+            y, st = step_layer(tiers, stepper, layer, x, ids, w, reference_forward)
+            assert rel_err(y, want) < 1e-5
+            assert set(st.cpu) <= ram  # the lane only ever gets settled RAM experts
+            assert cpu_picks_of(tiers) - cpu_picks == sum(int((ids == e).sum()) for e in st.cpu)
+            cpu_picks = cpu_picks_of(tiers)
+            json.dumps(assignment_json(stepper.last_assignment))
             tiers.check_invariants()
         snap = lane.snapshot()
+    assert tiers.stats.snapshot()["picks"]["total"] > 0
     assert cpu_picks > 0 and snap["picks"] == cpu_picks
     assert snap["recomputed_jobs"] == 0 and snap["deadline_misses"] == 0
     assert tiers.stats.snapshot()["picks"]["cpu"] == cpu_picks
@@ -202,22 +219,24 @@ def test_a_failing_worker_disables_the_lane_and_results_stay_right(experts, capl
     assert snap["failures"] == 1 and snap["fallback_jobs"] == 1 and snap["recomputed_jobs"] == 3 and snap["jobs"] == 0
 
 
-def test_a_dead_lane_sends_the_tiered_layer_over_pcie(experts):
-    tiers = build_tiers(experts)
+def test_a_dead_lane_sends_the_step_over_pcie(experts):
+    tiers = build_tiers(experts, staging=NUM_EXPERTS + 1)
     rng = np.random.default_rng(5)
 
     def broken(jobs, outs, done, cancel):
         raise MemoryError("pool gone")
 
     with CpuLane(LAYOUT, threads=1, compute=broken) as lane:
+        stepper = lane_stepper(tiers, experts, lane, MODEL)
         for step in range(4):
             ids, w = route(rng, 3)
             x = torch.from_numpy(rng.standard_normal((3, HIDDEN))).float()
             want = direct_moe(x, ids, w, lambda e: experts[0, e], reference_forward)
-            res, plan = lane_moe(tiers, 0, x, ids, w, reference_forward, lane, MODEL)
-            assert rel_err(res.y, want) < 1e-5
+            cpu_picks = cpu_picks_of(tiers)
+            y, st = step_layer(tiers, stepper, 0, x, ids, w, reference_forward)
+            assert rel_err(y, want) < 1e-5
             if step > 0:
-                assert plan.cpu == () and res.picks["cpu"] == 0
+                assert st.cpu == [] and cpu_picks_of(tiers) == cpu_picks
         assert not lane.alive
 
 
@@ -264,14 +283,15 @@ def test_duplicate_experts_and_bad_rows_are_refused(experts):
 
 def test_tier_state_is_unchanged_by_the_lane(experts):
     # The lane reads RAM slots in place: no expert moves because the CPU computed it.
-    tiers = build_tiers(experts, vram=2)
+    tiers = build_tiers(experts, vram=2, staging=NUM_EXPERTS + 1)
     before = tiers.where.copy()
     cheap = CostModel(CpuCost(parallel=1e-6), PcieCost(expert=1e-3), threads=2)
     with CpuLane(LAYOUT, threads=2) as lane:
+        stepper = lane_stepper(tiers, experts, lane, cheap)
         ids = np.array([[e for e in range(NUM_EXPERTS) if before[1, e] == Where.RAM][:TOP_K]])
         x = torch.randn(1, HIDDEN)
-        res, plan = lane_moe(tiers, 1, x, ids, torch.ones(1, TOP_K), reference_forward, lane, cheap)
-    assert sorted(plan.cpu) == sorted(ids[0].tolist()) and res.admitted == 0
+        _, st = step_layer(tiers, stepper, 1, x, ids, torch.ones(1, TOP_K), reference_forward)
+    assert st.cpu == sorted(ids[0].tolist()) and st.staged == [] and tiers.stats.snapshot()["admissions"] == 0
     assert (tiers.where == before).all()
     assert tiers.stats.snapshot()["bytes"]["ram_to_vram"] == 0
 

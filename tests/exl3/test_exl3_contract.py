@@ -1,5 +1,5 @@
 """glm53.exl3's pure parts, on the CPU: the contract check, the staging rule and the header index. (The host side
-of a layer step, which the seam delegates to, is tested in test_moe_step.py.)"""
+of a layer step, which the seam delegates to, is tested in tests/step/test_stepper.py.)"""
 
 from __future__ import annotations
 

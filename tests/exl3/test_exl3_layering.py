@@ -17,7 +17,7 @@ GLM53 = ROOT / "glm53"
 EXL3 = GLM53 / "exl3"
 DECISIONS = ("plan", "settings", "shape", "split", "host")
 BELOW_THE_PLAN = (*(f"glm53.{m}" for m in DECISIONS), *(f"glm53.planning.{m}" for m in DECISIONS),
-                  "glm53.planning_cli", "glm53.settings_cli", "glm53.fixture", "glm53.serve", "glm53.server",
+                  "glm53.plan_cli", "glm53.settings_cli", "glm53.fixture", "glm53.serve", "glm53.server",
                   "glm53.bench")
 LOOKUPS = ("find_spec", "import_module", "__import__")
 
@@ -94,7 +94,7 @@ def test_the_scan_catches_each_kind_of_import(tmp_path):
     for line in ("from glm53.plan import DEMO_CONTEXT", "from glm53.planning.settings import concurrency_of",
                  "from glm53 import shape", "from glm53.planning import split", "import glm53.host",
                  "def f():\n    from glm53.fixture.hf import write_hf_checkpoint", "from ..serve import demo",
-                 "from glm53.planning_cli import current_plan"):
+                 "from glm53.plan_cli import gather"):
         assert offending(scanned(line), BELOW_THE_PLAN), line
     assert offending(scanned("from glm53.spec import PAGE\nfrom glm53.planning.spec import EngineSpec\n"
                              "from glm53.planning.devices import share_of_layer\nfrom glm53.exl3 import contract\n"

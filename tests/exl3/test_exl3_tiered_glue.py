@@ -122,7 +122,7 @@ def near(tol):
 
 
 def lane_fit():
-    """Costs under which the CPU lane takes a share of most decode steps (as in test_moe_step)."""
+    """Costs under which the CPU lane takes a share of most decode steps (as in tests/step/test_stepper.py)."""
     from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
 
     cpu = [CpuSample((1,) * n, 2, n * 0.5e-3) for n in (1, 2, 4)] + [CpuSample((1,), 1, 1e-3)]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_tiers_layer import random_steps
+from step_layer import random_steps
 
 from glm53.tiers import Copier, ExpertTiers, Where, exl3_expert_layout
 

@@ -1,8 +1,7 @@
-"""A tiered MoE layer equals the direct all-experts computation, bit for bit, under random budgets and routings."""
+"""The tiers' own rules: scores and victim searches, borrowing staging slots, the plans they refuse, the EXL3 layout.
+(A layer stepped through the tiers is tested on the real step: tests/step/test_step_layer.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import numpy as np
 import pytest
@@ -10,171 +9,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from policy_lab import LruPolicy, use_policy
+from tier_experts import LAYOUT, build, check_contents, make_experts
 
-from glm53.bench.copiers import HeldCopier
-from glm53.tiers import ExpertTiers, SlotLayout, TierError, Where, direct_moe, exl3_expert_layout, tiered_moe
+from glm53.tiers import ExpertTiers, TierError, Where, exl3_expert_layout
 from glm53.tiers.policy import ScoredPolicy
-
-HIDDEN, INTER, LIMIT = 16, 8, 10.0
-LAYOUT = SlotLayout.packed([("gate", torch.float16, (HIDDEN, INTER)), ("up", torch.float16, (HIDDEN, INTER)),
-                            ("down", torch.float16, (INTER, HIDDEN))], align=64)
-
-
-def swiglu(slot: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """A SwiGLU expert whose fp16 weights are decoded from the slot image, clamped like GLM-5.3 (swiglu_limit)."""
-    w = LAYOUT.views(slot.to(x.device))  # the CPU-lane stand-in: host bytes computed where x is
-    gate = torch.nn.functional.silu(x @ w["gate"].float()).clamp(max=LIMIT)
-    up = (x @ w["up"].float()).clamp(-LIMIT, LIMIT)
-    return (gate * up) @ w["down"].float()
-
-
-def make_experts(num_layers: int, num_experts: int, seed: int) -> torch.Tensor:
-    """(layers, experts, nbytes) slot images with finite random fp16 weights (random bytes would make NaNs)."""
-    g = torch.Generator().manual_seed(seed)
-    out = torch.zeros((num_layers, num_experts, LAYOUT.nbytes), dtype=torch.uint8)
-    for layer in range(num_layers):
-        for e in range(num_experts):
-            for t in LAYOUT.views(out[layer, e]).values():
-                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
-    return out
-
-
-def route(rng: np.random.Generator, tokens: int, num_experts: int, top_k: int, skew: float = 1.0):
-    """Distinct top-k ids per token from a skewed popularity, and positive weights."""
-    p = np.arange(1, num_experts + 1, dtype=np.float64) ** -skew
-    p /= p.sum()
-    ids = np.stack([rng.choice(num_experts, top_k, replace=False, p=p) for _ in range(tokens)])
-    weights = torch.from_numpy(rng.random((tokens, top_k))).float()
-    return ids, weights
-
-
-def build(experts: torch.Tensor, vram: list[int], keep_all: bool, ram_slots: int | None = None, **kw) -> ExpertTiers:
-    num_layers, num_experts, _ = experts.shape
-    if ram_slots is None:
-        ram_slots = num_layers * num_experts - sum(vram) + 1
-    tiers = ExpertTiers(LAYOUT, num_experts, vram, ram_slots, keep_all=keep_all,
-                        fetch=lambda lay, e, out: out.copy_(experts[lay, e]), **kw)
-    return tiers
-
-
-def check_contents(tiers: ExpertTiers, experts: torch.Tensor) -> None:
-    """Every readable expert's bytes equal the source; every router-map entry points at its own bytes."""
-    for layer in range(tiers.num_layers):
-        for e in range(tiers.num_experts):
-            if tiers.where[layer, e] in (Where.VRAM, Where.RAM, Where.TO_VRAM):
-                assert torch.equal(tiers.bytes_of(layer, e).cpu(), experts[layer, e]), f"{layer}/{e} corrupt"
-        vl = tiers.vram[layer]
-        for e, slot in enumerate(vl.router_map.tolist()):
-            if slot != vl.absent:
-                assert torch.equal(vl.flat(slot).cpu(), experts[layer, e]), f"router map sends {layer}/{e} elsewhere"
-
-
-def random_steps(seed: int, device: str) -> None:
-    """25 random layer steps under random budgets, mode and lanes; every output compared with the direct one."""
-    rng = np.random.default_rng(seed)
-    num_layers, num_experts, top_k = 2, 12, 4
-    experts = make_experts(num_layers, num_experts, seed)
-    keep_all = seed % 2 == 0
-    vram = [int(v) for v in rng.integers(0, num_experts + 1, num_layers)]
-    ram_slots = None if keep_all else int(rng.integers(num_experts + 1, num_layers * num_experts))
-    tiers = build(experts, vram, keep_all, ram_slots, device=device)
-    counts = rng.random((num_layers, num_experts)) * 5 if seed % 3 else None
-    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), counts)
-    tiers.check_invariants()
-    cpu_share = rng.random()
-
-    def lane_for(layer: int, e: int) -> str:
-        return "cpu" if rng.random() < cpu_share else "pcie"
-
-    picks = 0
-    for _ in range(25):
-        layer = int(rng.integers(num_layers))
-        ids, w = route(rng, int(rng.integers(1, 6)), num_experts, top_k)
-        g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
-        x, w = torch.randn(len(ids), HIDDEN, generator=g).to(device), w.to(device)
-        want = direct_moe(x, ids, w, lambda e, layer=layer: experts[layer, e], swiglu)
-        got = tiered_moe(tiers, layer, x, ids, w, swiglu, lane_for=lane_for, admit=bool(rng.random() < 0.8))
-        assert torch.equal(got.y, want), "tiered output differs from the direct computation"
-        assert sum(got.picks.values()) == ids.size
-        picks += ids.size
-        tiers.check_invariants()
-        check_contents(tiers, experts)
-    snap = tiers.stats.snapshot()
-    json.dumps(snap)
-    assert snap["picks"]["total"] == picks
-    assert sum(layer["picks"] for layer in snap["layers"]) == picks
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_tiered_equals_direct(seed: int) -> None:
-    random_steps(seed, "cpu")
-
-
-def test_lanes_and_counts() -> None:
-    """Hits are counted as hits, CPU-lane picks never move bytes, PCIe misses admit into free slots first."""
-    experts = make_experts(1, 8, 0)
-    tiers = build(experts, [2], keep_all=True)
-    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))  # no stats: experts 0, 1 in VRAM
-    assert tiers.vram[0].router_map.tolist() == [0, 1, 2, 2, 2, 2, 2, 2]
-    x, w = torch.randn(1, HIDDEN), torch.ones(1, 3)
-    r = tiered_moe(tiers, 0, x, np.array([[0, 4, 5]]), w, swiglu, lane_for=lambda lay, e: "cpu")
-    assert r.picks == {"vram_hit": 1, "pcie": 0, "cpu": 2, "nvme": 0} and r.admitted == 0
-    assert tiers.stats.snapshot()["bytes"]["ram_to_vram"] == 0
-    # Evict 1 to free a slot; a PCIe miss takes the free slot without displacing anyone.
-    tiers.evict(0, 1)
-    r = tiered_moe(tiers, 0, x, np.array([[0, 6, 7]]), w, swiglu)
-    assert r.picks["pcie"] == 2 and r.admitted == 1 and r.staged == 1
-    assert tiers.where[0, 0] == Where.VRAM and tiers.where[0, 1] == Where.RAM
-    snap = tiers.stats.snapshot()
-    assert snap["evictions"] == 1 and snap["admissions"] == 1 and snap["vram_slots_in_use"] == 2
-    assert snap["layers"][0]["hit_rate"] == pytest.approx(2 / 6)
-    tiers.check_invariants()
-    check_contents(tiers, experts)
-
-
-def test_prefill_streams_without_evicting() -> None:
-    experts = make_experts(1, 8, 1)
-    tiers = build(experts, [3], keep_all=True)
-    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), np.array([[9.0, 8, 7, 0, 0, 0, 0, 0]]))
-    ids, w = np.array([[3, 4, 5], [5, 6, 7]]), torch.rand(2, 3)
-    x = torch.randn(2, HIDDEN)
-    r = tiered_moe(tiers, 0, x, ids, w, swiglu, observe=False, admit=False)
-    assert r.staged == 5 and r.admitted == 0
-    assert sorted(np.flatnonzero(tiers.vram[0].resident()).tolist()) == [0, 1, 2]
-    assert torch.equal(r.y, direct_moe(x, ids, w, lambda e: experts[0, e], swiglu))
-
-
-def test_nvme_mode_reads_the_store() -> None:
-    experts = make_experts(2, 6, 2)
-    tiers = build(experts, [1, 1], keep_all=False, ram_slots=7)
-    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
-    assert (tiers.where == Where.STORE).sum() == 2 * 6 - 2 - 7
-    ids, w = np.array([[0, 2, 3, 4], [1, 3, 4, 5]]), torch.rand(2, 4)
-    x = torch.randn(2, HIDDEN)
-    r = tiered_moe(tiers, 1, x, ids, w, swiglu, lane_for=lambda lay, e: "cpu")
-    assert torch.equal(r.y, direct_moe(x, ids, w, lambda e: experts[1, e], swiglu))
-    assert r.picks["nvme"] >= 2 and tiers.stats.snapshot()["ram_drops"] >= 1
-    tiers.check_invariants()
-    check_contents(tiers, experts)
-
-
-def test_nvme_mode_ram_full_of_write_backs() -> None:
-    """Evictions only ever add write-backs: with RAM full of them (none landed), a further eviction and a store
-    read must still find room by letting the oldest land and dropping it (found by the property test in CI)."""
-    experts = make_experts(2, 6, 5)
-    tiers = build(experts, [5, 3], keep_all=False, ram_slots=7, copier=HeldCopier())
-    tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]))
-    for layer, e in [(1, 0), (1, 1), (1, 2), (0, 4), (0, 0), (0, 1), (0, 2)]:
-        tiers.evict(layer, e)
-    assert tiers.ram.free_count() == 0 and not (tiers.where == Where.RAM).any()
-    tiers.evict(0, 3)
-    ids, w = np.array([[0, 3]]), torch.rand(1, 2)
-    x = torch.randn(1, HIDDEN)
-    r = tiered_moe(tiers, 1, x, ids, w, swiglu, lane_for=lambda lay, e: "cpu", admit=False)
-    assert torch.equal(r.y, direct_moe(x, ids, w, lambda e: experts[1, e], swiglu))
-    tiers.settle_all()
-    tiers.check_invariants()
-    check_contents(tiers, experts)
 
 
 def test_scores_follow_the_policies_and_are_the_callers_to_keep() -> None:
@@ -422,7 +260,7 @@ def test_exl3_layout_matches_the_model() -> None:
     assert views["down.svh"].dtype == torch.float16 and views["down.svh"].shape == (4096,)
 
 
-# ---- staging that borrows cache slots (glm53.planning.spec.borrowed_rows, ExpertTiers.borrow) --------------------------
+# ---- staging that borrows cache slots (glm53.spec.borrowed_rows, ExpertTiers.borrow) --------------------------
 
 
 @pytest.mark.parametrize("keep_all", [True, False])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_tiers_layer import HIDDEN, LAYOUT, build, check_contents, make_experts, route, swiglu
+from tier_experts import HIDDEN, LAYOUT, build, check_contents, make_experts, route, swiglu
 
 from glm53.bench.copiers import HeldCopier
 from glm53.tiers import direct_moe, tiered_moe

@@ -3,12 +3,14 @@
 The residual stream changes little from one layer to the next, so running layer l's router input through
 layer l+1's router gives most of layer l+1's picks one layer early: enough lead time to start their
 RAM -> VRAM (or NVMe -> RAM) copies while layer l's experts run. `RecallMeter` keeps score of how often the
-guess is right. Pure torch: it runs on the serving path and in the CPU tests alike.
+guess is right, `Guesses` holds each layer's guess until its step and how often each rank is right, which is what
+the stepper reads ahead by. Pure torch: it runs on the serving path and in the CPU tests alike.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -126,3 +128,93 @@ class RecallMeter:
     def reset(self) -> None:
         with self._lock:
             self._layers.clear()
+
+
+class Guesses:
+    """Guesses one layer ahead: each layer's guess until its step comes, and how often the guess at each rank (best
+    first) was among the real picks, pooled over layers. A guess acted on costs its bytes whether or not it is picked
+    and saves them only when it is, so only ranks right often enough are acted on (MoeStepper.guess_floor):
+    calibrated live, starting from "yes"."""
+
+    def __init__(self) -> None:
+        self.meter = RecallMeter()
+        self.pending: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids guessed for its next step
+        self.hits: list[int] = []  # plain ints: updated per guess on the per-step path
+        self.total: list[int] = []
+        self.precision: list[float] = []  # (hits + 1) / (total + 2) per rank, refreshed when the counts change
+
+    def score(self, li: int, ids: np.ndarray, decode: bool) -> None:
+        """Score layer li's pending guess against its real picks `ids` (rows, top_k)."""
+        pred = self.pending.pop(li, None)
+        if pred is None or not decode or pred.shape[0] != ids.shape[0]:
+            return  # no guess, or not for this step's rows (another batch shape came between)
+        guesses, reals = pred.tolist(), ids.tolist()
+        hits, total = self.hits, self.total
+        k = len(guesses[0]) if guesses else 0
+        if len(total) < k:
+            hits.extend([0] * (k - len(hits)))
+            total.extend([0] * (k - len(total)))
+        n = len(guesses)
+        for r in range(k):  # every row guesses k ranks (pred is one 2-D array)
+            total[r] += n
+        # The recall meter's counts (RecallMeter.update's) in the same pass over the rows.
+        row_hits = picks = 0
+        guessed: set[int] = set()
+        picked: set[int] = set()
+        for guess, real in zip(guesses, reals, strict=True):
+            real_set, guess_set = set(real), set(guess)
+            found = 0
+            for r, e in enumerate(guess):
+                if e in real_set:
+                    hits[r] += 1
+                    found += 1
+            # The guesses found among the picks are the picks found among the guesses where neither row names an
+            # expert twice (a router never does); else counted per pick, as the meter counts.
+            if len(guess_set) != len(guess) or len(real_set) != len(real):
+                found = sum(map(guess_set.__contains__, real))
+            row_hits += found
+            picks += len(real)
+            guessed |= guess_set
+            picked |= real_set
+        self.meter.add(li, row_hits, picks, len(picked & guessed), len(picked))
+        self.precision = [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
+
+    def likely(self, predicted: np.ndarray, floor: float) -> list[int]:
+        """The predicted experts guessed at a rank right more often than `floor` (live precision; a rank not yet
+        scored counts as right), best rank first, each once."""
+        precision = self.precision
+        ranks = [r for r in range(predicted.shape[1]) if r >= len(precision) or precision[r] > floor]
+        rows = predicted.tolist()  # one conversion, not a column slice and a list per rank
+        out, seen = [], set()
+        for r in ranks:
+            for row in rows:
+                e = row[r]
+                if e not in seen:
+                    seen.add(e)
+                    out.append(e)
+        return out
+
+
+class LazySets(Mapping[int, set[int]]):
+    """{layer: experts}, each layer's set made when first looked up (make[layer]()): keep_free looks up only the
+    layers of the victims it weighs, mostly none of the two or three named here, whose sets cost a few
+    microseconds each to make."""
+
+    def __init__(self, make: dict[int, Callable[[], set[int]]]):
+        self._make = make
+        self._made: dict[int, set[int]] = {}
+
+    def __getitem__(self, layer: int) -> set[int]:
+        got = self._made.get(layer)
+        if got is None:
+            got = self._made[layer] = self._make[layer]()
+        return got
+
+    def get(self, layer: int, default: Any = None) -> Any:  # the lookup the victim search makes: no KeyError raised
+        return self[layer] if layer in self._make else default
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._make)
+
+    def __len__(self) -> int:
+        return len(self._make)

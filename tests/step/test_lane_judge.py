@@ -2,7 +2,7 @@
 
 import pytest
 
-from glm53.engine.lane_judge import IDLE_GAP_S, LaneJudge
+from glm53.step.lane_judge import IDLE_GAP_S, LaneJudge
 
 
 def drive(judge: LaneJudge, now: list[float], steps: int, on_s: float, off_s: float, cpu_share: float = 0.1,

@@ -2,8 +2,8 @@
 
 The planner's cost model prices a lane job by its kernel time, but offering the lane also costs every step a
 host-side share (the step's input rows cross with the ids, the combine waits for the partial and uploads it);
-on a host whose PCIe outruns its CPU the lane's picks buy less than that (the H200 machine: 3.9% of picks on the
-lane, decode at 0.86 of exact). So the lane is judged by outcome: during a trial, windows of decode layer steps
+on a host whose PCIe outruns its CPU the lane's picks buy less than that (docs/results.md). So the lane is judged
+by outcome: during a trial, windows of decode layer steps
 alternate between offering the lane and not, and it stays on only if the steps with it were faster, by the
 median of the paired windows' ratios. Ties go to the exact path. A decided lane is re-tried after REJUDGE
 windows, since the batch mix (rows per expert) moves the balance.
@@ -14,7 +14,7 @@ those than its partner would decide the verdict); pairs alternate which window c
 so a steady trend, such as a cache still warming, cancels; an interval far longer than the steps so far is a
 pause between requests, not a step, and is not charged.
 
-Pure bookkeeping on a clock: MoeStepper calls `started(decode)` as each layer step begins and
+Pure bookkeeping on a clock: glm53.step.stepper.MoeStepper calls `started(decode)` as each layer step begins and
 `done(picks, cpu, end_of_token)` once a decode step's lane decision is made; `offer()` says whether the next
 decode step offers the lane."""
 

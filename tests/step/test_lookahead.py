@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from glm53.engine.lookahead import RecallMeter, predict_topk
-from glm53.engine.moe_step import Guesses
+from glm53.step.lookahead import Guesses, RecallMeter, predict_topk
 
 ROUTERS = [
     ("glm5_next", "Glm5NextTextConfig", "Glm5NextTextTopkRouter"),

@@ -1,4 +1,4 @@
-"""The host side of a layer step (glm53.engine.moe_step) on CPU tiers, with exllamav3's expert kernels emulated:
+"""The host side of a layer step (glm53.step.stepper) on CPU tiers, with exllamav3's expert kernels emulated:
 every pick's slot id must point at its own expert's bytes, the CPU lane's picks are masked and its partial makes
 up the difference, store misses are read before use, and the next-layer lookahead moves and scores predictions."""
 
@@ -13,7 +13,7 @@ from test_cpu_lane import HIDDEN, LAYOUT, NUM_EXPERTS, NUM_LAYERS, TOP_K, make_e
 from glm53.bench.copiers import GpuLikeCopier, HeldCopier
 from glm53.cpu_lane.lane import CpuLane
 from glm53.cpu_lane.planner import CpuSample, LiveFit, PcieSample
-from glm53.engine.moe_step import FREE_RAM_SLOTS, MoeStepper, StepError, translate
+from glm53.step.stepper import FREE_RAM_SLOTS, MoeStepper, StepError, translate
 from glm53.tiers import ExpertTiers, SlotLayout, Where
 
 MAX_BSZN = 8  # exllamav3's decode row limit (checked by the adapter's contract)
@@ -54,7 +54,7 @@ def test_translate_of_a_fully_staged_prefill_is_monotonic():
 
 
 def test_the_sets_keep_free_is_handed_are_made_only_when_looked_up():
-    from glm53.engine.moe_step import _LazySets
+    from glm53.step.lookahead import LazySets
 
     made = []
 
@@ -64,7 +64,7 @@ def test_the_sets_keep_free_is_handed_are_made_only_when_looked_up():
             return set(experts)
         return make
 
-    sets = _LazySets({2: maker(2, [1, 5]), 7: maker(7, [])})
+    sets = LazySets({2: maker(2, [1, 5]), 7: maker(7, [])})
     assert len(sets) == 2 and sorted(sets) == [2, 7] and bool(sets) and made == []
     assert sets.get(3, ()) == () and sets.get(4) is None and made == []
     assert sets.get(2, ()) == {1, 5} and sets[2] == {1, 5} and sets.get(7) == set() and made == [2, 7]
@@ -280,7 +280,7 @@ def test_the_lane_stays_on_only_if_steps_offering_it_are_faster(lane_step_s, kep
     """The judge times decode steps on a clock: windows offering the lane alternate with windows that do not; the
     lane stays on only when its steps were faster (here: 0.8 or 1.2 ms against 1 ms), and a set-aside lane's steps
     are exact-path steps (no lane picks, the input rows not needed)."""
-    from glm53.engine.lane_judge import LaneJudge
+    from glm53.step.lane_judge import LaneJudge
 
     experts = make_experts(4)
     tiers = exl3_tiers(experts, vram=3)
