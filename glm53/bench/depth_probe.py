@@ -35,22 +35,12 @@ def mem(torch) -> dict:
     return {"max_allocated_bytes": torch.cuda.max_memory_allocated(), "device_used_bytes": total - free}
 
 
-def greedy(torch, exl, gen, ids: list[int], tokens: int) -> dict:
-    job = exl.Job(input_ids=torch.tensor([ids], dtype=torch.long), max_new_tokens=tokens,
-                  sampler=exl.ArgmaxSampler(), stop_conditions=[])
+def greedy(torch, gen, ids: list[int], tokens: int) -> dict:
+    from glm53.exl3 import stock
+
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    gen.enqueue(job)
-    stamps: list[float] = []
-    out: list[int] = []
-    first_n = 0
-    while gen.num_remaining_jobs():
-        for r in gen.iterate():
-            new = r.get("token_ids")
-            if r.get("stage") == "streaming" and new is not None and new.numel():
-                stamps.append(time.perf_counter())
-                out += new.flatten().tolist()
-                first_n = first_n or len(out)  # tokens held back (a split UTF-8 character) come out together
+    stamps, out, first_n = stock.greedy(gen, ids, tokens)
     torch.cuda.synchronize()
     if len(out) < tokens:
         raise RuntimeError(f"{len(ids)}-token prompt: generated {len(out)} tokens, expected {tokens}")
@@ -77,8 +67,9 @@ def register_bench(bench_sub: Any) -> None:
 
 
 def cmd_bench_depth_probe(args: argparse.Namespace) -> int:
-    import exllamav3 as exl
     import torch
+
+    from glm53.exl3 import stock
 
     model_dir = args.work / f"glm53-depth-{args.experts}e" / "ckpt"
     report: dict = {"model_dir": str(model_dir), "experts_per_layer": args.experts,
@@ -88,12 +79,7 @@ def cmd_bench_depth_probe(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in args.prompts.split(",") if x] or [16, args.long]
     cache_tokens = -(-(max(lengths) + args.tokens + 256) // 256) * 256
     t0 = time.perf_counter()
-    config = exl.Config.from_directory(str(model_dir))
-    model = exl.Model.from_config(config)
-    cache = exl.Cache(model, max_num_tokens=cache_tokens, max_batch_size=1)
-    model.load(device=torch.device("cuda:0"))
-    tokenizer = exl.Tokenizer.from_config(config)
-    gen = exl.Generator(model=model, cache=cache, tokenizer=tokenizer, max_batch_size=1)
+    tokenizer, gen = stock.load(model_dir, cache_tokens)
     report["load_s"] = time.perf_counter() - t0
     report["after_load"] = mem(torch)
     report["cache_tokens"] = cache_tokens
@@ -109,10 +95,10 @@ def cmd_bench_depth_probe(args: argparse.Namespace) -> int:
             import cProfile
             import pstats
             prof = cProfile.Profile()
-            r = prof.runcall(greedy, torch, exl, gen, ids, args.tokens)
+            r = prof.runcall(greedy, torch, gen, ids, args.tokens)
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
         else:
-            r = greedy(torch, exl, gen, ids, args.tokens)
+            r = greedy(torch, gen, ids, args.tokens)
         report["runs"].append(r)
         print(f"{n}-token prompt: first token {r['first_token_s']:.2f} s ({r['prefill_tok_s']:.0f} tok/s), "
               f"{r['new_tokens']} tokens decoded at {r['decode_tok_s']:.1f} tok/s; peak allocated "

@@ -371,8 +371,8 @@ def run_bench(opts: NvmeBenchOptions, log=print) -> NvmeBenchResult:
 def _run(opts: NvmeBenchOptions, log, made: list[Path]) -> NvmeBenchResult:
     import numpy as np
 
-    from glm53.tiers.nvme import model_key
     from glm53.planning.routing import save_routing_stats
+    from glm53.tiers.nvme import model_key
     from store.format import read_header
 
     model, store = build_store(opts, log, made)

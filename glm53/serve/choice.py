@@ -130,8 +130,8 @@ def _reference(model_dir: Path, settings: Any, config: dict) -> Any:
 
 def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
     from glm53.exl3 import contract
-    from glm53.planning.plan import PlanError
     from glm53.planning.inputs import current_plan
+    from glm53.planning.plan import PlanError
 
     if not contract.gpu_available():
         raise EngineChoiceError(f"{model_dir} is an EXL3 checkpoint: serving it needs a CUDA GPU, and torch sees none "

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from glm53.planning.routing import save_routing_stats
 from store.directio import alloc_aligned, alloc_slots
 from store.errors import StoreError, StoreReadError
 from store.format import SEGMENT_ALIGN, Layout, StoreHeader, align_up
@@ -54,7 +55,6 @@ from .nvme_meter import StoreMeter
 from .nvme_prefetch import Prefetch
 from .nvme_warm import warm
 from .ram import pin_host
-from glm53.planning.routing import save_routing_stats
 from .tiers import FROM_STORE, STORE, ExpertTiers, TierError, Where
 
 log = logging.getLogger("glm53.tiers.nvme")

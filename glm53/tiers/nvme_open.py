@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from glm53.planning.routing import load_routing_stats
 from glm53.planning.spec import EngineSpec
 from store import native
 from store.errors import StoreError
@@ -22,7 +23,6 @@ from store.verify import pack_command, quick_verify
 
 from .links import link_plan
 from .nvme import DEFAULT_TIMEOUT_S, NvmeTier, model_key
-from glm53.planning.routing import load_routing_stats
 
 log = logging.getLogger("glm53.tiers.nvme")  # one log for the tier, opening or open
 

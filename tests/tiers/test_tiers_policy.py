@@ -10,6 +10,8 @@ import torch
 from policy_lab import LruPolicy, simulate
 
 from glm53.bench.routing_trace import zipf_trace
+from glm53.planning.routing import load_routing_stats, routing_stats_path, save_routing_stats
+from glm53.planning.spec import split_budget
 from glm53.tiers import (
     ExpertTiers,
     ScoredPolicy,
@@ -17,8 +19,6 @@ from glm53.tiers import (
     TierStats,
     choose_admissions,
 )
-from glm53.planning.routing import load_routing_stats, routing_stats_path, save_routing_stats
-from glm53.planning.spec import split_budget
 
 EXPERTS, SLOTS = 288, 32  # 32 / 288 = 11%: the 24 GB card's share of GLM-5.3-Flash's experts
 
