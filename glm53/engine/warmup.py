@@ -1,7 +1,7 @@
 """The shapes the start-up warm-up sends through the exllamav3 engine, so that no user request pays for compiling.
 
 exllamav3 compiles kernels per shape on first sight, and a compile inside a request is time the user waits for
-(docs/results.md, eighteenth session, has what it cost agent turns):
+(docs/results.md has what it cost agent turns):
 - The MLA layers run up to `small_rows` (16) query rows through a captured path compiled per (batch, rows,
   regime). A follow-up turn's prefill ends with the rows past its last page boundary, so any tail of 1-16 rows
   occurs; decode meets every batch size up to max_batch.
