@@ -11,6 +11,7 @@ import torch
 from glm53.engine.interface import SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MIN_TEMPERATURE = 1e-3
 
 
 def validate(params: SamplingParams) -> None:
@@ -45,7 +46,8 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p and min-p (float32, 1-D, sums to 1). temperature > 0."""
-    scores = logits.float() / params.temperature
+    # Below MIN_TEMPERATURE the division overflows float32 to inf (and softmax to nan); the draw is greedy there anyway.
+    scores = logits.float() / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < scores.numel():
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -54,6 +56,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         sorted_p, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the token that crosses it stays in).
         drop_sorted = (torch.cumsum(sorted_p, 0) - sorted_p) >= params.top_p
+        drop_sorted[0] = False  # the most likely token always stays, however small top_p is (5e-324 rounds to 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:

@@ -116,6 +116,17 @@ def test_sampling_filters() -> None:
         sampling.validate(SamplingParams(top_p=0))
 
 
+@pytest.mark.parametrize("params", [SamplingParams(top_p=5e-324), SamplingParams(temperature=5e-324),
+                                    SamplingParams(temperature=1e-30, top_p=1e-40, min_p=1.0)])
+def test_extreme_legal_params_still_draw_the_likeliest_token(params: SamplingParams) -> None:
+    """Values the API accepts but float32 cannot hold (5e-324 rounds to 0) still leave a distribution to draw from."""
+    logits = torch.tensor([1.0, 3.0, 2.0, 2.9, -1.0])
+    sampling.validate(params)
+    probs = sampling.filtered_probs(logits, params)
+    assert torch.isfinite(probs).all() and probs.argmax() == 1
+    assert sampling.sample(logits, params, sampling.make_generator(0)) == 1
+
+
 def test_stop_token(reference_engine, prompt) -> None:
     greedy = tokens(asyncio.run(collect(reference_engine, prompt, SamplingParams(temperature=0, max_tokens=8))))
     stop = greedy[4]
