@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import gc
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -28,8 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from glm53.bench.emulate import CARD_FRACTION, Emulation
+
 SKEW = (0.11, 0.40)
-CARD_FRACTION = 0.11  # a 24 GB card holds ~11% of GLM-5.3-Flash's routed experts (REFERENCE: ~1,300 slots)
+REAL_MOE_LAYERS = 42  # GLM-5.3-Flash's: a fixture's misses per token scaled to the real depth
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -63,6 +66,9 @@ def register_bench(bench_sub: Any) -> None:
                    help="also run each mode with the layers split across cuda:0..N-1, each card holding as many "
                         "expert slots as the one card (N x --slots per layer), paired with the one-card run "
                         "(default 1: no split)")
+    from glm53.bench.emulate import add_arguments
+
+    add_arguments(p)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     p.add_argument("--warmup-tokens", type=int, default=16,
                    help="tokens each tiered mode decodes before the windows (default 16: the tiers start nearly "
@@ -277,7 +283,8 @@ class _Runner:
     """One loaded model (stock, or a tiered mode) with its generator."""
 
     def __init__(self, model_dir: Path, slots: int | None, cache_tokens: int, mode: str = "exact",
-                 cpu_threads: int | None = None, store_tier: StoreTier | None = None, cards: int = 1):
+                 cpu_threads: int | None = None, store_tier: StoreTier | None = None, cards: int = 1,
+                 pacer: Any = None, lane_isas: Sequence[str] | None = None):
         from glm53.exl3.placement import place_layers
         from glm53.exl3.runtime import Runtime
         from glm53.exl3.tiered import TieredMoE
@@ -300,8 +307,12 @@ class _Runner:
             unplace()
         if self.tiered is not None:
             self.tiered.populate()
+            if pacer is not None:  # after the load's copies, before the lane times the link
+                from glm53.bench.emulate import install
+
+                install(self.tiered, pacer)
             if self.tiered.spec.lane:
-                self.tiered.start_lane(self.tiered.spec.cpu_threads)
+                self.tiered.start_lane(self.tiered.spec.cpu_threads, isas=lane_isas)
         rt.build_generator(max_batch_size=1)
         self.load_s = time.perf_counter() - t0
 
@@ -467,11 +478,24 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                  store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None,
                  profile_dump: Path | None = None,
                  warmup_tokens: int = 16, buffered_store: bool = False, emulated_disk_Bps: float | None = None,
-                 cards: int = 1) -> dict:
+                 cards: int = 1, emulation: Emulation = Emulation()) -> dict:
     import torch
 
-    rate = h2d_rate()
+    measured = rate = h2d_rate()
     log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
+    pacer = None
+    if emulation.link_GBps:
+        from glm53.bench.emulate import LinkPacer, sleep_cycles_per_s
+        from glm53.planning.shape import from_checkpoint
+
+        # The pace is set against expert-sized copies' own rate (below a 1 GiB copy's), so what remains after each
+        # copy's sleep is the target.
+        measured = h2d_rate(from_checkpoint(model_dir).expert_bytes, repeats=21)
+        rate = min(emulation.link_GBps * 1e9, measured)
+        pacer = LinkPacer(rate, measured, sleep_cycles_per_s())
+        log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s")
+    if emulation.name != "none":
+        log(f"emulating {emulation.describe()}")
     nvme_open, disk_rate, latency, disk_probe, engine_parts = None, None, {}, None, (None, {})
     if any(m.startswith("nvme") for m in modes):
         nvme_open, disk_rate, latency, ram_fraction, engine_parts = nvme_opener(model_dir, store, ram_fraction,
@@ -491,15 +515,25 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
         for mode in modes:
             mem0 = torch.cuda.memory_allocated()
-            runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads, nvme_open)
+            runners[mode] = _Runner(model_dir, slots, cache_tokens, mode, cpu_threads, nvme_open, pacer=pacer,
+                                    lane_isas=emulation.lane_isas)
             log(f"{mode} ({slots} slots/layer) loaded in {runners[mode].load_s:.1f} s, "
                 f"{(torch.cuda.memory_allocated() - mem0) / 2**30:.1f} GiB allocated")
         from glm53.planning.shape import from_checkpoint
 
         split_slots = min(from_checkpoint(model_dir).experts_per_layer - 1, cards * slots)  # each card holds what the one card held
         for mode, name in zip(modes, split_modes(modes, cards), strict=False):
-            runners[name] = _Runner(model_dir, split_slots, cache_tokens, mode, cpu_threads, nvme_open, cards)
+            runners[name] = _Runner(model_dir, split_slots, cache_tokens, mode, cpu_threads, nvme_open, cards,
+                                    pacer=pacer, lane_isas=emulation.lane_isas)
             log(f"{name} ({split_slots} slots/layer over {cards} cards) loaded in {runners[name].load_s:.1f} s")
+        paced = None
+        if pacer is not None:  # the validation: expert-sized copies through a paced Copier deliver the target rate
+            from glm53.bench.emulate import LinkPacer, paced_rate
+
+            layout = next(r.tiered.layout for r in runners.values() if r.tiered is not None)
+            paced = paced_rate(LinkPacer(rate, measured, pacer.cycles_per_s), layout.nbytes)
+            log(f"paced link: {paced / 1e9:.2f} GB/s over expert-sized copies ({layout.nbytes / 2**20:.1f} MiB each; "
+                f"target {rate / 1e9:.2f}, unpaced {measured / 1e9:.1f})")
         vocab = 150000
         prompt = [(13 * i + 7) % vocab for i in range(prompt_tokens)]
         # Warm-up at the measured prompt length: a fresh process spends over a minute setting up the first prefill
@@ -553,8 +587,11 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         h2d = mean("exact", "h2d_bytes_per_token") if "exact" in runners else mean(modes[0], "h2d_bytes_per_token")
         bound_s = h2d / rate + 1 / stock_tok
         stock_rows = [x for x in rows if x["name"] == "stock"]
+        shape = from_checkpoint(model_dir)
         result = {
             "h2d_GBps": rate / 1e9,
+            "measured_h2d_GBps": measured / 1e9,
+            "emulation": {**emulation.__dict__, "paced_GBps": None if paced is None else paced / 1e9},
             "stock_decode_tok_s": stock_tok,
             "stock_prefill_tok_s": prompt_tokens / mean("stock", "prefill_s"),
             "bound_decode_tok_s": 1 / bound_s,
@@ -583,6 +620,9 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 "paired_over_stock": paired_ratio(rows, mode, "stock"),
                 "paired_over_exact": paired_ratio(rows, mode, "exact") if "exact" in modes else float("nan"),
                 "hit_rate": mean(mode, "hit_rate"),
+                "misses_per_token": misses_per_token(m_rows),
+                "misses_per_token_at_real_depth": misses_per_token(m_rows) * REAL_MOE_LAYERS / shape.moe_layers,
+                "top_k": shape.top_k,
                 "cpu_pick_share": sum(x["picks"]["cpu"] for x in m_rows) / max(1, sum(x["picks"]["total"]
                                                                                        for x in m_rows)),
                 "store_MiB_per_token": mean(mode, "store_bytes_per_token") / 2**20,
@@ -634,6 +674,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             r.close()
 
 
+def misses_per_token(rows: list[dict]) -> float:
+    """Picks served from outside VRAM per decoded token, the windows pooled."""
+    tokens = sum(x["decoded_tokens"] for x in rows)
+    return sum(x["picks"]["total"] - x["picks"]["vram_hit"] for x in rows) / max(1, tokens)
+
+
 def _judged(m: dict) -> str:
     """The CPU lane's verdict in a mode that has one: whether decode steps offering it were faster."""
     judge = (m.get("tiers") or {}).get("cpu_lane", {}).get("judge")
@@ -661,7 +707,9 @@ def report(res: dict, moe_layers: int | None) -> str:
         lines.append(f"  {mode:<37}: {m['decode_tok_s']:8.1f} tok/s decode, {m['prefill_tok_s']:8.1f} tok/s prefill; "
                      f"x stock {m['over_stock']:.3f}, x bound {m['over_bound']:.3f}"
                      + (f", x exact {paired:.3f} (paired)" if mode != "exact" and paired == paired else "")
-                     + f"; hit rate {m['hit_rate']:.3f}, "
+                     + f"; hit rate {m['hit_rate']:.3f}"
+                     + (f" ({m['misses_per_token_at_real_depth']:.0f} misses a token at the real model's depth)"
+                        if "misses_per_token_at_real_depth" in m else "") + ", "
                      f"CPU-lane share {m['cpu_pick_share']:.3f}, lookahead recall {recall}, host "
                      f"{m['host_us_per_layer_step']:.0f} us/layer step" + _judged(m))
     lines.append(f"  PCIe bound ({res['h2d_MiB_per_token']:.0f} MiB/token at {res['h2d_GBps']:.1f} GB/s + stock step): "
@@ -724,6 +772,12 @@ def report(res: dict, moe_layers: int | None) -> str:
                      f"stock's tokens: {m['same_tokens_as_stock']}")
         lines.append("    per card: picks " + ", ".join(f"{v:.3f}" for v in m["pick_share_by_card"]) + "; link MiB/token "
                      + ", ".join(f"{v:.1f}" for v in m["link_MiB_per_token_by_card"]) + f"; host ms/token: {host}")
+    emu = res.get("emulation") or {}
+    if emu.get("name", "none") != "none":
+        lines.append(f"  emulated host: {emu['name']}" + (f"; the link paced to {emu['link_GBps']:g} GB/s measured "
+                     f"{emu['paced_GBps']:.2f} GB/s over expert copies" if emu.get("paced_GBps") else "")
+                     + f" (unpaced {res['measured_h2d_GBps']:.1f} GB/s); not emulated: this host's Python speed, "
+                     "its DRAM channels and core count behind the lane")
     lines.append(f"  stock moe_cpu_split: {res['moe_cpu_split']}")
     return "\n".join(lines)
 
@@ -799,7 +853,15 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
         _made_once(work / "ckpt.complete", write, f"the {args.moe_layers}-MoE-layer full-width checkpoint {model_dir}")
         experts = 288
-    slots = args.slots if args.slots is not None else round(CARD_FRACTION * experts)
+    from glm53.bench.emulate import from_args, problem, slots_for
+    from glm53.cpu_lane import kernel
+
+    emulation = from_args(args)
+    why = problem(emulation, kernel.supported_isas(), os.cpu_count() or 1)
+    if why:
+        print(f"glm53: --emulate: {why}", file=sys.stderr)
+        return 2
+    slots = args.slots if args.slots is not None else slots_for(emulation, experts, round(CARD_FRACTION * experts))
     if args.devices > 1 and torch.cuda.device_count() < args.devices:
         print(f"glm53: --devices {args.devices} needs {args.devices} CUDA devices, {torch.cuda.device_count()} visible "
               "(a two-card machine: nvidia-h200-x2)", file=sys.stderr)
@@ -844,7 +906,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                                args.cpu_threads, store=store, ram_fraction=args.ram_fraction, profile=args.profile,
                                profile_dump=Path(args.json).with_suffix(".prof") if args.json else None,
                                warmup_tokens=args.warmup_tokens, buffered_store=buffered, emulated_disk_Bps=emulated,
-                               cards=args.devices)
+                               cards=args.devices, emulation=emulation)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -35,13 +35,15 @@ WindowRunner = Callable[[str, list[str]], dict]
 
 
 def window_args(args: argparse.Namespace, work: Path, json_path: Path) -> list[str]:
-    """`glm53` arguments for one window: flags that bench decode had before this work (b38dea7) and has now."""
+    """`glm53` arguments for one window: flags that bench decode had before this work (b38dea7) and has now, and the
+    emulation's where given (a baseline from before the emulation refuses them by name)."""
     out = ["bench", "decode", "--skew", args.skew, "--tokens", str(args.tokens), "--windows", str(args.windows),
            "--prompt-tokens", str(args.prompt_tokens), "--modes", args.modes, "--ram-fraction", str(args.ram_fraction),
            "--warmup-tokens", str(args.warmup_tokens), "--work", str(work), "--keep", "--json", str(json_path)]
     out += ["--model", str(args.model)] if args.model else ["--moe-layers", str(args.moe_layers)]
     for flag, value in (("--slots", args.slots), ("--cpu-threads", args.cpu_threads), ("--store-dir", args.store_dir),
-                        ("--emulate-disk-GBps", args.emulate_disk_GBps)):
+                        ("--emulate-disk-GBps", args.emulate_disk_GBps), ("--emulate", getattr(args, "emulate", None)),
+                        ("--link-GBps", getattr(args, "link_GBps", None)), ("--lane-isa", getattr(args, "lane_isa", None))):
         if value is not None:
             out += [flag, str(value)]
     return out

@@ -315,9 +315,11 @@ def assignment_json(a: Assignment) -> dict:
 
 
 def start_lane(layout: Any, pcie_samples: Sequence[Any], threads: int, *, cpus: Sequence[int] | None = None,
-               stats: Any = None, codebook: str = "mul1") -> tuple[CpuLane, LiveFit]:
+               stats: Any = None, codebook: str = "mul1", isas: Sequence[str] | None = None) -> tuple[CpuLane, LiveFit]:
     """Calibrate the CPU kernel on this host for `layout`'s experts and start the lane with a LiveFit that begins
-    from that calibration and the engine's measured PCIe samples (fast and nvme modes, at start-up)."""
+    from that calibration and the engine's measured PCIe samples (fast and nvme modes, at start-up). isas: the
+    kernel paths calibration may choose from (default: every one this host runs; a benchmark emulating another
+    CPU narrows them)."""
     from .calibrate import calibrate_cpu
 
     if codebook != "mul1":  # refused before a second of calibration is spent (CpuLane says the same)
@@ -327,7 +329,7 @@ def start_lane(layout: Any, pcie_samples: Sequence[Any], threads: int, *, cpus: 
         from .kernel import pick_cpus
 
         cpus = pick_cpus(threads)
-    cal = calibrate_cpu(threads, cpus, geo=ExpertGeometry.from_layout(layout))
+    cal = calibrate_cpu(threads, cpus, geo=ExpertGeometry.from_layout(layout), isas=isas)
     fit = LiveFit(cal.samples, list(pcie_samples), threads)
     lane = CpuLane(layout, threads, cpus=cpus, isa=cal.isa, stats=stats, fit=fit, codebook=codebook)
     log.info("CPU lane: %d threads (CPUs %s), %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert",

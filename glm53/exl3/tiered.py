@@ -335,13 +335,13 @@ class TieredMoE:
         first = self.layers[0].keys[0][0]
         return "mcg" if f"{first}.mcg" in self.index else "mul1" if f"{first}.mul1" in self.index else "3inst"
 
-    def start_lane(self, threads: int, cpus: Sequence[int] | None = None) -> None:
-        """fast / nvme modes: calibrate the CPU kernel and this machine's PCIe copies (the first card's link, in a
-        split across cards), start the lane, attach it."""
+    def start_lane(self, threads: int, cpus: Sequence[int] | None = None, isas: Sequence[str] | None = None) -> None:
+        """fast / nvme modes: calibrate the CPU kernel (among `isas`, default all) and this machine's PCIe copies (the
+        first card's link, in a split across cards), start the lane, attach it."""
         from glm53.cpu_lane.lane import start_lane
 
         lane, fit = start_lane(self.layout, self.measure_pcie(), threads, cpus=cpus, stats=self.tiers.stats,
-                               codebook=self.codebook)
+                               codebook=self.codebook, isas=isas)
         self.enable_lane(lane, fit)
 
     def enable_lane(self, lane: Any, fit: Any) -> None:

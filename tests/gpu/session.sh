@@ -66,6 +66,9 @@
 #   clients   the captured Claude Code and Codex requests (tests/data/clients) replayed through HTTP against glm53 serve
 #             in exact mode on the full-depth fixture (MODEL, default /tmp/fx, generated when absent; 24 GiB, 65,536
 #             tokens): per request TTFT, prompt tokens and cached share (tests/gpu/replay_clients.py)
+#   emu       issue 38: the paced link's rate (tests/bench/test_emulate.py, gpu), then glm53 bench decode --emulate
+#             rtx3090-gen4 (PCIe 4.0's 25 GB/s, 11% of the experts in VRAM, the lane on AVX2) on the 8-MoE-layer
+#             checkpoint, EMU_MODES (default exact,fast), 2 windows of 96 tokens
 #   serveconc glm53 bench serve --concurrency 1,2,4,8 on MODEL (SERVE_MODE, default exact; nvme modes need STORE):
 #             512-token prompts, 96 tokens per stream, best of 2 rounds per level
 set -uo pipefail
@@ -117,6 +120,13 @@ step_bench() {
     --modes exact,fast \
     --json "$OUT/bench-decode.json" > "$OUT/bench-decode.log" 2>&1
   stamp "bench rc=$?"
+}
+step_emu() {  # issue 38: the paced link's own rate, then bench decode under the consumer-box preset (8 MoE layers)
+  gpu_pytest emu-link 120 tests/bench/test_emulate.py
+  timeout "${EMU_BENCH_LIMIT:-480}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 2 \
+    --warmup-tokens 64 --work /tmp --keep --modes "${EMU_MODES:-exact,fast}" --emulate rtx3090-gen4 \
+    --json "$OUT/bench-emu.json" > "$OUT/bench-emu.log" 2>&1
+  stamp "emu rc=$?"
 }
 step_paired() {  # issue 23's done-when: this code / b38dea7's, exact, fast and nvme-exact, paired windows
   timeout "${PAIRED_LIMIT:-560}" python3 -u -m glm53 bench decode --baseline b38dea7 --baseline-tree .baseline \

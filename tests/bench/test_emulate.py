@@ -1,0 +1,107 @@
+"""The consumer-box emulation's arithmetic and options (glm53.bench.emulate), on the CPU; the paced link itself is
+measured on the GPU (test_paced_link_delivers_the_target_rate)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from glm53.bench import emulate
+from glm53.bench.emulate import Emulation, LinkPacer, pace_seconds
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    emulate.add_arguments(p)
+    p.add_argument("--cpu-threads", type=int)
+    return p.parse_args(list(argv))
+
+
+def test_a_copy_is_held_back_by_the_time_the_slower_link_adds() -> None:
+    nbytes = 9 << 20
+    held = pace_seconds(nbytes, 25e9, 50e9)
+    assert held == pytest.approx(nbytes / 25e9 - nbytes / 50e9)
+    # What the copy then takes in all is its time at the target rate.
+    assert nbytes / 50e9 + held == pytest.approx(nbytes / 25e9)
+    assert pace_seconds(nbytes, 60e9, 50e9) == 0.0  # a target above the real link is not emulated
+    assert pace_seconds(0, 25e9, 50e9) == 0.0
+
+
+def test_the_pacer_sleeps_on_the_device_for_the_held_time(monkeypatch) -> None:
+    import torch
+
+    slept: list[int] = []
+    monkeypatch.setattr(torch.cuda, "_sleep", slept.append)
+    pacer = LinkPacer(25e9, 50e9, cycles_per_s=1.5e9)
+    pacer(9 << 20)
+    pacer(9 << 20)
+    want = pace_seconds(9 << 20, 25e9, 50e9)
+    assert slept == [int(want * 1.5e9)] * 2
+    assert pacer.paced_bytes == 2 * (9 << 20) and pacer.held_s == pytest.approx(2 * want)
+    LinkPacer(60e9, 50e9, 1.5e9)(1 << 20)  # nothing to hold: no sleep queued
+    assert len(slept) == 2
+
+
+def test_the_preset_and_the_flags_laid_over_it() -> None:
+    emu = emulate.from_args(parse("--emulate", "rtx3090-gen4"))
+    assert emu.link_GBps == 25.0 and emu.card_fraction == emulate.CARD_FRACTION and emu.lane_isas == ("avx2",)
+    emu = emulate.from_args(parse("--emulate", "rtx3090-gen4", "--link-GBps", "12", "--cpu-threads", "8",
+                                  "--lane-isa", "avx2,avx512"))
+    assert (emu.link_GBps, emu.lane_threads, emu.lane_isas) == (12.0, 8, ("avx2", "avx512"))
+    assert emu.card_fraction == emulate.CARD_FRACTION
+    assert emulate.from_args(parse()) == Emulation()
+    assert "25 GB/s" in emulate.PRESETS["rtx3090-gen4"].describe()
+    with pytest.raises(SystemExit):
+        parse("--emulate", "rtx9090")
+
+
+def test_the_card_share_sets_the_slots() -> None:
+    assert emulate.slots_for(emulate.PRESETS["rtx3090-gen4"], 288, default=5) == 32  # 11% of a layer's 288
+    assert emulate.slots_for(Emulation(), 288, default=5) == 5
+    assert emulate.slots_for(Emulation(card_fraction=0.001), 48, default=5) == 1
+
+
+@pytest.mark.parametrize(("emu", "words"), [
+    (Emulation(link_GBps=0.0), "link rate"),
+    (Emulation(card_fraction=1.5), "share of the experts"),
+    (Emulation(lane_threads=64), "has 16 cores"),
+    (Emulation(lane_isas=("avx512",)), "cannot run ['avx512']"),
+])
+def test_what_this_machine_cannot_emulate_is_named(emu: Emulation, words: str) -> None:
+    assert words in emulate.problem(emu, ["scalar", "avx2"], cores=16)
+
+
+def test_what_it_can_is_not_refused() -> None:
+    assert emulate.problem(emulate.PRESETS["rtx3090-gen4"], ["scalar", "avx2", "avx512"], cores=16) is None
+
+
+def test_misses_per_token_pool_the_windows() -> None:
+    from glm53.bench.decode import misses_per_token
+
+    rows = [{"decoded_tokens": 10, "picks": {"total": 640, "vram_hit": 240}},
+            {"decoded_tokens": 30, "picks": {"total": 1920, "vram_hit": 800}}]
+    assert misses_per_token(rows) == pytest.approx((400 + 1120) / 40)
+
+
+def test_a_baseline_window_carries_the_emulation_flags(tmp_path) -> None:
+    from glm53.bench.decode_baseline import window_args
+
+    ns = argparse.Namespace(skew="0.11,0.40", tokens=8, windows=1, prompt_tokens=16, modes="exact", ram_fraction=0.47,
+                            warmup_tokens=4, model=None, moe_layers=2, slots=None, cpu_threads=None, store_dir=None,
+                            emulate_disk_GBps=None, emulate="rtx3090-gen4", link_GBps=None, lane_isa=None)
+    argv = window_args(ns, tmp_path, tmp_path / "w.json")
+    assert argv[argv.index("--emulate") + 1] == "rtx3090-gen4" and "--link-GBps" not in argv
+
+
+@pytest.mark.gpu
+def test_paced_link_delivers_the_target_rate() -> None:
+    """Expert-sized copies through a paced Copier arrive at the target rate (within 10%), unpaced at the real one."""
+    from glm53.bench.decode import h2d_rate
+
+    nbytes = 9 << 20
+    measured = h2d_rate(nbytes, repeats=21)
+    pacer = LinkPacer(25e9, measured, emulate.sleep_cycles_per_s())
+    got = emulate.paced_rate(pacer, nbytes, copies=64)
+    print(f"\npaced link: {got / 1e9:.2f} GB/s (target 25, unpaced expert copies {measured / 1e9:.1f} GB/s)")
+    assert got == pytest.approx(25e9, rel=0.1)
