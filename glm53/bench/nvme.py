@@ -303,20 +303,41 @@ def stream_pass(store: Path, model: Path, plan, keys, top_k: int) -> float:
         return tier.stats.snapshot()["nvme"]["reads"] * tier.stride / dt
 
 
+def read_layer(tiers, layer: int, ids) -> None:
+    """What a decode step of the layer asks of the store, and nothing else (no compute, no admission): its store
+    misses all queued, then waited for one by one (the NVMe wait), each expert's move in flight settled, its picks
+    counted by where they were found (VRAM hit, RAM as "cpu", store as "nvme") and taught to the layer's policy,
+    which ranks the RAM experts a read drops."""
+    import numpy as np
+
+    from glm53.tiers import Where
+
+    picks = ids.ravel().tolist()
+    used = np.unique(ids)
+    tiers.poll()
+    tiers.demand_reads(layer, used)
+    hits, store = set(), set()
+    for e in used.tolist():
+        tiers.stats.add_wait("pcie", tiers.settle(layer, e))
+        if tiers.where[layer, e] in (Where.STORE, Where.FROM_STORE):
+            store.add(e)
+            t0 = time.perf_counter()
+            tiers.fetch_to_ram(layer, e, protect=used)
+            tiers.stats.add_wait("nvme", time.perf_counter() - t0)
+        elif tiers.where[layer, e] == Where.VRAM:
+            hits.add(e)
+    tiers.observe(layer, ids)
+    n_hit, n_store = sum(e in hits for e in picks), sum(e in store for e in picks)
+    tiers.stats.add_lane_picks(layer, n_hit, 0, len(picks) - n_hit - n_store, n_store)
+
+
 def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores, mode: str, opts: NvmeBenchOptions,
                 sigma: float, seed: int) -> Window:
     import numpy as np
-    import torch
 
-    from glm53.tiers import tiered_moe
     from glm53.tiers.nvme_open import open_nvme_tier
 
     rng = np.random.default_rng(seed)
-    x = torch.zeros(1, 8)
-    w = torch.ones(1, opts.top_k)
-
-    def noop(slot, rows):
-        return torch.zeros_like(rows)
 
     with open_nvme_tier(store, model, plan, stats_path=stats_path, verify_sample=1) as tier:
         keys, read = [], tier.reader.read
@@ -337,7 +358,7 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
                 kind, _, depth = mode.partition("-")
                 after = depth == "after"
                 if after:  # the layer's own store reads first, waited for; only then the guesses
-                    tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
+                    read_layer(tier.tiers, layer, ids)
                 else:  # as the engine: the layer's own reads queued first, the guesses right behind them
                     tier.tiers.demand_reads(layer, ids[0])
                 for d in range(1, 2 if after else int(depth or 1) + 1) if mode != "off" else ():
@@ -345,7 +366,7 @@ def decode_pass(store: Path, model: Path, plan, stats_path: Path, trace, scores,
                         nxt = predict(trace[layer + d, t], scores[layer + d, t], kind, sigma, rng)
                         tier.prefetch([(layer + d, e) for e in nxt], protect={layer: ids[0].tolist()})
                 if not after:
-                    tiered_moe(tier.tiers, layer, x, ids, w, noop, lane_for=lambda lay, e: "cpu", admit=False)
+                    read_layer(tier.tiers, layer, ids)
                 t1 = time.perf_counter()
                 time.sleep(opts.compute_ms / 1e3)  # the layer's compute, during which reads go on
                 slept += time.perf_counter() - t1

@@ -13,7 +13,7 @@ import importlib
 
 _EXPORTS = {
     "Copier": "copier", "Ticket": "copier",
-    "LayerResult": "layer", "combine": "layer", "direct_moe": "layer", "group_picks": "layer", "tiered_moe": "layer",
+    "combine": "layer", "direct_moe": "layer", "group_picks": "layer",
     "Field": "layout", "SlotLayout": "layout", "exl3_expert_layout": "layout",
     "Policy": "policy", "ScoredPolicy": "policy", "choose_admissions": "policy", "hot_order": "policy",
     "RamTier": "ram",

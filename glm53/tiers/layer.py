@@ -1,37 +1,20 @@
-"""A routed-expert MoE layer computed through the tiers (the tiers' tests and the nvme bench), and its direct twin.
+"""A routed-expert MoE layer computed directly from each expert's bytes (the tests' reference), and the combine.
 
-Both functions group picks by expert, run `expert_forward(slot_image, x_rows)` once per expert in ascending
-id order, and combine with `combine` (per token, picks summed in top-k order). Given the same bytes, the
-tiered result is therefore bit-identical to the direct one, whichever tier each expert was read from: the
+`direct_moe` groups picks by expert, runs `expert_forward(slot_image, x_rows)` once per expert in ascending id
+order, and combines with `combine` (per token, picks summed in top-k order). The real step's tests
+(tests/support/step_layer.py) emulate the expert kernels over the step's slot ids the same way, so given the same
+bytes an exact step is bit-identical to the direct computation, whichever tier each expert was read from: the
 tiers decide only where the bytes come from, never how the sum is formed.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from .stats import LANES
-from .tiers import ExpertTiers, Where
-
 ExpertForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (slot image uint8, x rows) -> y rows
-LaneFor = Callable[[int, int], str]  # (layer, expert) -> "pcie" | "cpu", for an expert found in RAM
-
-
-def admit_always(layer: int, expert: int) -> str:
-    return "pcie"
-
-
-@dataclass
-class LayerResult:
-    y: torch.Tensor
-    picks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LANES, 0))  # per lane, as in stats
-    admitted: int = 0  # experts whose copy into a slot started this step
-    staged: int = 0  # experts streamed through staging without admission
 
 
 def group_picks(ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
@@ -73,83 +56,6 @@ def direct_moe(
     for e, rows, _ in group_picks(ids):
         outputs[e] = expert_forward(expert_bytes(e), x[torch.from_numpy(rows).to(x.device)])
     return combine(x, weights, ids, outputs)
-
-
-def tiered_moe(
-    tiers: ExpertTiers,
-    layer: int,
-    x: torch.Tensor,
-    ids: torch.Tensor | np.ndarray,
-    weights: torch.Tensor,
-    expert_forward: ExpertForward,
-    lane_for: LaneFor = admit_always,
-    observe: bool = True,
-    admit: bool = True,
-) -> LayerResult:
-    """One MoE layer's routed experts through the tiers.
-
-    Per picked expert: VRAM hit -> compute from its slot; in RAM -> `lane_for` says "cpu" (compute from the RAM
-    arena in place) or "pcie" (admit into a slot when the policy agrees, else stream through staging); only in
-    the store -> read into RAM first, then as RAM (with a store source attached, every such read of the step is
-    in flight before the first wait, and a prefetch still in flight counts as a store pick). All of the step's
-    admissions are issued before any compute so their copies overlap. observe=False keeps the picks from the policy
-    (they still count in stats); admit=False streams every PCIe miss: prefill uses both, so it never evicts the
-    decode hot set.
-    `expert_forward` gets the slot image where it lies: a device tensor (VRAM, staging) or a host tensor (RAM,
-    for the CPU lane); it must compute the same function from either.
-    """
-    ids = _ids_np(ids)
-    tiers.poll()
-    groups = group_picks(ids)
-    used = np.array([e for e, _, _ in groups], np.int64)
-    tiers.demand_reads(layer, used)
-    res = LayerResult(y=x)
-    label: dict[int, str] = {}  # the lane each expert's picks are counted in
-    route: dict[int, str] = {}  # for experts not in VRAM: "cpu" or "pcie"
-    for e in used.tolist():
-        # A move in flight (a prefetch's fill, an old victim's write-back) must land before we read anything.
-        tiers.stats.add_wait("pcie", tiers.settle(layer, e))
-        from_store = tiers.where[layer, e] in (Where.STORE, Where.FROM_STORE)
-        if from_store:
-            tiers.stats.add_wait("nvme", _timed(lambda e=e: tiers.fetch_to_ram(layer, e, protect=used)))
-        if tiers.where[layer, e] == Where.VRAM:
-            label[e] = "vram_hit"
-            continue
-        route[e] = lane_for(layer, e)
-        if route[e] not in ("cpu", "pcie"):
-            raise ValueError(f"lane_for returned {route[e]!r}; expected 'cpu' or 'pcie'")
-        label[e] = "nvme" if from_store else route[e]
-    if observe:
-        tiers.observe(layer, ids)
-    pcie = np.array([e for e, r in route.items() if r == "pcie"], np.int64)
-    admitted = tiers.try_admit(layer, pcie, used) if admit and pcie.size else {}
-    outputs = {}
-    for e, rows, _ in groups:
-        if e in admitted:
-            tiers.stats.add_wait("pcie", tiers.settle(layer, e))
-            src = tiers.bytes_of(layer, e)
-        elif label[e] == "vram_hit" or route[e] == "cpu":
-            src = tiers.bytes_of(layer, e)
-        else:
-            t0 = time.perf_counter()
-            src = tiers.stage(layer, e)
-            tiers.stats.add_wait("pcie", time.perf_counter() - t0)
-            res.staged += 1
-        t0 = time.perf_counter()
-        outputs[e] = expert_forward(src, x[torch.from_numpy(rows).to(x.device)])
-        if route.get(e) == "cpu":  # the host waits on the CPU lane for as long as it computes
-            tiers.stats.add_wait("cpu", time.perf_counter() - t0)
-        res.picks[label[e]] += len(rows)
-    res.admitted = len(admitted)
-    res.y = combine(x, weights, ids, outputs)
-    tiers.stats.add_picks(layer, res.picks)
-    return res
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def _ids_np(ids: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -23,7 +23,8 @@ becomes RAM only when the reader says its bytes are there and pass their xxh3 ch
             until that record reads cleanly. Nothing unverified is ever marked resident.
 
     tier = open_nvme_tier(store, model_dir, plan, stats_path=...)   # glm53.tiers.nvme_open: verify, size, warm
-    y = tiered_moe(tier.tiers, layer, x, ids, weights, forward)      # misses read through the tier
+    stepper = MoeStepper(tier.tiers, slots, staging, nvme=tier)        # glm53.step.stepper: the real layer step
+    step = stepper.resolve(layer, ids, decode)                         # misses read through the tier, slot ids back
     tier.prefetch([(layer + 1, e) for e in predicted])                 # router lookahead
     tier.health()                                                      # None, or the fault for /ready
 """

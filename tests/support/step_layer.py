@@ -28,7 +28,19 @@ def slot_bytes(tiers, stepper: MoeStepper, li: int, s: int) -> torch.Tensor | No
     S = stepper.cache_slots[li]
     if s == stepper.masked_id(li):
         return None
-    return tiers.vram[li].flat(s) if s < S else tiers.staging[s - S]
+    return tiers.vram[li].flat(s) if s < S else tiers.staging_slot(s - S, li)  # its link's rows, then borrowed ones
+
+
+def stepper_for(tiers, staging_slots: int, **kw) -> MoeStepper:
+    """The real step over these tiers, each layer's cache slots as the tiers hold them; staging_slots: the tiers'
+    (their own rows and the borrowed ones). kw: MoeStepper's (admit, nvme=the NvmeTier in the nvme modes, lane)."""
+    return MoeStepper(tiers, [v.num_slots for v in tiers.vram], staging_slots, **kw)
+
+
+def picks_of(tiers, before: dict | None = None) -> dict[str, int]:
+    """The tier stats' picks per lane, less those of `before` (an earlier picks_of): what the steps between counted."""
+    now = dict(tiers.stats.snapshot()["picks"])
+    return now if before is None else {k: v - before[k] for k, v in now.items()}
 
 
 def step_layer(tiers, stepper: MoeStepper, li: int, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor,

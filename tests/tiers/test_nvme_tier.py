@@ -1,5 +1,6 @@
-"""The nvme tier on a real store packed from a generated checkpoint, CPU tensors standing in for VRAM: results equal
-the direct computation from the checkpoint, prefetch lands before demand, start-up verifies and warms, budgets hold."""
+"""The nvme tier on a real store packed from a generated checkpoint, CPU tensors standing in for VRAM: results of the
+real step (glm53.step.stepper.MoeStepper with nvme=the tier, through tests/support/step_layer.py) equal the direct
+computation from the checkpoint, prefetch lands before demand, start-up verifies and warms, budgets hold."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from nvme_support import (
     route,
     slot_forward,
 )
+from step_layer import picks_of, step_layer, stepper_for
 
 import store.read_timing as T
-from glm53.tiers import Where, exl3_expert_layout, tiered_moe
+from glm53.planning.spec import FREE_RAM_SLOTS
+from glm53.tiers import Where, exl3_expert_layout
 from glm53.tiers.nvme import NvmeTier, model_key, record_layout
 from glm53.tiers.nvme_open import StoreRefused, open_nvme_tier
 from store.format import Layout, read_header
@@ -51,15 +54,15 @@ def settle_reads(tier: NvmeTier, timeout: float = 10.0) -> None:
 
 @pytest.mark.parametrize("seed, parts", [(s, None) for s in range(6)] + [(1, 4), (2, 1), (3, 4)])
 def test_tiered_through_the_store_equals_direct(packed, direct, monkeypatch, seed, parts):
-    """Random budgets (VRAM per layer, RAM records), warm or cold, random lanes, admissions, prefetches of
-    predictions right or wrong: every layer output equals the direct computation bit for bit, every readable
+    """Random budgets (VRAM per layer, RAM records), warm or cold, decode and prefill steps, admissions, prefetches
+    of predictions right or wrong: every layer output equals the direct computation bit for bit, every readable
     expert holds its record's bytes, and the arena never grows past the plan. parts: each record in that many parts
     (None: the count timed fastest at open)."""
     ck, store = packed
     rng = np.random.default_rng(seed)
     ram = int(rng.integers(EXPERTS + 1, EXPERTS + 6))  # a RAM tier smaller than the experts VRAM leaves out
     vram = int(rng.integers(0, 2 * EXPERTS // 2))
-    plan = nvme_spec(store, ram, vram)
+    plan = nvme_spec(store, ram, vram, staging_slots=EXPERTS)  # a step may stream up to a whole layer
     stats = None
     if seed % 2:
         stats = ck.parent / f"routing-{seed}.json"
@@ -72,14 +75,16 @@ def test_tiered_through_the_store_equals_direct(packed, direct, monkeypatch, see
         assert tier.budget_bytes <= plan.ram_slots * tier.stride
         tier.check_invariants()
         forward = slot_forward(tier.layout)
-        cpu_share = rng.random()
+        stepper = stepper_for(tier.tiers, plan.staging_slots, nvme=tier)
+        prefill_share = rng.random() / 2
         for _ in range(12):
             layer = int(rng.integers(2))
             ids, w = route(rng, int(rng.integers(1, 4)), EXPERTS, TOP_K)
             x = torch.from_numpy(rng.standard_normal((len(ids), HIDDEN)).astype(np.float32))
-            got = tiered_moe(tier.tiers, layer, x, ids, w, forward, admit=bool(rng.random() < 0.7),
-                             lane_for=lambda lay, e: "cpu" if rng.random() < cpu_share else "pcie")
-            assert torch.equal(got.y, direct.moe(tier.store_layers[layer], x, ids, w))
+            stepper.admit = bool(rng.random() < 0.7)
+            got, _ = step_layer(tier.tiers, stepper, layer, x, ids, w, forward,
+                                decode=bool(rng.random() >= prefill_share))
+            assert torch.equal(got, direct.moe(tier.store_layers[layer], x, ids, w))
             tier.check_invariants()
             nxt = 1 - layer
             guess = rng.choice(EXPERTS, TOP_K, replace=False)
@@ -105,30 +110,33 @@ def test_record_layout_is_the_vram_slot_image():
 
 def test_prefetch_lands_before_demand(packed, direct):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_spec(store, 2 * EXPERTS, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, 2 * EXPERTS, 0, staging_slots=EXPERTS)) as tier:
         forward = slot_forward(tier.layout)
+        stepper = stepper_for(tier.tiers, EXPERTS, nvme=tier)
         ids = np.array([[3, 5, 7, 11], [5, 7, 13, 2]])
         w = torch.rand(2, 4)
         x = torch.randn(2, HIDDEN)
         assert tier.prefetch([(1, int(e)) for e in np.unique(ids)]) == 6
         assert all(tier.tiers.where[1, e] in (Where.FROM_STORE, Where.RAM) for e in np.unique(ids))
         settle_reads(tier)
-        reads = tier.reader.stats()["reads"]
-        got = tiered_moe(tier.tiers, 1, x, ids, w, forward, lane_for=lambda lay, e: "cpu")
-        assert got.picks["nvme"] == 0 and got.picks["cpu"] == ids.size
+        reads, before = tier.reader.stats()["reads"], picks_of(tier.tiers)
+        got, _ = step_layer(tier.tiers, stepper, 1, x, ids, w, forward)
+        picks = picks_of(tier.tiers, before)  # no VRAM slots: every pick a RAM miss over PCIe, none a store read
+        assert picks["nvme"] == 0 and picks["pcie"] == ids.size
         assert tier.reader.stats()["reads"] == reads, "the step read the store although every pick was prefetched"
-        assert torch.equal(got.y, direct.moe(2, x, ids, w))
+        assert torch.equal(got, direct.moe(2, x, ids, w))
         pf = tier.stats.snapshot()["prefetch"]
         assert pf["hits"] == 6 and pf["demand_misses"] == 0 and pf["recall"] == 1.0
 
 
 def test_recall_and_waste_of_a_partial_predictor(packed):
     ck, store = packed
-    with open_nvme_tier(store, ck, nvme_spec(store, 2 * EXPERTS, 0)) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, 2 * EXPERTS, 0, staging_slots=EXPERTS)) as tier:
         forward = slot_forward(tier.layout)
         tier.prefetch([(0, e) for e in (1, 2, 3, 4, 9)])  # right: 1 2 3 4; wrong: 9
         settle_reads(tier)
-        tiered_moe(tier.tiers, 0, torch.randn(1, HIDDEN), np.array([[1, 2, 3, 4, 5, 6]]), torch.rand(1, 6), forward)
+        step_layer(tier.tiers, stepper_for(tier.tiers, EXPERTS, nvme=tier), 0, torch.randn(1, HIDDEN),
+                   np.array([[1, 2, 3, 4, 5, 6]]), torch.rand(1, 6), forward)
         pf = tier.stats.snapshot()["prefetch"]
         assert (pf["issued"], pf["hits"], pf["wasted"], pf["demand_misses"]) == (5, 4, 1, 2)
         assert pf["recall"] == pytest.approx(4 / 6) and pf["precision"] == pytest.approx(4 / 5)
@@ -146,10 +154,20 @@ def test_prefetch_respects_window_guards_and_protection(packed):
         settle_reads(tier)
         # RAM is full: 17 slots, all guarded prefetches. Nothing may be dropped for another guess.
         assert t.ram.free_count() == 0 and tier.prefetch([(1, 15)]) == 0
-        # A step of layer 0 ends layer 0's guards; its unused prefetches become droppable, but not those protected.
-        tiered_moe(t, 0, torch.randn(1, HIDDEN), np.array([[0]]), torch.ones(1, 1), slot_forward(tier.layout))
-        assert tier.prefetch([(1, 15)], protect={0: [0, 1, 2, 3, 4]}) == 0
-        assert t.where[1, 15] == Where.STORE
+        # A step of layer 0 ends layer 0's guards: its unused prefetches (1-4) become droppable, and after launch the
+        # step drops them to keep room for the next step's reads; never its own expert 0, nor layer 1's guesses.
+        step_layer(t, stepper_for(t, 2, nvme=tier), 0, torch.randn(1, HIDDEN), np.array([[0]]), torch.ones(1, 1),
+                   slot_forward(tier.layout))
+        assert [Where(t.where[0, e]) for e in range(5)] == [Where.RAM] + [Where.STORE] * 4
+        assert t.ram.free_count() == FREE_RAM_SLOTS and all(t.where[1, e] == Where.RAM for e in range(12))
+        # RAM full again, of layer 1's guesses and layer 0's expert 0, the one unguarded: a guess may drop it only
+        # where it is not protected.
+        assert tier.prefetch([(1, e) for e in range(12, 16)]) == FREE_RAM_SLOTS
+        settle_reads(tier)
+        assert t.ram.free_count() == 0
+        assert tier.prefetch([(0, 5)], protect={0: [0, 1, 2, 3, 4]}) == 0
+        assert t.where[0, 5] == Where.STORE and t.where[0, 0] == Where.RAM
+        assert tier.prefetch([(0, 5)]) == 1 and t.where[0, 0] == Where.STORE
         tier.check_invariants()
 
 

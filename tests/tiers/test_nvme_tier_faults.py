@@ -27,12 +27,13 @@ from nvme_support import (
     read_in_parts,
     slot_forward,
 )
+from step_layer import picks_of, step_layer, stepper_for
 from test_nvme_tier import settle_reads
 from test_store_reader import corrupt, needs_hash, slow_first, started, under_way
 
 import store.reader as N
 from glm53.planning.routing import save_routing_stats
-from glm53.tiers import Where, tiered_moe
+from glm53.tiers import Where
 from glm53.tiers.nvme import NvmeTier, model_key
 from glm53.tiers.nvme_open import open_nvme_tier
 from store.errors import StoreCorruptError, StoreError, StoreReadError
@@ -75,8 +76,8 @@ class Site:
         with pytest.MonkeyPatch.context() as mp:
             read_in_parts(mp, parts)
             tier = self.stack.enter_context(open_nvme_tier(
-                self.path, self.ck, nvme_spec(self.path, ram, 0, threads=threads), timeout_s=timeout_s, warm=warm,
-                **kw))
+                self.path, self.ck, nvme_spec(self.path, ram, 0, threads=threads, staging_slots=EXPERTS),
+                timeout_s=timeout_s, warm=warm, **kw))
         assert tier.reader.pieces == parts
         return tier
 
@@ -152,14 +153,17 @@ def settle_retired(tier) -> None:
         time.sleep(0.005)
 
 
-def step(tier, direct, layer, experts, seed=0):
-    """One tiered step over `experts`; returns it after checking it against the direct computation."""
+def step(tier, direct, layer, experts, seed=0) -> dict[str, int]:
+    """One decode step of the real step (nvme=the tier) over `experts`, checked against the direct computation;
+    returns the picks it counted per lane."""
     g = torch.Generator().manual_seed(seed)
     ids = np.array([experts])
     w, x = torch.rand(ids.shape, generator=g), torch.randn(1, HIDDEN, generator=g)
-    got = tiered_moe(tier.tiers, layer, x, ids, w, slot_forward(tier.layout), lane_for=lambda lay, e: "cpu")
-    assert torch.equal(got.y, direct.moe(tier.store_layers[layer], x, ids, w))
-    return got
+    before = picks_of(tier.tiers)
+    stepper = stepper_for(tier.tiers, EXPERTS, nvme=tier)
+    got, _ = step_layer(tier.tiers, stepper, layer, x, ids, w, slot_forward(tier.layout))
+    assert torch.equal(got, direct.moe(tier.store_layers[layer], x, ids, w))
+    return picks_of(tier.tiers, before)
 
 
 
@@ -289,8 +293,8 @@ def test_a_transient_fault_is_retried_and_leaves_no_fault(site, tier, direct, se
     assert not fut.done()  # looked at: the I/O error is retried
     finished(fut)
     disk.repair(second)
-    got = step(tier, direct, 1, [BAD[1], 3])
-    assert got.picks["nvme"] == 2 and tier.health() is None and tier.tiers.where[BAD] == Where.RAM
+    picks = step(tier, direct, 1, [BAD[1], 3])
+    assert picks["nvme"] == 2 and tier.health() is None and tier.tiers.where[BAD] == Where.RAM
     assert fut.result(0).attempts == 3
     rs = tier.reader.stats()
     assert (rs["retries"], rs["errors"]) == (2, 0)
@@ -331,8 +335,8 @@ def test_a_slow_read_times_out_and_is_retried_into_a_fresh_slot(site, tier, dire
     """The first read of the record stalls past the timeout: the record is read again into another slot and the
     step goes on; the stalled read's slot stays out of use until that read returns, then is reclaimed."""
     steer = Steer(monkeypatch, BAD, delayed(0.8, first_only=True))
-    got = step(tier, direct, 1, [BAD[1], 4])
-    assert got.picks["nvme"] == 2
+    picks = step(tier, direct, 1, [BAD[1], 4])
+    assert picks["nvme"] == 2
     slow, retry = steer.reads
     assert slow.key[2] != retry.key[2], "the retry went into the stalled read's slot"
     assert not slow.done() and retry.result(0).attempts == 1
@@ -395,8 +399,8 @@ def test_a_prefetch_still_in_flight_is_waited_for_not_read_twice(site, direct, m
     tier.prefetch([(0, 6)])
     fut = tier._reads[(0, 6)].future
     assert tier.tiers.where[0, 6] == Where.FROM_STORE
-    got = step(tier, direct, 0, [6, 8])
-    assert got.picks["nvme"] == 2 and tier.reader.stats()["reads"] == 2
+    picks = step(tier, direct, 0, [6, 8])
+    assert picks["nvme"] == 2 and tier.reader.stats()["reads"] == 2
     assert fut.result(0).attempts == 1 and tier.tiers.where[0, 6] == Where.RAM
     assert tier.stats.snapshot()["prefetch"]["late"] == 1
     assert tier.stats.snapshot()["nvme"]["reads"] == 1  # the step's only demand read: expert 8

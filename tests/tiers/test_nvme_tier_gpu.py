@@ -1,5 +1,6 @@
 """The nvme tier with real VRAM (GPU machine: pytest -m gpu): the 4 KiB-aligned arena is pinned in place, store reads
-land in it, admissions and write-backs cross PCIe on the copy streams, and every output equals the direct one."""
+land in it, misses stream over PCIe into staging and admissions copy from there on the device, write-backs cross
+PCIe on the copy streams, and every output of the real step (nvme=the tier) equals the direct one."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 from nvme_support import HIDDEN, Direct, check_bytes, make_store, nvme_spec, route, slot_forward
+from step_layer import step_layer, stepper_for
 
-from glm53.tiers import Where, tiered_moe
+from glm53.tiers import Where
 from glm53.tiers.nvme_open import open_nvme_tier
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -24,18 +26,18 @@ def test_pinned_arena_and_vram_equal_direct(packed):
     ck, store = packed
     direct = Direct(ck)
     rng = np.random.default_rng(0)
-    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 4, 8, device="cuda")) as tier:
+    with open_nvme_tier(store, ck, nvme_spec(store, EXPERTS + 4, 8, device="cuda", staging_slots=EXPERTS)) as tier:
         t = tier.tiers
         assert t.ram.pinned and t.ram.flat(0).is_pinned() and t.ram.storage.is_pinned()
         assert t.vram[0].storage.is_cuda
         forward = slot_forward(tier.layout)
+        stepper = stepper_for(t, EXPERTS, nvme=tier)
         for step in range(40):
             layer = step % 2
             ids, w = route(rng, int(rng.integers(1, 4)), EXPERTS, 4)
             x = torch.from_numpy(rng.standard_normal((len(ids), HIDDEN)).astype(np.float32))
-            got = tiered_moe(t, layer, x.cuda(), ids, w.cuda(), forward,
-                             lane_for=lambda lay, e: "pcie" if rng.random() < 0.7 else "cpu")
-            assert torch.equal(got.y.cpu(), direct.moe(tier.store_layers[layer], x, ids, w))
+            got, _ = step_layer(t, stepper, layer, x.cuda(), ids, w.cuda(), forward)
+            assert torch.equal(got.cpu(), direct.moe(tier.store_layers[layer], x, ids, w))
             tier.prefetch([(1 - layer, int(e)) for e in rng.choice(EXPERTS, 4, replace=False)])
             tier.check_invariants()
         t.settle_all()

@@ -8,7 +8,9 @@ A failed read leaves garbage in its buffer, and so does a read that completes af
 tier must have given that slot up). So a read marked resident before it landed, a slot reused under a read still
 writing into it, or a failed read taken for data, each leave wrong bytes where the checks look. After every step:
 the tier rules, exclusivity, every readable expert equal to its store record, the arena within budget, faults
-only on records made to fail.
+only on records made to fail. Layer steps are the real step (glm53.step.stepper.MoeStepper with nvme=the tier,
+through tests/support/step_layer.py): decode steps teach the policy, admit when admitting and make RAM room after
+launch; prefill steps stage every pick, read the next layer ahead, and neither teach nor admit.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from nvme_support import make_store
 from policy_lab import use_policy
+from step_layer import step_layer, stepper_for
 from test_tiers_props import DeferredCopier
 
-from glm53.tiers import TierError, Where, direct_moe, tiered_moe
+from glm53.tiers import TierError, Where, direct_moe
 from glm53.tiers.nvme import NvmeTier
 from glm53.tiers.policy import ScoredPolicy
 from store.errors import StoreError, StoreReadError
@@ -116,7 +119,7 @@ class NvmeMachine(RuleBasedStateMachine):
         self.reader = DeferredReader(store_file())
         self.copier = DeferredCopier()
         self.tier = NvmeTier(self.reader, EXPERTS, vram, EXPERTS + 1 + spare, copier=self.copier, timeout_s=1.0,
-                             window=4)
+                             window=4, staging_slots=EXPERTS)
         use_policy(self.tier.tiers, lambda n: ScoredPolicy(n, margin=0.0))
         TIER_LAYOUT[:] = [self.tier.layout]
         lo = self.tier.tiers.ram.storage.data_ptr()
@@ -127,19 +130,20 @@ class NvmeMachine(RuleBasedStateMachine):
         self.ever_failed: set[tuple[int, int]] = set()
         self.clogged: set[tuple[int, int]] = set()  # records a step could not read while stalled reads held RAM
         self.tier.warm(None if counts is None else np.array(counts).reshape(LAYERS, EXPERTS))
+        self.stepper = stepper_for(self.tier.tiers, EXPERTS, nvme=self.tier)
 
     def image(self, layer: int, e: int) -> torch.Tensor:
         return self.images[(self.tier.store_layers[layer], e)]
 
     @rule(layer=layers, picks=st.lists(st.lists(experts, min_size=2, max_size=2, unique=True), min_size=1, max_size=3),
-          cpu=st.booleans(), admit=st.booleans(), observe=st.booleans())
-    def step(self, layer, picks, cpu, admit, observe):
+          decode=st.booleans(), admit=st.booleans())
+    def step(self, layer, picks, decode, admit):
         ids = np.array(picks)
         x = torch.arange(len(picks) * HIDDEN, dtype=torch.float32).reshape(len(picks), HIDDEN)
         w = torch.full(ids.shape, 0.5)
+        self.stepper.admit = admit
         try:
-            got = tiered_moe(self.tier.tiers, layer, x, ids, w, forward, observe=observe, admit=admit,
-                             lane_for=lambda lay, e: "cpu" if cpu else "pcie")
+            got, _ = step_layer(self.tier.tiers, self.stepper, layer, x, ids, w, forward, decode=decode)
         except StoreError as exc:  # only a record made to fail or stall may fail a step, and it is named
             if "held by reads that stalled" in exc.problem:  # or any, once stalled reads hold every free slot
                 assert self.tier.tiers.ram.retired() > 0
@@ -149,7 +153,7 @@ class NvmeMachine(RuleBasedStateMachine):
             assert bad, f"a step failed on good records: {exc}"
             assert any(f"expert {e})" in exc.problem for e in bad)
             return
-        assert torch.equal(got.y, direct_moe(x, ids, w, lambda e: self.image(layer, e), forward))
+        assert torch.equal(got, direct_moe(x, ids, w, lambda e: self.image(layer, e), forward))
 
     @rule(picks=st.lists(pairs, max_size=6))
     def prefetch(self, picks):

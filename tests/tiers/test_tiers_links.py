@@ -1,8 +1,8 @@
 """The tiers split across two devices (CPU tensors standing in): one link per device share, one RAM tier.
 
-Each layer's VRAM slots, staging rows and copies belong to its layer's link; every output still equals the direct
-all-experts computation, and every copy a link issues lands in its own layers' arenas, its own staging rows, or
-the shared RAM tier (write-backs).
+Each layer's VRAM slots, staging rows and copies belong to its layer's link; every output of the real step
+(tests/support/step_layer.py) still equals the direct all-experts computation, and every copy a link issues lands in
+its own layers' arenas, its own staging rows, or the shared RAM tier (write-backs).
 """
 
 from __future__ import annotations
@@ -10,10 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from step_layer import step_layer, stepper_for
 from tier_experts import HIDDEN, LAYOUT, build, check_contents, make_experts, route, swiglu
 
 from glm53.bench.copiers import HeldCopier
-from glm53.tiers import direct_moe, tiered_moe
+from glm53.tiers import direct_moe
 from glm53.tiers.links import link_plan
 
 LINK_OF = [0, 0, 1, 1]
@@ -50,18 +51,20 @@ def test_two_links_equal_direct_and_keep_their_copies_apart(seed: int) -> None:
     keep_all = seed % 2 == 0
     vram = [int(v) for v in rng.integers(1, experts_n, layers)]
     ram = None if keep_all else experts_n + 1 + int(rng.integers(0, 12))
-    tiers = build(experts, vram, keep_all, ram, link_devices=["cpu", "cpu"], link_of=LINK_OF, staging_slots=6)
+    # Staging for a whole layer: a decode step streams every miss (up to 4 tokens x top-4 of 12 experts).
+    tiers = build(experts, vram, keep_all, ram, link_devices=["cpu", "cpu"], link_of=LINK_OF, staging_slots=experts_n)
     seen = watch(tiers)
     tiers.populate(lambda lay, e, out: out.copy_(experts[lay, e]), rng.random((layers, experts_n)) if seed else None)
     assert len(tiers.links) == 2 and tiers.links[0].staging.data_ptr() != tiers.links[1].staging.data_ptr()
+    stepper = stepper_for(tiers, experts_n)
     for _ in range(40):
         layer = int(rng.integers(layers))
         ids, w = route(rng, int(rng.integers(1, 5)), experts_n, top_k)
         x = torch.randn(len(ids), HIDDEN, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
         want = direct_moe(x, ids, w, lambda e, layer=layer: experts[layer, e], swiglu)
-        got = tiered_moe(tiers, layer, x, ids, w, swiglu, lane_for=lambda lay, e: "pcie",
-                         admit=bool(rng.random() < 0.8))
-        assert torch.equal(got.y, want)
+        stepper.admit = bool(rng.random() < 0.8)
+        got, _ = step_layer(tiers, stepper, layer, x, ids, w, swiglu)
+        assert torch.equal(got, want)
         tiers.check_invariants()
         check_contents(tiers, experts)
     ram_arena = tiers.ram.storage  # shared: write-backs from either link land here

@@ -3,7 +3,9 @@
 The copier here defers every copy until the test lands it, on two independent queues like the fill and
 write-back copy streams: an expert marked resident too early, or a fill overtaking the write-back that still
 reads its slot, would leave someone else's bytes where the content checks look. After every step: exclusivity, nothing lost or duplicated, only landed experts in the
-router map, every readable expert's bytes equal to the source (so write-backs really wrote back).
+router map, every readable expert's bytes equal to the source (so write-backs really wrote back). Layer steps are
+the real step (glm53.step.stepper.MoeStepper through tests/support/step_layer.py), decode or prefill, admitting or
+not; their copies (staging, admissions from staging) are deferred like the rest, the kernels waiting for them.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from policy_lab import use_policy
+from step_layer import step_layer, stepper_for
 
-from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe, tiered_moe
+from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe
 from glm53.tiers.policy import ScoredPolicy
 
 LAYERS, EXPERTS = 2, 6
@@ -100,7 +103,7 @@ class TierMachine(RuleBasedStateMachine):
         ram = LAYERS * EXPERTS - sum(vram) + 1 + spare if keep_all else EXPERTS + 1 + spare
         self.tiers = ExpertTiers(
             LAYOUT, EXPERTS, vram, ram, keep_all=keep_all, copier=self.copier,
-            fetch=lambda lay, e, out: out.copy_(self.src[lay, e]),
+            fetch=lambda lay, e, out: out.copy_(self.src[lay, e]), staging_slots=EXPERTS,
         )
         use_policy(self.tiers, lambda n: ScoredPolicy(n, margin=0.0))
         lo = self.tiers.ram.storage.data_ptr()
@@ -112,6 +115,7 @@ class TierMachine(RuleBasedStateMachine):
             for layer, s in enumerate(vram):
                 top = np.argsort(-self.counts[layer], kind="stable")[:s]
                 assert set(np.flatnonzero(self.tiers.vram[layer].resident())) == set(top.tolist())
+        self.stepper = stepper_for(self.tiers, EXPERTS)
 
     @rule(layer=layers, expert=experts, data=st.data())
     def admit(self, layer, expert, data):
@@ -169,14 +173,16 @@ class TierMachine(RuleBasedStateMachine):
         assert self.tiers.where[layer, expert] not in (Where.TO_VRAM, Where.TO_RAM)
 
     @rule(layer=layers, picks=st.lists(st.lists(experts, min_size=2, max_size=2, unique=True), min_size=1, max_size=3),
-          cpu=st.booleans(), admit=st.booleans())
-    def step(self, layer, picks, cpu, admit):
+          decode=st.booleans(), admit=st.booleans())
+    def step(self, layer, picks, decode, admit):
+        """One layer step: decode (teaches the policy; admits the streamed misses it wants, when admitting) or
+        prefill (stages every pick, residents too, and neither teaches nor admits)."""
         ids = np.array(picks)
         x = torch.arange(len(picks) * 4, dtype=torch.float32).reshape(len(picks), 4)
         w = torch.full(ids.shape, 0.5)
-        got = tiered_moe(self.tiers, layer, x, ids, w, expert_forward,
-                         lane_for=lambda lay, e: "cpu" if cpu else "pcie", admit=admit)
-        assert torch.equal(got.y, direct_moe(x, ids, w, lambda e: self.src[layer, e], expert_forward))
+        self.stepper.admit = admit
+        got, _ = step_layer(self.tiers, self.stepper, layer, x, ids, w, expert_forward, decode=decode)
+        assert torch.equal(got, direct_moe(x, ids, w, lambda e: self.src[layer, e], expert_forward))
 
     @invariant()
     def tier_rules(self):
