@@ -222,6 +222,9 @@ def register_depth(bench_sub: Any) -> None:
     p.add_argument("--reference", metavar="JSON", help="an earlier call's --json: its stock figures, for the ratios "
                    "and the token comparison when this call measures no stock")
     p.add_argument("--json", metavar="FILE", help="write the figures as JSON (after each mode, and at the end)")
+    from glm53.bench.emulate import add_arguments
+
+    add_arguments(p, threads=True)
     p.set_defaults(func=cmd_bench_depth)
 
 

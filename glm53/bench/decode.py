@@ -307,12 +307,12 @@ class _Runner:
             unplace()
         if self.tiered is not None:
             self.tiered.populate()
-            if pacer is not None:  # after the load's copies, before the lane times the link
-                from glm53.bench.emulate import install
+            from glm53.bench.emulate import Emulation, tiers_hook
 
-                install(self.tiered, pacer)
+            # After the load's copies, before the lane times the link: what the engine's on_tiers does in serving.
+            tiers_hook(Emulation(lane_isas=tuple(lane_isas) if lane_isas else None), pacer)(self.tiered)
             if self.tiered.spec.lane:
-                self.tiered.start_lane(self.tiered.spec.cpu_threads, isas=lane_isas)
+                self.tiered.start_lane(self.tiered.spec.cpu_threads)
         rt.build_generator(max_batch_size=1)
         self.load_s = time.perf_counter() - t0
 

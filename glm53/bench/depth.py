@@ -118,6 +118,12 @@ def report(doc: dict) -> str:
     lines = [f"glm53 bench depth: {doc['checkpoint']['what']}; plan for GLM53_VRAM_BUDGET_GB={s['vram_budget_gb']:g} "
              f"GLM53_CONTEXT={s['context']}" + (f", nvme modes under a {s['memory_gib']:g} GiB cap" if
                                                  s.get("memory_gib") else "")]
+    emu = s.get("emulation") or {}
+    if emu.get("name", "none") != "none":
+        from glm53.bench.emulate import from_json
+
+        lines.append(f"  emulated host (tiered modes): {from_json(emu).describe()}; not emulated: this host's Python "
+                     "speed, its DRAM channels, cores it does not have")
     for mode, r in doc["modes"].items():
         if r.get("error"):
             lines.append(f"  {mode}: FAILED: {r['error']}")
@@ -209,6 +215,23 @@ def mode_spec(job: dict) -> tuple[Any, dict]:
     return spec, doc
 
 
+def emulated(job: dict, spec: Any) -> tuple[Any, Any]:
+    """The mode's spec and the engine's on_tiers on the host the job emulates (glm53.bench.emulate); stock runs
+    as it is (no expert crosses the link)."""
+    from glm53.bench import emulate
+
+    emu = emulate.from_json(job.get("emulation"))
+    if emu.name == "none" or not spec.tiered:
+        return spec, None
+    from glm53.planning.shape import from_checkpoint
+
+    spec = emulate.emulated_spec(spec, emu, from_checkpoint(Path(job["model"])).experts_per_layer)
+    pacer = emulate.link_pacer(emu, from_checkpoint(Path(job["model"])).expert_bytes) if spec.device.startswith(
+        "cuda") else None
+    print(f"emulating {emu.describe()}: VRAM slots per MoE layer {list(spec.vram_slots)}", flush=True)
+    return spec, emulate.tiers_hook(emu, pacer)
+
+
 def child(job_path: Path) -> int:
     """One mode in this process (python -m glm53.bench.depth JOB.json): its figures to job['out'] as they come."""
     import logging
@@ -229,9 +252,10 @@ def child(job_path: Path) -> int:
             spec, plan_doc = EngineSpec(**{**job["spec"], "vram_slots": tuple(job["spec"]["vram_slots"])}), None
         else:
             spec, plan_doc = mode_spec(job)
+        spec, on_tiers = emulated(job, spec)
         from glm53.bench.depth_measure import measure
 
-        measure(job, spec, plan_doc, save)
+        measure(job, spec, plan_doc, save, on_tiers)
     except Exception as exc:
         prior = json.loads(out.read_text()) if out.exists() else {"mode": job["mode"]}
         save({**prior, "error": f"{type(exc).__name__}: {exc}"})
@@ -300,6 +324,9 @@ def cmd_bench_depth(args: argparse.Namespace) -> int:
         if args.tokens < 8 or args.profile_tokens < 0:
             raise ValueError("--tokens must be at least 8 and --profile-tokens at least 0")
         reference = load_reference(args.reference) if args.reference else None
+        from glm53.bench.emulate import checked, to_json
+
+        emulation = to_json(checked(args))
     except ValueError as exc:
         print(f"glm53 bench depth: {exc}", file=sys.stderr)
         return 2
@@ -308,7 +335,7 @@ def cmd_bench_depth(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {"bench": "depth", "date": time.strftime("%Y-%m-%d %H:%M"), "modes": {},
                            "settings": {"vram_budget_gb": args.budget_gb, "context": args.context,
                                         "concurrency": args.concurrency, "memory_gib": args.memory_gib, "prompts": prompts, "tokens": args.tokens,
-                                        "profile_tokens": args.profile_tokens}}
+                                        "profile_tokens": args.profile_tokens, "emulation": emulation}}
     made: list[Path] = []
     try:
         model_dir, what = checkpoint(args, work)
@@ -327,7 +354,8 @@ def cmd_bench_depth(args: argparse.Namespace) -> int:
             job = {"mode": mode, "model": str(model_dir), "vram_budget_gb": args.budget_gb, "context": args.context,
                    "concurrency": args.concurrency, "memory_gib": args.memory_gib, "store": str(store) if store else None, "buffered": buffered,
                    "cache_dir": str(work / f"cache-{mode}"), "prompts": prompts, "tokens": args.tokens,
-                   "profile_tokens": args.profile_tokens, "checks": args.checks, "out": str(out)}
+                   "profile_tokens": args.profile_tokens, "checks": args.checks, "out": str(out),
+                   "emulation": emulation}
             shutil.rmtree(job["cache_dir"], ignore_errors=True)  # every mode starts from no saved routing
             job_path = work / f"depth-{mode}.job.json"
             job_path.write_text(json.dumps(job))

@@ -324,8 +324,10 @@ def _checks(engine: Any, context: int, hi: int, long_seed: int) -> dict:
     return out
 
 
-def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], None]) -> dict:
-    """Load the engine for `spec` and measure everything for one mode; save(res) after each phase."""
+def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], None],
+            on_tiers: Callable[[Any], None] | None = None) -> dict:
+    """Load the engine for `spec` and measure everything for one mode; save(res) after each phase. on_tiers: the
+    emulated host's hook (glm53.bench.emulate.tiers_hook), or None."""
     import torch
 
     from glm53.engine.exl3_engine import Exl3Engine
@@ -338,11 +340,11 @@ def measure(job: dict, spec: Any, plan_doc: dict | None, save: Callable[[dict], 
     prompts, tokens, profile_tokens = job["prompts"], job["tokens"], job["profile_tokens"]
     peak_tokens, greedy_tokens = job.get("peak_tokens", PEAK_TOKENS), job.get("greedy_tokens", GREEDY_TOKENS)
     res: dict[str, Any] = {"mode": job["mode"], "engine": spec.engine, "spec": spec.to_json(), "plan": plan_doc,
-                           "runs": [], "memory": {}, "profile": {}}
+                           "runs": [], "memory": {}, "profile": {}, "emulation": job.get("emulation")}
     cuda = spec.device.startswith("cuda")
     sampler = Sampler(spec.device)
     clock = _Clock(cuda)
-    engine = Exl3Engine(model_dir, spec, model_id="glm-5.3-flash")
+    engine = Exl3Engine(model_dir, spec, model_id="glm-5.3-flash", on_tiers=on_tiers)
     timer = None
     try:
         t0 = time.perf_counter()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 CARD_FRACTION = 0.11  # a 24 GB card holds ~11% of GLM-5.3-Flash's routed experts (the reference's 1,376 of 12,096)
@@ -61,9 +62,39 @@ def from_args(args: argparse.Namespace) -> Emulation:
     return emu
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def checked(args: argparse.Namespace) -> Emulation:
+    """from_args, refused (ValueError naming why) where this machine cannot emulate it."""
+    import os
+
+    from glm53.cpu_lane import kernel
+
+    emu = from_args(args)
+    why = problem(emu, kernel.supported_isas(), os.cpu_count() or 1)
+    if why:
+        raise ValueError(f"--emulate: {why}")
+    return emu
+
+
+def to_json(emu: Emulation) -> dict[str, Any]:
+    doc = asdict(emu)
+    doc["lane_isas"] = list(emu.lane_isas) if emu.lane_isas is not None else None  # as JSON reads it back
+    return doc
+
+
+def from_json(doc: dict[str, Any] | None) -> Emulation:
+    """The Emulation to_json wrote (a job file, a launcher's argument); None: this machine's own."""
+    if not doc:
+        return Emulation()
+    isas = doc.get("lane_isas")
+    return Emulation(**{**doc, "lane_isas": tuple(isas) if isas is not None else None})
+
+
+def add_arguments(p: argparse.ArgumentParser, threads: bool = False) -> None:
+    """The emulation's flags; threads: also --cpu-threads (benches that have no lane-threads flag of their own)."""
     p.add_argument("--emulate", choices=sorted(PRESETS), help="emulate a user's box: " + "; ".join(
         e.describe() for e in PRESETS.values()).replace("%", "%%"))
+    if threads:
+        p.add_argument("--cpu-threads", type=int, help="CPU-lane threads (default: the plan's)")
     p.add_argument("--link-GBps", type=float, metavar="R", help="pace host<->device expert copies to R GB/s "
                    "(a device-side sleep after each copy on its copy stream)")
     p.add_argument("--lane-isa", metavar="ISA[,ISA]", help="the CPU lane's kernel paths to choose among (e.g. avx2)")
@@ -155,3 +186,43 @@ def paced_rate(pacer: LinkPacer, nbytes: int, copies: int = 32, device: str = "c
         last = copier.copy(dst[i % 4], src[i])
     last.wait()
     return copies * nbytes / (time.perf_counter() - t0)
+
+
+def emulated_spec(spec: Any, emu: Emulation, experts_per_layer: int) -> Any:
+    """The plan's EngineSpec on the emulated host: VRAM slots per MoE layer capped at the card's share of each
+    layer's experts, the lane's threads the emulation's. A stock or untiered spec is returned as it is."""
+    if not spec.tiered:
+        return spec
+    if len(spec.devices) > 1:
+        raise ValueError("the consumer-box emulation is of one card; this plan splits the layers across "
+                         f"{len(spec.devices)} GPUs")
+    if emu.card_fraction is not None:
+        cap = slots_for(emu, experts_per_layer, 0)
+        slots = tuple(min(s, cap) for s in spec.vram_slots)
+        devices = tuple(replace(d, vram_slots=sum(slots)) for d in spec.devices)
+        spec = replace(spec, vram_slots=slots, devices=devices)
+    if emu.lane_threads is not None and spec.lane:
+        spec = replace(spec, cpu_threads=emu.lane_threads)
+    return spec
+
+
+def link_pacer(emu: Emulation, expert_bytes: int, log: Callable[[str], None] = print) -> LinkPacer | None:
+    """The pacer for the emulated link, set against expert-sized copies' own rate on this machine (below a 1 GiB
+    copy's), so what remains after each copy's sleep is the target; None where the link is this machine's."""
+    if not emu.link_GBps:
+        return None
+    from glm53.bench.decode import h2d_rate
+
+    measured = h2d_rate(expert_bytes, repeats=21)
+    log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s; paced to {min(emu.link_GBps * 1e9, measured) / 1e9:.1f}")
+    return LinkPacer(min(emu.link_GBps * 1e9, measured), measured, sleep_cycles_per_s())
+
+
+def tiers_hook(emu: Emulation, pacer: LinkPacer | None) -> Callable[[Any], None]:
+    """The engine's on_tiers: once the tiers hold their experts (the load's copies unpaced), pace their links and
+    narrow the lane's kernel paths, before the lane times the link."""
+    def on_tiers(tiered: Any) -> None:
+        install(tiered, pacer)
+        tiered.lane_isas = emu.lane_isas
+
+    return on_tiers

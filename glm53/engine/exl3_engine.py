@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,10 +71,12 @@ class Exl3Engine(WorkerEngine):
         model_id: str = "glm-5.3-flash",
         routing_stats_dir: Path | None = None,
         admit: bool = True,
+        on_tiers: Callable[[Any], None] | None = None,
     ) -> None:
         """spec: every size this engine runs with (glm53.planning.spec; the plan's, or engine_spec's for a shape of the
         caller's own). routing_stats_dir: where routing statistics are read at load (to warm the tiers) and
-        saved at close. admit=False: misses are only streamed, never admitted into VRAM."""
+        saved at close. admit=False: misses are only streamed, never admitted into VRAM. on_tiers: see
+        glm53.exl3.runtime.Runtime.load (a benchmark's emulated host)."""
         if spec.nvme and not spec.store:
             raise ValueError(f"{spec.engine} mode needs the expert store (GLM53_STORE)")
         super().__init__(model_dir, model_id=model_id, context_length=spec.context, max_running=spec.max_concurrency)
@@ -83,6 +86,7 @@ class Exl3Engine(WorkerEngine):
         self.device = spec.device
         self.routing_stats_dir = Path(routing_stats_dir) if routing_stats_dir else None
         self.admit = admit
+        self.on_tiers = on_tiers
         self.runtime: Any = None  # glm53.exl3.runtime.Runtime, once loaded
         self.tiered: Any = None
         self.load_seconds = 0.0
@@ -111,7 +115,7 @@ class Exl3Engine(WorkerEngine):
         # Out of memory here is the plan's sizes against this device: the message says which settings lower them.
         with out_of_memory_names_knobs("while loading the model"):
             runtime.load(spec, counts_for=self._saved_counts if self.routing_stats_dir is not None else None,
-                         admit=self.admit, nvme_open=self._nvme_open())
+                         admit=self.admit, nvme_open=self._nvme_open(), on_tiers=self.on_tiers)
         self.runtime, self.tiered = runtime, runtime.tiered
         if self.supports_grammar:
             runtime.prepare_grammar()

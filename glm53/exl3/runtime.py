@@ -95,15 +95,16 @@ class Runtime:
         return self.generator
 
     def load(self, spec: EngineSpec, *, counts_for: Callable[[int, int], Any] | None = None, admit: bool = True,
-             nvme_open: Callable[[], Any] | None = None) -> None:
+             nvme_open: Callable[[], Any] | None = None, on_tiers: Callable[[Any], None] | None = None) -> None:
         """The tokenizer, model, cache, tiers and generator for `spec`. counts_for(moe_layers, experts): saved
-        routing statistics to warm the tiers with (or None)."""
+        routing statistics to warm the tiers with (or None). on_tiers(tiered): called once the tiers hold their
+        experts, before the CPU lane times the link (a benchmark emulating another host paces the link there)."""
         self.tokenizer = self.exl.Tokenizer.from_config(self.config)
-        self._load_model(spec, counts_for, admit, nvme_open)
+        self._load_model(spec, counts_for, admit, nvme_open, on_tiers)
         self.build_generator(spec.max_concurrency, spec.prefill_chunk, spec.recurrent_cache_bytes)
 
     def _load_model(self, spec: EngineSpec, counts_for: Callable[[int, int], Any] | None, admit: bool,
-                    nvme_open: Callable[[], Any] | None) -> None:
+                    nvme_open: Callable[[], Any] | None, on_tiers: Callable[[Any], None] | None = None) -> None:
         import torch
 
         from glm53.exl3.placement import moe_modules, place_layers, wrap_load_progress
@@ -134,7 +135,7 @@ class Runtime:
             with torch.inference_mode():
                 self.load_weights(spec.device)
             if tiered is not None:
-                _fill_tiers(tiered, spec)
+                _fill_tiers(tiered, spec, on_tiers)
         except BaseException:
             # A failed load must not leave the lane's threads, the store reader or the pinned arena behind.
             model.unload()
@@ -280,7 +281,7 @@ def _log_tiers(spec: EngineSpec, tiered: Any) -> None:
              f", the rest read from {spec.store}" if tiered.nvme is not None else "")
 
 
-def _fill_tiers(tiered: Any, spec: EngineSpec) -> None:
+def _fill_tiers(tiered: Any, spec: EngineSpec, on_tiers: Callable[[Any], None] | None = None) -> None:
     t1 = time.perf_counter()
 
     def experts(done: int, total: int) -> None:
@@ -288,5 +289,7 @@ def _fill_tiers(tiered: Any, spec: EngineSpec) -> None:
 
     tiered.populate(experts)
     log.info("routed experts placed in %.1f s", time.perf_counter() - t1)
+    if on_tiers is not None:
+        on_tiers(tiered)
     if spec.lane:
         tiered.start_lane(spec.cpu_threads)

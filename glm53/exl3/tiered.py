@@ -96,6 +96,10 @@ class TieredMoE:
     Lifecycle: construct (after Model.from_config, before load) -> install() -> model.load() -> populate() ->
     [enable_lane()] -> forwards ... -> close() (after model.unload() or before; both orders restore the modules)."""
 
+    # The kernel paths the CPU lane calibrates among: None, every one this host runs (a benchmark emulating
+    # another CPU narrows it before the lane starts).
+    lane_isas: tuple[str, ...] | None = None
+
     def __init__(
         self,
         model: Any,
@@ -336,12 +340,12 @@ class TieredMoE:
         return "mcg" if f"{first}.mcg" in self.index else "mul1" if f"{first}.mul1" in self.index else "3inst"
 
     def start_lane(self, threads: int, cpus: Sequence[int] | None = None, isas: Sequence[str] | None = None) -> None:
-        """fast / nvme modes: calibrate the CPU kernel (among `isas`, default all) and this machine's PCIe copies (the
-        first card's link, in a split across cards), start the lane, attach it."""
+        """fast / nvme modes: calibrate the CPU kernel (among `isas`, default `lane_isas`) and this machine's PCIe
+        copies (the first card's link, in a split across cards), start the lane, attach it."""
         from glm53.cpu_lane.lane import start_lane
 
         lane, fit = start_lane(self.layout, self.measure_pcie(), threads, cpus=cpus, stats=self.tiers.stats,
-                               codebook=self.codebook, isas=isas)
+                               codebook=self.codebook, isas=isas if isas is not None else self.lane_isas)
         self.enable_lane(lane, fit)
 
     def enable_lane(self, lane: Any, fit: Any) -> None:

@@ -98,6 +98,8 @@ def test_token_lists_compare_at_their_first_difference():
     (["--prompts", "8k"], "wants token counts"),
     (["--tokens", "2"], "--tokens must be at least 8"),
     (["--reference", "/nonexistent/depth.json"], "--reference /nonexistent/depth.json"),
+    (["--emulate", "rtx3090-gen4", "--cpu-threads", "100000"], "--emulate: 100000 lane threads: this machine has"),
+    (["--link-GBps", "0"], "--emulate: the link rate must be > 0 GB/s"),
 ])
 def test_bad_arguments_are_refused_before_any_work(argv, message, capsys, tmp_path):
     args = build_parser().parse_args(["bench", "depth", "--work", str(tmp_path), *argv])
@@ -209,6 +211,44 @@ def test_the_child_records_why_a_mode_failed(small, tmp_path):
     assert got["mode"] == "nvme-exact" and str(missing) in got["error"]
     doc = D.finish({"modes": {"nvme-exact": got}})
     assert D.exit_status(doc) == 1
+
+
+def test_an_emulated_mode_loads_the_card_share_of_the_slots_and_says_what_it_emulated(small, tmp_path):
+    """The job's emulation reaches the child: the plan's 3 slots a layer become the consumer card's 11% of 16
+    experts (2), the tiers get the engine's on_tiers before they serve, and the figures carry the emulation."""
+    from glm53.bench.emulate import PRESETS, to_json
+
+    emu = to_json(PRESETS["rtx3090-gen4"])
+    job = {**JOB, "mode": "exact", "model": str(small), "out": str(tmp_path / "exact.json"), "emulation": emu,
+           "spec": spec_for(small, "exact", 3, kv_tokens=512, prefill_chunk=256, max_concurrency=2).to_json()}
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job))
+    with F.installed():
+        assert D.child(path) == 0
+    got = json.loads((tmp_path / "exact.json").read_text())
+    assert got.get("error") is None and got["emulation"] == emu
+    assert got["spec"]["vram_slots"] == [2] * 7 and got["loaded"]["vram_slots"] == got["planned"]["vram_slots"]
+    doc = {"checkpoint": {"what": "small"}, "modes": {"exact": got},
+           "settings": {"vram_budget_gb": 24, "context": 131072, "emulation": emu}}
+    assert "emulated host (tiered modes): rtx3090-gen4: link 25 GB/s, 11% of the experts in VRAM" in D.report(doc)
+
+
+def test_the_emulated_spec_caps_slots_sets_lane_threads_and_leaves_stock_alone(small):
+    from dataclasses import replace
+
+    from glm53.bench.emulate import Emulation, emulated_spec
+    from glm53.planning.devices import DeviceShare
+
+    emu = Emulation(name="box", card_fraction=0.25, lane_threads=3)
+    fast = spec_for(small, "fast", 6, kv_tokens=512, cpu_threads=8)
+    got = emulated_spec(fast, emu, 16)
+    assert got.vram_slots == (4,) * len(fast.vram_slots) and got.cpu_threads == 3
+    assert emulated_spec(spec_for(small, "exact", 2, kv_tokens=512), emu, 16).vram_slots[0] == 2  # below the cap
+    stock = spec_for(small, "stock", 0, kv_tokens=512)
+    assert emulated_spec(stock, emu, 16) == stock
+    share = DeviceShare(0, "card", 1 << 30, 0, 3, 0, 3, 12)
+    with pytest.raises(ValueError, match="of one card; this plan splits the layers across 2 GPUs"):
+        emulated_spec(replace(fast, devices=(share, replace(share, index=1))), emu, 16)
 
 
 H200 = ("NVIDIA H200", 143771, 143000, 5, 16)
