@@ -85,19 +85,28 @@ def _server_flags(p: Any) -> None:
     g.add_argument("--store", metavar="FILE", help="GLM53_STORE for the started server (the nvme modes)")
     g.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for /ready (default 900)")
     g.add_argument("--log-dir", type=Path, help="where the started server's log goes (default: a temp dir)")
+    from glm53.bench.emulate import add_arguments
+
+    add_arguments(g, threads=True)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
 
 
 def _serve_options(args: argparse.Namespace) -> Any:
     import os
 
+    from glm53.bench.emulate import checked, to_json
     from glm53.bench.served import ServeOptions
 
-    if args.url and (args.model or args.mode or args.store):
-        raise SystemExit("glm53 bench: --model, --mode and --store configure a started server; with --url the "
-                         "server is already running (leave them out)")
+    try:
+        emulation = checked(args)
+    except ValueError as exc:
+        raise SystemExit(f"glm53 bench: {exc}") from None
+    if args.url and (args.model or args.mode or args.store or emulation.name != "none"):
+        raise SystemExit("glm53 bench: --model, --mode, --store and the emulation flags configure a started server; "
+                         "with --url the server is already running (leave them out)")
     key = args.api_key if args.api_key is not None else os.environ.get("GLM53_API_KEY", "")
     return ServeOptions(url=args.url, api_key=key, model=args.model, mode=args.mode, store=args.store,
+                        emulation=to_json(emulation) if emulation.name != "none" else None,
                         ready_timeout_s=args.ready_timeout, log_dir=args.log_dir)
 
 
@@ -133,15 +142,20 @@ def _run_http_bench(name: str, args: argparse.Namespace, run: Any, render: Any, 
     from glm53.bench.agent import write_json
     from glm53.bench.served import BenchError, served
 
+    opts = _serve_options(args)
     try:
-        with served(_serve_options(args), log=_stderr) as server:
+        with served(opts, log=_stderr) as server:
             result = run(server, log=_stderr)
     except BenchError as exc:
         _stderr(f"glm53 bench {name}: error: {exc}")
         return 1
     print(render(result))
+    if opts.emulation:
+        from glm53.bench.emulate import from_json
+
+        print(f"emulated host: {from_json(opts.emulation).describe()} (the server's log has its slots and pace)")
     if args.json:
-        write_json(args.json, to_json(result))
+        write_json(args.json, {**to_json(result), "emulation": opts.emulation})
     return 0
 
 

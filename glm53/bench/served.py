@@ -8,6 +8,7 @@ passed as the GLM53_* settings `glm53 serve` reads, so the numbers are those of 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -115,6 +116,7 @@ class ServeOptions:
     mode: str | None = None
     store: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # further GLM53_* settings for a self-started server
+    emulation: dict[str, Any] | None = None  # glm53.bench.emulate.to_json: the self-started server's emulated host
     ready_timeout_s: float = 900.0
     log_dir: Path | None = None
 
@@ -142,7 +144,9 @@ def served(opts: ServeOptions, log: Any = print) -> Iterator[Server]:
         f"{', mode ' + opts.mode if opts.mode else ''}); log: {log_path}")
     t0 = time.perf_counter()
     with open(log_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "glm53", "serve"], env=env, stdout=out,
+        command = [sys.executable, "-m", "glm53", "serve"] if not opts.emulation else [
+            sys.executable, "-m", "glm53.bench.emulated_serve", json.dumps(opts.emulation)]
+        proc = subprocess.Popen(command, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc, log_path, opts.ready_timeout_s)

@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import socket
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from glm53.server.urls import http_url
@@ -191,7 +192,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = settings_from_args(args)
+    return serve(settings_from_args(args))
+
+
+def serve(settings: Any, make_engine: Callable[[Any], Any] | None = None) -> int:
+    """Listen, start the engine make_engine(settings) gives (default: the one these settings choose), serve
+    until stopped. A benchmark that emulates another host passes its own maker (glm53.bench.emulated_serve)."""
     setup_logging(settings.log_level)
     refusal = bind_refusal(settings)
     if refusal:
@@ -203,7 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"glm53: {exc}", file=sys.stderr)
         return 2
     _note_port(sock)
-    engine = start_engine(settings)
+    engine = (make_engine or start_engine)(settings)
 
     import uvicorn
 

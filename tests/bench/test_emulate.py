@@ -105,3 +105,47 @@ def test_paced_link_delivers_the_target_rate() -> None:
     got = emulate.paced_rate(pacer, nbytes, copies=64)
     print(f"\npaced link: {got / 1e9:.2f} GB/s (target 25, unpaced expert copies {measured / 1e9:.1f} GB/s)")
     assert got == pytest.approx(25e9, rel=0.1)
+
+
+def test_the_served_engine_loads_on_the_emulated_host(tmp_path) -> None:
+    """glm53.bench.emulated_serve on the engine `glm53 serve` chose: before it loads, its spec gets the card's share
+    of the slots and the lane's threads, and once its tiers hold their experts the hook narrows the lane's paths."""
+    import fake_exllamav3 as F
+    from specs import spec_for
+
+    from glm53.bench.emulated_serve import emulated
+    from glm53.engine.exl3_engine import Exl3Engine
+    from glm53.fixture.exl3 import write_exl3_checkpoint
+
+    ck = write_exl3_checkpoint(tmp_path / "ck", layers=4, dense_layers=1, experts=16, top_k=4)
+    from glm53.cpu_lane import kernel
+
+    isa = kernel.supported_isas()[-1]  # one path of those this CPU runs
+    emu = Emulation(name="box", card_fraction=0.25, lane_threads=1, lane_isas=(isa,))
+    with F.installed():
+        engine = emulated(Exl3Engine(ck, spec_for(ck, "fast", 6, kv_tokens=512, cpu_threads=2)), emu)
+        assert engine.spec.vram_slots == (4, 4, 4) and engine.spec.cpu_threads == 1
+        engine.load()
+        try:
+            assert engine.tiered.lane_isas == (isa,)
+            assert [m.num_slots for m in engine.tiered.tiers.vram] == [4, 4, 4]
+        finally:
+            engine.close()
+
+
+def test_bench_serve_starts_the_emulated_server(hf_model_dir, tmp_path, monkeypatch, capsys) -> None:
+    """--emulate starts the server through glm53.bench.emulated_serve; on a model that tiers nothing it serves
+    as `glm53 serve` does, and its log and the figures say the emulation changed nothing."""
+    import json
+
+    from glm53.cli import main
+
+    monkeypatch.setenv("GLM53_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--model", str(hf_model_dir), "--concurrency", "1", "--prompt-tokens", "16",
+                 "--max-tokens", "4", "--emulate", "rtx3090-gen4", "--log-dir", str(tmp_path / "logs"),
+                 "--json", str(out)]) == 0
+    log = (tmp_path / "logs" / "serve.log").read_text()
+    assert "emulating rtx3090-gen4: this engine tiers no experts" in log and "glm53 ready" in log
+    assert json.loads(out.read_text())["emulation"]["name"] == "rtx3090-gen4"
+    assert "emulated host: rtx3090-gen4: link 25 GB/s" in capsys.readouterr().out
