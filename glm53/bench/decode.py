@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from glm53.bench.emulate import CARD_FRACTION, Emulation
+from glm53.bench.emulate import CARD_FRACTION, Emulation, h2d_rate
 
 SKEW = (0.11, 0.40)
 REAL_MOE_LAYERS = 42  # GLM-5.3-Flash's: a fixture's misses per token scaled to the real depth
@@ -93,27 +93,6 @@ def register_bench(bench_sub: Any) -> None:
 
 MODES = ("exact", "fast", "nvme-exact", "nvme")
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
-
-
-def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Pinned host -> device bytes/s on one copy stream (median of `repeats`)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            dst.copy_(src, non_blocking=True)
-            end.record(stream)
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000)
-    times = sorted(times[1:])
-    del src, dst
-    return nbytes / times[len(times) // 2]
 
 
 def window_line(w: int, name: str, prompt_tokens: int, res: dict) -> str:
@@ -485,15 +464,11 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
     log(f"pinned host->device: {rate / 1e9:.1f} GB/s")
     pacer = None
     if emulation.link_GBps:
-        from glm53.bench.emulate import LinkPacer, sleep_cycles_per_s
+        from glm53.bench.emulate import link_pacer
         from glm53.planning.shape import from_checkpoint
 
-        # The pace is set against expert-sized copies' own rate (below a 1 GiB copy's), so what remains after each
-        # copy's sleep is the target.
-        measured = h2d_rate(from_checkpoint(model_dir).expert_bytes, repeats=21)
-        rate = min(emulation.link_GBps * 1e9, measured)
-        pacer = LinkPacer(rate, measured, sleep_cycles_per_s())
-        log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s")
+        pacer = link_pacer(emulation, from_checkpoint(model_dir).expert_bytes, log)
+        measured, rate = pacer.measured_Bps, pacer.target_Bps
     if emulation.name != "none":
         log(f"emulating {emulation.describe()}")
     nvme_open, disk_rate, latency, disk_probe, engine_parts = None, None, {}, None, (None, {})

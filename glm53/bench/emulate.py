@@ -121,6 +121,27 @@ def slots_for(emu: Emulation, experts_per_layer: int, default: int) -> int:
     return max(1, round(emu.card_fraction * experts_per_layer))
 
 
+def h2d_rate(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Pinned host -> device bytes/s on one copy stream (median of `repeats`)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            dst.copy_(src, non_blocking=True)
+            end.record(stream)
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    times = sorted(times[1:])
+    del src, dst
+    return nbytes / times[len(times) // 2]
+
+
 def pace_seconds(nbytes: int, target_Bps: float, measured_Bps: float) -> float:
     """How long a copy of `nbytes` must be held back so that the link delivers target_Bps: the time it takes at
     the target less the time it took at the measured rate; 0 where the target is not slower."""
@@ -211,8 +232,6 @@ def link_pacer(emu: Emulation, expert_bytes: int, log: Callable[[str], None] = p
     copy's), so what remains after each copy's sleep is the target; None where the link is this machine's."""
     if not emu.link_GBps:
         return None
-    from glm53.bench.decode import h2d_rate
-
     measured = h2d_rate(expert_bytes, repeats=21)
     log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s; paced to {min(emu.link_GBps * 1e9, measured) / 1e9:.1f}")
     return LinkPacer(min(emu.link_GBps * 1e9, measured), measured, sleep_cycles_per_s())

@@ -97,7 +97,7 @@ def test_a_baseline_window_carries_the_emulation_flags(tmp_path) -> None:
 @pytest.mark.gpu
 def test_paced_link_delivers_the_target_rate() -> None:
     """Expert-sized copies through a paced Copier arrive at the target rate (within 10%), unpaced at the real one."""
-    from glm53.bench.decode import h2d_rate
+    from glm53.bench.emulate import h2d_rate
 
     nbytes = 9 << 20
     measured = h2d_rate(nbytes, repeats=21)
