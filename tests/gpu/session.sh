@@ -69,6 +69,9 @@
 #   emu       issue 38: the paced link's rate (tests/bench/test_emulate.py, gpu), then glm53 bench decode --emulate
 #             rtx3090-gen4 (PCIe 4.0's 25 GB/s, 11% of the experts in VRAM, the lane on AVX2) on the 8-MoE-layer
 #             checkpoint, EMU_MODES (default exact,fast), 2 windows of 96 tokens
+#   grid      issue 38's grid under the preset: GRID_RATES (default 12 25 50 GB/s) x GRID_SLOTS (default 32 64 VRAM
+#             slots a layer) x GRID_MODES (exact,fast,nvme-exact), one bench decode call a point (grid-R-S.json)
+#   emuserve  glm53 bench serve --emulate rtx3090-gen4 on the 8-MoE-layer checkpoint, exact: the launcher on CUDA
 #   serveconc glm53 bench serve --concurrency 1,2,4,8 on MODEL (SERVE_MODE, default exact; nvme modes need STORE):
 #             512-token prompts, 96 tokens per stream, best of 2 rounds per level
 set -uo pipefail
@@ -127,6 +130,27 @@ step_emu() {  # issue 38: the paced link's own rate, then bench decode under the
     --warmup-tokens 64 --work /tmp --keep --modes "${EMU_MODES:-exact,fast}" --emulate rtx3090-gen4 \
     --json "$OUT/bench-emu.json" > "$OUT/bench-emu.log" 2>&1
   stamp "emu rc=$?"
+}
+step_grid() {  # issue 38's grid: link R (GRID_RATES GB/s) x VRAM slots a layer (GRID_SLOTS of 288) x three modes, each
+  # point one bench decode call under the preset (its forecast printed beside each measurement); ~2-3 min a point
+  for r in ${GRID_RATES:-12 25 50}; do
+    for s in ${GRID_SLOTS:-32 64}; do
+      timeout "${GRID_LIMIT:-300}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 --windows 1 \
+        --warmup-tokens 32 --work /tmp --keep --modes "${GRID_MODES:-exact,fast,nvme-exact}" --emulate rtx3090-gen4 \
+        --link-GBps "$r" --slots "$s" --json "$OUT/grid-$r-$s.json" > "$OUT/grid-$r-$s.log" 2>&1
+      stamp "grid R=$r slots=$s rc=$?"
+    done
+  done
+}
+step_emuserve() {  # the emulated server (glm53.bench.emulated_serve) on CUDA: one stream through HTTP, exact
+  local model
+  model=$(find /tmp -maxdepth 2 -type d -path '/tmp/glm53-bench-8L-*/ckpt' 2>/dev/null | head -1)
+  if [ -z "$model" ]; then stamp "emuserve: run step emu first (it keeps the 8-MoE-layer checkpoint in /tmp)"; return 1; fi
+  # A 12 GiB budget so the plan tiers this 22 GB checkpoint; the preset then caps the slots at the card's share.
+  GLM53_VRAM_BUDGET_GB=${EMUSERVE_BUDGET:-12} timeout "${EMUSERVE_LIMIT:-240}" python3 -u -m glm53 bench serve --model "$model" --mode exact --concurrency 1 \
+    --prompt-tokens 256 --max-tokens 64 --emulate rtx3090-gen4 --log-dir "$OUT/emuserve" \
+    --json "$OUT/bench-emuserve.json" > "$OUT/bench-emuserve.log" 2>&1
+  stamp "emuserve rc=$? $(grep -o 'emulating rtx3090-gen4: VRAM slots per MoE layer [^,]*' "$OUT/emuserve/serve.log" | head -1)"
 }
 step_paired() {  # issue 23's done-when: this code / b38dea7's, exact, fast and nvme-exact, paired windows
   timeout "${PAIRED_LIMIT:-560}" python3 -u -m glm53 bench decode --baseline b38dea7 --baseline-tree .baseline \
