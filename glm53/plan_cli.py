@@ -19,7 +19,7 @@ from glm53.planning import host as H
 from glm53.planning import plan as P
 from glm53.planning import settings as S
 from glm53.planning import units as U
-from glm53.planning.inputs import Inputs, inputs, make_plan
+from glm53.planning.inputs import SHAPES, Inputs, inputs, make_plan
 
 EXIT_BLOCKED = 2
 
@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--host-root", default="/", metavar="DIR",
                    help="read host facts under DIR (a fake /proc, /sys tree and DIR/nvidia-smi.csv); default /")
     p.add_argument("--table", action="store_true", help="print the mode decision table (markdown) and exit")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="plan for this model's shape (glm53: GLM-5.3-Flash 3.05 "
+                   "bpw) with no checkpoint: the tiers and the speed forecast before the download")
     _common(p)
     p.set_defaults(func=run_plan)
     q = sub.add_parser("preflight", help="the plan plus live checks: pin memory, O_DIRECT and header of the store")
@@ -47,7 +49,7 @@ def gather(args, root: str) -> Inputs:
     """Settings (with the command line's overrides), host facts under `root`, and the model's shape."""
     settings = S.load_or_exit()
     overrides = {k: v for k, v in (("model_dir", args.model), ("store", args.store)) if v is not None}
-    return inputs(settings.with_overrides(**overrides), root)
+    return inputs(settings.with_overrides(**overrides), root, getattr(args, "shape", None))
 
 
 # ---------------------------------------------------------------- text rendering
@@ -134,12 +136,40 @@ def render(out: dict, facts: H.HostFacts) -> str:
             text = f"{U.human(sum(terms.values()))}{of}: " + ", ".join(
                 f"{k.replace('_', ' ')} {U.human(v)}" for k, v in terms.items())
             lines += textwrap.wrap(text, width, initial_indent=f"{name.lower():<14}", subsequent_indent=" " * 16)
+    if out.get("forecast"):
+        lines += ["", *_forecast_lines(out["forecast"], width)]
     if out["warnings"]:
         lines.append("")
         lines.append("warnings:")
         for w in out["warnings"]:
             lines += textwrap.wrap(w, width, initial_indent="  ! ", subsequent_indent="    ")
     return "\n".join(lines)
+
+
+TERM_NAMES = {"hit_rate": "hit rate", "gpu_step_ms": "gpu step", "host_ms": "host", "link_GBps": "link",
+              "lane_ms": "lane", "lane_offer_ms": "lane offer", "ram_rate": "RAM hit rate", "store_GBps": "store"}
+
+
+def _forecast_lines(fc: dict, width: int) -> list[str]:
+    """The forecast section: each mode's decode tok/s and where its time goes, then each term with its source."""
+    head = ("decode tok/s per mode on this host (glm53.planning.forecast): a token = gpu step + MoE layers x (host "
+            "+ store + experts), each term below with its source")
+    lines = textwrap.wrap(head, width, initial_indent=f"{'forecast':<14}", subsequent_indent=" " * 16)
+    only = len(fc["modes"]) == 1
+    for mode, m in fc["modes"].items():
+        parts = " + ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in m["parts_ms"].items() if v)
+        planned = " (planned)" if only or mode == fc.get("planned_mode") else ""
+        text = (f"{m['tok_s']:.1f} tok/s{planned} = 1000 / {m['ms_per_token']:.1f} ms a token ({parts} ms)"
+                + (f"; {m['misses_per_token']:.0f} misses a token" if mode != "stock" else "")
+                + (f", {m['store_reads_per_token']:.0f} read from the store" if m["store_reads_per_token"] else "")
+                + (f"; {m['lane']}" if m["lane"] else ""))
+        lines += textwrap.wrap(text, width, initial_indent=f"  {mode:<12}", subsequent_indent=" " * 16)
+    for name, t in fc["terms"].items():
+        text = f"{TERM_NAMES.get(name, name)} {t['value']:.3g} {t['unit']}: {t['source']}"
+        lines += textwrap.wrap(text, width, initial_indent="  term        ", subsequent_indent=" " * 16)
+    for note in fc.get("notes", []):
+        lines += textwrap.wrap(note, width, initial_indent="  note        ", subsequent_indent=" " * 16)
+    return lines
 
 
 def run_plan(args) -> int:

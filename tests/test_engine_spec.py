@@ -171,7 +171,8 @@ def test_a_loaded_engine_realises_the_plan(tmp_path, ck, mode):
     plan = planned(tmp_path, ck, mode, (counts, "saved"))
     spec = plan.engine
     assert spec.engine == mode and len(set(spec.vram_slots)) > 1  # split by the statistics
-    assert engine_for_plan(ck, settings(), plan).spec is spec
+    chosen = engine_for_plan(ck, settings(), plan)
+    assert chosen.spec is spec and chosen.forecast is plan.forecast and mode in plan.forecast["modes"]
     with F.installed():
         engine = Exl3Engine(ck, replace(spec, device="cpu"))
         engine.load()

@@ -185,5 +185,7 @@ class Engine(Protocol):
         prompt_tokens (prompt_tokens_cached of them from the prefix cache, in prefix_cache_hits requests),
         generated_tokens, tokens_per_s; the KV cache's pages under "kv_cache" (pages, pages_used, pages_evicted,
         and recurrent_checkpoints_evicted where there is such a cache); engine tier counters under "tiers" (empty
-        for the reference engine)."""
+        for the reference engine); under "decode" the measured decode rate of one stream (tok_s_per_stream) beside
+        the plan's forecast for the engine's mode (forecast_tok_s, measured_over_forecast, and the whole forecast,
+        glm53.planning.forecast's JSON, when the composition handed one over)."""
         ...

@@ -54,6 +54,7 @@ from glm53.planning.spec import PAGE
 
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
 RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window
+DECODE_GAPS = 256  # the measured decode rate per stream: the last this many gaps between a request's sampled tokens
 LONG_TEXT_CHARS = 1 << 14  # from here on tokenize() releases the GIL (encode_batch); below, encode is faster
 
 
@@ -75,6 +76,7 @@ class Request:
     kv_waiting: bool = False  # admitted, but waiting for KV pages (counted as waiting, not running)
     generated: list[int] = field(default_factory=list)  # every token emitted so far (sampled and forced)
     reasoning_tokens: int = 0
+    last_token_at: float | None = None  # monotonic time of its last emitted token (the decode rate's gaps)
 
     @property
     def budget_spent(self) -> bool:
@@ -170,7 +172,11 @@ class WorkerEngine(ABC):
                                         "requests_preempted", "prompt_tokens", "prompt_tokens_cached",
                                         "prefix_cache_hits", "generated_tokens"), 0)
         self._rate: deque[tuple[float, int]] = deque()
+        self._gaps: deque[float] = deque(maxlen=DECODE_GAPS)
         self._started = time.monotonic()
+        # The plan's speed forecast (glm53.planning.forecast's JSON), handed over by the composition (glm53.serve);
+        # stats()["decode"] shows it beside the measured rate. None: nothing forecast (the demo, tests).
+        self.forecast: dict | None = None
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     def set_kv_tokens(self, tokens: int, ledger: bool) -> None:
@@ -386,8 +392,27 @@ class WorkerEngine(ABC):
                 "tokens_per_s": round(rate, 2),
                 "uptime_s": round(now - self._started, 1),
                 "kv_cache": self._kv_stats(),
+                "decode": self._decode_stats(),
                 "tiers": {},
             }
+
+    def _decode_stats(self) -> dict:
+        """The measured decode rate of one stream (the last DECODE_GAPS gaps between a request's consecutive
+        sampled tokens: a batched step counts once per stream) beside the plan's forecast for this engine's mode;
+        called with self._cv held."""
+        spent = sum(self._gaps)
+        measured = len(self._gaps) / spent if self._gaps and spent > 0 else None
+        doc: dict = {"tok_s_per_stream": None if measured is None else round(measured, 2),
+                     "gaps_timed": len(self._gaps), "forecast_mode": None, "forecast_tok_s": None,
+                     "measured_over_forecast": None, "forecast": self.forecast}
+        modes = (self.forecast or {}).get("modes") or {}
+        mode = getattr(self, "mode", None)
+        mode = mode if mode in modes else (self.forecast or {}).get("planned_mode")
+        if mode in modes:
+            expected = modes[mode]["tok_s"]
+            doc.update(forecast_mode=mode, forecast_tok_s=expected,
+                       measured_over_forecast=None if measured is None or not expected else round(measured / expected, 3))
+        return doc
 
     def _stats_extra(self) -> dict:
         """Engine-specific queue fields for stats(); called with self._cv held."""
@@ -508,6 +533,9 @@ class WorkerEngine(ABC):
             now = time.monotonic()
             self._rate.append((now, 1))
             self._trim_rate(now)
+            if not forced and req.last_token_at is not None:
+                self._gaps.append(now - req.last_token_at)
+            req.last_token_at = now
         event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced,
                            cached_tokens=req.cached_tokens if len(req.generated) == 1 else None)
         if req.params.logprobs is not None and logits is not None:

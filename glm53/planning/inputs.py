@@ -29,14 +29,23 @@ class Inputs:
     routing: tuple = (None, "no checkpoint mounted")  # saved routing statistics (counts or None, why)
 
 
-def inputs(settings: S.Settings, root: str = "/") -> Inputs:
-    """Host facts under `root` and the model's shape for `settings`: everything plan() needs."""
+# `glm53 plan --shape NAME`: plan for a known model's shape with no checkpoint (before the download).
+SHAPES = {"glm53": M.DEFAULT_SHAPE}
+
+
+def inputs(settings: S.Settings, root: str = "/", shape_name: str | None = None) -> Inputs:
+    """Host facts under `root` and the model's shape for `settings`: everything plan() needs. shape_name (a key of
+    SHAPES): that model's shape whatever is mounted, planned as if its checkpoint were (GLM53_MODEL_DIR, or
+    /model when it is empty)."""
     if root == "/" and settings.store:
         # The plan compares this path with the store facts, which hold it absolute.
         settings = settings.with_overrides(store=os.path.abspath(settings.store))
     warnings: list[str] = []
     shape, error, mounted = M.DEFAULT_SHAPE, None, False
-    if settings.model_dir:
+    if shape_name is not None:
+        shape = SHAPES[shape_name]
+        settings = settings if settings.model_dir else settings.with_overrides(model_dir="/model")
+    elif settings.model_dir:
         # On a fake host the model directory is part of the tree, like every other path.
         model = Path(root) / settings.model_dir.lstrip("/") if root != "/" else Path(settings.model_dir)
         mounted = (model / "config.json").is_file()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from glm53.planning.forecast import plan_forecast
 from glm53.planning.host import Gpu, HostFacts
 from glm53.planning.settings import AUTO_CONCURRENCY, Settings, concurrency_of
 from glm53.planning.shape import DEFAULT_SHAPE, ModelShape
@@ -219,11 +220,14 @@ class Plan:
     # Per card: index, name, vram_budget_bytes, layers [first, last], vram_slots (glm53.planning.devices.DeviceShare's
     # JSON); one entry on one GPU, none for the demo.
     devices: list[dict[str, Any]] = field(default_factory=list)
+    # The decode speed each mode should reach here, every term with its source (glm53.planning.forecast's JSON);
+    # None for the demo.
+    forecast: dict[str, Any] | None = None
 
     JSON_KEYS = ("mode", "device", "gpu_index", "gpu_name", "vram_budget_bytes", "vram_slots",
                  "vram_slots_per_layer", "ram_slots", "ram_tier_bytes", "cpu_threads", "nvme_threads",
                  "kv_tokens", "budget", "store", "real_model", "engine", "vram_accounting", "ram_accounting",
-                 "devices")
+                 "devices", "forecast")
 
     @property
     def exact(self) -> bool:
@@ -556,6 +560,17 @@ def _store_problem(facts: HostFacts, shape: ModelShape, settings: Settings, warn
     return None
 
 
+def _auto_threads(facts: HostFacts) -> tuple[int, str]:
+    """The CPU lane's threads when GLM53_CPU_THREADS=0: the cores we may use, minus one for the server."""
+    cpu = facts.cpu
+    cores = cpu.physical_cores
+    limit = f"{cores} physical cores"
+    if cpu.quota_cpus is not None and cpu.quota_cpus < cores:
+        cores = max(1, math.floor(cpu.quota_cpus))
+        limit = f"a CPU quota of {cpu.quota_cpus:g} (docker --cpus)"
+    return max(1, cores - 1), limit
+
+
 def _cpu_threads(facts: HostFacts, settings: Settings, mode: str, reasons: dict, warnings: list) -> int:
     cpu = facts.cpu
     if mode in ("exact", "nvme-exact"):
@@ -564,12 +579,7 @@ def _cpu_threads(facts: HostFacts, settings: Settings, mode: str, reasons: dict,
                             "on the CPU")
         reasons["cpu_threads"] = f"0: {mode} mode serves misses over PCIe/NVMe only (bit-identical numerics)"
         return 0
-    cores = cpu.physical_cores
-    limit = f"{cores} physical cores"
-    if cpu.quota_cpus is not None and cpu.quota_cpus < cores:
-        cores = max(1, math.floor(cpu.quota_cpus))
-        limit = f"a CPU quota of {cpu.quota_cpus:g} (docker --cpus)"
-    auto = max(1, cores - 1)
+    auto, limit = _auto_threads(facts)
     numa = (f"; {facts.numa_nodes} NUMA nodes: threads span them, so experts on the far node are read across "
             "the socket link") if facts.numa_nodes > 1 else ""
     if settings.cpu_threads:
@@ -868,10 +878,14 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings: Settings, warnings
     devices = [d.to_json() for d in shares] or [
         {"index": gpu.index, "name": gpu.name, "vram_budget_bytes": budget, "layers": [0, shape.layers - 1],
          "vram_slots": sum(vram)}]
+    speed = plan_forecast(gpu=gpu, cpu=facts.cpu, lane_ok=not fit.lane_missing,
+                          lane_threads=cpu_threads or settings.cpu_threads or _auto_threads(facts)[0],
+                          shape=shape, spec=spec, planned=mode,
+                          counts=routing[0] if routing is not None else None)
     return Plan(mode, spec.device, gpu.index, gpu.name, budget, sum(vram), per_layer, tier.slots,
                 pinned, cpu_threads, tier.nvme_threads, kv_tokens, tier.budget, settings.store or None, warnings,
                 reasons, engine=spec, vram_accounting={**v.accounting, "expert_slots": sum(vram) * shape.expert_bytes},
-                ram_accounting=ram_acc, devices=devices)
+                ram_accounting=ram_acc, devices=devices, forecast=speed.to_json())
 
 
 # The demo checkpoints' windows: the CPU one (glm53.serve.demo's RECIPE, 131,072 positions: room for an agent's

@@ -147,13 +147,16 @@ def _exl3(model_dir: Path, settings: Any) -> EngineChoice:
 
 
 def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Any:
-    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: exactly the plan's EngineSpec."""
+    """The engine `glm53 serve` runs for an EXL3 checkpoint on this host's plan: exactly the plan's EngineSpec, and
+    the plan's speed forecast for /stats."""
     from glm53.engine.exl3_engine import Exl3Engine
 
     if plan.engine is None:
         raise ValueError(f"a {plan.mode} plan has no engine spec")
-    return Exl3Engine(model_dir, plan.engine, model_id=settings.model_id,
-                      routing_stats_dir=Path(settings.cache_dir).expanduser())
+    engine = Exl3Engine(model_dir, plan.engine, model_id=settings.model_id,
+                        routing_stats_dir=Path(settings.cache_dir).expanduser())
+    engine.forecast = plan.forecast  # /stats shows it beside the measured decode rate
+    return engine
 
 
 def choose_engine(settings: Any) -> EngineChoice:

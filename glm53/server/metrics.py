@@ -62,6 +62,12 @@ KV_GAUGES = (
      "Recurrent-state checkpoints dropped from the RAM cache since start (exllamav3's prefix reuse of KDA layers)."),
 )
 
+DECODE_GAUGES = (
+    ("tok_s_per_stream", "decode_tokens_per_second_per_stream",
+     "Measured decode rate of one stream (recent gaps between a request's sampled tokens)."),
+    ("forecast_tok_s", "decode_forecast_tokens_per_second", "The plan's forecast decode rate for the engine's mode."),
+)
+
 
 class EngineCollector:
     """Gauges read from engine.stats() on each scrape."""
@@ -84,6 +90,10 @@ class EngineCollector:
             if key in kv:
                 yield GaugeMetricFamily(f"glm53_{name}", help_, value=float(kv[key] or 0))
         yield GaugeMetricFamily("glm53_engine_ready", "1 once the model is loaded.", value=float(self.engine.ready))
+        decode = stats.get("decode") or {}
+        for key, name, help_ in DECODE_GAUGES:
+            if decode.get(key) is not None:
+                yield GaugeMetricFamily(f"glm53_{name}", help_, value=float(decode[key]))
         flat: list[tuple[tuple[str, ...], float]] = []
         _flatten((), stats.get("tiers") or {}, flat)
         fam = GaugeMetricFamily("glm53_engine_tier", "Engine tier counters from engine.stats()['tiers'].",
