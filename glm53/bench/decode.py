@@ -632,6 +632,14 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                 m["bound_decode_tok_s"] = 1 / max(gpu_s, disk_s)
                 m["over_own_bound_start_rate"] = m["decode_tok_s"] * max(gpu_s, disk_s)
                 m.update(own_bound_beside(rows, mode, rate))
+        for mode in modes:  # the speed forecast's cost model on this run's own terms
+            from glm53.bench.forecast_check import checked, run_terms
+
+            fit = getattr(runners[mode].tiered.stepper, "fit", None)
+            result["modes"][mode]["forecast"] = checked(mode, result["modes"][mode], run_terms(
+                result["modes"][mode], moe_layers=shape.moe_layers, top_k=shape.top_k, expert_bytes=shape.expert_bytes,
+                stock_tok_s=stock_tok, link_Bps=rate, lane_ms=fit.model().cpu_expert(1) * 1e3 if fit else None,
+                store_Bps=disk_rate if mode.startswith("nvme") else None))
         if cards > 1:
             result["split"] = split_result(rows, modes, cards, slots, split_slots)
             for mode in modes:
@@ -691,6 +699,9 @@ def report(res: dict, moe_layers: int | None) -> str:
                  f"{res['bound_decode_tok_s']:8.1f} tok/s (exact target >= 0.85 of it)")
     if "fast_over_exact" in res:
         lines.append(f"  fast / exact: {res['fast_over_exact']:.3f}, median of paired windows (target >= 1.5)")
+    from glm53.bench.forecast_check import line
+
+    lines += [line(mode, m["forecast"]) for mode, m in res["modes"].items() if m.get("forecast")]
     if res.get("disk_GBps") is not None:
         lines.append(f"  store: raw {res.get('store_reads', 'O_DIRECT')} {res['disk_GBps']:.2f} GB/s at the start; RAM tier "
                      f"{res['ram_fraction']:.3f} of the experts" + _lone_record(res.get("record_ms_by_pieces", {})))
