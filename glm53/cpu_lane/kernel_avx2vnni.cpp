@@ -15,7 +15,10 @@
 #endif
 
 namespace glm53 {
+constexpr bool kIntegerTested = false;
 const IsaOps kAvx2VnniOps = {"avx2vnni", isa_avx2vnni::decode_tile, isa_avx2vnni::gemv_cols, isa_avx2vnni::prep_block,
-                         isa_avx2vnni::mid_block, isa_avx2vnni::out_block};
+                         isa_avx2vnni::mid_block, isa_avx2vnni::out_block,
+    // The integer kernel compiles here but has not run on a CPU with this ISA: not offered until tested.
+    kIntegerTested ? isa_avx2vnni::gemv_cols_q : nullptr, isa_avx2vnni::prep_block_q, isa_avx2vnni::mid_block_q};
 }
 #endif
