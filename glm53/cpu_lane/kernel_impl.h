@@ -777,7 +777,7 @@ constexpr int qpairs_per_visit() {
 #endif
 }
 
-constexpr int kQPrefetchTiles = 2 * kQBlock;
+constexpr int kQPrefetchTiles = 4 * kQBlock;  // the exact kernel's distance (32 tiles)
 
 // As gemv_rows, one 128-block (kQBlock tiles) down the columns at a time.
 template <int R, bool kPair>
