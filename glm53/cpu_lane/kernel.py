@@ -288,7 +288,7 @@ class CpuKernel:
         self._isa = _isa_code(self.isa)
         if lib is not None and not lib.glm53_isa_supported(self._isa):
             raise KernelError(f"that build of the kernel cannot run the {self.isa} path here")
-        self.kernel = kernel or "exact"
+        self.kernel = kernel or served_kernel(self.isa, lib)
         if not kernel_supported(self.isa, self.kernel, lib or _lib()):
             raise KernelError(f"{'that' if lib is not None else 'this'} build has no {self.kernel} kernel for "
                               f"the {self.isa} path")
@@ -380,7 +380,7 @@ def expert_forward(slot_bytes: Any, layout: Any, x: Any, threads: int = 1, isa: 
     (threads, isa, kernel), the kernel by default the one served on that ISA. For tests and tools; the CPU lane
     owns a pinned CpuKernel."""
     isa = isa or best_isa()
-    key = (int(threads), isa, kernel or "exact")
+    key = (int(threads), isa, kernel or served_kernel(isa))
     with _SHARED_LOCK:
         kern = _SHARED.get(key)
         if kern is None:

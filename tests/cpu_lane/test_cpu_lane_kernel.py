@@ -297,6 +297,8 @@ def test_which_kernel_serves_on_each_isa():
     # The integer kernel has been run on scalar and AVX2 only: AVX2-VNNI and AVX-512 serve the exact one.
     assert {"scalar", "avx2"} & set(ISAS) <= set(INT_ISAS)
     assert not {"avx2vnni", "avx512", "avx512vnni"} & set(INT_ISAS)
+    with K.CpuKernel(1, isa=ISAS[-1]) as kern:
+        assert kern.kernel == K.served_kernel(ISAS[-1])  # what the lane and calibration get by default
     with pytest.raises(ValueError, match="unknown kernel"):
         K.kernel_supported("avx2", "fp8")
 
