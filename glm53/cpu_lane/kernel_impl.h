@@ -706,6 +706,11 @@ void gemv_cols(const GemvArgs& a) {
 // block's scale (qs[0]), and added to the float accumulators (in memory between blocks, like the exact kernel's
 // between its tile blocks); the reduction adds each row's bias term (sum of qs[1]) to every output.
 //
+// Every ISA ends a block with the same 8 int32 lanes per column pair (lane j: the products of elements j of the
+// pair's 4 groups; AVX-512 adds its two halves first, which holds the same sum, still below 2^31), and from there
+// the same float operations in the same order as the scalar path: the integer kernel gives the same bits on every
+// ISA and thread count (the tests check it wherever they run).
+//
 // Error (tests/cpu_lane/test_cpu_lane_kernel.py measures it): ~3.5e-4 RMS relative to float64 maths, almost all
 // from the dropped fp16 rounding of the weights (int16 activations add ~1e-5); a GPU-like fp16 computation of
 // the same expert is ~7.5e-4 off.
@@ -713,6 +718,8 @@ void gemv_cols(const GemvArgs& a) {
 struct QConsts {
     VI m16, mul, ones8;
 };
+
+constexpr int kQLanes = 8;  // float accumulator lanes per (row, column pair), whatever the ISA
 
 #if GLM53_LEVEL == 1
 inline QConsts qconsts() {
@@ -722,8 +729,7 @@ inline QConsts qconsts() {
 }
 inline VI izero() { return _mm256_setzero_si256(); }
 inline VI iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline V vscale(VI acc, const float* s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(acc), _mm256_broadcast_ss(s)); }
-inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline __m256i lanes8(VI acc) { return acc; }
 // States -> the 16-bit byte-pair sums of their hashes.
 inline VI state_pairsums(const QConsts& k, VI s) {
     return _mm256_maddubs_epi16(_mm256_mullo_epi32(s, k.mul), k.ones8);
@@ -743,8 +749,10 @@ inline QConsts qconsts() {
 }
 inline VI izero() { return _mm512_setzero_si512(); }
 inline VI iload(const int32_t* p) { return _mm512_loadu_si512(p); }
-inline V vscale(VI acc, const float* s) { return _mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(*s)); }
-inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+// Lane j + lane j + 8: the four groups of a column pair, as the AVX2 lanes hold them.
+inline __m256i lanes8(VI acc) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+}
 inline VI state_pairsums(const QConsts& k, VI s) {
     return _mm512_maddubs_epi16(_mm512_mullo_epi32(s, k.mul), k.ones8);
 }
@@ -805,7 +813,7 @@ void gemv_rows_q(const GemvArgs& a, int r0) {
                 memcpy(xb + (b * R + r) * 32, xq + r * xrow + (tk0 + b) * 32, 32 * sizeof(int32_t));
         const uint8_t* col = a.trellis + tk0 * rstride + a.tn0 * (ptrdiff_t)a.tile_bytes;
         float* ac = acc;
-        for (ptrdiff_t c = 0; c < ncol; ++c, col += a.tile_bytes, ac += 8 * R * kLanes) {
+        for (ptrdiff_t c = 0; c < ncol; ++c, col += a.tile_bytes, ac += 8 * R * kQLanes) {
             if (npf > 0) prefetch_tiles(col + kQPrefetchTiles * rstride, rstride, a.tile_bytes, npf);
 #pragma GCC unroll 8
             for (int g = 0; g < 8 / CP; ++g) {
@@ -830,15 +838,16 @@ void gemv_rows_q(const GemvArgs& a, int r0) {
                         }
                     }
                 }
-                float* ag = ac + g * CP * R * kLanes;
+                float* ag = ac + g * CP * R * kQLanes;
 #pragma GCC unroll 8
                 for (int q = 0; q < CP; ++q)
 #pragma GCC unroll 8
                     for (int r = 0; r < R; ++r) {
-                        float* d = ag + (q * R + r) * kLanes;
-                        V m = vscale(s[q][r], qs + (r * nblk + blk) * 2);
+                        float* d = ag + (q * R + r) * kQLanes;
+                        __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes8(s[q][r])),
+                                                 _mm256_broadcast_ss(qs + (r * nblk + blk) * 2));
                         __asm__("" : "+v"(m));  // rounded before the add, as the scalar path does (no FMA)
-                        vstore(d, blk ? vadd(vload(d), m) : m);
+                        _mm256_storeu_ps(d, blk ? _mm256_add_ps(_mm256_loadu_ps(d), m) : m);
                     }
             }
         }
@@ -875,10 +884,12 @@ void gemv_cols_q(const GemvArgs& a) {
             float bias = 0.0f;
             for (int b = 0; b < nblk; ++b) bias += q[2 * b + 1];
             for (int c = 0; c < ncol; ++c) {
+                const float* f = a.acc + (size_t)r0 * ncol * kAccFloats + ((size_t)c * 8 * rows + r) * kQLanes;
                 float* y = a.yraw + (size_t)(r0 + r) * a.ystride + 16 * (a.tn0 + c);
-                reduce(a.acc + (size_t)r0 * ncol * kAccFloats + ((size_t)c * 8 * rows + r) * kLanes,
-                       (size_t)rows * kLanes, y);
-                for (int i = 0; i < 16; ++i) y[i] += bias;
+                for (int cp = 0; cp < 8; ++cp, f += (size_t)rows * kQLanes) {  // as the scalar reduce
+                    y[cp] = (f[0] + f[1]) + (f[2] + f[3]) + bias;
+                    y[cp + 8] = (f[4] + f[5]) + (f[6] + f[7]) + bias;
+                }
             }
         }
     }
