@@ -105,6 +105,9 @@ struct Tables {
                 T.shift[g][j] = (uint32_t)(16 - (s - 8 * floordiv(s, 8)));
             }
         }
+        for (int g = 1; g < kGroups; ++g)  // the integer kernel holds one group's shifts for all (kernel_impl.h)
+            if (memcmp(T.shift[g], T.shift[0], sizeof T.shift[0]) != 0)
+                error = "K=" + std::to_string(kb) + ": groups with different shifts";
         T.pair_ok = 1;
         T.pair_nwrap = 0;
         for (int p = 0; p < kGroups / 2; ++p) {

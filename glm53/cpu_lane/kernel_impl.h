@@ -387,15 +387,23 @@ inline Consts consts() {
 // Vector g = group g: its 8 16-bit states, one per 32-bit lane. Only groups 0 and 1 can wrap (kernel.cpp checks);
 // the others broadcast their window straight from memory (one load, no shuffle). (kPair: for the AVX-512 path's
 // sake; a group always has its own window here.)
+// (vec_windows: the three stream bytes of each state, before the shift.)
 template <bool kPair>
-inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i wrap, int g) {
+inline VI vec_windows(const DecodeTables& T, const uint8_t* tile, __m128i wrap, int g) {
     const __m128i* at = reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]);
     const __m256i win = g >= 2 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(at))
                                : _mm256_broadcastsi128_si256(g < T.nwrap ? wrap : _mm_loadu_si128(at));
-    const __m256i d = _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
-    return _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))),
+    return _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
+}
+
+template <bool kPair>
+inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i wrap, int g) {
+    return _mm256_and_si256(_mm256_srlv_epi32(vec_windows<kPair>(T, tile, wrap, g),
+                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))),
                             m16);
 }
+
+inline VI shift_vec(const DecodeTables& T) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[0])); }
 
 // States -> weights. mul1: x = s * 0x83DCD12D, b = the byte sum of x, w = fp16(b * k_inv + (1024 k_inv + k_bias)).
 // The fp32 FMA is exact (|value| < 2^20 units of 2^-18), so the single fp16 rounding is exactly the GPU kernel's
@@ -458,7 +466,7 @@ inline Consts consts() {
 // Vector p = groups 2p and 2p+1 (16 states). kPair (T.pair_ok): one 16-byte window holds both groups, and only
 // pair 0 can wrap (kernel.cpp checks).
 template <bool kPair>
-inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i wrap, int p) {
+inline VI vec_windows(const DecodeTables& T, const uint8_t* tile, __m128i wrap, int p) {
     __m512i d;
     if (kPair) {
         const __m128i src = p > 0 ? window(tile, T.pair_base[p]) : T.pair_nwrap ? wrap : window(tile, T.pair_base[0]);
@@ -470,8 +478,16 @@ inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i
         const __m512i win = _mm512_inserti64x4(_mm512_broadcast_i32x4(s0), _mm256_broadcastsi128_si256(s1), 1);
         d = _mm512_shuffle_epi8(win, _mm512_load_si512(T.ctrl[g]));
     }
-    return _mm512_and_si512(_mm512_srlv_epi32(d, _mm512_load_si512(T.shift[2 * p])), m16);
+    return d;
 }
+
+template <bool kPair>
+inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i wrap, int p) {
+    return _mm512_and_si512(_mm512_srlv_epi32(vec_windows<kPair>(T, tile, wrap, p), _mm512_load_si512(T.shift[2 * p])),
+                            m16);
+}
+
+inline VI shift_vec(const DecodeTables& T) { return _mm512_load_si512(T.shift[0]); }  // groups 0 and 1
 
 // As state_values in the AVX2 path.
 inline V state_values(const Consts& k, VI s) {
@@ -715,23 +731,26 @@ void gemv_cols(const GemvArgs& a) {
 // from the dropped fp16 rounding of the weights (int16 activations add ~1e-5); a GPU-like fp16 computation of
 // the same expert is ~7.5e-4 off.
 
+// shift: every group's shifts are the same (a group starts 8K bits, K bytes, after the last, so each element's
+// offset within its bytes depends on its place in the group alone; kernel.cpp checks), held in a register.
 struct QConsts {
-    VI m16, mul, ones8;
+    VI m16, mul, ones8, shift;
 };
 
 constexpr int kQLanes = 8;  // float accumulator lanes per (row, column pair), whatever the ISA
 
 #if GLM53_LEVEL == 1
-inline QConsts qconsts() {
-    QConsts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1)};
-    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8));
+inline QConsts qconsts(const DecodeTables& T) {
+    QConsts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1), shift_vec(T)};
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.shift));
     return c;
 }
 inline VI izero() { return _mm256_setzero_si256(); }
 inline VI iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline __m256i lanes8(VI acc) { return acc; }
 // States -> the 16-bit byte-pair sums of their hashes.
-inline VI state_pairsums(const QConsts& k, VI s) {
+inline VI state_pairsums(const QConsts& k, VI d) {
+    const VI s = _mm256_and_si256(_mm256_srlv_epi32(d, k.shift), k.m16);
     return _mm256_maddubs_epi16(_mm256_mullo_epi32(s, k.mul), k.ones8);
 }
 inline VI idot(VI acc, VI p, VI x) {
@@ -742,9 +761,9 @@ inline VI idot(VI acc, VI p, VI x) {
 #endif
 }
 #else
-inline QConsts qconsts() {
-    QConsts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1)};
-    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8));
+inline QConsts qconsts(const DecodeTables& T) {
+    QConsts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1), shift_vec(T)};
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.shift));
     return c;
 }
 inline VI izero() { return _mm512_setzero_si512(); }
@@ -753,7 +772,8 @@ inline VI iload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline __m256i lanes8(VI acc) {
     return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
 }
-inline VI state_pairsums(const QConsts& k, VI s) {
+inline VI state_pairsums(const QConsts& k, VI d) {
+    const VI s = _mm512_and_si512(_mm512_srlv_epi32(d, k.shift), k.m16);
     return _mm512_maddubs_epi16(_mm512_mullo_epi32(s, k.mul), k.ones8);
 }
 inline VI idot(VI acc, VI p, VI x) {
@@ -770,12 +790,12 @@ inline void decode_pairsums(const DecodeTables& T, const QConsts& k, const uint8
                             VI* p) {
     VI st[N];
 #pragma GCC unroll 16
-    for (int j = 0; j < N; ++j) st[j] = vec_states<kPair>(T, k.m16, tile, wrap, i0 + j);
+    for (int j = 0; j < N; ++j) st[j] = vec_windows<kPair>(T, tile, wrap, i0 + j);
 #pragma GCC unroll 16
     for (int j = 0; j < N; ++j) p[j] = state_pairsums(k, st[j]);
 }
 
-// Column pairs per visit of a tile for R rows (R x pairs int32 accumulators in registers, 3 for the constants).
+// Column pairs per visit of a tile for R rows (R x pairs int32 accumulators in registers, 4 for the constants).
 template <int R>
 constexpr int qpairs_per_visit() {
 #if GLM53_LEVEL == 2
@@ -795,7 +815,7 @@ void gemv_rows_q(const GemvArgs& a, int r0) {
     constexpr int NB = NV < kBatch ? NV : kBatch;
     alignas(64) int32_t xb[kQBlock * R * 32];
     const DecodeTables& T = *a.tab;
-    const QConsts k = qconsts();
+    const QConsts k = qconsts(T);
     const ptrdiff_t ncol = a.tn1 - a.tn0;
     const ptrdiff_t rstride = (ptrdiff_t)a.tiles_n * a.tile_bytes;
     const ptrdiff_t xrow = (ptrdiff_t)a.tiles_k * 32;
