@@ -322,9 +322,9 @@ public:
             s.nchunk_d = (h / 16 + s.chunk_d - 1) / s.chunk_d;
             s.counters = ncounters;
             ncounters += kCtrBlocks + in / kHad + h / kHad;
-            xv_gu = std::max(xv_gu, (size_t)r * 2 * h);
+            xv_gu = std::max(xv_gu, (size_t)r * (h / 16) * (integer ? kXq : 32));
             raw = std::max(raw, (size_t)r * in);
-            xv_d = std::max(xv_d, (size_t)r * 2 * in);
+            xv_d = std::max(xv_d, (size_t)r * (in / 16) * (integer ? kXq : 32));
             yraw = std::max(yraw, (size_t)r * h);
             qs_gu = std::max(qs_gu, (size_t)r * 2 * (h / kHad));
             qs_d = std::max(qs_d, (size_t)r * 2 * (in / kHad));
@@ -463,7 +463,7 @@ private:
 
             share(ctr[kCtrPrep], 2 * r * hb, [&](int u) {
                 const int lin = u / (r * hb), row = u / hb % r, b = u % hb;
-                float* xv = xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * 32;
+                float* xv = xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * (c.integer ? kXq : 32);
                 if (c.integer)
                     ops.prep_block_q(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b,
                                      reinterpret_cast<int32_t*>(xv), qs_[lin].p + ((size_t)row * hb + b) * 2);
@@ -479,7 +479,7 @@ private:
                     if (mid_left[b].fetch_sub(1, std::memory_order_acq_rel) == 1 && !*c.cancel)
                         for (int row = 0; row < r; ++row) {
                             const size_t off = (size_t)row * in + kHad * b;
-                            float* xv = xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * 32;
+                            float* xv = xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * (c.integer ? kXq : 32);
                             if (c.integer)
                                 ops.mid_block_q(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b,
                                                 job.up.svh + kHad * b, job.down.suh + kHad * b, job.swiglu_limit,

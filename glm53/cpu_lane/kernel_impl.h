@@ -129,8 +129,10 @@ void mid_block(const float* graw, const float* uraw, const uint16_t* svh_g, cons
 }
 
 // The integer kernel's activations: one 128-block of transformed activations t -> int16 values
-// q = round(t / scale), scale = max|t| / 32767, each stored twice in an int32 (low and high half), in the xv
-// pattern layout (build_xv), and qs = {scale * k_inv, scale * sum(q) * bias}: the block adds
+// q = round(t / scale), scale = max|t| / 32767, in two layouts per tile row (kXq = 48 int32): first each value
+// twice in an int32 (low and high half), in the xv pattern layout (build_xv: 4 patterns x 8 lanes), then the 16
+// int32 of the paired layout (two patterns' values in the halves of one int32, see gemv_rows_q), and
+// qs = {scale * k_inv, scale * sum(q) * bias}: the block adds
 // k_inv * scale * sum(b * q) + bias * scale * sum(q) to each output, b the weights' byte sums (see "The integer
 // kernel" below). 16 bits because 8 (exllamav3's CPU kernel, ~1% error) is far above the GPU kernel's own error;
 // 16-bit values need one vpmaddwd per 8 weights (AVX2) where 8-bit ones would need two instructions too.
@@ -165,12 +167,25 @@ inline void quantize_block(const float* t, int32_t* xq, float* qs) {
     }
     for (int qq = 0; qq < 8; ++qq) {
         const int32_t* s = q + 16 * qq;
-        int32_t* d = xq + 32 * qq;
+        int32_t* d = xq + kXq * qq;
+        uint32_t pat[4][8];  // pattern p, lane j (build_xv)
         for (int p = 0; p < 4; ++p) {
             const int32_t v[4] = {s[2 * p], s[2 * p + 1], s[2 * p + 8], s[2 * p + 9]};
-            for (int j = 0; j < 8; ++j)
-                d[8 * p + j] = (int32_t)(((uint32_t)v[j & 3] & 0xFFFFu) | ((uint32_t)v[j & 3] << 16));
+            for (int j = 0; j < 8; ++j) pat[p][j] = (uint32_t)v[j & 3] & 0xFFFFu;
         }
+        for (int p = 0; p < 4; ++p)
+            for (int j = 0; j < 8; ++j) d[8 * p + j] = (int32_t)(pat[p][j] | pat[p][j] << 16);
+        // Paired: AVX2 pairs the vectors of patterns (0, 1) and (2, 3), AVX-512 (whose vectors hold patterns 0 and
+        // 1, or 2 and 3, in their halves) the vectors of (0 | 1, 2 | 3): the low half takes the first pattern.
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 8; ++j) {
+#if GLM53_LEVEL == 2
+                const int lo = h, hi = h + 2;
+#else
+                const int lo = 2 * h, hi = 2 * h + 1;
+#endif
+                d[32 + 8 * h + j] = (int32_t)(pat[lo][j] | pat[hi][j] << 16);
+            }
     }
 }
 
@@ -290,7 +305,7 @@ void gemv_cols_q(const GemvArgs& a) {
     const DecodeTables& T = *a.tab;
     const int ncol = a.tn1 - a.tn0, nblk = a.tiles_k / kQBlock;
     const size_t rstride = (size_t)a.tiles_n * (size_t)a.tile_bytes;
-    const size_t xrow = (size_t)a.tiles_k * 32;
+    const size_t xrow = (size_t)a.tiles_k * kXq;
     const int32_t* xq = reinterpret_cast<const int32_t*>(a.xv);
     int32_t* bs = reinterpret_cast<int32_t*>(a.wbuf);
     int32_t iacc[kMaxRowsQ][64];
@@ -304,7 +319,7 @@ void gemv_cols_q(const GemvArgs& a) {
                     const int tk = blk * kQBlock + b;
                     tile_bytesums(T, a.trellis + (size_t)tk * rstride + (size_t)(a.tn0 + c) * (size_t)a.tile_bytes, bs);
                     for (int r = 0; r < rows; ++r) {
-                        const int32_t* x = xq + (size_t)(r0 + r) * xrow + (size_t)tk * 32;
+                        const int32_t* x = xq + (size_t)(r0 + r) * xrow + (size_t)tk * kXq;
                         for (int t = 0; t < kTileElems; ++t) {
                             const int g = t >> 3, j = t & 7;
                             iacc[r][8 * (g >> 2) + j] += bs[t] * (int32_t)(int16_t)(x[8 * (g & 3) + j] & 0xFFFF);
@@ -715,7 +730,11 @@ void gemv_cols(const GemvArgs& a) {
 // vpmaddubsw(x, 1) makes the two 16-bit halves of b (bytes 0+1 and 2+3, <= 510 each: no saturation) and
 // vpmaddwd against (q, q) adds them times q into one int32 (vpdpwssd with AVX-VNNI: the accumulate included).
 // So a vector of 8 weights costs 5 decode instructions (window shuffle, shift, mask, multiply, byte-pair sum)
-// once, and 2 per row (1 with VNNI), where the exact kernel spends 11 per vector and 1 per row.
+// once, and 2 per row (1 with VNNI), where the exact kernel spends 11 per vector and 1 per row. From kPairRows
+// rows on, two vectors of a column pair are paired first: their full byte sums b, b' as the two int16 halves of
+// one int32 (2 vpmaddwd, a shift, an or), dotted with (q, q') in one vpmaddwd per row: 2 more instructions per
+// pair once, and 2 per row for the pair instead of 4 (at 8 rows 30 instructions per 16 weights instead of 42;
+// the exact kernel's 38). The same integer products land in the same lanes either way.
 //
 // int32 bounds: a lane adds 4 products per tile (AVX2; AVX-512: 2), |b q| <= 1020 * 32767, so a 128-block of
 // 8 tiles stays below 32 * 1020 * 32767 < 2^31. After each block the lanes are converted to float, times the
@@ -736,6 +755,8 @@ void gemv_cols(const GemvArgs& a) {
 struct QConsts {
     VI m16, mul, ones8, shift;
 };
+
+constexpr int kPairRows = 3;  // rows from which vectors are paired (gemv_rows_q)
 
 constexpr int kQLanes = 8;  // float accumulator lanes per (row, column pair), whatever the ISA
 
@@ -760,6 +781,11 @@ inline VI idot(VI acc, VI p, VI x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(p, x));
 #endif
 }
+// Two vectors' byte-pair sums -> their byte sums b (low half) and b' (high half) of each int32 (b <= 1020).
+inline VI pair_sums(VI a, VI b) {
+    const VI ones16 = _mm256_set1_epi16(1);
+    return _mm256_or_si256(_mm256_madd_epi16(a, ones16), _mm256_slli_epi32(_mm256_madd_epi16(b, ones16), 16));
+}
 #else
 inline QConsts qconsts(const DecodeTables& T) {
     QConsts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1), shift_vec(T)};
@@ -782,6 +808,10 @@ inline VI idot(VI acc, VI p, VI x) {
 #else
     return _mm512_add_epi32(acc, _mm512_madd_epi16(p, x));
 #endif
+}
+inline VI pair_sums(VI a, VI b) {
+    const VI ones16 = _mm512_set1_epi16(1);
+    return _mm512_or_si512(_mm512_madd_epi16(a, ones16), _mm512_slli_epi32(_mm512_madd_epi16(b, ones16), 16));
 }
 #endif
 
@@ -813,12 +843,16 @@ void gemv_rows_q(const GemvArgs& a, int r0) {
     constexpr int CP = qpairs_per_visit<R>();
     constexpr int NV = CP * kXv;
     constexpr int NB = NV < kBatch ? NV : kBatch;
-    alignas(64) int32_t xb[kQBlock * R * 32];
+    constexpr bool kPaired = R >= kPairRows;
+    constexpr int XW = kPaired ? 16 : 32;  // int32 of a row's patterns per tile (the paired or the plain layout)
+    constexpr int XO = kPaired ? 32 : 0;   // their offset in the kXq
+    static_assert(NB % 2 == 0 && NV % NB == 0, "vectors are paired within a decode batch");
+    alignas(64) int32_t xb[kQBlock * R * XW];
     const DecodeTables& T = *a.tab;
     const QConsts k = qconsts(T);
     const ptrdiff_t ncol = a.tn1 - a.tn0;
     const ptrdiff_t rstride = (ptrdiff_t)a.tiles_n * a.tile_bytes;
-    const ptrdiff_t xrow = (ptrdiff_t)a.tiles_k * 32;
+    const ptrdiff_t xrow = (ptrdiff_t)a.tiles_k * kXq;
     const ptrdiff_t nblk = a.tiles_k / kQBlock;
     const int32_t* xq = reinterpret_cast<const int32_t*>(a.xv) + r0 * xrow;
     const float* qs = a.qs + r0 * nblk * 2;
@@ -830,7 +864,7 @@ void gemv_rows_q(const GemvArgs& a, int r0) {
         const int npf = left < kQBlock ? (int)left : kQBlock;
         for (int b = 0; b < kQBlock; ++b)
             for (int r = 0; r < R; ++r)
-                memcpy(xb + (b * R + r) * 32, xq + r * xrow + (tk0 + b) * 32, 32 * sizeof(int32_t));
+                memcpy(xb + (b * R + r) * XW, xq + r * xrow + (tk0 + b) * kXq + XO, XW * sizeof(int32_t));
         const uint8_t* col = a.trellis + tk0 * rstride + a.tn0 * (ptrdiff_t)a.tile_bytes;
         float* ac = acc;
         for (ptrdiff_t c = 0; c < ncol; ++c, col += a.tile_bytes, ac += 8 * R * kQLanes) {
@@ -844,17 +878,30 @@ void gemv_rows_q(const GemvArgs& a, int r0) {
                     for (int r = 0; r < R; ++r) s[q][r] = izero();
                 const uint8_t* tile = col;
                 const int32_t* x = xb;
-                for (int b = 0; b < kQBlock; ++b, tile += rstride, x += R * 32) {
+                for (int b = 0; b < kQBlock; ++b, tile += rstride, x += R * XW) {
                     const __m128i wrap = g == 0 ? wrap_window(T, tile) : _mm_setzero_si128();
 #pragma GCC unroll 16
                     for (int j0 = 0; j0 < NV; j0 += NB) {
                         VI p[NB];
                         decode_pairsums<NB, kPair>(T, k, tile, wrap, g * NV + j0, p);
+                        if constexpr (kPaired) {
+                            // Vectors 2m, 2m + 1: one column pair's (AVX2: patterns 0, 1 or 2, 3; AVX-512: its
+                            // two vectors), against the paired layout's half m % (kXv / 2) (quantize_block).
 #pragma GCC unroll 16
-                        for (int j = 0; j < NB; ++j) {
-                            const int q = (j0 + j) / kXv, h = (j0 + j) % kXv;
+                            for (int j = 0; j < NB; j += 2) {
+                                const int q = (j0 + j) / kXv, h = (j0 + j) % kXv / 2;
+                                const VI pk = pair_sums(p[j], p[j + 1]);
 #pragma GCC unroll 8
-                            for (int r = 0; r < R; ++r) s[q][r] = idot(s[q][r], p[j], iload(x + r * 32 + h * kLanes));
+                                for (int r = 0; r < R; ++r) s[q][r] = idot(s[q][r], pk, iload(x + r * XW + h * kLanes));
+                            }
+                        } else {
+#pragma GCC unroll 16
+                            for (int j = 0; j < NB; ++j) {
+                                const int q = (j0 + j) / kXv, h = (j0 + j) % kXv;
+#pragma GCC unroll 8
+                                for (int r = 0; r < R; ++r)
+                                    s[q][r] = idot(s[q][r], p[j], iload(x + r * XW + h * kLanes));
+                            }
                         }
                     }
                 }
