@@ -254,7 +254,9 @@ def test_the_integer_kernel_scales_each_block_of_activations(isa):
     for gain in (1e-6, 1e3):
         xs = (gain * x).astype(np.float32)
         y = K.expert_forward(slot, layout, xs, isa=isa, kernel="int", swiglu_limit=0.0)
-        assert _rel_err(y, _reference(xs, lins, 0.0)) < INT_TOL, gain
+        with np.errstate(over="ignore"):  # silu's exp(-g) for large negative g: inf, and silu -0.0, as it should
+            ref = _reference(xs, lins, 0.0)
+        assert _rel_err(y, ref) < INT_TOL, gain
 
 
 @pytest.mark.parametrize("hidden,inter,k", [(256, 128, 1), (256, 128, 3), (384, 256, 2), (128, 384, 4),
