@@ -268,6 +268,25 @@ class Exl3Linear:
         y = had_rows(xh @ w.astype(np.float64)) * self.svh.astype(np.float64)
         return y.astype(np.float32)
 
+    def forward_fp16(self, x: np.ndarray, inner: np.ndarray | None = None) -> np.ndarray:
+        """forward() with a GPU kernel's fp16 roundings: the input, the transformed input H(x * suh), the GEMM's
+        output (exact fp16 weights, a wide accumulator) and the output transform each rounded to fp16. float16.
+        An estimate of the error a GPU computation carries against float64 maths, for the CPU lane's integer
+        kernel to be measured against (tests/cpu_lane/test_cpu_lane_kernel.py), not exllamav3's exact rounding
+        order."""
+        x = _f16(x)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input width {x.shape[-1]} != in_features {self.in_features}")
+        w = self.inner() if inner is None else inner
+        xh = _f16(had_rows(x * self.suh.astype(np.float64)))
+        y = _f16(xh @ w.astype(np.float64))
+        return (had_rows(y) * self.svh.astype(np.float64)).astype(np.float16)
+
+
+def _f16(x: np.ndarray) -> np.ndarray:
+    """x rounded to fp16, as float64."""
+    return np.asarray(x, dtype=np.float64).astype(np.float16).astype(np.float64)
+
 
 def silu(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
@@ -323,6 +342,15 @@ def expert_forward(x: np.ndarray, gate: Exl3Linear, up: Exl3Linear, down: Exl3Li
     else:
         a = swiglu(g, u, swiglu_limit)
     return down.forward(a)
+
+
+def expert_forward_fp16(x: np.ndarray, gate: Exl3Linear, up: Exl3Linear, down: Exl3Linear,
+                        swiglu_limit: float = 10.0) -> np.ndarray:
+    """expert_forward in a GPU's fp16 arithmetic: each linear's forward_fp16, the SwiGLU in fp16
+    (swiglu(fp16=True)). float32. The yardstick for the error of an approximate kernel: a GPU-like
+    computation is this far from float64 maths."""
+    g, u = gate.forward_fp16(x), up.forward_fp16(x)
+    return down.forward_fp16(swiglu(g, u, swiglu_limit, fp16=True)).astype(np.float32)
 
 
 def read_exl3_linear(checkpoint: Path | str, key: str) -> Exl3Linear:

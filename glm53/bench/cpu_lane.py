@@ -7,6 +7,11 @@ ratio says how close the lane comes to reading experts as fast as memory can del
 0.5 of the host's RAM read bandwidth). First, the start-up calibration the lane runs: which SIMD path is fastest
 here, and the CPU cost model fitted from its timings, as the planner would use it.
 
+Each point times the kernel the lane serves on that path (the integer kernel where the build has one, see
+glm53.cpu_lane.kernel) and, beside it, the exact kernel, their steps alternating so that both see the same host:
+milliseconds per expert (the median of the repeats; the JSON also has the best), the speed-up, and the cost in
+thread-cycles per weight at the clock /proc/cpuinfo reports (or --ghz).
+
 --baseline-lib times another build of the library (an older commit's, say) in the same run, its steps alternating
 with this build's, so that both see the same host; build one with e.g.
     git worktree add /tmp/base <commit> && (cd /tmp/base && python setup.py build_ext --inplace)
@@ -33,6 +38,9 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--experts", type=int, default=4, help="experts per timed lane step (default 4)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per point; the best counts (default 5)")
     p.add_argument("--isa", help="SIMD path (default: the fastest measured here)")
+    p.add_argument("--kernel", choices=("int", "exact"), help="the kernel timed (default: the one served on that "
+                                                              "path); the exact one is timed beside an integer one")
+    p.add_argument("--ghz", type=float, help="clock for the cycles-per-weight column (default: /proc/cpuinfo's)")
     p.add_argument("--no-pin", action="store_true", help="do not pin worker threads to cores")
     p.add_argument("--hidden", type=int, default=4096, help="expert geometry (default GLM-5.3-Flash: 4096)")
     p.add_argument("--intermediate", type=int, default=2048, help="(default 2048)")
@@ -81,7 +89,8 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
                         isas=[args.isa] if args.isa else None)
     isa = cal.isa
     log("path, 1 row at " + f"{max_threads} threads: " + "  ".join(
-        f"{k} {v * 1e3:.2f} ms" for k, v in sorted(cal.isa_seconds.items(), key=lambda kv: kv[1])) + f"  -> {isa}")
+        f"{k} ({cal.isa_kernels.get(k, '?')}) {v * 1e3:.2f} ms"
+        for k, v in sorted(cal.isa_seconds.items(), key=lambda kv: kv[1])) + f"  -> {isa}")
     cost, rms = fit_cpu(cal.samples)
     log("calibrated CPU cost (us): " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cost.__dict__.items())
         + f"; RMS residual {rms * 1e6:.1f} us over {len(cal.samples)} steps")
@@ -89,48 +98,92 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     pool = _Pool(geo, seed=0)
     rng = np.random.default_rng(1)
     base_lib = K.load_library(args.baseline_lib) if args.baseline_lib else None
+    kernel = args.kernel or cal.isa_kernels.get(isa) or K.served_kernel(isa)
+    with_exact = kernel != "exact"
+    ghz = args.ghz or _cpu_ghz()
+    weights = 3 * geo.hidden * geo.intermediate
     results, ram = [], {}
-    head = f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}"
+    log(f"kernel: {kernel} on {isa}" + (", the exact kernel beside it" if with_exact else "")
+        + f"; ms per expert: medians of {args.repeats}; c/w: thread-cycles per weight at "
+        + (f"{ghz:.2f} GHz" if ghz else "an unknown clock"))
+    head = f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'c/w':>5} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}"
+    if with_exact:
+        head += f" {'exact ms':>8} {'c/w':>5} {'speed-up':>8}"
     if base_lib is not None:
-        log(f"baseline: {args.baseline_lib} (its steps alternate with this build's; each side's best counts)")
-        head += f" {'base ms':>8} {'base ratio':>10} {'speed-up':>8}"
+        log(f"baseline: {args.baseline_lib} (its steps alternate with this build's)")
+        head += f" {'base ms':>8} {'base ratio':>10} {'vs base':>7}"
     log(head)
+
+    def cycles(per: float, t: int) -> float | None:
+        return per * ghz * 1e9 * t / weights if ghz else None
+
+    def cw(per: float, t: int) -> str:
+        c = cycles(per, t)
+        return f"{c:>5.2f}" if c is not None else f"{'?':>5}"
+
     for t in threads:
         ram[t] = ram_read_bandwidth(threads=t)
         with contextlib.ExitStack() as stack:
-            kern = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa))
-            base = None if base_lib is None else stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, lib=base_lib))
-            for k in (kern, base):
-                if k is not None:
-                    time_step(k, geo, pool.take(1), (1,), rng)
+            kerns = {"": stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, kernel=kernel))}
+            if with_exact:
+                kerns["exact"] = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, kernel="exact"))
+            base_kernel = None
+            if base_lib is not None:  # an older build: the kernel timed here if it has it, else its exact one
+                base_kernel = kernel if K.kernel_supported(isa, kernel, base_lib) else "exact"
+                kerns["baseline"] = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, lib=base_lib,
+                                                                    kernel=base_kernel))
+            for k in kerns.values():
+                time_step(k, geo, pool.take(1), (1,), rng)
             for r in rows_list:
                 rows = (r,) * args.experts
-                sec = base_sec = float("inf")
+                secs: dict[str, list[float]] = {name: [] for name in kerns}
                 for _ in range(args.repeats):
-                    sec = min(sec, time_step(kern, geo, pool.take(args.experts), rows, rng))
-                    if base is not None:
-                        base_sec = min(base_sec, time_step(base, geo, pool.take(args.experts), rows, rng))
-                per = sec / args.experts
+                    for name, k in kerns.items():
+                        secs[name].append(time_step(k, geo, pool.take(args.experts), rows, rng) / args.experts)
+                med = {name: float(np.median(v)) for name, v in secs.items()}
+                per = med[""]
                 bps = geo.nbytes / per
-                res = {"threads": t, "rows": r, "seconds_per_expert": per, "expert_bytes_per_s": bps,
-                       "ram_bytes_per_s": ram[t], "ratio": bps / ram[t], "pinned": kern.pinned}
-                line = f"{t:>7} {r:>4} {per * 1e3:>9.3f} {bps / 1e9:>11.2f} {ram[t] / 1e9:>8.1f} {bps / ram[t]:>6.3f}"
-                if base is not None:
-                    base_per = base_sec / args.experts
-                    res.update(baseline_seconds_per_expert=base_per, baseline_ratio=geo.nbytes / base_per / ram[t])
-                    line += f" {base_per * 1e3:>8.3f} {geo.nbytes / base_per / ram[t]:>10.3f} {base_per / per:>7.2f}x"
+                res = {"threads": t, "rows": r, "kernel": kernel, "seconds_per_expert": per,
+                       "best_seconds_per_expert": min(secs[""]), "cycles_per_weight": cycles(per, t),
+                       "expert_bytes_per_s": bps, "ram_bytes_per_s": ram[t], "ratio": bps / ram[t],
+                       "pinned": kerns[""].pinned}
+                line = (f"{t:>7} {r:>4} {per * 1e3:>9.3f} {cw(per, t)} {bps / 1e9:>11.2f} {ram[t] / 1e9:>8.1f} "
+                        f"{bps / ram[t]:>6.3f}")
+                if with_exact:
+                    ex = med["exact"]
+                    res.update(exact_seconds_per_expert=ex, exact_best_seconds_per_expert=min(secs["exact"]),
+                               exact_cycles_per_weight=cycles(ex, t), speedup_vs_exact=ex / per)
+                    line += f" {ex * 1e3:>8.3f} {cw(ex, t)} {ex / per:>7.2f}x"
+                if base_lib is not None:
+                    base_per = med["baseline"]
+                    res.update(baseline_kernel=base_kernel, baseline_seconds_per_expert=base_per,
+                               baseline_best_seconds_per_expert=min(secs["baseline"]),
+                               baseline_ratio=geo.nbytes / base_per / ram[t])
+                    line += f" {base_per * 1e3:>8.3f} {geo.nbytes / base_per / ram[t]:>10.3f} {base_per / per:>6.2f}x"
                 results.append(res)
                 log(line)
     host_ram = max(ram.values())
-    best = max(results, key=lambda x: x["expert_bytes_per_s"])
+    best = max(results, key=lambda x: x["expert_bytes_per_s"])  # (medians: the best point of the run)
     log(f"best: {best['expert_bytes_per_s'] / 1e9:.2f} GB/s of experts ({best['threads']} threads, {best['rows']} "
         f"row{'s' if best['rows'] > 1 else ''}) = {best['expert_bytes_per_s'] / host_ram:.3f} of the host's RAM read "
         f"bandwidth ({host_ram / 1e9:.1f} GB/s)")
-    return {"cpu": _cpu_model(), "isa": isa, "isa_seconds": cal.isa_seconds, "expert_bytes": geo.nbytes,
+    return {"cpu": _cpu_model(), "isa": isa, "kernel": kernel, "ghz": ghz, "isa_seconds": cal.isa_seconds,
+            "isa_kernels": cal.isa_kernels, "expert_bytes": geo.nbytes,
             "experts_per_step": args.experts, "results": results,
             "ram_bytes_per_s": {str(k): v for k, v in ram.items()}, "host_ram_bytes_per_s": host_ram,
             "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()},
             "baseline_lib": args.baseline_lib}
+
+
+def _cpu_ghz() -> float | None:
+    """The clock /proc/cpuinfo gives for the first CPU (in a VM often the nominal one), in GHz."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("cpu MHz"):
+                return float(line.split(":", 1)[1]) / 1e3
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _cpu_model() -> str:

@@ -3,7 +3,9 @@
 calibrate_cpu() times lane steps (1, 2, 4 experts of 1..8 rows) at a few thread counts on synthetic experts laid
 out like the RAM tier (random trellis: any bits are a valid EXL3 weight), spread over more memory than the last
 level cache so the bytes come from RAM as in service. It also times each SIMD path the CPU has and keeps the
-fastest (AVX-512 lowers the clock on some cores). Its samples feed planner.calibrate; the throughputs are what
+fastest (AVX-512 lowers the clock on some cores). Each path is timed with the kernel the lane serves on it
+(kernel.served_kernel: the integer kernel where the build has a tested one, else the exact one), so the
+samples and the choice are those of what will serve. Its samples feed planner.calibrate; the throughputs are what
 `glm53 bench cpu-lane` prints against ram_read_bandwidth().
 """
 
@@ -18,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-from .kernel import CpuKernel, ExpertCall, ExpertGeometry, KernelUnavailable, supported_isas, unavailable_reason
+from .kernel import (
+    CpuKernel,
+    ExpertCall,
+    ExpertGeometry,
+    KernelUnavailable,
+    served_kernel,
+    supported_isas,
+    unavailable_reason,
+)
 from .planner import CpuSample
 
 GIB = 1 << 30
@@ -114,6 +124,8 @@ class CpuCalibration:
     isa_seconds: dict[str, float]              # one expert, 1 row, at the lane's threads, per path
     samples: list[CpuSample] = field(default_factory=list)
     expert_bytes: int = 0
+    kernel: str = "exact"                      # the kernel timed (and served) on `isa`: "int" or "exact"
+    isa_kernels: dict[str, str] = field(default_factory=dict)  # the kernel timed on each path
 
     def bytes_per_second(self, rows: int, threads: int) -> float | None:
         """Expert bytes/s measured for single-expert steps of `rows` rows at `threads` threads (best sample)."""
@@ -162,22 +174,23 @@ def calibrate_cpu(threads: int, cpus: Sequence[int] | None = None, *, geo: Exper
         raise KernelUnavailable(unavailable_reason() or "the CPU expert kernel supports no ISA on this CPU")
     # Which path: one-row experts (the decode case) at the lane's threads. Scalar only if nothing else runs.
     simd = [i for i in candidates if i != "scalar"] or candidates
-    isa_seconds = {}
+    isa_seconds, isa_kernels = {}, {}
     for isa in simd:
-        with CpuKernel(threads, cpus, isa=isa) as kern:
+        with CpuKernel(threads, cpus, isa=isa, kernel=served_kernel(isa)) as kern:
+            isa_kernels[isa] = kern.kernel
             time_step(kern, geo, pool.take(1), (1,), rng)  # warm-up: page faults, thread start
             isa_seconds[isa] = min(time_step(kern, geo, pool.take(2), (1, 1), rng) / 2 for _ in range(repeats))
     best = min(isa_seconds, key=isa_seconds.__getitem__)
     counts = sorted({int(t) for t in (thread_counts or (1, max(1, threads // 2), threads)) if 1 <= t <= threads})
     samples = []
     for t in counts:
-        with CpuKernel(t, list(cpus)[:t] if cpus else None, isa=best) as kern:
+        with CpuKernel(t, list(cpus)[:t] if cpus else None, isa=best, kernel=isa_kernels[best]) as kern:
             time_step(kern, geo, pool.take(1), (1,), rng)
             for n in experts:
                 for r in rows:
                     sec = min(time_step(kern, geo, pool.take(n), (r,) * n, rng) for _ in range(repeats))
                     samples.append(CpuSample((r,) * n, t, sec))
-    return CpuCalibration(best, isa_seconds, samples, geo.nbytes)
+    return CpuCalibration(best, isa_seconds, samples, geo.nbytes, isa_kernels[best], isa_kernels)
 
 
 def default_threads() -> int:

@@ -105,6 +105,9 @@ struct Tables {
                 T.shift[g][j] = (uint32_t)(16 - (s - 8 * floordiv(s, 8)));
             }
         }
+        for (int g = 1; g < kGroups; ++g)  // the integer kernel holds one group's shifts for all (kernel_impl.h)
+            if (memcmp(T.shift[g], T.shift[0], sizeof T.shift[0]) != 0)
+                error = "K=" + std::to_string(kb) + ": groups with different shifts";
         T.pair_ok = 1;
         T.pair_nwrap = 0;
         for (int p = 0; p < kGroups / 2; ++p) {
@@ -173,7 +176,7 @@ bool cpu_has(int isa) {
     return false;
 }
 
-const IsaOps* ops_for(int isa) {
+const IsaOps* isa_ops(int isa) {
     if (!cpu_has(isa)) return nullptr;
     switch (isa) {
         case GLM53_ISA_SCALAR: return &kScalarOps;
@@ -185,6 +188,15 @@ const IsaOps* ops_for(int isa) {
 #endif
         default: return nullptr;
     }
+}
+
+// An ISA code, with GLM53_KERNEL_INT or not: that ISA's ops if this CPU runs them and, for the integer kernel,
+// the ISA has one.
+const IsaOps* ops_for(int code) {
+    if (code & ~(GLM53_ISA_MASK | GLM53_KERNEL_INT)) return nullptr;
+    const IsaOps* ops = isa_ops(code & GLM53_ISA_MASK);
+    if (ops && (code & GLM53_KERNEL_INT) && !ops->gemv_cols_q) return nullptr;
+    return ops;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -277,17 +289,18 @@ public:
     int threads() const { return n_; }
     int pinned() const { return pinned_.load(); }
 
-    int run(const Glm53Job* jobs, int njobs, const IsaOps* ops, const volatile int32_t* cancel,
+    int run(const Glm53Job* jobs, int njobs, const IsaOps* ops, bool integer, const volatile int32_t* cancel,
             volatile int32_t* done) {
         std::lock_guard<std::mutex> one_call(call_m_);
         static const volatile int32_t never = 0;
         call_.jobs = jobs;
         call_.njobs = njobs;
         call_.ops = ops;
+        call_.integer = integer;
         call_.cancel = cancel ? cancel : &never;
         call_.done = done;
         call_.shapes.resize(njobs);
-        size_t xv_gu = 0, raw = 0, xv_d = 0, yraw = 0, acc = 0, ncounters = 0;
+        size_t xv_gu = 0, raw = 0, xv_d = 0, yraw = 0, acc = 0, qs_gu = 0, qs_d = 0, ncounters = 0;
         for (int j = 0; j < njobs; ++j) {
             const Glm53Job& job = jobs[j];
             const int h = job.gate.in_features, in = job.gate.out_features, r = job.rows;
@@ -309,10 +322,12 @@ public:
             s.nchunk_d = (h / 16 + s.chunk_d - 1) / s.chunk_d;
             s.counters = ncounters;
             ncounters += kCtrBlocks + in / kHad + h / kHad;
-            xv_gu = std::max(xv_gu, (size_t)r * 2 * h);
+            xv_gu = std::max(xv_gu, (size_t)r * (h / 16) * (integer ? kXq : 32));
             raw = std::max(raw, (size_t)r * in);
-            xv_d = std::max(xv_d, (size_t)r * 2 * in);
+            xv_d = std::max(xv_d, (size_t)r * (in / 16) * (integer ? kXq : 32));
             yraw = std::max(yraw, (size_t)r * h);
+            qs_gu = std::max(qs_gu, (size_t)r * 2 * (h / kHad));
+            qs_d = std::max(qs_d, (size_t)r * 2 * (in / kHad));
             acc = std::max(acc, (size_t)r * std::max(s.chunk_gu, s.chunk_d) * kAccFloats);
         }
         const Tables& tab = tables();
@@ -324,6 +339,11 @@ public:
             raw_[1].reserve(raw);
             xv_[2].reserve(xv_d);
             yraw_.reserve(yraw);
+            if (integer) {
+                qs_[0].reserve(qs_gu);
+                qs_[1].reserve(qs_gu);
+                qs_[2].reserve(qs_d);
+            }
             for (auto& w : workers_) {
                 w.acc.reserve(acc);
                 w.wbuf.reserve(kTileBlock * kTileElems);
@@ -361,6 +381,7 @@ private:
         const Glm53Job* jobs = nullptr;
         int njobs = 0;
         const IsaOps* ops = nullptr;
+        bool integer = false;  // the integer kernel (GLM53_KERNEL_INT)
         const volatile int32_t* cancel = nullptr;
         volatile int32_t* done = nullptr;
         std::vector<Shape> shapes;
@@ -442,27 +463,37 @@ private:
 
             share(ctr[kCtrPrep], 2 * r * hb, [&](int u) {
                 const int lin = u / (r * hb), row = u / hb % r, b = u % hb;
-                ops.prep_block(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b,
-                               xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * 32);
+                float* xv = xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * (c.integer ? kXq : 32);
+                if (c.integer)
+                    ops.prep_block_q(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b,
+                                     reinterpret_cast<int32_t*>(xv), qs_[lin].p + ((size_t)row * hb + b) * 2);
+                else
+                    ops.prep_block(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b, xv);
             });
             barrier(tid);
             share(ctr[kCtrGateUp], 2 * s.nchunk_gu, [&](int u) {
                 const int lin = u / s.nchunk_gu, tn0 = u % s.nchunk_gu * s.chunk_gu;
                 const int tn1 = std::min(in / 16, tn0 + s.chunk_gu);
-                gemv(*gu[lin], tab, xv_[lin].p, r, tn0, tn1, w, raw_[lin].p, in);
+                gemv(*gu[lin], tab, xv_[lin].p, qs_[lin].p, r, tn0, tn1, w, raw_[lin].p, in);
                 for (int b = tn0 / 8; b * 8 < tn1; ++b)
                     if (mid_left[b].fetch_sub(1, std::memory_order_acq_rel) == 1 && !*c.cancel)
                         for (int row = 0; row < r; ++row) {
                             const size_t off = (size_t)row * in + kHad * b;
-                            ops.mid_block(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b,
-                                          job.up.svh + kHad * b, job.down.suh + kHad * b, job.swiglu_limit,
-                                          xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * 32);
+                            float* xv = xv_[2].p + ((size_t)row * (in / 16) + 8 * b) * (c.integer ? kXq : 32);
+                            if (c.integer)
+                                ops.mid_block_q(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b,
+                                                job.up.svh + kHad * b, job.down.suh + kHad * b, job.swiglu_limit,
+                                                reinterpret_cast<int32_t*>(xv),
+                                                qs_[2].p + ((size_t)row * (in / kHad) + b) * 2);
+                            else
+                                ops.mid_block(raw_[0].p + off, raw_[1].p + off, job.gate.svh + kHad * b,
+                                              job.up.svh + kHad * b, job.down.suh + kHad * b, job.swiglu_limit, xv);
                         }
             });
             barrier(tid);
             share(ctr[kCtrDown], s.nchunk_d, [&](int u) {
                 const int tn0 = u * s.chunk_d, tn1 = std::min(h / 16, tn0 + s.chunk_d);
-                gemv(job.down, tab, xv_[2].p, r, tn0, tn1, w, yraw_.p, h);
+                gemv(job.down, tab, xv_[2].p, qs_[2].p, r, tn0, tn1, w, yraw_.p, h);
                 for (int b = tn0 / 8; b * 8 < tn1; ++b) {
                     if (out_left[b].fetch_sub(1, std::memory_order_acq_rel) != 1 || *c.cancel) continue;
                     for (int row = 0; row < r; ++row) {
@@ -481,8 +512,8 @@ private:
         barrier(tid);  // the call ends when every unit has finished
     }
 
-    void gemv(const Glm53Linear& l, const Tables& tab, const float* xv, int rows, int tn0, int tn1, Worker& w,
-              float* yraw, int ystride) {
+    void gemv(const Glm53Linear& l, const Tables& tab, const float* xv, const float* qs, int rows, int tn0, int tn1,
+              Worker& w, float* yraw, int ystride) {
         GemvArgs a;
         a.tab = &tab.k[l.k_bits];
         a.trellis = reinterpret_cast<const uint8_t*>(l.trellis);
@@ -498,7 +529,11 @@ private:
         a.yraw = yraw;
         a.ystride = ystride;
         a.cancel = call_.cancel;
-        call_.ops->gemv_cols(a);
+        a.qs = qs;
+        if (call_.integer)
+            call_.ops->gemv_cols_q(a);
+        else
+            call_.ops->gemv_cols(a);
     }
 
     const int n_;
@@ -520,7 +555,7 @@ private:
     std::mutex call_m_;  // one call at a time
     Call call_;
     std::vector<std::atomic<int>> counters_;
-    Buf xv_[3], raw_[2], yraw_;
+    Buf xv_[3], raw_[2], yraw_, qs_[3];  // qs_: the integer kernel's block scales (gate, up, down)
 
     alignas(64) std::atomic<int> bar_count_{0};
     alignas(64) std::atomic<int> bar_sense_{0};
@@ -568,7 +603,8 @@ GLM53_API int glm53_pool_threads(void* pool) { return static_cast<Pool*>(pool)->
 
 GLM53_API int glm53_pool_pinned(void* pool) { return static_cast<Pool*>(pool)->pinned(); }
 
-// Run njobs experts in order. done[j] (optional) becomes 1 once job j's output is complete; *cancel (optional)
+// Run njobs experts in order, with the ISA's exact kernel or, with GLM53_KERNEL_INT in `isa`, its integer one.
+// done[j] (optional) becomes 1 once job j's output is complete; *cancel (optional)
 // going non-zero stops the call at the next work unit. Returns 0, 1 (cancelled) or < 0 (see glm53_last_error).
 GLM53_API int glm53_run(void* pool, const Glm53Job* jobs, int njobs, int isa, const volatile int32_t* cancel,
                         volatile int32_t* done) {
@@ -578,7 +614,7 @@ GLM53_API int glm53_run(void* pool, const Glm53Job* jobs, int njobs, int isa, co
     if (!ops) return glm53::fail(-2, "ISA " + std::to_string(isa) + " is not supported by this CPU");
     if (njobs == 0) return 0;
     try {
-        return static_cast<Pool*>(pool)->run(jobs, njobs, ops, cancel, done);
+        return static_cast<Pool*>(pool)->run(jobs, njobs, ops, (isa & GLM53_KERNEL_INT) != 0, cancel, done);
     } catch (const std::exception& e) {
         return glm53::fail(-4, std::string("kernel failed: ") + e.what());
     }

@@ -2,9 +2,15 @@
 
 The library (`_expert_kernel*.so`, built from kernel*.cpp by setup.py at `pip install`) computes one routed
 expert's MLP for a few activation rows directly from the EXL3 bytes of its slot image, wherever those lie (the
-RAM tier's arena, a store record, a numpy copy): nothing is copied or decoded ahead. Numerics: the decoded
-weights are bit-identical to exllamav3's; Hadamard transforms, sums and the clamped SwiGLU run in fp32, so an
-expert's output is "near-exact" (relative error ~1e-6 against float64 maths, see tests/cpu_lane/test_cpu_lane_kernel.py).
+RAM tier's arena, a store record, a numpy copy): nothing is copied or decoded ahead.
+
+Two kernels per ISA. The exact one decodes every weight bit-identically to exllamav3's and runs Hadamard
+transforms, sums and the clamped SwiGLU in fp32, so an expert's output is "near-exact" (relative error ~1e-6
+against float64 maths). The integer one (kernel="int") takes each weight as the affine function of its hash's
+byte sum that mul1 rounds to fp16, and dots the byte sums with the activations quantized to int16 per 128-block,
+in integer arithmetic: ~3.5e-4 relative error, half a GPU-like fp16 computation's (~7.5e-4); measured in
+tests/cpu_lane/test_cpu_lane_kernel.py. The lane serves with served_kernel(isa): the integer kernel on the ISAs
+where this build has a tested one, the exact kernel elsewhere; the exact kernel stays the reference.
 
     kern = CpuKernel(threads=8, cpus=pick_cpus(8))
     y = kern.forward(slot_bytes, layout, x)          # x (rows, hidden) float32 -> y (rows, hidden) float32
@@ -35,6 +41,8 @@ from . import buildinfo
 ISA_CODES = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3, "avx2vnni": 4}
 ISAS = ("scalar", "avx2", "avx2vnni", "avx512", "avx512vnni")  # narrowest first
 ABI_VERSION = 1
+KERNEL_INT = 0x100  # kernel_api.h's GLM53_KERNEL_INT, OR'ed into an ISA code: that ISA's integer kernel
+KERNELS = ("exact", "int")
 PROJECTIONS = ("gate", "up", "down")
 SWIGLU_LIMIT = 10.0  # GLM-5.3-Flash's swiglu_limit (config.json); 0 disables the clamp
 HERE = Path(__file__).resolve().parent
@@ -147,6 +155,24 @@ def best_isa() -> str:
     return isas[-1]
 
 
+def kernel_supported(isa: str, kernel: str, lib: ctypes.CDLL | None = None) -> bool:
+    """Whether `lib` (default this package's) runs `kernel` ("exact" or "int") on `isa` on this CPU. An older
+    build has no integer kernel and says no."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
+    lib = lib or _LIB
+    if lib is None or isa not in ISA_CODES:
+        return False
+    return bool(lib.glm53_isa_supported(ISA_CODES[isa] | (KERNEL_INT if kernel == "int" else 0)))
+
+
+def served_kernel(isa: str | None = None, lib: ctypes.CDLL | None = None) -> str:
+    """The kernel the lane serves with on `isa` (default the widest): "int" where the build has a tested
+    integer kernel for it (scalar and AVX2 today), else "exact"."""
+    isa = best_isa() if isa is None else isa
+    return "int" if kernel_supported(isa, "int", lib) else "exact"
+
+
 def _isa_code(isa: str | None) -> int:
     isa = best_isa() if isa is None else isa
     if isa not in ISAS:
@@ -251,16 +277,23 @@ class CpuKernel:
     Calls are serialised (one expert list at a time); run them from one thread, e.g. the CPU lane's worker.
     spin_us: how long idle workers spin for the next call before sleeping (a layer step's call follows the
     previous one within tens of microseconds; longer gaps sleep, so an idle lane costs no CPU). lib: another build
-    of the library (load_library), for benchmarks; default this package's."""
+    of the library (load_library), for benchmarks; default this package's. kernel: "exact" or "int"; default the
+    one served on that ISA (served_kernel)."""
 
     def __init__(self, threads: int, cpus: Sequence[int] | None = None, isa: str | None = None, spin_us: int = 50,
-                 lib: ctypes.CDLL | None = None):
+                 lib: ctypes.CDLL | None = None, kernel: str | None = None):
         if threads < 1:
             raise ValueError("threads must be >= 1")
         self.isa = isa or best_isa()
         self._isa = _isa_code(self.isa)
         if lib is not None and not lib.glm53_isa_supported(self._isa):
             raise KernelError(f"that build of the kernel cannot run the {self.isa} path here")
+        self.kernel = kernel or served_kernel(self.isa, lib)
+        if not kernel_supported(self.isa, self.kernel, lib or _lib()):
+            raise KernelError(f"{'that' if lib is not None else 'this'} build has no {self.kernel} kernel for "
+                              f"the {self.isa} path")
+        if self.kernel == "int":
+            self._isa |= KERNEL_INT
         self._lib = lib = lib or _lib()
         cpu_arr = (ctypes.c_int32 * len(cpus))(*cpus) if cpus else None
         self._pool = lib.glm53_pool_new(int(threads), cpu_arr, len(cpus or ()), int(spin_us))
@@ -342,14 +375,16 @@ _SHARED_LOCK = threading.Lock()
 
 
 def expert_forward(slot_bytes: Any, layout: Any, x: Any, threads: int = 1, isa: str | None = None,
-                   swiglu_limit: float = SWIGLU_LIMIT) -> np.ndarray:
+                   swiglu_limit: float = SWIGLU_LIMIT, kernel: str | None = None) -> np.ndarray:
     """One expert's MLP on x (rows, hidden) float32 from its EXL3 slot image; a shared unpinned pool per
-    (threads, isa). For tests and tools; the CPU lane owns a pinned CpuKernel."""
-    key = (int(threads), isa or best_isa())
+    (threads, isa, kernel), the kernel by default the one served on that ISA. For tests and tools; the CPU lane
+    owns a pinned CpuKernel."""
+    isa = isa or best_isa()
+    key = (int(threads), isa, kernel or served_kernel(isa))
     with _SHARED_LOCK:
         kern = _SHARED.get(key)
         if kern is None:
-            kern = _SHARED[key] = CpuKernel(key[0], isa=key[1])
+            kern = _SHARED[key] = CpuKernel(key[0], isa=key[1], kernel=key[2])
     return kern.forward(slot_bytes, layout, x, swiglu_limit=swiglu_limit)
 
 

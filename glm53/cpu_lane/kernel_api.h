@@ -36,6 +36,10 @@ typedef struct Glm53Job {
 
 // Codes are part of the ABI (kernel.py's ISA_CODES); new paths get new numbers.
 enum { GLM53_ISA_SCALAR = 0, GLM53_ISA_AVX2 = 1, GLM53_ISA_AVX512 = 2, GLM53_ISA_AVX512VNNI = 3, GLM53_ISA_AVX2VNNI = 4 };
+// OR'ed into the isa argument of glm53_run / glm53_isa_supported: the integer kernel of that ISA (kernel_impl.h,
+// "The integer kernel") instead of the exact one. A build without it answers "not supported", so an older
+// library (bench cpu-lane --baseline-lib) still runs its exact kernel under the same ABI.
+enum { GLM53_KERNEL_INT = 0x100, GLM53_ISA_MASK = 0xFF };
 
 #ifdef __cplusplus
 }
@@ -48,6 +52,8 @@ constexpr int kHad = 128;        // Hadamard block
 constexpr int kTileBlock = 4;    // tiles decoded per column before the FMAs reuse them across rows
 constexpr int kAccFloats = 128;  // accumulator floats per (row, tile column): 8 vectors of up to 16 lanes
 constexpr uint32_t kMul1 = 0x83DCD12Du;
+constexpr int kQBlock = 8;       // integer kernel: tiles down a column per activation scale (one 128-block)
+constexpr int kXq = 48;          // integer kernel: int32 activation patterns per tile row (kernel_impl.h)
 
 // Where each element's 16-bit trellis state sits, for one K (built once per K by kernel.cpp).
 // SIMD paths: group g (elements 8g..8g+7) reads a 16-byte window (4 words from word base[g], or for the first
@@ -94,6 +100,9 @@ struct GemvArgs {
     float* yraw;       // (rows, ystride): raw outputs before the output transform
     int ystride;
     const volatile int32_t* cancel;
+    // The integer kernel: xv holds kXq int32 patterns per tile row (int16 activations, quantize_block), and qs,
+    // per row and 128-block of the input (rows, tiles_k / 8, 2), the block's {scale * k_inv, scale * sum(q) * bias}.
+    const float* qs;
 };
 
 struct IsaOps {
@@ -108,6 +117,12 @@ struct IsaOps {
                       const uint16_t* suh_d, float limit, float* xv);
     // Output transform of one 128-block: Hadamard(yraw) * svh -> out.
     void (*out_block)(const float* yraw, const uint16_t* svh, float* out);
+    // The integer kernel (null where this ISA has none): the GEMV over int16 activations, and prep_block /
+    // mid_block ending in the block's quantization (xq: 8 * kXq int32 patterns, qs: its 2 floats).
+    void (*gemv_cols_q)(const GemvArgs&);
+    void (*prep_block_q)(const float* x, const uint16_t* suh, int32_t* xq, float* qs);
+    void (*mid_block_q)(const float* graw, const float* uraw, const uint16_t* svh_g, const uint16_t* svh_u,
+                        const uint16_t* suh_d, float limit, int32_t* xq, float* qs);
 };
 
 extern const IsaOps kScalarOps;

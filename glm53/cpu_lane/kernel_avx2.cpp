@@ -16,6 +16,7 @@
 
 namespace glm53 {
 const IsaOps kAvx2Ops = {"avx2", isa_avx2::decode_tile, isa_avx2::gemv_cols, isa_avx2::prep_block,
-                         isa_avx2::mid_block, isa_avx2::out_block};
+                         isa_avx2::mid_block, isa_avx2::out_block,
+    isa_avx2::gemv_cols_q, isa_avx2::prep_block_q, isa_avx2::mid_block_q};
 }
 #endif

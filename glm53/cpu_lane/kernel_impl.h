@@ -80,18 +80,19 @@ inline void build_xv(const float* xh, float* xv) {
     }
 }
 
-void prep_block(const float* x, const uint16_t* suh, float* xv) {
-    float s[kHad], t[kHad];
+// x (128) * suh -> Hadamard: the block's transformed activations t.
+inline void prep_transform(const float* x, const uint16_t* suh, float* t) {
+    float s[kHad];
     halves(suh, s, kHad);
     for (int i = 0; i < kHad; ++i) t[i] = x[i] * s[i] * kHadScale;
     fwht128(t);
-    build_xv(t, xv);
 }
 
-void mid_block(const float* graw, const float* uraw, const uint16_t* svh_g, const uint16_t* svh_u,
-               const uint16_t* suh_d, float limit, float* xv) {
-    float g[kHad], u[kHad], s[kHad];
-    memcpy(g, graw, sizeof g);
+// One 128-block of the intermediate -> the down projection's transformed activations g.
+inline void mid_transform(const float* graw, const float* uraw, const uint16_t* svh_g, const uint16_t* svh_u,
+                          const uint16_t* suh_d, float limit, float* g) {
+    float u[kHad], s[kHad];
+    memcpy(g, graw, sizeof u);
     memcpy(u, uraw, sizeof u);
     fwht128(g);
     fwht128(u);
@@ -112,7 +113,93 @@ void mid_block(const float* graw, const float* uraw, const uint16_t* svh_g, cons
         g[i] = a * v * s[i] * kHadScale;
     }
     fwht128(g);
+}
+
+void prep_block(const float* x, const uint16_t* suh, float* xv) {
+    float t[kHad];
+    prep_transform(x, suh, t);
+    build_xv(t, xv);
+}
+
+void mid_block(const float* graw, const float* uraw, const uint16_t* svh_g, const uint16_t* svh_u,
+               const uint16_t* suh_d, float limit, float* xv) {
+    float g[kHad];
+    mid_transform(graw, uraw, svh_g, svh_u, suh_d, limit, g);
     build_xv(g, xv);
+}
+
+// The integer kernel's activations: one 128-block of transformed activations t -> int16 values
+// q = round(t / scale), scale = max|t| / 32767, in two layouts per tile row (kXq = 48 int32): first each value
+// twice in an int32 (low and high half), in the xv pattern layout (build_xv: 4 patterns x 8 lanes), then the 16
+// int32 of the paired layout (two patterns' values in the halves of one int32, see gemv_rows_q), and
+// qs = {scale * k_inv, scale * sum(q) * bias}: the block adds
+// k_inv * scale * sum(b * q) + bias * scale * sum(q) to each output, b the weights' byte sums (see "The integer
+// kernel" below). 16 bits because 8 (exllamav3's CPU kernel, ~1% error) is far above the GPU kernel's own error;
+// 16-bit values need one vpmaddwd per 8 weights (AVX2) where 8-bit ones would need two instructions too.
+// A block holding a NaN or an infinity gets a NaN scale, so the outputs it reaches are NaN, as in the exact
+// kernel; a block below 2^-100 counts as zero (its contribution is below fp32's resolution of any output).
+constexpr float kQMax = 32767.0f;
+constexpr float kQTiny = 7.888609052210118e-31f;  // 2^-100
+
+inline void quantize_block(const float* t, int32_t* xq, float* qs) {
+    float amax = 0.0f;
+    int bad = 0;
+    for (int i = 0; i < kHad; ++i) {
+        const float a = fabsf(t[i]);
+        bad |= !(a <= 3.4028234663852886e38f);  // NaN or inf
+        amax = a > amax ? a : amax;
+    }
+    int32_t q[kHad];
+    int32_t sum = 0;
+    if (bad || amax < kQTiny) {
+        memset(q, 0, sizeof q);
+        qs[0] = qs[1] = bad ? __builtin_nanf("") : 0.0f;
+    } else {
+        const float scale = amax / kQMax, inv = kQMax / amax;
+        for (int i = 0; i < kHad; ++i) {
+            // t * inv rounds to at most 32767 * (1 + 2^-23): lrintf (round to nearest even) stays in range.
+            const int32_t v = (int32_t)lrintf(t[i] * inv);
+            q[i] = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
+            sum += q[i];
+        }
+        qs[0] = scale * kMul1Inv;
+        qs[1] = (float)sum * scale * kMul1Bias;  // |sum| <= 128 * 32767 < 2^24: exact as a float
+    }
+    for (int qq = 0; qq < 8; ++qq) {
+        const int32_t* s = q + 16 * qq;
+        int32_t* d = xq + kXq * qq;
+        uint32_t pat[4][8];  // pattern p, lane j (build_xv)
+        for (int p = 0; p < 4; ++p) {
+            const int32_t v[4] = {s[2 * p], s[2 * p + 1], s[2 * p + 8], s[2 * p + 9]};
+            for (int j = 0; j < 8; ++j) pat[p][j] = (uint32_t)v[j & 3] & 0xFFFFu;
+        }
+        for (int p = 0; p < 4; ++p)
+            for (int j = 0; j < 8; ++j) d[8 * p + j] = (int32_t)(pat[p][j] | pat[p][j] << 16);
+        // Paired: AVX2 pairs the vectors of patterns (0, 1) and (2, 3), AVX-512 (whose vectors hold patterns 0 and
+        // 1, or 2 and 3, in their halves) the vectors of (0 | 1, 2 | 3): the low half takes the first pattern.
+        for (int h = 0; h < 2; ++h)
+            for (int j = 0; j < 8; ++j) {
+#if GLM53_LEVEL == 2
+                const int lo = h, hi = h + 2;
+#else
+                const int lo = 2 * h, hi = 2 * h + 1;
+#endif
+                d[32 + 8 * h + j] = (int32_t)(pat[lo][j] | pat[hi][j] << 16);
+            }
+    }
+}
+
+void prep_block_q(const float* x, const uint16_t* suh, int32_t* xq, float* qs) {
+    float t[kHad];
+    prep_transform(x, suh, t);
+    quantize_block(t, xq, qs);
+}
+
+void mid_block_q(const float* graw, const float* uraw, const uint16_t* svh_g, const uint16_t* svh_u,
+                 const uint16_t* suh_d, float limit, int32_t* xq, float* qs) {
+    float g[kHad];
+    mid_transform(graw, uraw, svh_g, svh_u, suh_d, limit, g);
+    quantize_block(g, xq, qs);
 }
 
 void out_block(const float* yraw, const uint16_t* svh, float* out) {
@@ -191,6 +278,75 @@ void gemv_cols(const GemvArgs& a) {
             reduce(a.acc + ((size_t)r * ncol + c) * kAccFloats, a.yraw + (size_t)r * a.ystride + 16 * (a.tn0 + c));
 }
 
+// The integer kernel, scalar: the byte sums of a tile's weights dotted with the int16 activations in int32,
+// lane by lane as the AVX2 path adds them (element t = 8g + j into lane j of column pair g / 4), each lane's
+// block sum scaled into its float accumulator once per 128-block: the same sums in the same order as the AVX2
+// path, so the two agree bit for bit.
+inline void tile_bytesums(const DecodeTables& T, const uint8_t* tile, int32_t* b) {
+    uint32_t words[64];
+    memcpy(words, tile, 4 * (size_t)T.words);
+    for (int t = 0; t < kTileElems; ++t) {
+        const uint64_t m = (uint64_t)words[T.i0[t]] << 32 | words[T.i1[t]];
+        const uint32_t x = ((uint32_t)(m >> T.sh[t]) & 0xFFFFu) * kMul1;
+        b[t] = (int32_t)((x & 0xFF) + (x >> 8 & 0xFF) + (x >> 16 & 0xFF) + (x >> 24));
+    }
+}
+
+// The sum of a row's per-block bias terms (qs[1] of each block), in block order.
+inline float row_bias(const float* qs, int nblk) {
+    float s = 0.0f;
+    for (int b = 0; b < nblk; ++b) s += qs[2 * b + 1];
+    return s;
+}
+
+constexpr int kMaxRowsQ = 8;
+
+void gemv_cols_q(const GemvArgs& a) {
+    const DecodeTables& T = *a.tab;
+    const int ncol = a.tn1 - a.tn0, nblk = a.tiles_k / kQBlock;
+    const size_t rstride = (size_t)a.tiles_n * (size_t)a.tile_bytes;
+    const size_t xrow = (size_t)a.tiles_k * kXq;
+    const int32_t* xq = reinterpret_cast<const int32_t*>(a.xv);
+    int32_t* bs = reinterpret_cast<int32_t*>(a.wbuf);
+    int32_t iacc[kMaxRowsQ][64];
+    for (int r0 = 0; r0 < a.rows; r0 += kMaxRowsQ) {
+        const int rows = a.rows - r0 < kMaxRowsQ ? a.rows - r0 : kMaxRowsQ;
+        for (int c = 0; c < ncol; ++c) {
+            for (int blk = 0; blk < nblk; ++blk) {
+                if (*a.cancel) return;
+                memset(iacc, 0, sizeof iacc);
+                for (int b = 0; b < kQBlock; ++b) {
+                    const int tk = blk * kQBlock + b;
+                    tile_bytesums(T, a.trellis + (size_t)tk * rstride + (size_t)(a.tn0 + c) * (size_t)a.tile_bytes, bs);
+                    for (int r = 0; r < rows; ++r) {
+                        const int32_t* x = xq + (size_t)(r0 + r) * xrow + (size_t)tk * kXq;
+                        for (int t = 0; t < kTileElems; ++t) {
+                            const int g = t >> 3, j = t & 7;
+                            iacc[r][8 * (g >> 2) + j] += bs[t] * (int32_t)(int16_t)(x[8 * (g & 3) + j] & 0xFFFF);
+                        }
+                    }
+                }
+                for (int r = 0; r < rows; ++r) {
+                    const float sc = a.qs[((size_t)(r0 + r) * nblk + blk) * 2];
+                    float* f = a.acc + ((size_t)(r0 + r) * ncol + c) * kAccFloats;
+                    for (int l = 0; l < 64; ++l) {
+                        const float m = (float)iacc[r][l] * sc;
+                        f[l] = blk ? f[l] + m : m;
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < a.rows; ++r) {
+        const float bias = row_bias(a.qs + (size_t)r * nblk * 2, nblk);
+        for (int c = 0; c < ncol; ++c) {
+            float* y = a.yraw + (size_t)r * a.ystride + 16 * (a.tn0 + c);
+            reduce(a.acc + ((size_t)r * ncol + c) * kAccFloats, y);
+            for (int i = 0; i < 16; ++i) y[i] += bias;
+        }
+    }
+}
+
 #else  // SIMD
 
 inline __m128i wrap_window(const DecodeTables& T, const uint8_t* tile) {
@@ -246,15 +402,23 @@ inline Consts consts() {
 // Vector g = group g: its 8 16-bit states, one per 32-bit lane. Only groups 0 and 1 can wrap (kernel.cpp checks);
 // the others broadcast their window straight from memory (one load, no shuffle). (kPair: for the AVX-512 path's
 // sake; a group always has its own window here.)
+// (vec_windows: the three stream bytes of each state, before the shift.)
 template <bool kPair>
-inline VI vec_states(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int g) {
+inline VI vec_windows(const DecodeTables& T, const uint8_t* tile, __m128i wrap, int g) {
     const __m128i* at = reinterpret_cast<const __m128i*>(tile + 4 * T.base[g]);
     const __m256i win = g >= 2 ? _mm256_broadcastsi128_si256(_mm_loadu_si128(at))
                                : _mm256_broadcastsi128_si256(g < T.nwrap ? wrap : _mm_loadu_si128(at));
-    const __m256i d = _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
-    return _mm256_and_si256(_mm256_srlv_epi32(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))),
-                            k.m16);
+    return _mm256_shuffle_epi8(win, _mm256_load_si256(reinterpret_cast<const __m256i*>(T.ctrl[g])));
 }
+
+template <bool kPair>
+inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i wrap, int g) {
+    return _mm256_and_si256(_mm256_srlv_epi32(vec_windows<kPair>(T, tile, wrap, g),
+                                              _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[g]))),
+                            m16);
+}
+
+inline VI shift_vec(const DecodeTables& T) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(T.shift[0])); }
 
 // States -> weights. mul1: x = s * 0x83DCD12D, b = the byte sum of x, w = fp16(b * k_inv + (1024 k_inv + k_bias)).
 // The fp32 FMA is exact (|value| < 2^20 units of 2^-18), so the single fp16 rounding is exactly the GPU kernel's
@@ -317,7 +481,7 @@ inline Consts consts() {
 // Vector p = groups 2p and 2p+1 (16 states). kPair (T.pair_ok): one 16-byte window holds both groups, and only
 // pair 0 can wrap (kernel.cpp checks).
 template <bool kPair>
-inline VI vec_states(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int p) {
+inline VI vec_windows(const DecodeTables& T, const uint8_t* tile, __m128i wrap, int p) {
     __m512i d;
     if (kPair) {
         const __m128i src = p > 0 ? window(tile, T.pair_base[p]) : T.pair_nwrap ? wrap : window(tile, T.pair_base[0]);
@@ -329,8 +493,16 @@ inline VI vec_states(const DecodeTables& T, const Consts& k, const uint8_t* tile
         const __m512i win = _mm512_inserti64x4(_mm512_broadcast_i32x4(s0), _mm256_broadcastsi128_si256(s1), 1);
         d = _mm512_shuffle_epi8(win, _mm512_load_si512(T.ctrl[g]));
     }
-    return _mm512_and_si512(_mm512_srlv_epi32(d, _mm512_load_si512(T.shift[2 * p])), k.m16);
+    return d;
 }
+
+template <bool kPair>
+inline VI vec_states(const DecodeTables& T, VI m16, const uint8_t* tile, __m128i wrap, int p) {
+    return _mm512_and_si512(_mm512_srlv_epi32(vec_windows<kPair>(T, tile, wrap, p), _mm512_load_si512(T.shift[2 * p])),
+                            m16);
+}
+
+inline VI shift_vec(const DecodeTables& T) { return _mm512_load_si512(T.shift[0]); }  // groups 0 and 1
 
 // As state_values in the AVX2 path.
 inline V state_values(const Consts& k, VI s) {
@@ -373,7 +545,7 @@ template <int N, bool kPair>
 inline void decode_vecs(const DecodeTables& T, const Consts& k, const uint8_t* tile, __m128i wrap, int i0, V* w) {
     VI st[N];
 #pragma GCC unroll 16
-    for (int j = 0; j < N; ++j) st[j] = vec_states<kPair>(T, k, tile, wrap, i0 + j);
+    for (int j = 0; j < N; ++j) st[j] = vec_states<kPair>(T, k.m16, tile, wrap, i0 + j);
 #pragma GCC unroll 16
     for (int j = 0; j < N; ++j) w[j] = state_values(k, st[j]);
 }
@@ -545,6 +717,248 @@ void gemv_cols(const GemvArgs& a) {
             for (int c = 0; c < ncol; ++c)
                 reduce(a.acc + (size_t)r0 * ncol * kAccFloats + ((size_t)c * 8 * rows + r) * kLanes,
                        (size_t)rows * kLanes, a.yraw + (size_t)(r0 + r) * a.ystride + 16 * (a.tn0 + c));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The integer kernel.
+//
+// mul1 makes a weight an affine function of an integer: w = fp16(k_inv * b + bias), b the byte sum of
+// s * 0x83DCD12D. Dropping the fp16 rounding (|error| <= half an fp16 ulp of w, ~3e-4 of w's RMS), a block's
+// dot product is sum_t w_t a_t ~ k_inv * sum_t b_t a_t + bias * sum_t a_t, and with the block's activations a
+// quantized to int16 (a = scale * q, quantize_block) the first sum is exact integer arithmetic:
+// vpmaddubsw(x, 1) makes the two 16-bit halves of b (bytes 0+1 and 2+3, <= 510 each: no saturation) and
+// vpmaddwd against (q, q) adds them times q into one int32 (vpdpwssd with AVX-VNNI: the accumulate included).
+// So a vector of 8 weights costs 5 decode instructions (window shuffle, shift, mask, multiply, byte-pair sum)
+// once, and 2 per row (1 with VNNI), where the exact kernel spends 11 per vector and 1 per row. From kPairRows
+// rows on, two vectors of a column pair are paired first: their full byte sums b, b' as the two int16 halves of
+// one int32 (2 vpmaddwd, a shift, an or), dotted with (q, q') in one vpmaddwd per row: 2 more instructions per
+// pair once, and 2 per row for the pair instead of 4 (at 8 rows 30 instructions per 16 weights instead of 42;
+// the exact kernel's 38). The same integer products land in the same lanes either way.
+//
+// int32 bounds: a lane adds 4 products per tile (AVX2; AVX-512: 2), |b q| <= 1020 * 32767, so a 128-block of
+// 8 tiles stays below 32 * 1020 * 32767 < 2^31. After each block the lanes are converted to float, times the
+// block's scale (qs[0]), and added to the float accumulators (in memory between blocks, like the exact kernel's
+// between its tile blocks); the reduction adds each row's bias term (sum of qs[1]) to every output.
+//
+// Every ISA ends a block with the same 8 int32 lanes per column pair (lane j: the products of elements j of the
+// pair's 4 groups; AVX-512 adds its two halves first, which holds the same sum, still below 2^31), and from there
+// the same float operations in the same order as the scalar path: the integer kernel gives the same bits on every
+// ISA and thread count (the tests check it wherever they run).
+//
+// Error (tests/cpu_lane/test_cpu_lane_kernel.py measures it): ~3.5e-4 RMS relative to float64 maths, almost all
+// from the dropped fp16 rounding of the weights (int16 activations add ~1e-5); a GPU-like fp16 computation of
+// the same expert is ~7.5e-4 off.
+
+// shift: every group's shifts are the same (a group starts 8K bits, K bytes, after the last, so each element's
+// offset within its bytes depends on its place in the group alone; kernel.cpp checks), held in a register.
+struct QConsts {
+    VI m16, mul, ones8, shift;
+};
+
+constexpr int kPairRows = 3;  // rows from which vectors are paired (gemv_rows_q)
+
+constexpr int kQLanes = 8;  // float accumulator lanes per (row, column pair), whatever the ISA
+
+#if GLM53_LEVEL == 1
+inline QConsts qconsts(const DecodeTables& T) {
+    QConsts c{_mm256_set1_epi32(0xFFFF), _mm256_set1_epi32((int)kMul1), _mm256_set1_epi8(1), shift_vec(T)};
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.shift));
+    return c;
+}
+inline VI izero() { return _mm256_setzero_si256(); }
+inline VI iload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i lanes8(VI acc) { return acc; }
+// States -> the 16-bit byte-pair sums of their hashes.
+inline VI state_pairsums(const QConsts& k, VI d) {
+    const VI s = _mm256_and_si256(_mm256_srlv_epi32(d, k.shift), k.m16);
+    return _mm256_maddubs_epi16(_mm256_mullo_epi32(s, k.mul), k.ones8);
+}
+inline VI idot(VI acc, VI p, VI x) {
+#if GLM53_VNNI
+    return _mm256_dpwssd_avx_epi32(acc, p, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, x));
+#endif
+}
+// Two vectors' byte-pair sums -> their byte sums b (low half) and b' (high half) of each int32 (b <= 1020).
+inline VI pair_sums(VI a, VI b) {
+    const VI ones16 = _mm256_set1_epi16(1);
+    return _mm256_or_si256(_mm256_madd_epi16(a, ones16), _mm256_slli_epi32(_mm256_madd_epi16(b, ones16), 16));
+}
+#else
+inline QConsts qconsts(const DecodeTables& T) {
+    QConsts c{_mm512_set1_epi32(0xFFFF), _mm512_set1_epi32((int)kMul1), _mm512_set1_epi8(1), shift_vec(T)};
+    __asm__("" : "+v"(c.m16), "+v"(c.mul), "+v"(c.ones8), "+v"(c.shift));
+    return c;
+}
+inline VI izero() { return _mm512_setzero_si512(); }
+inline VI iload(const int32_t* p) { return _mm512_loadu_si512(p); }
+// Lane j + lane j + 8: the four groups of a column pair, as the AVX2 lanes hold them.
+inline __m256i lanes8(VI acc) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
+}
+inline VI state_pairsums(const QConsts& k, VI d) {
+    const VI s = _mm512_and_si512(_mm512_srlv_epi32(d, k.shift), k.m16);
+    return _mm512_maddubs_epi16(_mm512_mullo_epi32(s, k.mul), k.ones8);
+}
+inline VI idot(VI acc, VI p, VI x) {
+#if GLM53_VNNI
+    return _mm512_dpwssd_epi32(acc, p, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, x));
+#endif
+}
+inline VI pair_sums(VI a, VI b) {
+    const VI ones16 = _mm512_set1_epi16(1);
+    return _mm512_or_si512(_mm512_madd_epi16(a, ones16), _mm512_slli_epi32(_mm512_madd_epi16(b, ones16), 16));
+}
+#endif
+
+template <int N, bool kPair>
+inline void decode_pairsums(const DecodeTables& T, const QConsts& k, const uint8_t* tile, __m128i wrap, int i0,
+                            VI* p) {
+    VI st[N];
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) st[j] = vec_windows<kPair>(T, tile, wrap, i0 + j);
+#pragma GCC unroll 16
+    for (int j = 0; j < N; ++j) p[j] = state_pairsums(k, st[j]);
+}
+
+// Column pairs per visit of a tile for R rows (R x pairs int32 accumulators in registers, 4 for the constants).
+template <int R>
+constexpr int qpairs_per_visit() {
+#if GLM53_LEVEL == 2
+    return R == 1 ? 8 : R == 2 ? 4 : 2;
+#else
+    return R == 1 ? 4 : R == 2 ? 2 : 1;
+#endif
+}
+
+constexpr int kQPrefetchTiles = 4 * kQBlock;  // the exact kernel's distance (32 tiles)
+
+// As gemv_rows, one 128-block (kQBlock tiles) down the columns at a time.
+template <int R, bool kPair>
+void gemv_rows_q(const GemvArgs& a, int r0) {
+    constexpr int CP = qpairs_per_visit<R>();
+    constexpr int NV = CP * kXv;
+    constexpr int NB = NV < kBatch ? NV : kBatch;
+    constexpr bool kPaired = R >= kPairRows;
+    constexpr int XW = kPaired ? 16 : 32;  // int32 of a row's patterns per tile (the paired or the plain layout)
+    constexpr int XO = kPaired ? 32 : 0;   // their offset in the kXq
+    static_assert(NB % 2 == 0 && NV % NB == 0, "vectors are paired within a decode batch");
+    alignas(64) int32_t xb[kQBlock * R * XW];
+    const DecodeTables& T = *a.tab;
+    const QConsts k = qconsts(T);
+    const ptrdiff_t ncol = a.tn1 - a.tn0;
+    const ptrdiff_t rstride = (ptrdiff_t)a.tiles_n * a.tile_bytes;
+    const ptrdiff_t xrow = (ptrdiff_t)a.tiles_k * kXq;
+    const ptrdiff_t nblk = a.tiles_k / kQBlock;
+    const int32_t* xq = reinterpret_cast<const int32_t*>(a.xv) + r0 * xrow;
+    const float* qs = a.qs + r0 * nblk * 2;
+    float* acc = a.acc + r0 * ncol * kAccFloats;
+    for (ptrdiff_t blk = 0; blk < nblk; ++blk) {
+        if (*a.cancel) return;
+        const ptrdiff_t tk0 = blk * kQBlock;
+        const ptrdiff_t left = a.tiles_k - (tk0 + kQPrefetchTiles);
+        const int npf = left < kQBlock ? (int)left : kQBlock;
+        for (int b = 0; b < kQBlock; ++b)
+            for (int r = 0; r < R; ++r)
+                memcpy(xb + (b * R + r) * XW, xq + r * xrow + (tk0 + b) * kXq + XO, XW * sizeof(int32_t));
+        const uint8_t* col = a.trellis + tk0 * rstride + a.tn0 * (ptrdiff_t)a.tile_bytes;
+        float* ac = acc;
+        for (ptrdiff_t c = 0; c < ncol; ++c, col += a.tile_bytes, ac += 8 * R * kQLanes) {
+            if (npf > 0) prefetch_tiles(col + kQPrefetchTiles * rstride, rstride, a.tile_bytes, npf);
+#pragma GCC unroll 8
+            for (int g = 0; g < 8 / CP; ++g) {
+                VI s[CP][R];
+#pragma GCC unroll 8
+                for (int q = 0; q < CP; ++q)
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; ++r) s[q][r] = izero();
+                const uint8_t* tile = col;
+                const int32_t* x = xb;
+                for (int b = 0; b < kQBlock; ++b, tile += rstride, x += R * XW) {
+                    const __m128i wrap = g == 0 ? wrap_window(T, tile) : _mm_setzero_si128();
+#pragma GCC unroll 16
+                    for (int j0 = 0; j0 < NV; j0 += NB) {
+                        VI p[NB];
+                        decode_pairsums<NB, kPair>(T, k, tile, wrap, g * NV + j0, p);
+                        if constexpr (kPaired) {
+                            // Vectors 2m, 2m + 1: one column pair's (AVX2: patterns 0, 1 or 2, 3; AVX-512: its
+                            // two vectors), against the paired layout's half m % (kXv / 2) (quantize_block).
+#pragma GCC unroll 16
+                            for (int j = 0; j < NB; j += 2) {
+                                const int q = (j0 + j) / kXv, h = (j0 + j) % kXv / 2;
+                                const VI pk = pair_sums(p[j], p[j + 1]);
+#pragma GCC unroll 8
+                                for (int r = 0; r < R; ++r) s[q][r] = idot(s[q][r], pk, iload(x + r * XW + h * kLanes));
+                            }
+                        } else {
+#pragma GCC unroll 16
+                            for (int j = 0; j < NB; ++j) {
+                                const int q = (j0 + j) / kXv, h = (j0 + j) % kXv;
+#pragma GCC unroll 8
+                                for (int r = 0; r < R; ++r)
+                                    s[q][r] = idot(s[q][r], p[j], iload(x + r * XW + h * kLanes));
+                            }
+                        }
+                    }
+                }
+                float* ag = ac + g * CP * R * kQLanes;
+#pragma GCC unroll 8
+                for (int q = 0; q < CP; ++q)
+#pragma GCC unroll 8
+                    for (int r = 0; r < R; ++r) {
+                        float* d = ag + (q * R + r) * kQLanes;
+                        __m256 m = _mm256_mul_ps(_mm256_cvtepi32_ps(lanes8(s[q][r])),
+                                                 _mm256_broadcast_ss(qs + (r * nblk + blk) * 2));
+                        __asm__("" : "+v"(m));  // rounded before the add, as the scalar path does (no FMA)
+                        _mm256_storeu_ps(d, blk ? _mm256_add_ps(_mm256_loadu_ps(d), m) : m);
+                    }
+            }
+        }
+    }
+}
+
+template <bool kPair>
+void gemv_group_q(const GemvArgs& a, int r0, int rows) {
+    switch (rows) {
+        case 1: return gemv_rows_q<1, kPair>(a, r0);
+        case 2: return gemv_rows_q<2, kPair>(a, r0);
+        case 3: return gemv_rows_q<3, kPair>(a, r0);
+        case 4: return gemv_rows_q<4, kPair>(a, r0);
+        case 5: return gemv_rows_q<5, kPair>(a, r0);
+        case 6: return gemv_rows_q<6, kPair>(a, r0);
+        case 7: return gemv_rows_q<7, kPair>(a, r0);
+        default: return gemv_rows_q<8, kPair>(a, r0);
+    }
+}
+
+void gemv_cols_q(const GemvArgs& a) {
+    const int ncol = a.tn1 - a.tn0, nblk = a.tiles_k / kQBlock;
+    for (int r0 = 0; r0 < a.rows; r0 += kMaxRows) {
+        const int rows = a.rows - r0 < kMaxRows ? a.rows - r0 : kMaxRows;
+#if GLM53_LEVEL == 2
+        if (!a.tab->pair_ok)
+            gemv_group_q<false>(a, r0, rows);
+        else
+#endif
+            gemv_group_q<true>(a, r0, rows);
+        if (*a.cancel) return;
+        for (int r = 0; r < rows; ++r) {
+            const float* q = a.qs + (size_t)(r0 + r) * nblk * 2;
+            float bias = 0.0f;
+            for (int b = 0; b < nblk; ++b) bias += q[2 * b + 1];
+            for (int c = 0; c < ncol; ++c) {
+                const float* f = a.acc + (size_t)r0 * ncol * kAccFloats + ((size_t)c * 8 * rows + r) * kQLanes;
+                float* y = a.yraw + (size_t)(r0 + r) * a.ystride + 16 * (a.tn0 + c);
+                for (int cp = 0; cp < 8; ++cp, f += (size_t)rows * kQLanes) {  // as the scalar reduce
+                    y[cp] = (f[0] + f[1]) + (f[2] + f[3]) + bias;
+                    y[cp + 8] = (f[4] + f[5]) + (f[6] + f[7]) + bias;
+                }
+            }
+        }
     }
 }
 

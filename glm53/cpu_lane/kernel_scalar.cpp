@@ -5,5 +5,6 @@
 
 namespace glm53 {
 const IsaOps kScalarOps = {"scalar", isa_scalar::decode_tile, isa_scalar::gemv_cols, isa_scalar::prep_block,
-                           isa_scalar::mid_block, isa_scalar::out_block};
+                           isa_scalar::mid_block, isa_scalar::out_block,
+    isa_scalar::gemv_cols_q, isa_scalar::prep_block_q, isa_scalar::mid_block_q};
 }

@@ -173,11 +173,12 @@ class CpuLane:
     def __init__(self, layout: Any, threads: int, *, cpus: Sequence[int] | None = None, isa: str | None = None,
                  stats: Any = None, swiglu_limit: float = SWIGLU_LIMIT, compute: Compute | None = None,
                  fit: LiveFit | None = None, grace: float = GRACE_S, name: str = "glm53-cpu-lane",
-                 codebook: str = "mul1"):
+                 codebook: str = "mul1", kernel: str | None = None):
         """stats: a glm53.tiers.TierStats (picks by lane, time waited), or None. compute: replaces the kernel (tests
         inject slow or failing ones). fit: a LiveFit fed with every clean step's timing, so the planner's model
-        follows the host. isa: calibrate.calibrate_cpu's choice (default: the widest path). codebook: the experts'
-        EXL3 codebook (the store identity's quantization.codebook.kind); the kernel decodes mul1 only, and any
+        follows the host. isa: calibrate.calibrate_cpu's choice (default: the widest path); kernel: "int" or
+        "exact", default the one served on that path (kernel.served_kernel, what calibration timed). codebook: the
+        experts' EXL3 codebook (the store identity's quantization.codebook.kind); the kernel decodes mul1 only, and any
         other would give wrong numbers without an error, so it is refused here."""
         if codebook != "mul1":
             raise ValueError(f"the CPU lane decodes EXL3 mul1 experts only; these use {codebook!r}: serve them in "
@@ -185,7 +186,7 @@ class CpuLane:
         self.geometry = ExpertGeometry.from_layout(layout)
         self.kernel: CpuKernel | None = None
         if compute is None:
-            self.kernel = CpuKernel(threads, cpus, isa=isa)
+            self.kernel = CpuKernel(threads, cpus, isa=isa, kernel=kernel)
             compute = kernel_compute(self.kernel, self.geometry, swiglu_limit)
         self.threads = threads
         self.stats = stats
@@ -214,7 +215,8 @@ class CpuLane:
         with self._lock:
             doc = asdict(self.counters)
         doc.update(alive=self.alive, disabled_reason=self.disabled_reason, threads=self.threads,
-                   isa=self.kernel.isa if self.kernel else None, pinned=self.kernel.pinned if self.kernel else 0)
+                   isa=self.kernel.isa if self.kernel else None, pinned=self.kernel.pinned if self.kernel else 0,
+                   kernel=self.kernel.kernel if self.kernel else None)
         if self.fit is not None:
             doc["cost_model"] = self.fit.model().to_json()
         return doc
@@ -331,9 +333,10 @@ def start_lane(layout: Any, pcie_samples: Sequence[Any], threads: int, *, cpus: 
         cpus = pick_cpus(threads)
     cal = calibrate_cpu(threads, cpus, geo=ExpertGeometry.from_layout(layout), isas=isas)
     fit = LiveFit(cal.samples, list(pcie_samples), threads)
-    lane = CpuLane(layout, threads, cpus=cpus, isa=cal.isa, stats=stats, fit=fit, codebook=codebook)
-    log.info("CPU lane: %d threads (CPUs %s), %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert",
-             threads, ",".join(map(str, cpus)) if cpus else "unpinned", cal.isa,
+    lane = CpuLane(layout, threads, cpus=cpus, isa=cal.isa, stats=stats, fit=fit, codebook=codebook,
+                   kernel=cal.kernel)
+    log.info("CPU lane: %d threads (CPUs %s), %s %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert",
+             threads, ",".join(map(str, cpus)) if cpus else "unpinned", cal.isa, cal.kernel,
              fit.model().cpu_expert(1) * 1e6, fit.model().pcie.expert_cost(1) * 1e6)
     return lane, fit
 

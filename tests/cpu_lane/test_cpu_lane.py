@@ -75,6 +75,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+# What the lane's outputs may differ from float64 maths by (max error relative to the output's max): the lane serves
+# with the integer kernel (scalar/AVX2), ~4-6e-4 off, which is within a GPU-like fp16 computation's ~1e-3
+# (test_cpu_lane_kernel.py holds each kernel to its own bound); the exact kernel is ~5e-7 off.
+LANE_TOL = 1e-3
+
+
 def test_kernel_available():
     assert K.available(), K.unavailable_reason()
 
@@ -108,7 +114,7 @@ def test_lane_and_the_step_equal_the_reference(experts, monkeypatch):
             want = direct_moe(x, ids, w, lambda e, layer=layer: experts[layer, e], reference_forward)
             ram = {e for e in ids.ravel().tolist() if tiers.where[layer, e] == Where.RAM}
             y, st = step_layer(tiers, stepper, layer, x, ids, w, reference_forward)
-            assert rel_err(y, want) < 1e-5
+            assert rel_err(y, want) < LANE_TOL
             assert set(st.cpu) <= ram  # the lane only ever gets settled RAM experts
             assert cpu_picks_of(tiers) - cpu_picks == sum(int((ids == e).sum()) for e in st.cpu)
             cpu_picks = cpu_picks_of(tiers)
@@ -135,7 +141,7 @@ def test_partial_is_the_weighted_sum_the_gpu_adds(experts):
     want = np.zeros((tokens, HIDDEN))
     for e, (rows, wts) in picks.items():
         want[rows] += wts[:, None] * reference_forward(experts[0, e], torch.from_numpy(x[rows])).numpy()
-    assert rel_err(torch.from_numpy(part), torch.from_numpy(want)) < 1e-5
+    assert rel_err(torch.from_numpy(part), torch.from_numpy(want)) < LANE_TOL
     snap = stats.snapshot()
     assert snap["picks"]["cpu"] == 4 and snap["picks"]["pcie"] == 0 and snap["wait_seconds"]["cpu"] >= 0
 
@@ -159,7 +165,7 @@ def check_outputs(experts: torch.Tensor, jobs: list[LaneJob], outs: dict[int, np
     assert sorted(outs) == sorted(j.expert for j in jobs)
     for j in jobs:
         want = reference_forward(experts[0, j.expert], torch.from_numpy(j.x))
-        assert rel_err(torch.from_numpy(outs[j.expert]), want) < 1e-5, j.expert
+        assert rel_err(torch.from_numpy(outs[j.expert]), want) < LANE_TOL, j.expert
 
 
 def test_a_missed_deadline_recomputes_the_unfinished_jobs_and_counts_them(experts):
@@ -234,7 +240,7 @@ def test_a_dead_lane_sends_the_step_over_pcie(experts):
             want = direct_moe(x, ids, w, lambda e: experts[0, e], reference_forward)
             cpu_picks = cpu_picks_of(tiers)
             y, st = step_layer(tiers, stepper, 0, x, ids, w, reference_forward)
-            assert rel_err(y, want) < 1e-5
+            assert rel_err(y, want) < LANE_TOL
             if step > 0:
                 assert st.cpu == [] and cpu_picks_of(tiers) == cpu_picks
         assert not lane.alive
@@ -307,5 +313,7 @@ def test_start_lane_calibrates_here_and_starts_from_the_engine_pcie_samples():
         assert model.threads == 2 and model.samples > len(pcie)
         assert abs(model.pcie.expert_cost(1) - 3e-4) < 1e-5  # the PCIe half is the engine's measurement
         assert model.cpu_expert(1) > 0 and lane.kernel.isa in K.supported_isas()
+        # The served kernel (the integer one where the path has it), the one calibration timed.
+        assert lane.kernel.kernel == K.served_kernel(lane.kernel.isa) == lane.snapshot()["kernel"]
     with pytest.raises(ValueError, match="mul1 experts only"):
         start_lane(LAYOUT, pcie, 1, codebook="mcg")

@@ -1,7 +1,9 @@
 """The CPU expert kernel against the numpy EXL3 reference: decode bit for bit, experts near-exactly, on every ISA path.
 
 Real EXL3 bytes: experts of generated checkpoints, read both as a store record (the slot image the RAM tier holds)
-and as a tiers slot image; accuracy is the max error relative to the output's max, against float64 maths.
+and as a tiers slot image; accuracy is the max error relative to the output's max, against float64 maths. The
+exact kernel must be near-exact; the integer kernel (the one served where it exists) must be at least as close
+to float64 maths as a GPU-like fp16 computation of the same expert (exl3ref.expert_forward_fp16).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from glm53.tiers.layout import exl3_expert_layout
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exl3_golden.npz"
 LIMIT = 10.0
 TOL = 1e-4  # measured ~5e-7: fp32 sums and Hadamards against float64
+INT_TOL = 1e-3  # the integer kernel, measured ~4e-4 (RMS and max); the GPU-like fp16 computation ~8e-4 / ~9e-4
 
 def test_the_library_loaded():
     assert K.available(), K.unavailable_reason()
@@ -27,6 +30,8 @@ def test_the_library_loaded():
 
 ISAS = K.supported_isas()
 SIMD = [i for i in ISAS if i != "scalar"]
+INT_ISAS = [i for i in ISAS if K.kernel_supported(i, "int")]  # scalar and AVX2 where the CPU runs them
+PATHS = [(i, "exact") for i in ISAS] + [(i, "int") for i in INT_ISAS]
 
 
 def _trellis(rng, k_in: int, k_out: int, k: int) -> np.ndarray:
@@ -127,7 +132,7 @@ def test_store_records_match_the_reference(store_experts, isa, record_property):
         for rows in range(1, 9):
             x = rng.standard_normal((rows, 256)).astype(np.float32)
             for threads in (1, 2):
-                y = K.expert_forward(rec, layout, x, threads=threads, isa=isa)
+                y = K.expert_forward(rec, layout, x, threads=threads, isa=isa, kernel="exact")
                 worst = max(worst, _rel_err(y, _reference(x, lins)))
     record_property("max_rel_err", worst)
     print(f"{isa}: store records, rows 1..8, threads 1..2: max relative error {worst:.2e}")
@@ -143,7 +148,7 @@ def test_shapes_and_bitrates_match_the_reference(hidden, inter, k, record_proper
         x = (2 * rng.standard_normal((rows, hidden))).astype(np.float32)
         ref = _reference(x, lins)
         for isa in ISAS:
-            worst = max(worst, _rel_err(K.expert_forward(slot, layout, x, threads=2, isa=isa), ref))
+            worst = max(worst, _rel_err(K.expert_forward(slot, layout, x, threads=2, isa=isa, kernel="exact"), ref))
     record_property("max_rel_err", worst)
     assert worst < TOL
 
@@ -154,35 +159,150 @@ def test_the_clamp_is_applied_like_exllamav3():
     x = np.random.default_rng(3).standard_normal((4, 256)).astype(np.float32)
     g = lins[0].forward(x)
     assert (g > 12).mean() > 0.2, "the test needs activations past the limit"
-    y = K.expert_forward(slot, layout, x)
-    assert _rel_err(y, _reference(x, lins, LIMIT)) < TOL
-    assert _rel_err(y, _reference(x, lins, 0.0)) > 0.1, "unclamped maths gives a different answer"
-    y0 = K.expert_forward(slot, layout, x, swiglu_limit=0.0)
-    assert _rel_err(y0, _reference(x, lins, 0.0)) < TOL
+    for kernel, tol in (("exact", TOL), *((("int", INT_TOL),) if INT_ISAS else ())):
+        y = K.expert_forward(slot, layout, x, kernel=kernel)
+        assert _rel_err(y, _reference(x, lins, LIMIT)) < tol, kernel
+        assert _rel_err(y, _reference(x, lins, 0.0)) > 0.1, "unclamped maths gives a different answer"
+        y0 = K.expert_forward(slot, layout, x, swiglu_limit=0.0, kernel=kernel)
+        assert _rel_err(y0, _reference(x, lins, 0.0)) < tol, kernel
 
 
 def test_isa_paths_agree_and_threads_do_not_change_a_bit():
     slot, layout, _ = _fixture_slot(512, 256, 3, seed=11)
     x = np.random.default_rng(4).standard_normal((5, 512)).astype(np.float32)
-    outs = {isa: K.expert_forward(slot, layout, x, threads=1, isa=isa) for isa in ISAS}
+    outs = {isa: K.expert_forward(slot, layout, x, threads=1, isa=isa, kernel="exact") for isa in ISAS}
     for isa in ISAS:
         # Each output column is summed by one thread in a fixed order: the split of work cannot change it.
-        assert np.array_equal(K.expert_forward(slot, layout, x, threads=2, isa=isa), outs[isa]), isa
+        assert np.array_equal(K.expert_forward(slot, layout, x, threads=2, isa=isa, kernel="exact"), outs[isa]), isa
         assert _rel_err(outs[isa], outs["scalar"].astype(np.float64)) < 1e-5, isa
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa,kernel", PATHS)
 @pytest.mark.parametrize("k", [3, 8])  # K=8: the AVX-512 paths' two-window decode (a pair does not fit one load)
-def test_each_row_comes_out_as_if_it_were_alone(isa, k):
+def test_each_row_comes_out_as_if_it_were_alone(isa, kernel, k):
     # A tile is decoded once per group of up to 8 rows and applied to each; more rows make more groups. Whatever
     # the row count and the thread count, every row must come out bit for bit as it does alone.
     slot, layout, _ = _fixture_slot(256, 256, k, seed=20 + k)
     x = (2 * np.random.default_rng(6).standard_normal((19, 256))).astype(np.float32)
-    alone = np.concatenate([K.expert_forward(slot, layout, x[r:r + 1], threads=1, isa=isa) for r in range(len(x))])
+    alone = np.concatenate([K.expert_forward(slot, layout, x[r:r + 1], threads=1, isa=isa, kernel=kernel)
+                            for r in range(len(x))])
     for rows in (2, 3, 4, 5, 6, 7, 8, 9, 16, 19):
         for threads in (1, 2):
-            got = K.expert_forward(slot, layout, x[:rows], threads=threads, isa=isa)
+            got = K.expert_forward(slot, layout, x[:rows], threads=threads, isa=isa, kernel=kernel)
             assert np.array_equal(got, alone[:rows]), f"{rows} rows, {threads} threads"
+
+# ---- the integer kernel ---------------------------------------------------------------------------------------
+
+
+def _rms_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.sqrt(((y.astype(np.float64) - ref) ** 2).mean() / (ref ** 2).mean()))
+
+
+def _errors(ys: list[np.ndarray], refs: list[np.ndarray]) -> tuple[float, float]:
+    """(RMS error relative to the RMS output, worst max error relative to the output's max) over several experts."""
+    y, ref = np.concatenate([a.ravel() for a in ys]), np.concatenate([r.ravel() for r in refs])
+    return _rms_err(y, ref), max(_rel_err(a, r) for a, r in zip(ys, refs, strict=True))
+
+
+def _int_vs_gpu_like(cases, isa: str, rows: int, threads: int, seed: int, outlier: bool = False):
+    """The integer kernel's, the exact kernel's and the GPU-like computation's errors against float64 maths."""
+    rng = np.random.default_rng(seed)
+    got = {"int": [], "exact": [], "gpu": []}
+    refs = []
+    for slot, layout, lins in cases:
+        x = rng.standard_normal((rows, lins[0].in_features)).astype(np.float32)
+        if outlier:  # a few large channels, as real hidden states have
+            x[:, rng.choice(x.shape[1], 3, replace=False)] *= 40.0
+        refs.append(_reference(x, lins))
+        for kernel in ("int", "exact"):
+            got[kernel].append(K.expert_forward(slot, layout, x, threads=threads, isa=isa, kernel=kernel))
+        got["gpu"].append(R.expert_forward_fp16(x, *lins, swiglu_limit=LIMIT))
+    return {k: _errors(v, refs) for k, v in got.items()}, got
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+@pytest.mark.parametrize("rows,threads", [(1, 1), (1, 2), (2, 2), (5, 1), (8, 2), (33, 2)])
+def test_the_integer_kernel_is_as_close_as_a_gpu(store_experts, isa, rows, threads, record_property):
+    # Real EXL3 bytes (a generated checkpoint's store records) and fixture slots of other shapes and bitrates;
+    # one row (decode), several (batched decode) and 33 (prefill-sized): each its own integer path.
+    records, layout, refs = store_experts
+    cases = [(rec, layout, lins) for rec, lins in zip(records, refs, strict=True)]
+    cases += [_fixture_slot(h, i, k, seed=h + i + k) for h, i, k in ((384, 256, 2), (128, 384, 4), (256, 256, 8))]
+    errs, got = _int_vs_gpu_like(cases, isa, rows, threads, seed=rows)
+    (int_rms, int_max), (gpu_rms, gpu_max) = errs["int"], errs["gpu"]
+    vs_exact = _errors(got["int"], [y.astype(np.float64) for y in got["exact"]])
+    record_property("int_rms_err", int_rms)
+    record_property("gpu_like_rms_err", gpu_rms)
+    print(f"{isa}, {rows} rows, {threads} threads: integer kernel RMS {int_rms:.2e} max {int_max:.2e} "
+          f"(vs the exact kernel RMS {vs_exact[0]:.2e} max {vs_exact[1]:.2e}); GPU-like fp16 RMS {gpu_rms:.2e} "
+          f"max {gpu_max:.2e}; exact kernel RMS {errs['exact'][0]:.2e}")
+    assert int_rms <= gpu_rms and int_max <= gpu_max
+    assert vs_exact[0] <= gpu_rms and vs_exact[1] <= gpu_max
+    assert int_max < INT_TOL and errs["exact"][1] < TOL
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+def test_the_integer_kernel_scales_each_block_of_activations(isa):
+    # Large channels, and inputs far from 1 in size: the int16 scale is per 128-block of the transformed
+    # activations, so neither costs accuracy. (Unclamped: with the clamp, large activations leave only the small
+    # unclamped ones, whose absolute error is the whole vector's, in any approximate arithmetic, the GPU's too.)
+    cases = [_fixture_slot(512, 256, 3, seed=3)]
+    errs, _ = _int_vs_gpu_like(cases, isa, 4, 2, seed=9, outlier=True)
+    assert errs["int"][0] <= errs["gpu"][0] and errs["int"][1] < INT_TOL
+    slot, layout, lins = cases[0]
+    x = np.random.default_rng(8).standard_normal((2, 512)).astype(np.float32)
+    for gain in (1e-6, 1e3):
+        xs = (gain * x).astype(np.float32)
+        y = K.expert_forward(slot, layout, xs, isa=isa, kernel="int", swiglu_limit=0.0)
+        with np.errstate(over="ignore"):  # silu's exp(-g) for large negative g: inf, and silu -0.0, as it should
+            ref = _reference(xs, lins, 0.0)
+        assert _rel_err(y, ref) < INT_TOL, gain
+
+
+@pytest.mark.parametrize("hidden,inter,k", [(256, 128, 1), (256, 128, 3), (384, 256, 2), (128, 384, 4),
+                                            (256, 256, 5), (256, 128, 6), (256, 128, 7), (256, 256, 8)])
+def test_the_integer_kernel_reads_every_bitrate(hidden, inter, k):
+    slot, layout, lins = _fixture_slot(hidden, inter, k, seed=hidden + inter + k)
+    x = (2 * np.random.default_rng(2).standard_normal((3, hidden))).astype(np.float32)
+    ref = _reference(x, lins)
+    for isa in INT_ISAS:
+        assert _rel_err(K.expert_forward(slot, layout, x, threads=2, isa=isa, kernel="int"), ref) < INT_TOL, isa
+
+
+def test_the_integer_paths_agree_bit_for_bit():
+    # The SIMD paths add the same integer products into the same lanes and scale each block's lanes the same
+    # way as the scalar path, so every ISA's integer kernel gives the scalar one's result exactly.
+    slot, layout, _ = _fixture_slot(512, 256, 3, seed=11)
+    x = np.random.default_rng(4).standard_normal((5, 512)).astype(np.float32)
+    want = K.expert_forward(slot, layout, x, threads=1, isa="scalar", kernel="int")
+    for isa in INT_ISAS:
+        for threads in (1, 2):
+            assert np.array_equal(K.expert_forward(slot, layout, x, threads=threads, isa=isa, kernel="int"), want)
+
+
+@pytest.mark.parametrize("isa", INT_ISAS)
+def test_the_integer_kernel_keeps_nan_and_zero(isa):
+    slot, layout, _ = _fixture_slot(256, 128, 3, seed=2)
+    x = np.random.default_rng(1).standard_normal((3, 256)).astype(np.float32)
+    x[1, 5] = np.nan
+    x[2] = 0.0
+    y = K.expert_forward(slot, layout, x, isa=isa, kernel="int")
+    assert np.isfinite(y[0]).all() and np.isnan(y[1]).all() and (y[2] == 0).all()
+    assert np.array_equal(y[0], K.expert_forward(slot, layout, x[:1], isa=isa, kernel="int")[0])
+
+
+def test_which_kernel_serves_on_each_isa():
+    assert K.KERNELS == ("exact", "int")
+    for isa in ISAS:
+        assert K.kernel_supported(isa, "exact")
+        assert K.served_kernel(isa) == ("int" if isa in INT_ISAS else "exact")
+    # The integer kernel has been run on scalar and AVX2 only: AVX2-VNNI and AVX-512 serve the exact one.
+    assert {"scalar", "avx2"} & set(ISAS) <= set(INT_ISAS)
+    assert not {"avx2vnni", "avx512", "avx512vnni"} & set(INT_ISAS)
+    with K.CpuKernel(1, isa=ISAS[-1]) as kern:
+        assert kern.kernel == K.served_kernel(ISAS[-1])  # what the lane and calibration get by default
+    with pytest.raises(ValueError, match="unknown kernel"):
+        K.kernel_supported("avx2", "fp8")
 
 
 def test_another_build_of_the_library_runs_side_by_side(tmp_path):

@@ -4,7 +4,7 @@ TieredMoE shrinks every FakeBlockSparseMLP of a model built from a generated EXL
 the tier arenas (install, load, populate), then each forward goes through its seam (step: ids to the host, the
 stepper's decision, slot ids written back in place; the lane's combine) and the fake's kernels, which compute
 from whatever bytes the slots hold. Every layer output is compared with the same fake module holding all experts
-(stock): exact and nvme-exact bit for bit, fast and nvme (the CPU lane) within 1e-5. close() must give the
+(stock): exact and nvme-exact bit for bit, fast and nvme (the CPU lane) within LANE_TOL. close() must give the
 modules back as they were."""
 
 from __future__ import annotations
@@ -93,6 +93,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / b.double().abs().max())
 
 
+# The CPU lane serves with its integer kernel (scalar/AVX2): ~2-6e-4 off float64 maths, within a GPU-like fp16
+# computation's ~1e-3 (tests/cpu_lane/test_cpu_lane_kernel.py; the exact kernel would be ~5e-7 off).
+LANE_TOL = 1e-3
+
+
 def drive(stock: F.Model, model: F.Model, rows: list[int], seed: int, check, tiered: TieredMoE | None = None):
     """Forward the same inputs through both models, layer by layer (the next layer's input is the stock output
     added to the residual and normalised, so a router run ahead sees a related input); check(step, layer, rows,
@@ -132,7 +137,7 @@ def lane_fit():
 
 def generous(lane):
     """A lane whose steps never miss their deadline on a loaded CI host: a recompute rounds the activation to fp16
-    (exllamav3's torch path does), which the 1e-5 comparisons against fp32 intermediates would see. The
+    (exllamav3's torch path does), which the LANE_TOL comparisons against fp32 intermediates could see. The
     deadline path has its own tests (test_cpu_lane, test_recompute_gives_the_exact_path_numbers here)."""
     lane.deadline_for = lambda predicted_seconds: 60.0
     return lane
@@ -269,7 +274,7 @@ def test_fast_mode_lane_takes_picks_masked_and_added_back(ck):
     try:
         lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
         tiered.enable_lane(lane, lane_fit())
-        drive(stock, model, schedule(3, 32), 3, near(1e-5), tiered)
+        drive(stock, model, schedule(3, 32), 3, near(LANE_TOL), tiered)
         assert tiered.staging_slots == NUM_EXPERTS + 1 and model.moe()[0].experts_cfg.min_expert == 0
         snap = tiered.snapshot()
         assert snap["mode"] == "fast"
@@ -294,7 +299,7 @@ def test_fast_mode_with_borrowed_staging_recomputes_in_its_own_row(ck):
     try:
         lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
         tiered.enable_lane(lane, lane_fit())
-        drive(stock, model, schedule(13, 32), 13, near(1e-5), tiered)
+        drive(stock, model, schedule(13, 32), 13, near(LANE_TOL), tiered)
         snap = tiered.snapshot()
         assert snap["picks"]["cpu"] > 0 and snap["lent_out"] > 0
         tiers = tiered.tiers
@@ -319,7 +324,7 @@ def test_start_lane_calibrates_and_attaches(ck):
         tiered.start_lane(threads=1)
         assert tiered.stepper.lane is not None and tiered.stepper.lane.alive
         generous(tiered.stepper.lane)
-        drive(stock, model, schedule(4, 8, prefill_every=4), 4, near(1e-5), tiered)
+        drive(stock, model, schedule(4, 8, prefill_every=4), 4, near(LANE_TOL), tiered)
         snap = tiered.snapshot()
         assert snap["mode"] == "fast" and "cost_model" in snap["cpu_lane"]
         assert masked_picks(model, tiered) == snap["picks"]["cpu"]
@@ -344,7 +349,7 @@ def test_recompute_gives_the_exact_path_numbers(ck):
     try:
         lane = CpuLane(tiered.layout, threads=1, compute=broken, stats=tiered.tiers.stats)
         tiered.enable_lane(lane, lane_fit())
-        drive(stock, model, [1, 2, 1, 3, 1, 1], 5, near(1e-5), tiered)
+        drive(stock, model, [1, 2, 1, 3, 1, 1], 5, near(LANE_TOL), tiered)
         snap = tiered.snapshot()
         assert not lane.alive and "simulated kernel fault" in lane.disabled_reason
         assert snap["cpu_lane"]["recomputed_jobs"] > 0 and snap["cpu_lane"]["jobs"] == 0
@@ -447,7 +452,7 @@ def test_nvme_mode_with_the_lane(ck, store):
         assert tiered.tiers.ram.in_use() == 0
         assert len(tiered.measure_pcie(repeats=1)) == 3
         tiered.enable_lane(generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats)), lane_fit())
-        drive(stock, model, schedule(9, 24), 9, near(1e-5), tiered)
+        drive(stock, model, schedule(9, 24), 9, near(LANE_TOL), tiered)
         snap = tiered.snapshot()
         assert snap["mode"] == "nvme" and snap["picks"]["cpu"] > 0 and snap["picks"]["nvme"] > 0
         # A pick the step had to read from the store counts as "nvme" in picks even when the lane computes it.
@@ -515,7 +520,7 @@ def test_load_progress_reports_each_top_level_module(ck):
 
 # ---- a layer split across two devices (issue 28): two shares on the CPU stand in for two cards ------------------
 # Each share has its own link (copy streams, staging rows) and its layers' VRAM arenas, the RAM tier (and the store)
-# is shared: exact and nvme-exact stay bit-identical, fast within 1e-5, and each layer's copies use its own link.
+# is shared: exact and nvme-exact stay bit-identical, fast within LANE_TOL, and each layer's copies use its own link.
 
 
 def split_model(ck, spec, interm=torch.half, **kw) -> tuple[F.Model, TieredMoE]:
@@ -581,7 +586,7 @@ def test_fast_split_lane_serves_both_shares(ck):
     lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
     tiered.enable_lane(lane, lane_fit())
     try:
-        drive(stock, model, schedule(3, 40), 3, near(1e-5), tiered)
+        drive(stock, model, schedule(3, 40), 3, near(LANE_TOL), tiered)
         snap = check_links(tiered, spec)
         assert all(d["lanes"]["cpu"] > 0 for d in snap["devices"]), snap["devices"]
     finally:
