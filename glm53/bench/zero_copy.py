@@ -26,6 +26,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ MAX_TOP_K = 8  # GLM-5.3-Flash's (and the fixture's) experts per token
 ATTR_UNIFIED_ADDRESSING = 41  # cudaDevAttrUnifiedAddressing
 ATTR_HOST_POINTER_FOR_REGISTERED = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 L2_FLUSH_BYTES = 256 << 20
+REGISTER_PORTABLE_MAPPED = 0x03  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -264,6 +266,23 @@ def pointer_tables(m: Any) -> dict[str, Any]:
     return {f"{p}.{s}": getattr(multi[p], f"ptrs_{s}") for p in PROJECTIONS for s in PARTS}
 
 
+def host_rows(torch: Any, ext: Any, shape: tuple[int, int], pinned_empty: Callable[..., Any]) -> tuple[Any, int, str]:
+    """(uint8 host rows, their device alias, what memory they are): the RAM tier's kind (ordinary pages registered
+    with cudaHostRegister flags 0, mapped wherever the device has unified addressing) where the driver gives those a
+    device alias, else pages registered portable and mapped explicitly (what exllamav3's CPU hand-off does)."""
+    host = pinned_empty(shape, pin=True)
+    try:
+        return host, int(ext.cuda_host_get_device_pointer(host.data_ptr())), "the RAM tier's (cudaHostRegister flags 0)"
+    except RuntimeError as exc:
+        why = str(exc).splitlines()[0]
+    del host  # its registration goes with it (pinned_empty's finalizer)
+    host = torch.empty(shape, dtype=torch.uint8)
+    ptr, nbytes = host.data_ptr(), host.numel()
+    ext.cuda_host_register(ptr, nbytes, REGISTER_PORTABLE_MAPPED)
+    weakref.finalize(host, ext.cuda_host_unregister, ptr)
+    return host, int(ext.cuda_host_get_device_pointer(ptr)), f"cudaHostRegister portable|mapped (flags 0: {why})"
+
+
 class _Layer:
     """The loaded MoE module with its tables, the step's picks and the copies the variants re-point to."""
 
@@ -298,8 +317,9 @@ class _Layer:
                     raise RuntimeError(f"{m.key} expert {e} {name}: the pointer table does not hold its tensor's "
                                        "address (another exllamav3 layout?)")
         n = len(self.picks)
-        # Pinned host copies (the RAM tier's memory: registered ordinary pages) and VRAM slots, one row an expert.
-        self.host = pinned_empty((n, self.expert_bytes), pin=True)
+        # Pinned host copies and VRAM slots, one row an expert.
+        self.host, self.host_alias, self.host_memory = host_rows(torch, ext, (n, self.expert_bytes), pinned_empty)
+        self.alias_is_host_pointer = self.host_alias == self.host.data_ptr()
         self.stage = torch.zeros((n, self.expert_bytes), dtype=torch.uint8, device=self.dev)
         self.l2 = torch.ones(L2_FLUSH_BYTES, dtype=torch.uint8, device=self.dev)
         for j, e in enumerate(self.picks):
@@ -307,9 +327,6 @@ class _Layer:
             for name, _, _, t in expert_fields(m, e):
                 views[name].copy_(t)
         torch.cuda.synchronize()
-        host_base = self.host.data_ptr()
-        self.host_alias = int(ext.cuda_host_get_device_pointer(host_base))  # raises if the pages are not mapped
-        self.alias_is_host_pointer = self.host_alias == host_base
 
     def host_row(self, j: int) -> int:
         return self.host_alias + j * self.expert_bytes
@@ -385,7 +402,7 @@ def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int,
     from glm53.exl3.placement import moe_modules
 
     t0 = time.perf_counter()
-    _, gen = stock.load(model_dir, 1024)  # a small cache: the bench runs no attention
+    _, gen = stock.load(model_dir, 4096)  # the cache size the GPU fixture tests load this shape with; no attention runs
     torch.cuda.synchronize()
     mods = moe_modules(gen.model)
     if not mods:
@@ -402,7 +419,7 @@ def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int
     result: dict = {
         "device": torch.cuda.get_device_name(dev), "experts": L.experts, "top_k": L.top_k, "picks": L.picks,
         "expert_bytes": L.expert_bytes, "reps": reps, "trials": trials, "shared_coop": bool(L.m.bc.sh_coop),
-        "host_memory": "registered pages (cudaHostRegister, flags 0: the RAM tier's)",
+        "host_memory": L.host_memory,
         "alias_is_host_pointer": L.alias_is_host_pointer,
         "unified_addressing": int(ext.cuda_device_get_attribute(ATTR_UNIFIED_ADDRESSING, dev)),
         "host_pointer_for_registered": int(ext.cuda_device_get_attribute(ATTR_HOST_POINTER_FOR_REGISTERED, dev)),

@@ -208,3 +208,38 @@ def test_the_generated_checkpoint_is_one_full_width_moe_layer_kept_under_work(tm
     F.validate(g, k_bits=3, shards=kw["shards"], router_skew=None, always_bits=None, head_bits=16)
     assert zc._checkpoint(args)[1] == model_dir and len(calls) == 1  # reused, not rewritten
     assert zc._checkpoint(argparse.Namespace(model="/m", work=None, keep=False, experts=8)) == (None, Path("/m"))
+
+
+def test_host_rows_fall_back_to_mapped_registration():
+    calls = []
+
+    class Ext:
+        def __init__(self, fail_first):
+            self.fail = fail_first
+
+        def cuda_host_get_device_pointer(self, p):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("cudaHostGetDevicePointer(0x1) failed: invalid argument\nmore")
+            return p + 4096
+
+        def cuda_host_register(self, p, n, flags):
+            calls.append(("register", n, flags))
+
+        def cuda_host_unregister(self, p):
+            calls.append(("unregister",))
+
+    def pinned(shape, pin):
+        assert pin
+        return torch.zeros(shape, dtype=torch.uint8)
+
+    host, alias, kind = zc.host_rows(torch, Ext(False), (2, 64), pinned)
+    assert alias == host.data_ptr() + 4096 and "RAM tier" in kind and calls == []
+    host, alias, kind = zc.host_rows(torch, Ext(True), (2, 64), pinned)
+    assert tuple(host.shape) == (2, 64) and alias == host.data_ptr() + 4096
+    assert calls == [("register", 128, 0x03)] and "portable|mapped" in kind and "invalid argument" in kind
+    del host
+    import gc
+
+    gc.collect()
+    assert calls[-1] == ("unregister",)
