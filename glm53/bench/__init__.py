@@ -18,6 +18,7 @@ emulated drive) goes through a narrow hook the product never installs (glm53.ben
   read_contention  what the store's reads cost the planning thread
   disk_sweep       the store disk's raw O_DIRECT random-record rate by reads in flight
   depth_probe      the full-depth fixture in stock exllamav3: load, TTFT, decode, device memory (GPU)
+  zero_copy        one MoE layer at bsz 1: misses read in place from pinned RAM vs copied first vs all in VRAM (GPU)
   copiers, worktree, emulated_disk: their shared helpers
 """
 
@@ -40,6 +41,7 @@ BENCHES = (
     ("glm53.bench.host_step", "register_bench"),
     ("glm53.bench.disk_sweep", "register_bench"),
     ("glm53.bench.depth_probe", "register_bench"),
+    ("glm53.bench.zero_copy", "register_bench"),
 )
 
 

@@ -74,6 +74,10 @@
 #   emuserve  glm53 bench serve --emulate rtx3090-gen4 on the 8-MoE-layer checkpoint, exact: the launcher on CUDA
 #   serveconc glm53 bench serve --concurrency 1,2,4,8 on MODEL (SERVE_MODE, default exact; nvme modes need STORE):
 #             512-token prompts, 96 tokens per stream, best of 2 rounds per level
+#   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
+#             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
+#             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity. Needs no CPU-lane build:
+#             `python3 -u -m glm53 bench zero-copy --work /tmp --keep` alone is the whole step (~1 min warm)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -326,6 +330,12 @@ step_serveconc() {  # issue 26: decode tok/s at 1, 2, 4, 8 concurrent streams th
     --concurrency 1,2,4,8 --prompt-tokens 512 --max-tokens 96 --rounds 2 --log-dir "$OUT/serveconc-$mode" \
     --json "$OUT/bench-serve-$mode.json" > "$OUT/bench-serve-$mode.log" 2>&1
   stamp "serveconc $mode rc=$?"
+}
+step_zerocopy() {
+  timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \
+    > "$OUT/bench-zero-copy.log" 2>&1
+  local rc=$?
+  stamp "bench zero-copy rc=$rc $(grep -E '^ +[0-9]+ \||zero-copy is|bit-identical to stock' "$OUT/bench-zero-copy.log" | tr '\n' ';')"
 }
 for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
