@@ -396,9 +396,10 @@ def device_ms(torch: Any, fn: Callable[[], None], reps: int, trials: int, before
 def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int, *,
               log: Callable[[str], None] = print, partial: Callable[[dict], None] = lambda r: None) -> dict:
     import torch
-    from exllamav3.ext import exllamav3_ext as ext
 
     from glm53.exl3 import stock
+
+    ext = stock.ext()
     from glm53.exl3.placement import moe_modules
 
     t0 = time.perf_counter()

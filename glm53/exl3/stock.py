@@ -40,3 +40,10 @@ def greedy(gen: Any, ids: list[int], tokens: int) -> tuple[list[float], list[int
                 out += new.flatten().tolist()
                 first_n = first_n or len(out)
     return stamps, out, first_n
+
+
+def ext() -> Any:
+    """exllamav3's compiled extension (the benches that call its kernels directly)."""
+    from exllamav3.ext import exllamav3_ext
+
+    return exllamav3_ext
