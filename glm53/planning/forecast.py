@@ -37,26 +37,24 @@ MIN_SHARE = 0.005
 
 # ---------------------------------------------------------------- measured constants (docs/results.md)
 
-# The tiered decode step's host time per MoE layer, which the GPU waits for: 186-211 us per layer step in the
-# emulated consumer box's run (twenty-first session, `plan` host time of `glm53 bench decode`, H200 machine).
+# The tiered decode step's host time per MoE layer, which the GPU waits for (docs/results.md: the host time per
+# layer step that `glm53 bench decode` reports).
 HOST_MS_PER_MOE_LAYER = 0.20
 HOST_SOURCE = ("the tiered step's host time, 186-211 us per MoE layer step on the H200 machine's Xeon "
-               "(docs/results.md, twenty-first session); a faster core takes less")
-# exllamav3's stock decode step at full depth with every expert in VRAM: 66.5 tok/s at 0 history = 15.0 ms over 45
-# decoder layers, far above its bytes at the H200's bandwidth (1.8 ms): kernel launches and the hyper-connections'
-# small kernels (sixteenth session). The floor a stock step does not go below, per decoder layer.
+               "(docs/results.md); a faster core takes less")
+# The floor a stock step does not go below, per decoder layer: exllamav3's full-depth step is bound by kernel
+# launches and the hyper-connections' small kernels, not by the bytes it reads (docs/results.md).
 STOCK_FLOOR_MS_PER_LAYER = 1000 / 66.5 / 45
 STOCK_FLOOR_SOURCE = ("exllamav3's floor: stock 66.5 tok/s at full depth on the H200 machine, 15.0 ms over 45 "
-                      "layers (docs/results.md, sixteenth session)")
+                      "layers (docs/results.md)")
 # What offering the CPU lane costs a layer step that gives it experts, on the host with the GPU waiting (the step's
-# input rows out, the combine's wait for the partial, its upload): the planner does not price it, the judge sees it.
-# With the lane on at 3.9% of picks, fast ran at 0.862 of exact's 1.53 ms layer steps: 0.25 ms a step (fourth
-# session, call 2).
+# input rows out, the combine's wait for the partial, its upload): the planner does not price it, the judge sees it
+# (docs/results.md: fast against exact with the lane on).
 LANE_OFFER_MS = 0.25
 LANE_OFFER_SOURCE = ("fast at 0.862 of exact's 1.53 ms layer steps with the lane on at 3.9% of picks "
-                     "(docs/results.md, fourth session)")
-# The lane's kernel per one-row 9 MiB expert on the H200 machine's 16-core 2.1 GHz Xeon: (ISA, threads, ms).
-# AVX-512 VNNI 3.73 ms on one thread and 0.41 on 15 (fourth session); AVX2 1.295 ms on 15 (twenty-first).
+                     "(docs/results.md)")
+# The lane's kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon: (ISA, threads, ms), and
+# AVX-512 VNNI's 3.73 ms on one thread for the scaling (docs/results.md).
 LANE_MEASURED = {"avx512vnni": (15, 0.41), "avx2": (15, 1.295)}
 LANE_SERIAL = (0.41 - 3.73 / 15) / (3.73 - 3.73 / 15)  # Amdahl's serial share of the 1 -> 15 thread scaling
 LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),

@@ -143,7 +143,9 @@ def _fake_layer(experts=12, top_k=4, hidden=64, inter=32):
     return m
 
 
-def test_measure_flow_on_a_fake_layer(monkeypatch):
+@pytest.fixture
+def ext(monkeypatch):
+    """CUDA's timing and pinning calls on the CPU, and the extension's two host-pointer calls."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "fake")
@@ -151,7 +153,10 @@ def test_measure_flow_on_a_fake_layer(monkeypatch):
 
     monkeypatch.setattr(ram, "pinned_empty", lambda shape, pin: torch.zeros(shape, dtype=torch.uint8))
     monkeypatch.setattr(zc, "L2_FLUSH_BYTES", 4096)
-    ext = types.SimpleNamespace(cuda_host_get_device_pointer=lambda p: p, cuda_device_get_attribute=lambda a, d: 1)
+    return types.SimpleNamespace(cuda_host_get_device_pointer=lambda p: p, cuda_device_get_attribute=lambda a, d: 1)
+
+
+def test_measure_flow_on_a_fake_layer(ext):
     m = _fake_layer()
     before = {name: t.clone() for name, t in zc.pointer_tables(m).items()}
     seen = []
@@ -167,15 +172,7 @@ def test_measure_flow_on_a_fake_layer(monkeypatch):
     assert "outputs bit-identical to stock in every run: yes" in zc.render(res)
 
 
-def test_measure_reports_tables_the_kernel_ignores(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "fake")
-    import glm53.tiers.ram as ram
-
-    monkeypatch.setattr(ram, "pinned_empty", lambda shape, pin: torch.zeros(shape, dtype=torch.uint8))
-    monkeypatch.setattr(zc, "L2_FLUSH_BYTES", 4096)
-    ext = types.SimpleNamespace(cuda_host_get_device_pointer=lambda p: p, cuda_device_get_attribute=lambda a, d: 1)
+def test_measure_reports_tables_the_kernel_ignores(ext):
     m = _fake_layer()
     m.bc.run_bszN = lambda y, sel, rw: m.experts_cfg.out_bszn.fill_(1.0)  # reads no table
     res = zc._measure(torch, ext, m, [1], reps=2, trials=1, seed=0, log=lambda s: None, partial=lambda r: None)

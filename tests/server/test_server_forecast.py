@@ -8,13 +8,12 @@ from __future__ import annotations
 import httpx
 import pytest
 from fakehost import HostSpec, write_host
-from server_support import ServerThread, server_settings
+from server_support import loaded_and_served
 
 from glm53.planning import host as H
 from glm53.planning import plan as P
 from glm53.planning import settings as S
 from glm53.planning import shape as M
-from glm53.server.app import create_app
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +29,8 @@ def served(hf_model_dir, forecast):
 
     engine = ReferenceEngine(hf_model_dir, max_running=2)
     engine.forecast = forecast  # what glm53.serve.choice.engine_for_plan does with the plan's
-    engine.load()
-    try:
-        with ServerThread(create_app(engine, server_settings())) as srv:
-            srv.engine = engine
-            yield srv
-    finally:
-        engine.close()
+    with loaded_and_served(engine) as srv:
+        yield srv
 
 
 def test_stats_show_the_forecast_beside_the_measured_decode_rate(served, forecast):

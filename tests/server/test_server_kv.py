@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import torch
-from server_support import ServerThread, server_settings, wait_until
+from server_support import ServerThread, loaded_and_served, server_settings, wait_until
 
 from glm53.planning.spec import PAGE
 from glm53.server.app import create_app
@@ -44,14 +44,8 @@ def small_cache_engine(hf_model_dir, tmp_path_factory, **kw):
 
 @pytest.fixture(scope="module")
 def small(hf_model_dir, tmp_path_factory):
-    engine = small_cache_engine(hf_model_dir, tmp_path_factory)
-    engine.load()
-    try:
-        with ServerThread(create_app(engine, server_settings())) as srv:
-            srv.engine = engine
-            yield srv
-    finally:
-        engine.close()
+    with loaded_and_served(small_cache_engine(hf_model_dir, tmp_path_factory)) as srv:
+        yield srv
 
 
 def complete(srv, prompt: list[int], timeout: float = 600, **body) -> httpx.Response:

@@ -215,6 +215,18 @@ def server_settings(**env: str):
     return S.load(environ={f"GLM53_{k.upper()}": str(v) for k, v in env.items()}, dotenv=None)
 
 
+@contextlib.contextmanager
+def loaded_and_served(engine, **env: str) -> Iterator[ServerThread]:
+    """`engine` loaded and served over real HTTP (as `.engine`) with the given settings; closed afterwards."""
+    engine.load()
+    try:
+        with ServerThread(create_app(engine, server_settings(**env))) as srv:
+            srv.engine = engine
+            yield srv
+    finally:
+        engine.close()
+
+
 def variant_engine(request, tmp_path_factory) -> Iterator:
     """For a fixture parametrized over the two chat-template variants: the session's loaded engine on the
     GLM-5.3-shaped template, or a loaded one on the GLM-4.5-shaped template (closed afterwards)."""
