@@ -258,6 +258,9 @@ class _Releases:
         return reported if self.first_count > 1 and reported > 0 else self.first - self.t0
 
 
+JUDGE_LIMIT_TOKENS = 2048  # warm-up tokens a lane mode decodes at most for its judge's first verdict
+
+
 class _Runner:
     """One loaded model (stock, or a tiered mode) with its generator."""
 
@@ -353,6 +356,19 @@ class _Runner:
                                                     "copy_wait", "store_wait", "after_launch")
                                           if k in snap1["host_seconds"]})
         return out
+
+    def judged(self, prompt: list[int], tokens: int, limit: int) -> int | None:
+        """Decodes `tokens` at a time until the CPU lane's judge has ruled, at most `limit` tokens; returns the tokens
+        it took (None: no lane here). A lane trial offers the lane to half its windows whatever the verdict, and it
+        recurs only every REJUDGE windows, so windows timed inside the first one measure the trial, not the mode."""
+        stepper = self.tiered.stepper if self.tiered is not None else None
+        if stepper is None or stepper.lane is None:
+            return None
+        spent = 0
+        while stepper.lane_judge.in_trial and spent < limit:
+            self.run(prompt, tokens, seed=spent)
+            spent += tokens
+        return spent
 
     def close(self) -> None:
         import torch
@@ -514,8 +530,13 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         # Warm-up at the measured prompt length: a fresh process spends over a minute setting up the first prefill
         # of a new shape. Decoding longer in it starts the windows with tiers that have learnt
         # the routing, as a server's are (it warms them from the routing statistics saved at its last shutdown).
-        for r in runners.values():
+        for name, r in runners.items():
             r.run(prompt, warmup_tokens if r.tiered is not None else 16, seed=0)
+            judged = r.judged(prompt, max(16, warmup_tokens), JUDGE_LIMIT_TOKENS)
+            if judged is not None:
+                judge = r.tiered.stepper.lane_judge
+                verdict = "still in its trial" if judge.in_trial else ("kept" if judge.kept else "set aside")
+                log(f"{name}: the CPU lane's judge ruled after {judged} more warm-up tokens: {verdict}")
         rows: list[dict] = []
         for w in range(windows):
             # A virtual disk's rate drifts within a run, so each nvme window's bound uses the disk's raw rate measured just before and just after it.

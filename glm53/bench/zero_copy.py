@@ -409,7 +409,7 @@ def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int,
     if not mods:
         raise RuntimeError(f"{model_dir}: no BlockSparseMLP layer")
     log(f"loaded {model_dir} in {time.perf_counter() - t0:.1f} s; timing {mods[0].key}")
-    with torch.no_grad():
+    with torch.inference_mode():  # exllamav3 loads under it: its tables are inference tensors, written only inside
         return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial)
 
 

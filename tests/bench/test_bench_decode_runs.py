@@ -197,3 +197,45 @@ def test_a_window_process_runs_this_codes_glm53_and_its_failure_is_said(tmp_path
     run = P.subprocess_runner(REPO, REPO)
     with pytest.raises(RuntimeError, match="current window failed \\(exit 2\\): .*bench decode needs"):
         run("current", P.window_args(decode_args("--slots", "4"), tmp_path, tmp_path / "w.json"))
+
+
+def _lane_runner(window: int) -> tuple[B._Runner, list[int]]:
+    """A runner whose every decoded token is one decode layer step told to a real LaneJudge on a made-up clock."""
+    from glm53.step.lane_judge import LaneJudge
+
+    now = [0.0]
+    judge = LaneJudge(clock=lambda: now[0], window=window, pairs=2)
+    runner = B._Runner.__new__(B._Runner)
+    runner.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=object(), lane_judge=judge))
+    calls: list[int] = []
+
+    def run(prompt, tokens, seed):
+        calls.append(tokens)
+        for _ in range(tokens):
+            judge.started(True)
+            now[0] += 0.001 if judge.offer() else 0.002  # offering the lane halves a step: it is kept
+            judge.done(8, 2)
+        return {}
+
+    runner.run = run
+    return runner, calls
+
+
+def test_a_lane_mode_warms_up_until_its_judge_rules():
+    runner, calls = _lane_runner(window=8)
+    # 2 pairs of 8-step windows: the verdict falls at the 32nd step, within the third 12-token chunk.
+    assert runner.judged([1], 12, limit=1000) == 36 and calls == [12, 12, 12]
+    judge = runner.tiered.stepper.lane_judge
+    assert not judge.in_trial and judge.kept
+    assert runner.judged([1], 12, limit=1000) == 0  # ruled already: nothing more
+
+
+def test_the_judge_warm_up_stops_at_its_limit_and_a_runner_without_a_lane_skips_it():
+    runner, calls = _lane_runner(window=100)
+    assert runner.judged([1], 16, limit=40) == 48 and calls == [16, 16, 16]
+    assert runner.tiered.stepper.lane_judge.in_trial
+    plain = B._Runner.__new__(B._Runner)
+    plain.tiered = None
+    assert plain.judged([1], 16, limit=40) is None
+    plain.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=None))
+    assert plain.judged([1], 16, limit=40) is None
