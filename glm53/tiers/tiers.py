@@ -75,6 +75,26 @@ class _Move:
     slot: int  # destination: the VRAM slot (to_vram) or the RAM slot (write-back)
 
 
+def _check_ram_slots(ram_slots: int, vram_slots: Sequence[int], num_experts: int, lent: int, keep_all: bool,
+                     fetch: Loader | None) -> None:
+    """Refuse a RAM tier too small for its mode before anything is allocated. All-RAM: every expert not in VRAM,
+    those whose slots are lent to staging, and one spare for a write-back in flight. A cache of the store: `fetch`,
+    and one layer's experts plus one."""
+    total, in_vram = len(vram_slots) * num_experts, int(sum(vram_slots))
+    if keep_all and ram_slots < total - in_vram + lent + 1:
+        raise ValueError(
+            f"all-RAM tiers need ram_slots >= {total - in_vram + lent + 1} "
+            f"({total} experts - {in_vram} VRAM slots + {lent} lent to staging + 1 spare for write-backs), "
+            f"got {ram_slots}"
+        )
+    if not keep_all and fetch is None:
+        raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
+    if not keep_all and ram_slots < num_experts + 1:
+        # One step of one layer may pick all of its experts, each must sit in RAM at once (CPU lane, PCIe
+        # source) while a victim's write-back needs one more slot.
+        raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
+
+
 class ExpertTiers:
     def __init__(
         self,
@@ -110,46 +130,15 @@ class ExpertTiers:
         self.num_experts = num_experts
         self.keep_all = keep_all
         self.device = torch.device(device)
-        total, in_vram = self.num_layers * num_experts, int(sum(vram_slots))
         self.staging_rows = staging_slots if staging_rows is None else int(staging_rows)
         if not 0 < self.staging_rows <= staging_slots:
             raise ValueError(f"staging_rows {self.staging_rows} must be in [1, staging_slots {staging_slots}]")
         self.link_of = [0] * self.num_layers if link_of is None else [int(x) for x in link_of]
         lent = borrowed_rows(vram_slots, staging_slots - self.staging_rows,
                              self.link_of if len(self.link_of) == self.num_layers else None)
-        if keep_all and ram_slots < total - in_vram + len(lent) + 1:
-            raise ValueError(
-                f"all-RAM tiers need ram_slots >= {total - in_vram + len(lent) + 1} "
-                f"({total} experts - {in_vram} VRAM slots + {len(lent)} lent to staging + 1 spare for write-backs), "
-                f"got {ram_slots}"
-            )
-        if not keep_all and fetch is None:
-            raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
-        if not keep_all and ram_slots < num_experts + 1:
-            # One step of one layer may pick all of its experts, each must sit in RAM at once (CPU lane, PCIe
-            # source) while a victim's write-back needs one more slot.
-            raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
-        devices = [self.device] if link_devices is None else [torch.device(d) for d in link_devices]
-        if len(self.link_of) != self.num_layers or not all(0 <= x < len(devices) for x in self.link_of):
-            raise ValueError(f"link_of {self.link_of} must name one of {len(devices)} links for each of "
-                             f"{self.num_layers} layers")
-        if copier is not None and len(devices) > 1:
-            raise ValueError("an injected copier serves one link; a split across devices makes one per link")
-        self.links = [Link(layout, d, self.staging_rows, copier if i == 0 else None) for i, d in enumerate(devices)]
-        self.vram = [
-            VramLayer(layout, num_experts, s, devices[self.link_of[i]],
-                      None if vram_storage is None else vram_storage[i])
-            for i, s in enumerate(vram_slots)
-        ]
-        self.lending = Lending(lent, staging_slots - self.staging_rows, self.staging_rows, self.link_of, self.links,
-                               self.vram)
-        self.lent = self.lending.lent
-        self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin, storage=ram_storage)
-        self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
-        self.ranking = Ranking(self.where)  # who leaves RAM: the policies, the guards, each layer's weakest
-        self.policies = self.ranking.policies
-        self.ram_guard = self.ranking.ram_guard
-        self.copier = self.links[0].copier  # the first link's (the only one on one device)
+        _check_ram_slots(ram_slots, vram_slots, num_experts, len(lent), keep_all, fetch)
+        devices = self._link_devices(link_devices, copier)
+        self._build_parts(devices, vram_slots, ram_slots, staging_slots, lent, copier, pin, vram_storage, ram_storage)
         self.fetch = fetch
         self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
         # RAM experts a copy in flight still reads (a staging or prestaging copy the host did not wait for): their
@@ -158,8 +147,43 @@ class ExpertTiers:
         self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
         self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
-        self.staging = self.links[0].staging  # the first link's own rows
         self._populated = False
+
+    def _link_devices(self, link_devices: Sequence[torch.device | str] | None,
+                      copier: Copier | None) -> list[torch.device]:
+        """Each link's device, once every layer names one of them (self.link_of); an injected copier (a test's,
+        a pacing bench's) serves one link only, since each link's copies run on their own streams."""
+        devices = [self.device] if link_devices is None else [torch.device(d) for d in link_devices]
+        if len(self.link_of) != self.num_layers or not all(0 <= x < len(devices) for x in self.link_of):
+            raise ValueError(f"link_of {self.link_of} must name one of {len(devices)} links for each of "
+                             f"{self.num_layers} layers")
+        if copier is not None and len(devices) > 1:
+            raise ValueError("an injected copier serves one link; a split across devices makes one per link")
+        return devices
+
+    def _build_parts(self, devices: list[torch.device], vram_slots: Sequence[int], ram_slots: int,
+                     staging_slots: int, lent: Sequence[tuple[int, int]], copier: Copier | None, pin: bool | None,
+                     vram_storage: Sequence[torch.Tensor] | None, ram_storage: torch.Tensor | None) -> None:
+        """The parts that keep books for the moves here: one link per card, each layer's VRAM arena on its link's
+        device, the staging rows lent by other layers' slots, the RAM arena, and who leaves RAM. Every expert
+        starts in the store (`populate` places them)."""
+        self.links = [Link(self.layout, d, self.staging_rows, copier if i == 0 else None)
+                      for i, d in enumerate(devices)]
+        self.vram = [
+            VramLayer(self.layout, self.num_experts, s, devices[self.link_of[i]],
+                      None if vram_storage is None else vram_storage[i])
+            for i, s in enumerate(vram_slots)
+        ]
+        self.lending = Lending(lent, staging_slots - self.staging_rows, self.staging_rows, self.link_of, self.links,
+                               self.vram)
+        self.lent = self.lending.lent
+        self.ram = RamTier(self.layout, self.num_layers, self.num_experts, ram_slots, pin, storage=ram_storage)
+        self.where = np.full((self.num_layers, self.num_experts), Where.STORE, np.int8)
+        self.ranking = Ranking(self.where)  # who leaves RAM: the policies, the guards, each layer's weakest
+        self.policies = self.ranking.policies
+        self.ram_guard = self.ranking.ram_guard
+        self.copier = self.links[0].copier  # the first link's (the only one on one device)
+        self.staging = self.links[0].staging  # the first link's own rows
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
