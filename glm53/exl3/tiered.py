@@ -426,17 +426,17 @@ class TieredMoE:
         # the lookahead admits into VRAM, which waits until this step's own copies are decided, so it never delays
         # this step's kernels.
         early = self.nvme is not None and predict
-        step = stepper.resolve(li, ids, decode, x, w,
-                               next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
-                               read_ahead=read_ahead if early else None)
+        resolved = stepper.resolve(li, ids, decode, x, w,
+                                   next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
+                                   read_ahead=read_ahead if early else None)
         if not early:
-            read_ahead(step.cpu)
+            read_ahead(resolved.cpu)
         out = layer.out_host[:n]
-        out.numpy()[:] = step.slots.reshape(-1)
+        out.numpy()[:] = resolved.slots.reshape(-1)
         selected.copy_(out.view(selected.shape), non_blocking=True)
         self.step_time["sync"] += t1 - t0
         self.steps += 1
-        return None, ((LANE_TAG, step.ticket, bsz) if step.ticket is not None else None)
+        return None, ((LANE_TAG, resolved.ticket, bsz) if resolved.ticket is not None else None)
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
