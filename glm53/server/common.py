@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
-from glm53.server.chat_prompt import Layout, ReasoningMemory, probe_layout
+from glm53.server.chat_prompt import ReasoningMemory, TurnLayout, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
 from glm53.server.metrics import Metrics
@@ -43,7 +43,7 @@ class ServerState:
     reasoning_memory: ReasoningMemory = field(default_factory=ReasoningMemory)
     stopping: bool = False  # the server is shutting down: generations still running end with an error
     live: set[LiveRequest] = field(default_factory=set)  # requests being answered
-    _layout: Layout | None = None
+    _layout: TurnLayout | None = None
 
     def stop_generations(self) -> int:
         """End every running generation (shutdown, after the drain): each reply ends with its API's error."""
@@ -61,7 +61,7 @@ class ServerState:
         """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
         return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
 
-    def layout(self) -> Layout:
+    def layout(self) -> TurnLayout:
         """How the checkpoint's template writes a turn (learned once, by rendering one)."""
         if self._layout is None:
             self._layout = probe_layout(self.engine)

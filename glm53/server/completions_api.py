@@ -33,7 +33,7 @@ from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_ke
 
 
 @dataclass
-class Prompt:
+class CompletionPrompt:
     ids: list[int]
     text: str  # for echo
 
@@ -44,12 +44,12 @@ class PreparedCompletion:
     reply is written."""
 
     req: CompletionRequest
-    prompts: list[Prompt]
+    prompts: list[CompletionPrompt]
     params: list[SamplingParams]  # one per choice: prompt-major, n per prompt
     runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
+def _prompts(state: ServerState, req: CompletionRequest) -> list[CompletionPrompt]:
     engine = state.engine
     p = req.prompt
     if isinstance(p, str):
@@ -63,12 +63,12 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
     out = []
     for item in raw:
         if isinstance(item, str):
-            out.append(Prompt(tokenize_prompt(state, item, True, "prompt"), item))
+            out.append(CompletionPrompt(tokenize_prompt(state, item, True, "prompt"), item))
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", param="prompt")
         # Ids outside the vocabulary are refused by the engine when the generation starts (a 400 as well).
-        out.append(Prompt(list(item), engine.detokenize(list(item))))
+        out.append(CompletionPrompt(list(item), engine.detokenize(list(item))))
     return out
 
 
