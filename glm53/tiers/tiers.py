@@ -18,7 +18,8 @@ thread that owns these tiers. Without one, `fetch` reads synchronously.
 
 The parts it keeps, each on its own: the VRAM slot arenas (glm53.tiers.vram) and the RAM arena (glm53.tiers.ram),
 which only keep books; who leaves RAM (glm53.tiers.ranking: the policies, the guards, each layer's weakest expert);
-the staging rows lent by other layers' slots (glm53.tiers.lending); one copy link per card (glm53.tiers.links).
+the staging rows lent by other layers' slots (glm53.tiers.lending); one copy link per card (glm53.tiers.links);
+the RAM experts a copy in flight still reads (glm53.tiers.holds).
 What stays here is the state of each expert and every move between the tiers, since each move changes several
 parts at once and must keep them agreeing.
 """
@@ -36,6 +37,7 @@ import torch
 from glm53.planning.spec import borrowed_rows
 
 from .copier import Copier, Ticket
+from .holds import Holds
 from .layout import SlotLayout
 from .lending import Lending
 from .links import Link
@@ -141,9 +143,7 @@ class ExpertTiers:
         self._build_parts(devices, vram_slots, ram_slots, staging_slots, lent, copier, pin, vram_storage, ram_storage)
         self.fetch = fetch
         self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
-        # RAM experts a copy in flight still reads (a staging or prestaging copy the host did not wait for): their
-        # slots must not be handed to a store read before it lands. A hard rule, unlike the guard.
-        self._held: dict[tuple[int, int], Ticket] = {}
+        self._held = Holds()  # RAM experts a copy in flight still reads: they stay until it lands
         self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
         self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
         self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
@@ -415,15 +415,12 @@ class ExpertTiers:
     def hold(self, layer: int, experts: int | Sequence[int], ticket: Ticket | None) -> None:
         """A copy (`ticket`) still reads these RAM experts' bytes: they are not dropped before the copy lands.
         One ticket for many experts is checked once (on the GPU each check is an event query)."""
-        if ticket is None or ticket.done():
-            return
-        for e in [experts] if isinstance(experts, int) else experts:
-            self._held[(layer, e)] = ticket
+        self._held.hold(layer, experts, ticket)
 
     def droppable(self) -> np.ndarray:
         """(num_layers, num_experts): RAM experts no copy in flight reads (the candidates for dropping)."""
         ok = self.where == RAM
-        for key in self._live_holds():
+        for key in self._held.live():
             ok[key] = False
         return ok
 
@@ -432,8 +429,7 @@ class ExpertTiers:
         if self.keep_all or self.where[layer, expert] != RAM:
             raise TierError(f"drop {layer}/{expert}: it is {Where(self.where[layer, expert]).name}"
                             + (" (all-RAM mode)" if self.keep_all else ", not RAM"))
-        held = self._held.get((layer, expert))
-        if held is not None and not held.done():
+        if self._held.reads(layer, expert):
             raise TierError(f"drop {layer}/{expert}: a copy in flight still reads it")
         self.ranking.unrank(layer, expert)
         self.ram.free(layer, expert)
@@ -453,7 +449,7 @@ class ExpertTiers:
     def weakest_droppable(self, exclude: Mapping[int, Collection[int]] | None = None) -> tuple[int, int] | None:
         """The weakest RAM expert that may go now: not read by a copy in flight, not guarded, not in `exclude`
         ({layer: experts}); None when none is (Ranking.weakest_droppable)."""
-        return self.ranking.weakest_droppable(self._live_holds(), exclude)
+        return self.ranking.weakest_droppable(self._held.live(), exclude)
 
     def scores(self) -> np.ndarray:
         """(num_layers, num_experts) policy scores: the keep-worthiness the RAM tier ranks victims by (a new
@@ -463,22 +459,6 @@ class ExpertTiers:
     def weakest(self, ok: np.ndarray) -> tuple[int, int]:
         """The lowest-scored (layer, expert) where `ok` holds (Ranking.weakest)."""
         return self.ranking.weakest(ok)
-
-    def _live_holds(self) -> list[tuple[int, int]]:
-        """The held experts whose copy is still in flight; forgets the others. Each ticket is asked once: a step's
-        staged experts share one, and on the GPU each ask is an event query that also lets go of the GIL."""
-        if not self._held:
-            return []
-        busy: dict[int, bool] = {}
-        live, landed = [], []
-        for key, ticket in self._held.items():
-            b = busy.get(id(ticket))
-            if b is None:
-                b = busy[id(ticket)] = not ticket.done()
-            (live if b else landed).append(key)
-        for key in landed:
-            del self._held[key]
-        return live
 
     def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None,
               src: Any = None) -> int:
@@ -577,11 +557,7 @@ class ExpertTiers:
                 self.stats.add_wait("pcie", self.settle(*waitable[0]))
                 continue
             if self._held:  # every droppable expert is read by a copy in flight: wait for the oldest copy
-                key, ticket = next(iter(self._held.items()))
-                t0 = time.perf_counter()
-                ticket.wait()
-                self.stats.add_wait("pcie", time.perf_counter() - t0)
-                del self._held[key]
+                self.stats.add_wait("pcie", self._held.wait_oldest())
                 continue
             return False
         return True
