@@ -23,7 +23,7 @@ import xxhash
 from store.directio import alloc_aligned, open_for_read, pread_into
 from store.errors import CheckpointError, DirectIOUnsupported, StoreError
 from store.format import RecordEntry, StoreHeader, read_header, record_digests
-from store.progress import Progress
+from store.progress import ProgressMeter
 from store.source import Checkpoint, SourceReader, find_experts, fingerprint, scan_checkpoint
 
 CROSS_CHECKS = 2
@@ -221,7 +221,7 @@ def full_verify(path: Path | str, model_dir: Path | str | None = None, *, thread
     fd = _open(rep, path, allow_buffered, warn)
     if fd is None:
         return rep
-    bar = Progress("verify", sum(e.extent for e in head.entries), enabled=progress)
+    bar = ProgressMeter("verify", sum(e.extent for e in head.entries), enabled=progress)
     local = threading.local()
     lock = threading.Lock()
     bad: list[tuple[int, str]] = []

@@ -32,7 +32,7 @@ def _server(config: Any, state: Any) -> Any:
     """uvicorn's Server, told about the shutdown as soon as the signal arrives (see DRAIN_S)."""
     import uvicorn
 
-    class Server(uvicorn.Server):
+    class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
@@ -40,7 +40,7 @@ def _server(config: Any, state: Any) -> Any:
                 loop = asyncio.get_running_loop()
                 loop.call_soon_threadsafe(loop.call_later, DRAIN_S, _stop_generations, state)
 
-    return Server(config)
+    return DrainingServer(config)
 
 
 def _stop_generations(state: Any) -> None:

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
-from glm53.server.chat_prompt import Layout, ReasoningMemory, probe_layout
+from glm53.server.chat_prompt import ReasoningMemory, TurnLayout, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
 from glm53.server.metrics import Metrics
@@ -42,16 +42,16 @@ class ServerState:
     load_error: str | None = None
     reasoning_memory: ReasoningMemory = field(default_factory=ReasoningMemory)
     stopping: bool = False  # the server is shutting down: generations still running end with an error
-    live: set[Job] = field(default_factory=set)  # requests being answered
-    _layout: Layout | None = None
+    live: set[LiveRequest] = field(default_factory=set)  # requests being answered
+    _layout: TurnLayout | None = None
 
     def stop_generations(self) -> int:
         """End every running generation (shutdown, after the drain): each reply ends with its API's error."""
         self.stopping = True
-        jobs = list(self.live)
-        for job in jobs:
-            job.cancel()
-        return len(jobs)
+        answering = list(self.live)
+        for live in answering:
+            live.cancel()
+        return len(answering)
 
     def stop_error(self) -> APIError | None:
         """The error a generation the server ended reports: only once it is shutting down."""
@@ -61,7 +61,7 @@ class ServerState:
         """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
         return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
 
-    def layout(self) -> Layout:
+    def layout(self) -> TurnLayout:
         """How the checkpoint's template writes a turn (learned once, by rendering one)."""
         if self._layout is None:
             self._layout = probe_layout(self.engine)
@@ -166,8 +166,9 @@ def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, ind
 
 
 @dataclass(eq=False)  # a request is itself: held in ServerState.live by identity
-class Job:
-    """One HTTP request's generations: ids to cancel, per-choice tallies, metrics on completion."""
+class LiveRequest:
+    """One HTTP request being answered (in ServerState.live until it finishes): its generations' ids to cancel,
+    per-choice tallies, metrics on completion."""
 
     state: ServerState
     kind: str  # "chatcmpl" | "cmpl"
@@ -230,16 +231,16 @@ class Job:
 
 
 async def open_runs(engine: Engine, prompt_ids: list[int] | list[list[int]], params: list[SamplingParams],
-                    job: Job) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
+                    live: LiveRequest) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
     """Start every choice's generation (see generation.open_events); on a failure, stop the ones started."""
     runs = []
     try:
         for i, p in enumerate(params):
-            rid, tally = job.new_choice()
+            rid, tally = live.new_choice()
             ids = prompt_ids[i] if prompt_ids and isinstance(prompt_ids[0], list) else prompt_ids
             runs.append((rid, tally, await open_events(engine, ids, p, rid)))  # type: ignore[arg-type]
     except BaseException:
-        job.cancel()
+        live.cancel()
         for _, _, events in runs:
             await events.aclose()
         raise
@@ -250,7 +251,7 @@ class ClientGone(Exception):
     """The client disconnected before a non-streamed reply was ready."""
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T], live: LiveRequest) -> T:
     """Await `work`, but cancel it (and the engine requests) as soon as the client disconnects."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
@@ -258,7 +259,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) ->
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
-            job.client_gone()
+            live.client_gone()
             task.cancel()
         watch.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
@@ -267,13 +268,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) ->
     return task.result()
 
 
-async def respond(request: Request, job: Job, stream: bool, frames: Callable[[], AsyncIterator[bytes]],
+async def respond(request: Request, live: LiveRequest, stream: bool, frames: Callable[[], AsyncIterator[bytes]],
                   collect: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
     """The reply of a completion route: an SSE stream, or the collected body unless the client left first."""
     if stream:
-        return SSEResponse(frames(), on_disconnect=job.client_gone)
+        return SSEResponse(frames(), on_disconnect=live.client_gone)
     try:
-        body = await unless_disconnected(request, collect(), job)
+        body = await unless_disconnected(request, collect(), live)
     except ClientGone:
         return Response(status_code=499)
     return JSONResponse(body)
