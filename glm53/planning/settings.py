@@ -85,6 +85,30 @@ def _host(text: str) -> str:
     return value
 
 
+DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _origin(item: str) -> str:
+    """One allowed origin as browsers write it in the Origin header: lower case, no path, no default port."""
+    if item in ("*", "null"):
+        return item
+    scheme, sep, rest = item.partition("://")
+    authority = rest.rstrip("/")
+    if not sep or not scheme.isalpha() or not authority or any(c in authority for c in "/?#@ "):
+        raise ValueError(f"{item!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000)")
+    scheme, authority = scheme.lower(), authority.lower()
+    default = DEFAULT_PORTS.get(scheme)
+    if default and authority.endswith(f":{default}"):
+        authority = authority[: -len(default) - 1]
+    return f"{scheme}://{authority}"
+
+
+def _origins(text: str) -> tuple:
+    """Comma-separated origins -> a tuple of normalized origin strings, in the order given, without repeats."""
+    items = [_origin(x.strip()) for x in text.split(",") if x.strip()]
+    return tuple(dict.fromkeys(items))
+
+
 def _port(text: str) -> int:
     value = int(text.strip())
     if not 1 <= value <= 65535:
@@ -117,6 +141,13 @@ SCHEMA: tuple[Setting, ...] = (
     Setting("GLM53_ALLOW_NO_API_KEY", "0",
             "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
             _bool, BOOL),
+    Setting("GLM53_ALLOWED_ORIGINS", "",
+            "Web pages that may use the server from a browser, and the names it answers to besides localhost and IP "
+            "addresses (so a page cannot reach it by DNS rebinding): list the origins of those pages, and the "
+            "address clients reach the server at when it is a name (http://gpubox.lan:30000, a compose service "
+            "http://glm53:30000). Empty: only non-browser clients and the server's own /docs page. * lets every "
+            "site and name through.",
+            _origins, "comma-separated origins scheme://host[:port] | * | (empty)"),
     Setting("GLM53_CONTEXT", "131072", "Context window in tokens (KV cache size); the plan may lower it to fit.",
             _int_at_least(256), "integer >= 256"),
     Setting("GLM53_REASONING_BUDGET", "4096",
@@ -171,6 +202,7 @@ class Settings:
     model_id: str
     api_key: str
     allow_no_api_key: bool
+    allowed_origins: tuple  # of origins, normalized as browsers write them (or "*")
     context: int
     reasoning_budget: int
     reasoning_effort: str

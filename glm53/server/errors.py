@@ -26,7 +26,7 @@ log = logging.getLogger("glm53.server")
 
 QUEUE_RETRY_AFTER_S = 2
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable",
           500: "server_error"}

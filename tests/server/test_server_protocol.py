@@ -288,9 +288,12 @@ def test_malformed_json_and_non_object(server):
     e = err(httpx.post(server.url + "/v1/chat/completions", content=b"{not json",
                        headers={"content-type": "application/json"}), 400)
     assert "JSON" in e["message"]
-    err(httpx.post(server.url + "/v1/chat/completions", content=b"{not json"), 400)  # curl -d: no JSON type
-    err(httpx.post(server.url + "/v1/completions", content=b"[1, 2]"), 400)
-    err(httpx.post(server.url + "/v1/completions", content=b""), 400)
+    json_type = {"content-type": "application/json"}
+    err(httpx.post(server.url + "/v1/completions", content=b"[1, 2]", headers=json_type), 400)
+    err(httpx.post(server.url + "/v1/completions", content=b"", headers=json_type), 400)
+    # curl -d without -H: form encoding, which a web page may also send anywhere (tests/server/test_server_browser.py)
+    assert "application/json" in err(httpx.post(server.url + "/v1/chat/completions", content=b"{not json"), 415,
+                                     "unsupported_media_type")["message"]
 
 
 def test_unknown_model_404(server):
