@@ -470,3 +470,29 @@ def test_a_load_that_cannot_pin_is_refused_with_the_fix():
         e = err(c.post("/v1/chat/completions", json={"model": "glm-5.3-flash", "messages": user("hi")}), 503,
                 "model_load_failed")
         assert "MemoryError" in e["message"]
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/metrics", "/v1/models", "/v1/models/glm-5.3-flash", "/stats"])
+def test_head_answers_like_get_without_a_body(server, path):
+    get, head = httpx.get(server.url + path), httpx.head(server.url + path)
+    assert get.status_code == 200 and head.status_code == 200, head.text
+    assert head.content == b"" and head.headers["content-type"] == get.headers["content-type"]
+
+
+def test_the_head_twins_stay_out_of_the_schema(engine):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # FastAPI warns of a repeated operation id
+        schema = create_app(engine, make_settings()).openapi()
+    assert not any("head" in ops for ops in schema["paths"].values())
+
+
+def test_head_on_ready_says_503_while_the_model_loads():
+    eng = FakeEngine(script)  # never loaded
+    app = create_app(eng, make_settings())
+    eng.load = lambda: time.sleep(30)  # the load never ends while the test runs
+    with ServerThread(app) as srv:
+        assert httpx.head(srv.url + "/ready").status_code == 503
+        assert httpx.head(srv.url + "/v1/models").status_code == 503
+        assert httpx.head(srv.url + "/health").status_code == 200
