@@ -134,3 +134,13 @@ def test_allowed_origins_are_normalized_as_browsers_write_them():
 def test_an_origin_that_is_not_one_is_refused(value):
     with pytest.raises(S.SettingsError, match="GLM53_ALLOWED_ORIGINS"):
         S.load(environ={"GLM53_ALLOWED_ORIGINS": value}, dotenv=None)
+
+
+def test_the_settings_command_never_prints_the_api_key():
+    key = "sk-very-secret-4711"
+    proc = subprocess.run([sys.executable, "-m", "glm53", "settings"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "GLM53_API_KEY": key})
+    assert proc.returncode == 0, proc.stderr
+    assert key not in proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("GLM53_API_KEY"))
+    assert f"<set, {len(key)} characters, hidden>" in line

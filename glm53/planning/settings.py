@@ -125,6 +125,7 @@ class Setting:
     allowed: str = "text"
     # Defaults that differ by mode, e.g. {"nvme": "2"}; the plain default applies to the other modes.
     mode_defaults: dict[str, str] = field(default_factory=dict)
+    secret: bool = False  # `glm53 settings` says whether it is set, never the value (terminals get shared)
 
 
 SCHEMA: tuple[Setting, ...] = (
@@ -137,7 +138,8 @@ SCHEMA: tuple[Setting, ...] = (
             "an address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every interface)"),
     Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),
     Setting("GLM53_MODEL_ID", "glm-5.3-flash", "Model id reported by /v1/models and accepted in requests."),
-    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."),
+    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+            secret=True),
     Setting("GLM53_ALLOW_NO_API_KEY", "0",
             "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
             _bool, BOOL),
@@ -313,9 +315,16 @@ def render_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def shown_value(s: Setting, value: Any) -> str:
+    """A current value as `glm53 settings` prints it: a secret only as set or not."""
+    if s.secret:
+        return f"<set, {len(value)} characters, hidden>" if value else "''"
+    return repr(value)
+
+
 def render_table(settings: Settings | None = None) -> str:
     rows = []
     for s in SCHEMA:
-        current = "" if settings is None else f"  = {getattr(settings, attr_name(s.name))!r}"
+        current = "" if settings is None else f"  = {shown_value(s, getattr(settings, attr_name(s.name)))}"
         rows.append(f"{s.name:28} default {_default_column(s)!r:18} {s.meaning}{current}")
     return "\n".join(rows)
