@@ -132,6 +132,11 @@ class Engine(Protocol):
         """Ids that end an assistant turn (<|endoftext|>, <|user|>, <|observation|>); default stop_token_ids."""
         ...
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1 (the tokenizer's entries); 0 until the model is loaded."""
+        ...
+
     def load(self) -> None:
         """Blocking: load the model (call from a worker thread); logs progress; sets ready."""
         ...

@@ -82,6 +82,15 @@ def check_ready(state: ServerState) -> None:
         raise APIError(503, "The model is still loading; retry shortly.", code="model_not_ready")
 
 
+def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    """Refuse ids outside the vocabulary (a tokenizer would decode them to nothing, silently)."""
+    n = state.engine.vocab_size
+    bad = next((i for i, t in enumerate(ids) if t >= n), None)
+    if bad is not None:
+        raise bad_request(f"{param}[{bad}] = {ids[bad]} is not a token id of this model (its ids run from 0 to "
+                          f"{n - 1}).", param=f"{param}.{bad}")
+
+
 def check_unsupported(req: SamplingFields) -> None:
     """Refuse parameters this server cannot honour rather than silently ignoring them."""
     for name in ("presence_penalty", "frequency_penalty"):

@@ -16,6 +16,7 @@ from glm53.server.common import (
     ServerState,
     check_model,
     check_ready,
+    check_token_ids,
     check_unsupported,
     error_frame_body,
     grammar_for,
@@ -64,7 +65,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", param="prompt")
-        # Ids outside the vocabulary are refused by the engine when the generation starts (a 400 as well).
+        check_token_ids(state, list(item), "prompt")
         out.append(Prompt(list(item), engine.detokenize(list(item))))
     return out
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from glm53.server import anthropic_api, chat_api, completions_api, responses_api
-from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
+from glm53.server.common import ServerState, check_model, check_ready, check_token_ids, tokenize_prompt
 from glm53.server.errors import APIError, bad_request
 from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -154,6 +154,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, Any]:
     check_model(state, body.model)
     check_ready(state)
+    check_token_ids(state, body.tokens, "tokens")
     return {"prompt": state.engine.detokenize(body.tokens)}
 
 

@@ -1,0 +1,32 @@
+"""Bad input over real HTTP (issue 41's probe): each is a 400 naming what is wrong, never a 5xx or a silent 200,
+and the connection stays usable."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from server_support import ServerThread, server_settings
+
+from glm53.server import create_app
+
+MODEL = "glm-5.3-flash"
+JSON_TYPE = {"Content-Type": "application/json"}
+OUTSIDE = [10**6, 2**31 - 1]  # no tokenizer of this model has that many entries
+
+
+@pytest.fixture(scope="module")
+def server(reference_engine):
+    with ServerThread(create_app(reference_engine, server_settings())) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("bad", OUTSIDE)
+def test_detokenize_refuses_ids_outside_the_vocabulary_as_completions_does(server, bad):
+    ok = httpx.post(server.url + "/detokenize", json={"tokens": [1, 2]})
+    assert ok.status_code == 200 and ok.json()["prompt"], ok.text
+    r = httpx.post(server.url + "/detokenize", json={"tokens": [1, bad]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tokens.1" and str(bad) in err["message"] and "token id" in err["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, bad], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1", r.text
