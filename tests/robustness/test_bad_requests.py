@@ -30,3 +30,19 @@ def test_detokenize_refuses_ids_outside_the_vocabulary_as_completions_does(serve
     assert err["param"] == "tokens.1" and str(bad) in err["message"] and "token id" in err["message"]
     r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, bad], "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1", r.text
+
+
+def test_the_schema_says_a_tool_message_needs_its_call_id(server):
+    import jsonschema
+
+    doc = httpx.get(server.url + "/openapi.json").json()
+    message = {"$ref": "#/components/schemas/ChatMessage", "components": doc["components"]}
+    check = jsonschema.Draft202012Validator(message)
+    assert check.is_valid({"role": "tool", "content": "21 C", "tool_call_id": "call_1"})
+    assert check.is_valid({"role": "user", "content": "hi"})
+    assert not check.is_valid({"role": "tool", "content": "21 C"})
+    assert not check.is_valid({"role": "tool", "content": "21 C", "tool_call_id": ""})
+    # ... and the server refuses what the schema refuses.
+    r = httpx.post(server.url + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "21 C"}]})
+    assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"], r.text
