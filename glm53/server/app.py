@@ -30,6 +30,7 @@ from glm53.server.asgi import drain, send_error
 from glm53.server.browser import BrowserGuard, policy_for
 from glm53.server.common import ServerState
 from glm53.server.errors import APIError
+from glm53.server.jsontext import JSONBody
 from glm53.server.metrics import Metrics
 from glm53.server.urls import http_url
 
@@ -265,7 +266,7 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
                         reasoning_effort=getattr(settings, "reasoning_effort", "high"))
     if ping_interval is not None:
         state.ping_interval = ping_interval
-    app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan, default_response_class=JSONBody,
                   description="OpenAI-compatible API serving GLM-5.3-Flash.")
     app.state.glm53 = state  # what the routes reach through glm53.server.routes.State
     errors.install(app)

@@ -3,12 +3,11 @@ body to its end."""
 
 from __future__ import annotations
 
-import json
-
 from starlette.types import Receive, Scope, Send
 
 from glm53.server import errors
 from glm53.server.errors import APIError
+from glm53.server.jsontext import json_bytes
 
 JSON_HEADER = (b"content-type", b"application/json")
 DRAIN_LIMIT_BYTES = 64 << 20  # a refused body is read and dropped up to this much (then the connection closes)
@@ -16,7 +15,7 @@ DRAIN_LIMIT_BYTES = 64 << 20  # a refused body is read and dropped up to this mu
 
 async def send_error(scope: Scope, send: Send, err: APIError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
     """The error in the shape the route's clients read (errors.body_for), as a whole response."""
-    body = json.dumps(errors.body_for(scope.get("path", ""), err)).encode()
+    body = json_bytes(errors.body_for(scope.get("path", ""), err))
     headers = [JSON_HEADER, (b"content-length", str(len(body)).encode()), *(extra or [])]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (err.headers or {}).items()]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})

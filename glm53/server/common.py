@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
 from glm53.server.chat_prompt import Layout, ReasoningMemory, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
+from glm53.server.jsontext import JSONBody
 from glm53.server.metrics import Metrics
 from glm53.server.protocol import ResponseFormat, SamplingFields
 from glm53.server.sse import SSEResponse, wait_for_disconnect
@@ -68,7 +69,19 @@ class ServerState:
         return self._layout
 
 
+def check_unicode(text: str, param: str) -> None:
+    """A lone surrogate (an escape pair cut in half) is no text: 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"The {param} text is not valid Unicode: a lone surrogate ({text[exc.start]!r}) at "
+                          f"character {exc.start}. Send UTF-8 text (escape pairs must be complete).",
+                          param=param) from None
+
+
 def check_model(state: ServerState, model: str | None) -> None:
+    if model:
+        check_unicode(model, "model")
     if model and model != state.model_id:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{state.model_id}`.",
                        param="model", code="model_not_found")
@@ -130,12 +143,8 @@ def tokenize_prompt(state: ServerState, text: str, add_special: bool = False, pa
     """Prompt text -> ids, in a worker thread (the tokenizer releases the GIL on long texts). A text that cannot
     fit the context even at the vocabulary's longest token is refused before the tokenizer sees it."""
     engine = state.engine
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise bad_request(f"The {param} text is not valid Unicode: a lone surrogate ({text[exc.start]!r}) at "
-                          f"character {exc.start}. Send UTF-8 text (escape pairs must be complete).",
-                          param=param) from None
+    check_unicode(text, param)
+    size = len(text.encode("utf-8"))
     longest = getattr(engine, "max_token_bytes", 0)
     if longest and size > longest * engine.context_length:
         raise context_exceeded(-(-size // longest), engine.context_length, param, at_least=True)
@@ -285,7 +294,7 @@ async def respond(request: Request, job: Job, stream: bool, frames: Callable[[],
         body = await unless_disconnected(request, collect(), job)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(body)
+    return JSONBody(body)
 
 
 def stream_usage_requested(req: SamplingFields) -> bool:

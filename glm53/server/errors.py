@@ -21,6 +21,7 @@ from glm53.engine.interface import (
     GrammarUnsupported,
     QueueFull,
 )
+from glm53.server.jsontext import JSONBody
 
 log = logging.getLogger("glm53.server")
 
@@ -107,7 +108,7 @@ def from_engine_error(exc: Exception) -> APIError:
 
 
 def json_error(err: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
-    return JSONResponse(body_for(path, err), status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
+    return JSONBody(body_for(path, err), status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
 
 
 def _loc_param(loc: tuple) -> str | None:

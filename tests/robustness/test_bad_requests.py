@@ -46,3 +46,40 @@ def test_the_schema_says_a_tool_message_needs_its_call_id(server):
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "21 C"}]})
     assert r.status_code == 400 and "tool_call_id" in r.json()["error"]["message"], r.text
+
+
+LONE = "a\\ud800b"  # a JSON escape of half a surrogate pair: valid JSON, not text
+SURROGATE_IN_MODEL = [
+    ("/v1/chat/completions", f'{{"model": "{LONE}", "messages": [{{"role": "user", "content": "x"}}]}}'),
+    ("/v1/completions", f'{{"model": "{LONE}", "prompt": "x"}}'),
+    ("/tokenize", f'{{"model": "{LONE}", "prompt": "x"}}'),
+    ("/detokenize", f'{{"model": "{LONE}", "tokens": [1]}}'),
+]
+
+
+@pytest.mark.parametrize("path,body", SURROGATE_IN_MODEL)
+def test_a_lone_surrogate_in_model_is_a_400_and_the_connection_stays(server, path, body):
+    with httpx.Client(base_url=server.url) as client:
+        r = client.post(path, content=body.encode(), headers=JSON_TYPE)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "model" and "lone surrogate" in err["message"], err
+        assert client.get("/health").status_code == 200  # the same keep-alive connection
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", f'{{"input": "x", "metadata": {{"k": "{LONE}"}}, "max_output_tokens": 2}}'),
+    ("/v1/responses", f'{{"input": "x", "metadata": {{"k": "{LONE}"}}, "max_output_tokens": 2, "stream": true}}'),
+    ("/v1/messages", f'{{"model": "{LONE}", "max_tokens": 2, "messages": [{{"role": "user", "content": "x"}}]}}'),
+    ("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "x"}}], "stop": ["{LONE}"], '
+                             f'"max_tokens": 2}}'),
+])
+def test_a_lone_surrogate_echoed_back_comes_back_as_sent(server, path, body):
+    """Fields a route echoes (the Responses API's metadata) or ignores: never a 5xx."""
+    r = httpx.post(server.url + path, content=body.encode(), headers=JSON_TYPE, timeout=60)
+    assert r.status_code == 200, r.text
+    if "metadata" in body and "stream" not in body:
+        assert r.json()["metadata"] == {"k": "a\ud800b"}
+    if "stream" in body:
+        last = r.text.strip().split("\n\n")[-1]  # max_output_tokens ends it: response.incomplete
+        assert last.startswith("event: response.incomplete") and "\\ud800" in last, last
