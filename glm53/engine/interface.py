@@ -133,6 +133,12 @@ class Engine(Protocol):
         ...
 
     @property
+    def capacity(self) -> int | None:
+        """Generations the engine takes at once, running plus waiting (more are refused with QueueFull); None
+        when the waiting queue has no limit."""
+        ...
+
+    @property
     def vocab_size(self) -> int:
         """Token ids run from 0 to vocab_size - 1 (the tokenizer's entries); 0 until the model is loaded."""
         ...

@@ -167,7 +167,8 @@ SCHEMA: tuple[Setting, ...] = (
             _int_at_least(0), "0 (the plan picks) | integer >= 1"),
     Setting("GLM53_MAX_QUEUE", "32",
             "Requests that may wait for a decode slot; beyond it a request gets 429 with Retry-After (Anthropic's "
-            "route: 429 rate_limit_error) at once instead of waiting unseen. 0 = no limit.",
+            "route: 429 rate_limit_error) at once instead of waiting unseen; one that needs more generations than slots "
+            "plus queue (n, or prompts on /v1/completions) gets 400. 0 = no limit.",
             _int_at_least(0), "integer >= 0"),
     Setting("GLM53_VRAM_BUDGET_GB", "0",
             "Cap on the VRAM glm53 uses, in GiB; 0 = what the GPU has free. Emulates a smaller card on a big one.",

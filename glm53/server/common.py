@@ -104,6 +104,17 @@ def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
                           f"{n - 1}).", param=f"{param}.{bad}")
 
 
+def check_capacity(state: ServerState, choices: int, param: str) -> None:
+    """Refuse a request that needs more generations at once than the engine ever takes: QueueFull's 429 "retry
+    shortly" would be answered forever, on an idle server too."""
+    most = state.engine.capacity
+    if most is not None and choices > most:
+        raise bad_request(f"This request needs {choices} generations at once, and this server takes at most {most} "
+                          f"(its decode slots, GLM53_MAX_CONCURRENCY, plus the requests that may wait for one, "
+                          f"GLM53_MAX_QUEUE), so it could never start. Ask for at most {most}, or raise those "
+                          f"settings.", param=param, code="too_many_choices")
+
+
 def check_unsupported(req: SamplingFields) -> None:
     """Refuse parameters this server cannot honour rather than silently ignoring them."""
     for name in ("presence_penalty", "frequency_penalty"):

@@ -14,6 +14,7 @@ from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.common import (
     Job,
     ServerState,
+    check_capacity,
     check_model,
     check_ready,
     check_token_ids,
@@ -87,6 +88,7 @@ async def plan_completion(state: ServerState, req: CompletionRequest, job: Job) 
     prompts = await asyncio.to_thread(_prompts, state, req)
     if len(prompts) * req.n > 64:
         raise bad_request("At most 64 choices (prompts x n) per request.", param="n")
+    check_capacity(state, len(prompts) * req.n, "prompt" if len(prompts) > 1 else "n")
     job.prompt_tokens = sum(len(p.ids) for p in prompts)
     params = []
     for p in prompts:

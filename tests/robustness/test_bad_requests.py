@@ -83,3 +83,37 @@ def test_a_lone_surrogate_echoed_back_comes_back_as_sent(server, path, body):
     if "stream" in body:
         last = r.text.strip().split("\n\n")[-1]  # max_output_tokens ends it: response.incomplete
         assert last.startswith("event: response.incomplete") and "\\ud800" in last, last
+
+
+@pytest.fixture(scope="module")
+def two_slots(hf_model_dir):
+    """GLM53_MAX_CONCURRENCY=2, GLM53_MAX_QUEUE=2 on the reference engine: four generations at once, at most."""
+    from glm53.engine.reference import ReferenceEngine
+
+    engine = ReferenceEngine(hf_model_dir, max_running=2)
+    engine.max_waiting = 2
+    engine.load()
+    with ServerThread(create_app(engine, server_settings(max_concurrency=2, max_queue=2))) as srv:
+        yield srv
+    engine.close()
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 5, "max_tokens": 2}, "n"),
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 2}, "prompt"),
+])
+def test_more_choices_than_slots_and_queue_is_a_400_saying_why(two_slots, path, body, param):
+    """It was a 429 "retry shortly", on an idle server, forever."""
+    r = httpx.post(two_slots.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["code"] == "too_many_choices", err
+    assert "at most 4" in err["message"] and "GLM53_MAX_CONCURRENCY" in err["message"]
+    assert "GLM53_MAX_QUEUE" in err["message"]
+
+
+def test_as_many_choices_as_slots_and_queue_are_served(two_slots):
+    body = {"messages": [{"role": "user", "content": "x"}], "n": 4, "max_tokens": 2}
+    r = httpx.post(two_slots.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4, r.text
