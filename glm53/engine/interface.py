@@ -80,6 +80,7 @@ class SamplingParams:
     seed: int | None = None  # same seed + same prompt + same params -> same tokens; None = nondeterministic
     max_tokens: int | None = None  # generated-token limit; None = until the context is full
     stop_token_ids: list[int] = field(default_factory=list)  # sampling one ends the generation ("stop")
+    min_tokens: int = 0  # stop_token_ids cannot be sampled before this many tokens were generated (vLLM's)
     logprobs: int | None = None  # None = off; n >= 0 = the sampled token's logprob plus the top-n alternatives
     reasoning_budget: int | None = None  # max tokens inside the open <think> block; None = unlimited
     reasoning_end_ids: list[int] = field(default_factory=list)  # forced when the budget runs out ("</think>\n")

@@ -181,6 +181,8 @@ def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, ind
         # n > 1 with a seed: distinct but reproducible choices. Negative seeds fold into the engine's range.
         seed = (seed + index) % (2**63)
     top_k = req.top_k or 0
+    # The end-of-turn tokens are the stop tokens here: never stopping at them is holding them back to the end.
+    min_tokens = max_tokens if req.ignore_eos else min(req.min_tokens, max_tokens)
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -189,6 +191,7 @@ def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, ind
         seed=seed,
         max_tokens=max_tokens,
         stop_token_ids=list(engine.eos_token_ids),
+        min_tokens=min_tokens,
         logprobs=logprobs,
         grammar=grammar,
     )

@@ -127,6 +127,9 @@ class SamplingFields(_Model):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's (benchmark clients send them): no end-of-turn token before min_tokens, or before max_tokens at all.
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    ignore_eos: StrictBool = False
 
     @field_validator("stop")
     @classmethod
