@@ -73,6 +73,36 @@ def edit_config(model: Path, change) -> None:
     path.write_text(json.dumps(change(config)))
 
 
+# ------------------------------------------------------------------------------------------------ config.json
+
+
+@pytest.mark.parametrize("text,kind", [("[]", "a JSON array"), ("null", "null"), ('"glm"', "a JSON string"),
+                                       ("{oops", "not valid JSON")])
+def test_config_that_is_not_an_object(model, tmp_path, text, kind):
+    (model / "config.json").write_text(text)
+    refused(*serve(model, tmp_path), f"{model}/config.json", kind, "fix:")
+
+
+@pytest.mark.parametrize("value", [5, "x", [1, 2]])
+def test_text_config_that_is_not_an_object(model, tmp_path, value):
+    edit_config(model, lambda c: {**c, "text_config": value})
+    refused(*serve(model, tmp_path), "text_config", "not a JSON object", "fix:")
+
+
+@pytest.mark.parametrize("value", ["lots", -4, 1.5, True])
+def test_max_position_embeddings_that_is_not_a_positive_integer(model, tmp_path, value):
+    edit_config(model, lambda c: {**c, "text_config": {**c["text_config"], "max_position_embeddings": value}})
+    refused(*serve(model, tmp_path), "max_position_embeddings", json.dumps(value), "positive integer", "fix:")
+
+
+def test_config_that_is_a_fifo(model, tmp_path):
+    (model / "config.json").unlink()
+    os.mkfifo(model / "config.json")
+    refused(*serve(model, tmp_path), f"{model}/config.json", "FIFO", "not a regular file")
+    rc, out, err, _ = run(["preflight"], {"GLM53_MODEL_DIR": str(model)}, tmp_path)
+    assert rc == 2 and "FIFO" in err and "Traceback" not in out + err, (out, err)
+
+
 # ------------------------------------------------------------------------------------------------ weights
 
 
@@ -86,6 +116,17 @@ def test_weights_that_are_a_fifo(model, tmp_path):
     (model / "model.safetensors").unlink()
     os.mkfifo(model / "model.safetensors")
     refused(*serve(model, tmp_path), f"{model}/model.safetensors", "FIFO", "glm53 model verify")
+
+
+# ------------------------------------------------------------------------------------------------ the cache
+
+
+def test_cache_dir_that_is_a_file(tmp_path):
+    cache = tmp_path / "cache-file"
+    cache.write_text("not a directory\n")
+    refused(*run(["serve"], {"GLM53_CACHE_DIR": str(cache)}, tmp_path), f"GLM53_CACHE_DIR={cache}", "a file",
+            "directory")
+    assert cache.read_text() == "not a directory\n"
 
 
 # ------------------------------------------------------------------------------------------------ the store
