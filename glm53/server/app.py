@@ -215,9 +215,11 @@ async def _load_in_background(state: ServerState, on_ready: Any) -> None:
         log.info("Loading safetensors checkpoint shards: 0%% Completed | 0/%d", shards)
     try:
         await _in_daemon_thread(engine.load)
-    except Exception as exc:  # noqa: BLE001 - keep serving /health and a clear 503 instead of dying silently
+    except Exception as exc:  # noqa: BLE001 - reported: every route says 503 with it, and the owner is told
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("model load failed: %s", state.load_error, exc_info=exc)
+        if state.on_load_failure is not None:
+            state.on_load_failure()
         return
     if shards:
         log.info("Loading safetensors checkpoint shards: 100%% Completed | %d/%d", shards, shards)

@@ -41,6 +41,8 @@ class ServerState:
     reasoning_effort: str = "high"  # the default effort (GLM53_REASONING_EFFORT): none | low | high | max
     ping_interval: float = PING_INTERVAL_S
     load_error: str | None = None
+    # Called once the load failed (glm53 serve stops the server then: the process exits with status 2).
+    on_load_failure: Callable[[], None] | None = None
     reasoning_memory: ReasoningMemory = field(default_factory=ReasoningMemory)
     stopping: bool = False  # the server is shutting down: generations still running end with an error
     live: set[Job] = field(default_factory=set)  # requests being answered

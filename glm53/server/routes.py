@@ -50,8 +50,11 @@ async def hello() -> dict[str, str]:
 
 
 @get_and_head(probes, "/health", tags=["ops"])
-async def health() -> dict[str, str]:
-    """Liveness: the process answers (the model may still be loading)."""
+async def health(state: State) -> dict[str, str]:
+    """Liveness: the process answers (the model may still be loading); 503 once the load failed, which no
+    waiting mends."""
+    if state.load_error:
+        check_ready(state)
     return {"status": "ok"}
 
 

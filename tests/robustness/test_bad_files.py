@@ -118,6 +118,20 @@ def test_weights_that_are_a_fifo(model, tmp_path):
     refused(*serve(model, tmp_path), f"{model}/model.safetensors", "FIFO", "glm53 model verify")
 
 
+# ------------------------------------------------------------------------------------------------ the load
+
+
+def test_a_failed_load_ends_the_server_with_the_reason(model, tmp_path):
+    """Not /health 200 forever with the error in an old log line: the process exits 2, the reason last, so a
+    container stops with it (and its restart policy decides what follows)."""
+    (model / "tokenizer.json").write_text("{}")
+    rc, out, err, seconds = serve(model, tmp_path)
+    last = [x for x in err.splitlines() if x.strip()][-1]
+    assert rc == 2 and seconds < HUNG_S, (rc, err)
+    assert last.startswith("glm53: the model could not be loaded: ") and "fix that and start again" in last, last
+    assert "glm53 ready" not in err
+
+
 # ------------------------------------------------------------------------------------------------ the cache
 
 

@@ -453,8 +453,8 @@ def test_disconnect_during_prefill_cancels():
 
 
 def test_a_load_that_cannot_pin_is_refused_with_the_fix():
-    """Start-up proves pinning by pinning the RAM tier: when that fails, the server stays up (/health) and /ready
-    and /v1 answer 503 with the error, which names the fix, instead of dying with the message in a log."""
+    """Start-up proves pinning by pinning the RAM tier: when that fails, /ready, /v1 and /health (no waiting mends
+    it) answer 503 with the error, which names the fix (`glm53 serve` then exits: tests/robustness)."""
 
     class CannotPin(FakeEngine):
         def load(self) -> None:
@@ -463,8 +463,7 @@ def test_a_load_that_cannot_pin_is_refused_with_the_fix():
 
     with ServerThread(create_app(CannotPin(), make_settings())) as srv, httpx.Client(base_url=srv.url) as c:
         assert wait_until(lambda: c.get("/ready").json()["error"]["code"] == "model_load_failed")
-        assert c.get("/health").status_code == 200
-        for path in ("/ready", "/v1/models"):
+        for path in ("/ready", "/v1/models", "/health"):
             e = err(c.get(path), 503, "model_load_failed")
             assert "--ulimit memlock=-1" in e["message"] and "could not be loaded" in e["message"]
         e = err(c.post("/v1/chat/completions", json={"model": "glm-5.3-flash", "messages": user("hi")}), 503,
