@@ -300,8 +300,9 @@ class Exl3Engine(WorkerEngine):
         p = req.params
         seed = None if p.seed is None else (p.seed + len(req.generated)) & 0x7FFF_FFFF
         req.job = self.runtime.start(
-            req, req.prompt + req.generated, max_new=left, temperature=p.temperature, min_p=p.min_p, top_k=p.top_k,
-            top_p=p.top_p, seed=seed, stop=sorted(req.stop_ids), logits=p.logprobs is not None,
+            req, req.prompt + req.generated, max_new=left, min_new=max(0, p.min_tokens - len(req.generated)),
+            temperature=p.temperature, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p, seed=seed,
+            stop=sorted(req.stop_ids), logits=p.logprobs is not None,
             grammar=self._job_filter(req) if p.grammar is not None else None)
         req.jobs += 1
         if not req.generated:

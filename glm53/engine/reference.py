@@ -259,6 +259,8 @@ class ReferenceEngine(WorkerEngine):
             return req.forced.pop(0), True, False
         constrained = req.constraint is not None and not req.in_reasoning
         logits = req.constraint.masked(req.logits) if constrained else req.logits
+        if len(req.generated) < p.min_tokens:
+            logits = sampling.suppressed(logits, req.stop_ids)
         token = sampling.sample(logits, p, req.gen)
         done = constrained and token not in req.stop_ids and req.constraint.advance(token)
         return token, False, done

@@ -193,6 +193,14 @@ class WorkerEngine(ABC):
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
 
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def capacity(self) -> int | None:
+        return self.max_running + self.max_waiting if self.max_waiting else None
+
     def _start_worker(self, name: str) -> None:
         self._stopping = False
         self._thread = threading.Thread(target=self._worker, name=name, daemon=True)

@@ -25,6 +25,7 @@ from glm53.server.chat_prompt import Prompt, Thinking, finish_prompt, history_ke
 from glm53.server.common import (
     LiveRequest,
     ServerState,
+    check_capacity,
     check_model,
     check_ready,
     check_unsupported,
@@ -180,6 +181,7 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, live: Liv
     engine = state.engine
     if req.n > 1 and req.tool_choice not in (None, "auto", "none"):
         raise bad_request("n > 1 is not supported together with a forced tool_choice.", param="n")
+    check_capacity(state, req.n, "n")
     # Rendering and tokenizing a long prompt takes a while; keep the event loop free for running streams.
     chat = await asyncio.to_thread(build_chat_prompt, state, req, response_format=req.response_format,
                                    parallel=req.parallel_tool_calls is not False)

@@ -14,8 +14,10 @@ from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.common import (
     LiveRequest,
     ServerState,
+    check_capacity,
     check_model,
     check_ready,
+    check_token_ids,
     check_unsupported,
     error_frame_body,
     grammar_for,
@@ -67,7 +69,7 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[CompletionPromp
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", param="prompt")
-        # Ids outside the vocabulary are refused by the engine when the generation starts (a 400 as well).
+        check_token_ids(state, list(item), "prompt")
         out.append(CompletionPrompt(list(item), engine.detokenize(list(item))))
     return out
 
@@ -89,6 +91,7 @@ async def prepare_completion(state: ServerState, req: CompletionRequest, live: L
     prompts = await asyncio.to_thread(_prompts, state, req)
     if len(prompts) * req.n > 64:
         raise bad_request("At most 64 choices (prompts x n) per request.", param="n")
+    check_capacity(state, len(prompts) * req.n, "prompt" if len(prompts) > 1 else "n")
     live.prompt_tokens = sum(len(p.ids) for p in prompts)
     params = []
     for p in prompts:

@@ -141,6 +141,16 @@ def test_stock_serves_and_reports(stock):
     assert tokens(s7) == tokens(s7b) != tokens(s8)
 
 
+def test_min_tokens_holds_the_stop_tokens_back(stock):
+    """exllamav3 masks the stop tokens until min_new_tokens, across the job's requeues."""
+    prompt = stock.tokenize("Hello there, how are you?")
+    stop = tokens(collect(stock, prompt, SamplingParams(temperature=0, max_tokens=4)))[0]
+    assert tokens(collect(stock, prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))) == [stop]
+    held = collect(stock, prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], min_tokens=6))
+    ids = tokens(held)
+    assert len(ids) >= 6 and stop not in ids[:6], ids
+
+
 def test_exact_mode_equals_stock_through_the_tiers(stock, ck, caplog):
     prompt = stock.tokenize("Hello there, how are you?")
     want = greedy_run(stock, prompt)
