@@ -310,6 +310,11 @@ class Exl3Engine(WorkerEngine):
         if req.tier_counts is None and self.tiered is not None:
             req.tier_counts = self.tiered.tier_counts()
 
+    def _reset_for_resume(self, req: _Exl3Request) -> None:
+        """A request yielding its slot: its job stops; the next one (prompt + generated) finds the pages it filled
+        still hashed in the cache, so only the tail since the last recurrent checkpoint is prefilled again."""
+        self._stop_job(req)
+
     def _stop_job(self, req: _Exl3Request) -> None:
         if req.job is not None:
             self.runtime.cancel(req.job)

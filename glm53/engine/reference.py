@@ -224,7 +224,13 @@ class ReferenceEngine(WorkerEngine):
             self._count_prompt(len(req.prompt))
             self._note_cached(req, req.prefilled)
 
+    def _suspend(self, req: _ReferenceRequest) -> None:
+        """Yielding its slot, a request keeps its cache, logits and pages: resuming costs nothing (the pages go
+        if another request runs short of them: WorkerEngine._drop_suspended_pages)."""
+
     def _claim_prefix(self, req: _ReferenceRequest) -> None:
+        if req.cache is not None:  # resuming with its own cache (a yielded request)
+            return
         total = len(req.prompt) + len(req.generated)
         matches = [(len(tokens), holder) for holder, (tokens, _) in self._kept.items()
                    if len(tokens) < total and self._tokens(req, 0, len(tokens)) == tokens]
