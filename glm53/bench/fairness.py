@@ -9,6 +9,7 @@ at the end; the report says whether they were all still running when each short 
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
@@ -32,21 +33,36 @@ class FairnessOptions:
 @dataclass
 class FairnessResult:
     options: FairnessOptions
-    alone_s: list[float] = field(default_factory=list)
+    alone_s: list[float] = field(default_factory=list)  # whole answers
     beside_s: list[float] = field(default_factory=list)
+    alone_first_s: list[float] = field(default_factory=list)  # first tokens: the wait for a slot and the prefill
+    beside_first_s: list[float] = field(default_factory=list)
     long_running: list[bool] = field(default_factory=list)  # every unbounded reply still streaming at each answer
     slice_s: float | None = None
     yielded: int = 0  # requests_yielded during the beside rounds
     max_running: int | None = None
 
 
-def _short(server: Server, opts: FairnessOptions, i: int) -> float:
-    body = {"prompt": [11 + i, 12, 13], "max_tokens": opts.short_tokens, "ignore_eos": True, "temperature": 0}
+def _short(server: Server, opts: FairnessOptions, i: int) -> tuple[float, float]:
+    """(first token, whole answer) seconds of one streamed short request, from its send."""
+    body = {"prompt": [11 + i, 12, 13], "max_tokens": opts.short_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    r = httpx.post(server.url + "/v1/completions", json=body, headers=_auth(server), timeout=3600)
-    if r.status_code != 200 or r.json()["usage"]["completion_tokens"] != opts.short_tokens:
-        raise BenchError(f"the short request failed: {r.status_code} {r.text[:300]}")
-    return time.perf_counter() - t0
+    first, tokens = None, 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(server), timeout=3600) as r:
+        if r.status_code != 200:
+            raise BenchError(f"the short request failed: {r.status_code} {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            frame = json.loads(line[6:])
+            if frame.get("choices") and first is None:
+                first = time.perf_counter() - t0
+            if frame.get("usage"):
+                tokens = frame["usage"]["completion_tokens"]
+    if tokens != opts.short_tokens or first is None:
+        raise BenchError(f"the short request got {tokens} tokens, not {opts.short_tokens}")
+    return first, time.perf_counter() - t0
 
 
 def _auth(server: Server) -> dict[str, str]:
@@ -95,7 +111,10 @@ def run_fairness(server: Server, opts: FairnessOptions, log: Any = print) -> Fai
         raise BenchError("bench fairness needs --unbounded, --short-tokens and --rounds of at least 1")
     res = FairnessResult(opts)
     _short(server, opts, 0)  # warm-up: first-request costs are not waiting
-    res.alone_s = [_short(server, opts, i) for i in range(opts.rounds)]
+    for i in range(opts.rounds):
+        first, whole = _short(server, opts, i)
+        res.alone_first_s.append(first)
+        res.alone_s.append(whole)
     log(f"alone: {statistics.median(res.alone_s):.2f} s (median of {opts.rounds})")
     stats0 = server.stats() or {}
     res.max_running = stats0.get("max_running")
@@ -106,9 +125,11 @@ def run_fairness(server: Server, opts: FairnessOptions, log: Any = print) -> Fai
                 raise BenchError(f"the unbounded replies did not all start streaming: {longs.errors[:1]}")
             time.sleep(0.05)
         for i in range(opts.rounds):
-            res.beside_s.append(_short(server, opts, i))
+            first, whole = _short(server, opts, i)
+            res.beside_first_s.append(first)
+            res.beside_s.append(whole)
             res.long_running.append(all(longs.live[:res.max_running or opts.unbounded]))
-            log(f"beside {opts.unbounded} unbounded: {res.beside_s[-1]:.2f} s")
+            log(f"beside {opts.unbounded} unbounded: first token {first:.2f} s, answer {whole:.2f} s")
         stats1 = server.stats() or {}
     res.slice_s = stats1.get("slice_s")
     res.yielded = int(stats1.get("requests_yielded", 0)) - int(stats0.get("requests_yielded", 0))
@@ -117,13 +138,17 @@ def run_fairness(server: Server, opts: FairnessOptions, log: Any = print) -> Fai
 
 def render(res: FairnessResult) -> str:
     o = res.options
-    alone, beside = statistics.median(res.alone_s), statistics.median(res.beside_s)
+
+    def line(name: str, firsts: list[float], wholes: list[float]) -> str:
+        return (f"  {name:6s}  first token median {statistics.median(firsts):.2f} s, max {max(firsts):.2f}; "
+                f"answer median {statistics.median(wholes):.2f} s, max {max(wholes):.2f}")
+
+    ratio = statistics.median(res.beside_s) / statistics.median(res.alone_s)
     return "\n".join([
         f"bench fairness: a {o.short_tokens}-token request alone and beside {o.unbounded} replies without max_tokens "
         f"({res.max_running} decode slots, slice {res.slice_s} s)",
-        f"  alone:  median {alone:.2f} s ({', '.join(f'{s:.2f}' for s in res.alone_s)})",
-        f"  beside: median {beside:.2f} s, max {max(res.beside_s):.2f} s "
-        f"({', '.join(f'{s:.2f}' for s in res.beside_s)}); {beside / alone:.1f}x alone",
+        line("alone:", res.alone_first_s, res.alone_s),
+        line("beside:", res.beside_first_s, res.beside_s) + f"; answer {ratio:.1f}x alone",
         f"  slots yielded meanwhile: {res.yielded}; the unbounded replies all still running at each answer: "
         f"{'yes' if all(res.long_running) else 'no'}",
     ])

@@ -26,8 +26,8 @@ Decode slots, time-sliced: when a request waits for a slot and every slot is hel
 is spent longest (it has held its slot a slice and generated since it got it) yields: it goes to the back of the
 queue keeping what it generated, and prefills that again when its turn comes (the exllamav3 engine's page cache
 serves most of it). So a new request waits about one slice, whatever the others' lengths. The slice calibrates
-itself: SLICE_RESUMES times the median cost of a resume (admission to its first new token), at least
-SLICE_FLOOR_S, which bounds what yielding costs the throughput.
+itself: SLICE_RESUMES times the median cost of a resume (admission to its first new token, less a decode gap), at
+least SLICE_FLOOR_S, which bounds what yielding costs the throughput.
 """
 
 from __future__ import annotations
@@ -613,8 +613,9 @@ class WorkerEngine(ABC):
             if not forced and req.last_token_at is not None:
                 self._gaps.append(now - req.last_token_at)
             req.last_token_at = now
-            if req.resume_from is not None:  # the first token since it got its slot back: what the resume cost
-                self._resumes.append(now - req.resume_from)
+            if req.resume_from is not None:  # its first token since it got its slot back: beyond a decode gap,
+                gap = sorted(self._gaps)[len(self._gaps) // 2] if self._gaps else 0.0  # what the resume cost
+                self._resumes.append(max(0.0, now - req.resume_from - gap))
                 req.resume_from = None
         event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced,
                            cached_tokens=req.cached_tokens if len(req.generated) == 1 else None)
