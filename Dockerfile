@@ -46,7 +46,8 @@ ENV DEBIAN_FRONTEND=noninteractive PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 \
     CUDA_DEVICE_ORDER=PCI_BUS_ID
 # CUDA_DEVICE_ORDER=PCI_BUS_ID: CUDA numbers the GPUs as nvidia-smi does, so cuda:N is the card the plan sized.
 # GLM53_ALLOW_NO_API_KEY=1: inside the container the server must bind 0.0.0.0; who can reach it is decided by
-# `-p 127.0.0.1:30000:30000` on the host. Publish on another address only with -e GLM53_API_KEY=... set.
+# `-p 127.0.0.1:30000:30000` on the host. Publish on another address only with -e GLM53_API_KEY=... set. Clients
+# that reach it by localhost or an IP address are served; by a name, that name goes in GLM53_ALLOWED_ORIGINS.
 # tini is PID 1: it hands SIGTERM to the server at every moment of start-up (a bare PID 1 ignores it) and reaps.
 # The user glm53 takes uid 1000 (Ubuntu's images give it to a user `ubuntu`, removed here).
 RUN apt-get update && apt-get install -y --no-install-recommends python3 tini && rm -rf /var/lib/apt/lists/* \

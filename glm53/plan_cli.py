@@ -20,6 +20,7 @@ from glm53.planning import plan as P
 from glm53.planning import settings as S
 from glm53.planning import units as U
 from glm53.planning.inputs import SHAPES, Inputs, inputs, make_plan
+from store.files import not_regular
 
 EXIT_BLOCKED = 2
 
@@ -251,6 +252,10 @@ def check_odirect(plan: P.Plan | None, facts: H.HostFacts, settings: S.Settings)
     st = facts.store
     if st is None:
         return Check("o_direct", "skip", "no store configured (GLM53_STORE is empty)")
+    kind = not_regular(st.path)
+    if kind is not None:
+        return Check("o_direct", "fail", f"store {st.path} is {kind}, not a store file: point GLM53_STORE at the "
+                                         f"file pack-store wrote ({P.pack_store_command(st.path)})", True)
     if not st.exists:
         return Check("o_direct", "fail", f"store {st.path} not found: run the pack-store container first: "
                                          f"{P.pack_store_command(st.path)}", True)

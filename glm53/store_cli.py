@@ -134,6 +134,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from store.files import not_regular
     from store.verify import full_verify, pack_command, quick_verify
 
     settings = _settings()
@@ -148,7 +149,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"glm53 verify-store: warning: {msg}", file=sys.stderr)
 
     if not path.is_file():
-        what = "is a directory, not a store file" if path.is_dir() else "does not exist"
+        kind = not_regular(path)
+        what = f"is {kind}, not a store file" if kind else "does not exist"
         print(f"glm53 verify-store: error: {path} {what}: nothing was checked\n"
               f"  fix: pass the store file pack-store wrote, or make it: {pack_command(path, model)}", file=sys.stderr)
         return EXIT_UNSOUND

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from store.errors import StoreFormatError
+from store.files import not_regular
 
 MAGIC = b"GLM53STR"
 VERSION = 1
@@ -235,15 +236,19 @@ def read_header(path: str | Path) -> StoreHeader:
     """Decode and check the superblock, identity and table. Raises StoreFormatError with a fix."""
     path = Path(path)
     repack = "repack it: glm53 pack-store --model MODEL_DIR --out " + str(path)
+    kind = not_regular(path)
+    if kind == "a directory":
+        raise StoreFormatError(f"{path} is a directory, not a store file",
+                               f"name the store file itself, e.g. {path / 'experts.glm53'}")
+    if kind is not None:  # checked before open(): a FIFO would block it
+        raise StoreFormatError(f"{path} is {kind}, not a store file",
+                               f"point GLM53_STORE at the file pack-store wrote, or make it: glm53 pack-store "
+                               f"--model MODEL_DIR --out {path}")
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise StoreFormatError(f"store {path} does not exist",
                                f"make it: glm53 pack-store --model MODEL_DIR --out {path}") from None
-    if path.is_dir():
-        os.close(fd)
-        raise StoreFormatError(f"{path} is a directory, not a store file",
-                               f"name the store file itself, e.g. {path / 'experts.glm53'}")
     try:
         size = os.fstat(fd).st_size
         sb = os.pread(fd, SUPERBLOCK_SIZE, 0)
@@ -265,6 +270,11 @@ def read_header(path: str | Path) -> StoreHeader:
             what = "truncated" if size < file_size else "longer than its header says"
             raise StoreFormatError(f"{path} is {what}: {size} bytes on disk, the header says {file_size} "
                                    "(an interrupted copy or a damaged file)", repack)
+        # Before anything is read by these lengths: a damaged one would ask for exabytes (MemoryError, OverflowError).
+        if data_offset > size:
+            raise StoreFormatError(f"{path}: the superblock is inconsistent (damaged header): its identity of "
+                                   f"{id_len} bytes and table of {count} records end beyond the end of the file "
+                                   f"({size} bytes)", repack)
         identity = os.pread(fd, id_len, id_off)
         table = os.pread(fd, esize * count, table_offset)
     finally:

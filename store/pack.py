@@ -43,7 +43,7 @@ from store.format import (
     read_header,
     record_digests,
 )
-from store.progress import Progress, gb
+from store.progress import ProgressMeter, gb
 from store.source import Checkpoint, ExpertSet, SourceReader, find_experts, fingerprint, scan_checkpoint
 from store.verify import VerifyReport, full_verify, identity_problems, pack_command
 
@@ -55,7 +55,7 @@ FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 @dataclass
-class Plan:
+class PackPlan:
     ck: Checkpoint
     es: ExpertSet
     identity: dict                  # shard sha256s are placeholders until the end of the pack
@@ -104,7 +104,7 @@ def load_lock(path: Path) -> dict:
             "sha256": hashlib.sha256(raw).hexdigest(), "file": Path(path).name}
 
 
-def make_plan(model_dir: Path, lock: dict | None = None, include_mtp: bool = False) -> Plan:
+def make_plan(model_dir: Path, lock: dict | None = None, include_mtp: bool = False) -> PackPlan:
     ck = scan_checkpoint(model_dir)
     es = find_experts(ck, include_mtp=include_mtp)
     if lock is not None:
@@ -139,7 +139,7 @@ def make_plan(model_dir: Path, lock: dict | None = None, include_mtp: bool = Fal
         offsets[k] = pos
         pos += es.layers[k[0]].extent
     digest = hashlib.sha256(canonical_json(identity)).hexdigest()
-    return Plan(ck, es, identity, keys, offsets, data_offset, pos, digest)
+    return PackPlan(ck, es, identity, keys, offsets, data_offset, pos, digest)
 
 
 def _check_lock_sizes(ck: Checkpoint, lock: dict) -> None:
@@ -248,7 +248,7 @@ def _free_bytes(directory: Path) -> int:
 
 
 class Packer:
-    def __init__(self, plan: Plan, out: Path, threads: int, direct: bool, progress: bool, log,
+    def __init__(self, plan: PackPlan, out: Path, threads: int, direct: bool, progress: bool, log,
                  lock_files: dict | None = None):
         self.plan, self.out, self.threads, self.direct, self.progress, self.log = \
             plan, out, max(1, threads), direct, progress, log
@@ -332,7 +332,7 @@ class Packer:
     def _write_records(self, fd: int, todo: list[tuple[int, int]], total_bytes: int) -> int:
         plan = self.plan
         done_bytes = sum(plan.es.layers[k[0]].extent for k in self.journal.records)
-        bar = Progress("pack-store", total_bytes, initial=done_bytes, enabled=self.progress)
+        bar = ProgressMeter("pack-store", total_bytes, initial=done_bytes, enabled=self.progress)
         local = threading.local()
         max_extent = max(lay.extent for lay in plan.es.layers.values())
         src = SourceReader(plan.ck, plan.es)
@@ -499,7 +499,7 @@ class PackOptions:
     verify_threads: int = 4
 
 
-def _same_checkpoint(head_ident: dict, plan: Plan, lock: dict | None) -> str | None:
+def _same_checkpoint(head_ident: dict, plan: PackPlan, lock: dict | None) -> str | None:
     """None when an existing store's identity matches the plan; else the reason it does not."""
     def strip(d: dict) -> dict:
         d = json.loads(canonical_json(d))

@@ -11,7 +11,7 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
-class Progress:
+class ProgressMeter:
     def __init__(self, desc: str, total: int, initial: int = 0, enabled: bool = True, every_s: float = 10.0):
         self.desc, self.total, self.done = desc, total, initial
         self.enabled, self.every_s = enabled, every_s

@@ -16,6 +16,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.files import not_regular
+
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header; a longer one is damage, not a model
 
 
@@ -58,6 +60,9 @@ def read_safetensors_header(path: str | Path) -> SafetensorsHeader:
     and every tensor with a dtype, a shape and data_offsets that are two ints in order. Whether the data fits the
     file is the caller's to check (data_start + data_end against file_size): some callers want it exact."""
     path = Path(path)
+    kind = not_regular(path)
+    if kind is not None:
+        raise SafetensorsHeaderError(f"{path} is {kind}, not a safetensors file")
     size = path.stat().st_size
     with open(path, "rb") as f:
         raw = f.read(8)

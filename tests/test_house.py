@@ -10,6 +10,9 @@ An edge `from a import b` points at the module a.b when b is one, else at a; an 
 (torch, exllamav3, ...) is kept by its full name. "At import time" means the imports a module runs when it is
 imported (not those inside a function or under `if TYPE_CHECKING:`), followed through the house's own modules.
 
+Beside the imports, two censuses: no function on the decode path (DECODE_PATH) is over MAX_FUNCTION_LINES
+lines, and no two classes of the house share a name (SHARED_NAMES lists the one pair that stays, and why).
+
 KNOWN lists the edges that break a rule today and are being fixed by the merge of #37 (each colleague's branch
 removes its own): the test passes with them and fails on any new one. The merge empties KNOWN.
 """
@@ -282,6 +285,118 @@ def test_the_scan_sees_every_kind_of_import_and_when_it_runs(tmp_path):
     assert violations(edges, RULES[1]) == [("glm53.planning.spec", "glm53.tiers.policy",
                                             "glm53/planning/spec.py:2 -> glm53/tiers/policy.py:1")]
     assert [v[:2] for v in violations(edges, RULES[0])] == [("store.pack", "glm53.tiers.policy")]
+
+
+# ------------------------------------------------------------------------------------------------ function size
+
+# The decode path's product code, where every function is read whole when the hot path changes: the step, the tiers
+# and the CPU lane it reads through, and the two glm53.exl3 modules it runs under (the seam, the runtime driving
+# the generator). Set-up code in these places (constructors, the nvme tier's opening) is held to the same size: it
+# sits beside the step and is read with it.
+DECODE_PATH = ("glm53/step", "glm53/tiers", "glm53/cpu_lane", "glm53/exl3/tiered.py", "glm53/exl3/runtime.py")
+MAX_FUNCTION_LINES = 60
+
+
+def function_sizes(root: Path, places: tuple[str, ...] = DECODE_PATH) -> list[tuple[str, int]]:
+    """(path:line qualified.name, lines from its first decorator to its last line) for every function and method,
+    nested ones too (a nested function counts in its parent's lines as well), in the Python files of `places`."""
+    out = []
+
+    def visit(node: ast.AST, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno, *(d.lineno for d in child.decorator_list)])
+                    out.append((f"{path}:{child.lineno} {name}", child.end_lineno - first + 1))
+                visit(child, path, name + ".")
+            else:
+                visit(child, path, prefix)
+
+    for place in places:
+        where = root / place
+        for f in sorted(where.rglob("*.py")) if where.is_dir() else [where]:
+            visit(ast.parse(f.read_text(), str(f)), str(f.relative_to(root)), "")
+    return out
+
+
+def test_no_function_on_the_decode_path_is_over_sixty_lines():
+    sizes = function_sizes(ROOT)
+    assert len(sizes) > 300  # the scan sees the decode path
+    long = sorted((n, where) for where, n in sizes if n > MAX_FUNCTION_LINES)
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers):\n" + "\n".join(
+        f"  {where}: {n} lines" for n, where in long)
+
+
+def test_the_size_census_counts_every_function_in_its_places(tmp_path):
+    def body(n: int) -> str:  # a function of n lines, one decorator among them
+        return "@staticmethod\ndef f():\n" + "    x = 1\n" * (n - 2)
+
+    files = {
+        "glm53/step/a.py": "class A:\n    def m(self):\n        def inner():\n            pass\n        return 1\n",
+        "glm53/step/deep/b.py": body(61).replace("def f", "async def g"),
+        "glm53/exl3/tiered.py": body(60),
+        "glm53/exl3/other.py": body(99),  # not on the decode path
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    sizes = dict(function_sizes(tmp_path, ("glm53/step", "glm53/exl3/tiered.py")))
+    assert sizes == {"glm53/step/a.py:2 A.m": 4, "glm53/step/a.py:3 A.m.inner": 2,
+                     "glm53/step/deep/b.py:2 g": 61, "glm53/exl3/tiered.py:2 f": 60}
+    assert [w for w, n in sizes.items() if n > MAX_FUNCTION_LINES] == ["glm53/step/deep/b.py:2 g"]
+
+
+# ------------------------------------------------------------------------------------------------ class names
+
+# Class names the house defines twice, each with its reason. CheckpointError means one thing in both places (a
+# checkpoint directory the user must fix, the message naming the fix): store raises it while packing and imports
+# nothing of glm53, glm53.checkpoint while locking and fetching; one class would make store's StoreError handlers
+# catch glm53's lock errors, or glm53's handlers miss store's.
+SHARED_NAMES = {"CheckpointError": {"glm53/checkpoint.py", "store/errors.py"}}
+
+
+def class_names(root: Path) -> dict[str, list[str]]:
+    """Every class the house defines (nested ones too, private ones too) -> where: path:line."""
+    where: dict[str, list[str]] = defaultdict(list)
+    for top in EVERYTHING:
+        for f in sorted((root / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                if isinstance(node, ast.ClassDef):
+                    where[node.name].append(f"{f.relative_to(root)}:{node.lineno}")
+    return where
+
+
+def shared_class_names(root: Path, allowed: dict[str, set[str]] = SHARED_NAMES) -> dict[str, list[str]]:
+    return {name: at for name, at in sorted(class_names(root).items())
+            if len(at) > 1 and {a.rpartition(":")[0] for a in at} != allowed.get(name)}
+
+
+def test_no_two_classes_share_a_name():
+    """One name, one thing: a reader (or grep) that meets `Plan` or `Step` knows which one it is."""
+    assert len(class_names(ROOT)) > 200  # the scan sees the house
+    shared = shared_class_names(ROOT)
+    assert not shared, "class names defined more than once (rename one to what it is):\n" + "\n".join(
+        f"  {name}: {', '.join(at)}" for name, at in shared.items())
+
+
+def test_the_class_census_sees_nested_and_private_classes(tmp_path):
+    files = {
+        "glm53/server/a.py": "class Step:\n    pass\ndef f():\n    class _Inner:\n        pass\n",
+        "glm53/step/b.py": "class Holder:\n    class Step:\n        pass\nclass _Inner:\n    pass\n",
+        "store/c.py": "class Once:\n    pass\nclass Twice:\n    pass\n",
+        "glm53/d.py": "class Twice:\n    pass\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert shared_class_names(tmp_path, {}) == {
+        "Step": ["glm53/server/a.py:1", "glm53/step/b.py:2"], "Twice": ["glm53/d.py:1", "store/c.py:3"],
+        "_Inner": ["glm53/server/a.py:4", "glm53/step/b.py:4"]}
+    # an allowed pair is allowed only where it is: a third definition is reported again
+    assert "Twice" not in shared_class_names(tmp_path, {"Twice": {"glm53/d.py", "store/c.py"}})
+    (tmp_path / "glm53/e.py").write_text("class Twice:\n    pass\n")
+    assert "Twice" in shared_class_names(tmp_path, {"Twice": {"glm53/d.py", "store/c.py"}})
 
 
 def test_make_test_prints_where_the_time_goes():

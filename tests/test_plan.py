@@ -452,7 +452,7 @@ def test_cli_unreadable_checkpoint_is_a_refusal(tmp_path):
     (root / "model").mkdir()
     (root / "model" / "config.json").write_text("{not json")
     rc, out = cli(root, "--model", "/model")
-    assert rc == 2 and "not JSON" in out["error"] and "glm53 model verify" in out["error"]
+    assert rc == 2 and "is not valid JSON" in out["error"] and "glm53 model verify" in out["error"]
 
 
 def test_cli_preflight_on_this_machine(tmp_path):

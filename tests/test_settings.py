@@ -119,3 +119,28 @@ def test_settings_are_frozen_and_overrides_make_a_new_one():
     assert t.model_dir == "/model" and s.model_dir == "" and t.port == s.port and t.warnings == s.warnings
     with pytest.raises(TypeError):
         s.with_overrides(no_such_setting=1)
+
+
+def test_allowed_origins_are_normalized_as_browsers_write_them():
+    s = S.load(environ={"GLM53_ALLOWED_ORIGINS": "http://A.example:80/, https://b.example:443 ,app://obsidian.md,"
+                                                 "http://a.example, http://localhost:3000"}, dotenv=None)
+    assert s.allowed_origins == ("http://a.example", "https://b.example", "app://obsidian.md",
+                                 "http://localhost:3000")
+    assert S.load(environ={}, dotenv=None).allowed_origins == ()
+    assert S.load(environ={"GLM53_ALLOWED_ORIGINS": "*"}, dotenv=None).allowed_origins == ("*",)
+
+
+@pytest.mark.parametrize("value", ["evil.example", "http://x.example/path", "http://", "http://u@x.example"])
+def test_an_origin_that_is_not_one_is_refused(value):
+    with pytest.raises(S.SettingsError, match="GLM53_ALLOWED_ORIGINS"):
+        S.load(environ={"GLM53_ALLOWED_ORIGINS": value}, dotenv=None)
+
+
+def test_the_settings_command_never_prints_the_api_key():
+    key = "sk-very-secret-4711"
+    proc = subprocess.run([sys.executable, "-m", "glm53", "settings"], cwd=ROOT, capture_output=True, text=True,
+                          env={"PATH": "/usr/bin:/bin", "GLM53_API_KEY": key})
+    assert proc.returncode == 0, proc.stderr
+    assert key not in proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("GLM53_API_KEY"))
+    assert f"<set, {len(key)} characters, hidden>" in line

@@ -13,6 +13,7 @@ emulated drive) goes through a narrow hook the product never installs (glm53.ben
   agent            a scripted coding-agent session over HTTP: prefix reuse, TTFT against the cold prefill rate
                    (agent_script: its text; served: the server under test, started or given by URL)
   serve            decode tok/s through HTTP at several concurrent streams (serve_bench)
+  fairness         a short request's wait while replies without max_tokens hold every decode slot (HTTP)
   cpu_lane         the CPU expert kernel against the host's RAM bandwidth
   lookahead        the next layer's router run ahead: its recall
   read_contention  what the store's reads cost the planning thread
@@ -33,6 +34,7 @@ BENCHES = (
     ("glm53.bench.cli", "register_store"),
     ("glm53.bench.cli", "register_agent"),
     ("glm53.bench.cli", "register_serve"),
+    ("glm53.bench.cli", "register_fairness"),
     ("glm53.bench.decode", "register_bench"),
     ("glm53.bench.cli", "register_depth"),
     ("glm53.bench.nvme", "register_bench"),

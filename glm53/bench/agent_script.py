@@ -224,7 +224,7 @@ def kind_of(index: int) -> str:
 
 
 @dataclass
-class Step:
+class ToolStep:
     """One scripted step: the call the agent made, and its output."""
 
     kind: str
@@ -268,7 +268,7 @@ class Script:
         return (f"The tests in {b} fail since the last change to {a}: {_sentence(rng, 14)} Find the cause, fix "
                 f"it without weakening any test, and run the suite.")
 
-    def step(self, index: int, chars: int) -> Step:
+    def step(self, index: int, chars: int) -> ToolStep:
         kind = kind_of(index)
         rng = self._rng(f"step:{index}")
         path = rng.choice(self.paths)
@@ -287,7 +287,7 @@ class Script:
             output = diff(rng, chars, path)
         else:
             args, output = {"command": "git log --oneline -n 40"}, shell_output(rng, chars)
-        return Step(kind, KINDS[kind].tool, args, output)
+        return ToolStep(kind, KINDS[kind].tool, args, output)
 
     @staticmethod
     def weight(index: int) -> float:

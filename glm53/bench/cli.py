@@ -200,6 +200,28 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                                           max_tokens=args.max_tokens, rounds=args.rounds)
     return _run_http_bench("serve", args, lambda server, log: serve_bench.run_concurrency(server, opts, log=log),
                            serve_bench.render, serve_bench.to_json)
+def register_fairness(bench_sub: Any) -> None:
+    p = bench_sub.add_parser("fairness", help="a short request's wait while replies without max_tokens hold the "
+                             "decode slots (HTTP)",
+                             description="Times a short request alone, then beside N streamed replies without "
+                             "max_tokens (ignore_eos), each from send to its whole answer; the server's slice and "
+                             "the slots yielded meanwhile from /stats. GLM53_MAX_CONCURRENCY sets a started "
+                             "server's slots.")
+    p.add_argument("--unbounded", type=int, default=8, help="replies without max_tokens (default 8)")
+    p.add_argument("--short-tokens", type=int, default=5, help="max_tokens of the short request (default 5)")
+    p.add_argument("--rounds", type=int, default=3, help="short requests timed alone and beside (default 3)")
+    _server_flags(p)
+    p.set_defaults(func=cmd_bench_fairness)
+
+
+def cmd_bench_fairness(args: argparse.Namespace) -> int:
+    from glm53.bench import fairness
+
+    opts = fairness.FairnessOptions(unbounded=args.unbounded, short_tokens=args.short_tokens, rounds=args.rounds)
+    return _run_http_bench("fairness", args, lambda server, log: fairness.run_fairness(server, opts, log=log),
+                           fairness.render, fairness.to_json)
+
+
 def register_depth(bench_sub: Any) -> None:
     from glm53.bench.depth_parts import DEFAULT_FIXTURE, DEFAULT_PROMPTS, MODES
 

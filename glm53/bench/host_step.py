@@ -194,7 +194,7 @@ def measure(opts: HostBenchOptions, bsz: int) -> dict:
 
 
 def run_bench(opts: HostBenchOptions, nvme: Any = None, emulation: Any = None) -> dict:
-    """nvme: glm53.bench.host_step_nvme.NvmeBenchOptions to measure the nvme path instead (on a record store
+    """nvme: glm53.bench.host_step_nvme.HostStepNvmeOptions to measure the nvme path instead (on a record store
     packed for the run); its options are then under "nvme" and each run carries the nvme figures. emulation (with
     nvme): host_step_nvme.EmulationOptions, an emulated disk and GPU to decode against after the host figures;
     its options are then under "emulation" and each run carries `host_step_nvme.emulate`'s figures as
@@ -379,9 +379,9 @@ def _ints(spec: str) -> tuple[int, ...]:
 
 
 def register_bench(bench_sub: Any) -> None:
-    from glm53.bench.host_step_nvme import EmulationOptions, NvmeBenchOptions
+    from glm53.bench.host_step_nvme import EmulationOptions, HostStepNvmeOptions
 
-    d, dn = HostBenchOptions(), NvmeBenchOptions()
+    d, dn = HostBenchOptions(), HostStepNvmeOptions()
     p = bench_sub.add_parser("host-step", help="host microseconds per decoded MoE layer step (MoeStepper.resolve on "
                                                "CPU tiers) vs a baseline revision")
     p.add_argument("--layers", type=int, default=d.layers, help=f"MoE layers replayed (default {d.layers})")
@@ -428,11 +428,11 @@ def register_bench(bench_sub: Any) -> None:
 
 def _nvme_options(args: argparse.Namespace) -> Any:
     """The --nvme options, or None (not asked for, or out of range)."""
-    from glm53.bench.host_step_nvme import NvmeBenchOptions
+    from glm53.bench.host_step_nvme import HostStepNvmeOptions
 
     if not args.nvme or not (0 < args.ram_share <= 1 and 0 <= args.recall <= 1 and args.store_threads >= 1):
         return None
-    return NvmeBenchOptions(args.ram_share, args.recall, args.store_threads)
+    return HostStepNvmeOptions(args.ram_share, args.recall, args.store_threads)
 
 
 def _emulation_options(args: argparse.Namespace) -> Any:

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class NvmeBenchOptions:
+class HostStepNvmeOptions:
     ram_share: float = 0.47  # RAM tier records as a share of all experts (55 GiB of the real model's 117 GiB)
     recall: float = 0.575  # mean share of a row's real picks the GPU engine's lookahead guesses
     store_threads: int = 4  # the store reader's threads (the plan's default)
@@ -133,7 +133,7 @@ class NvmeRig:
         self.tier.close()
 
 
-def build(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
+def build(opts: Any, nopts: HostStepNvmeOptions, store: Path, bsz: int,
           prefetch_at_once: int | None = None) -> NvmeRig:
     """The nvme tier on `store` warmed from the routing of a first stretch of the trace (as saved statistics warm a
     real start), its stepper as the engine makes it in the nvme modes, and the trace and guesses to replay.
@@ -251,7 +251,7 @@ def _us(xs: list[float]) -> dict:
     return {"median_us": float(np.median(us)), "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean())}
 
 
-def measure(opts: Any, nopts: NvmeBenchOptions, store: Path, bsz: int,
+def measure(opts: Any, nopts: HostStepNvmeOptions, store: Path, bsz: int,
             breakdown: Any) -> dict:
     """One batch size: the timed replay's figures, and `breakdown(profile, blocked, rows)` of a profiled replay of
     the same steps on a fresh rig (the profiler's overhead never touches the timings)."""
@@ -321,7 +321,7 @@ def emulated_rate(store: Path, disk_ms_per_record: float) -> tuple[float, int]:
     return (disk_ms_per_record * 1e-3 / record if disk_ms_per_record > 0 else 0.0), record
 
 
-def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
+def emulated_run(opts: Any, nopts: HostStepNvmeOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
     """One timed replay on the emulated disk and GPU, the guess reads' cap calibrated as open_nvme_tier does (on the
     emulated disk). Warm-up at the page cache's speed, its last SETTLE_STEPS steps emulated (the tier's load
     settles to the disk's); then the timed steps, emulated."""
@@ -363,7 +363,7 @@ def emulated_run(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, stor
             "guesses": {k: v / n for k, v in store_figs["prefetch"].items()}}
 
 
-def emulate(opts: Any, nopts: NvmeBenchOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
+def emulate(opts: Any, nopts: HostStepNvmeOptions, emu: EmulationOptions, store: Path, bsz: int) -> dict:
     """The engine's reader and stepper on the emulated disk and GPU, `emu.runs` runs: the runs' mean figures (step_ms: wall ms per decode step of bsz tokens, store waits and
     GPU time included; of it store_wait_ms, host_ms (the host's work before each launch, store waits not counted:
     the work after launch overlaps the GPU's) and gpu_ms (the emulated GPU's, as set); store_busy: the share of the

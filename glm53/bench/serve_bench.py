@@ -43,7 +43,7 @@ class ConcurrencyOptions:
 
 
 @dataclass
-class StreamRun:
+class StreamedReply:
     first_at: float  # perf_counter of the first generated text
     last_at: float  # perf_counter of the finish
     tokens: int
@@ -59,7 +59,7 @@ class StreamRun:
 @dataclass
 class Level:
     streams: int
-    runs: list[StreamRun]
+    runs: list[StreamedReply]
 
     @property
     def aggregate_tps(self) -> float:
@@ -91,7 +91,7 @@ def _prompt(server: Server, script: Script, tokens: int, salt: str) -> str | lis
 
 def run_level(server: Server, client: Any, prompts: list[str | list[int]], opts: ConcurrencyOptions) -> Level:
     barrier = threading.Barrier(len(prompts))
-    runs: list[StreamRun | None] = [None] * len(prompts)
+    runs: list[StreamedReply | None] = [None] * len(prompts)
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
@@ -100,7 +100,7 @@ def run_level(server: Server, client: Any, prompts: list[str | list[int]], opts:
             t0 = time.perf_counter()
             got: Streamed = stream_completion(client, model=server.model_id, prompt=prompts[i],
                                               max_tokens=opts.max_tokens, temperature=0)
-            runs[i] = StreamRun(t0 + got.ttft_s, t0 + got.last_s, got.completion_tokens, got.finish_reason,
+            runs[i] = StreamedReply(t0 + got.ttft_s, t0 + got.last_s, got.completion_tokens, got.finish_reason,
                               got.prompt_tokens)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append(exc)

@@ -283,7 +283,7 @@ def host_rows(torch: Any, ext: Any, shape: tuple[int, int], pinned_empty: Callab
     return host, int(ext.cuda_host_get_device_pointer(ptr)), f"cudaHostRegister portable|mapped (flags 0: {why})"
 
 
-class _Layer:
+class _ZeroCopyLayer:
     """The loaded MoE module with its tables, the step's picks and the copies the variants re-point to."""
 
     def __init__(self, torch: Any, ext: Any, m: Any, ks: list[int], seed: int):
@@ -415,7 +415,7 @@ def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int,
 
 def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int, seed: int,
              log: Callable[[str], None], partial: Callable[[dict], None]) -> dict:
-    L = _Layer(torch, ext, m, ks, seed)
+    L = _ZeroCopyLayer(torch, ext, m, ks, seed)
     dev = L.dev.index or 0
     result: dict = {
         "device": torch.cuda.get_device_name(dev), "experts": L.experts, "top_k": L.top_k, "picks": L.picks,

@@ -47,7 +47,7 @@ log = logging.getLogger("glm53.engine")
 
 
 @dataclass(eq=False, kw_only=True)
-class _Request(Request):
+class _Exl3Request(Request):
     job: Any = None
     grammar_filter: Any = None  # compiled when the request arrived, for its first job (if the trigger still fits)
     grammar_filter_reasoning: bool = False
@@ -220,15 +220,15 @@ class Exl3Engine(WorkerEngine):
             log.warning("routing statistics not saved: %s", exc)
 
     # --- requests -----------------------------------------------------------------------------------------
-    def _new_request(self, **fields: Any) -> _Request:
-        req = _Request(**fields)
+    def _new_request(self, **fields: Any) -> _Exl3Request:
+        req = _Exl3Request(**fields)
         if req.params.grammar is not None:
             # Compiled here, so a bad grammar is the caller's 400, not a failed step; the first job reuses it. (This
             # runs on the event loop: cheap, since load() built the vocabulary's matcher tables.)
             req.grammar_filter, req.grammar_filter_reasoning = self._grammar_filter(req), req.in_reasoning
         return req
 
-    def _job_filter(self, req: _Request) -> Any:
+    def _job_filter(self, req: _Exl3Request) -> Any:
         """The filter compiled at arrival if this is the first job and the think block is as it was then, else a
         fresh one (a continuation job after a forced </think> must not wait for another close)."""
         filt, req.grammar_filter = req.grammar_filter, None
@@ -236,7 +236,7 @@ class Exl3Engine(WorkerEngine):
             return filt
         return self._grammar_filter(req)
 
-    def _grammar_filter(self, req: _Request) -> Any:
+    def _grammar_filter(self, req: _Exl3Request) -> Any:
         """A fresh llguidance filter for the request's next job. Inside an open think block it waits for the
         block's close token: the grammar constrains the answer, never the reasoning (as in the reference engine).
         Completing the grammar ends the job (finish_reason "stop")."""
@@ -290,7 +290,7 @@ class Exl3Engine(WorkerEngine):
                     self._fail_all(exc)
             self._drop_jobs()
 
-    def _start(self, req: _Request) -> None:
+    def _start(self, req: _Exl3Request) -> None:
         """Enqueue the request's (next) job: the prompt plus everything emitted so far."""
         if req.budget_spent:
             self._force_close(req)
@@ -300,8 +300,9 @@ class Exl3Engine(WorkerEngine):
         p = req.params
         seed = None if p.seed is None else (p.seed + len(req.generated)) & 0x7FFF_FFFF
         req.job = self.runtime.start(
-            req, req.prompt + req.generated, max_new=left, temperature=p.temperature, min_p=p.min_p, top_k=p.top_k,
-            top_p=p.top_p, seed=seed, stop=sorted(req.stop_ids), logits=p.logprobs is not None,
+            req, req.prompt + req.generated, max_new=left, min_new=max(0, p.min_tokens - len(req.generated)),
+            temperature=p.temperature, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p, seed=seed,
+            stop=sorted(req.stop_ids), logits=p.logprobs is not None,
             grammar=self._job_filter(req) if p.grammar is not None else None)
         req.jobs += 1
         if not req.generated:
@@ -309,12 +310,17 @@ class Exl3Engine(WorkerEngine):
         if req.tier_counts is None and self.tiered is not None:
             req.tier_counts = self.tiered.tier_counts()
 
-    def _stop_job(self, req: _Request) -> None:
+    def _reset_for_resume(self, req: _Exl3Request) -> None:
+        """A request yielding its slot: its job stops; the next one (prompt + generated) finds the pages it filled
+        still hashed in the cache, so only the tail since the last recurrent checkpoint is prefilled again."""
+        self._stop_job(req)
+
+    def _stop_job(self, req: _Exl3Request) -> None:
         if req.job is not None:
             self.runtime.cancel(req.job)
             req.job = None
 
-    def _force_close(self, req: _Request) -> None:
+    def _force_close(self, req: _Exl3Request) -> None:
         """Emit the think-close tokens as forced events (the job producing reasoning must be stopped first)."""
         req.in_reasoning = False
         for t in req.params.reasoning_end_ids:
@@ -324,7 +330,7 @@ class Exl3Engine(WorkerEngine):
 
     def _on_event(self, ev: Progress | Tokens | Failed) -> None:
         req = ev.owner
-        if not isinstance(req, _Request) or req.done or ev.job is not req.job:
+        if not isinstance(req, _Exl3Request) or req.done or ev.job is not req.job:
             return  # a cancelled job's late result
         if isinstance(ev, Failed):
             log.error("exllamav3 engine: request %s failed: %r", req.request_id, ev.error)
@@ -339,7 +345,7 @@ class Exl3Engine(WorkerEngine):
         else:
             self._on_tokens(req, ev)
 
-    def _on_tokens(self, req: _Request, ev: Tokens) -> None:
+    def _on_tokens(self, req: _Exl3Request, ev: Tokens) -> None:
         # The page cache's reuse of the client's prompt (a job's cached pages, carried across its requeues), reported
         # on the request's last token. A continuation job reuses the request's own pages, which is no prefix-cache
         # hit for the client.
@@ -372,7 +378,7 @@ class Exl3Engine(WorkerEngine):
             # The job ended with no token to end the request on (not expected from exllamav3): end it here.
             self._finish(req, ev.finish or "length")
 
-    def _log_job(self, req: _Request, ev: Tokens, cached: int | None) -> None:
+    def _log_job(self, req: _Exl3Request, ev: Tokens, cached: int | None) -> None:
         """One line per finished job: where its time went (exllamav3's queue, prefill and generate times) and, in
         the tiered modes, where its picks were read from since the request started (slow agent turns are read
         from these lines)."""
@@ -388,7 +394,7 @@ class Exl3Engine(WorkerEngine):
             line += "; " + describe_counts(counts_delta(req.tier_counts, self.tiered.tier_counts()))
         log.info(line)
 
-    def _emit_token(self, req: _Request, token: int, row: Any, forced: bool = False, end: str | None = None,
+    def _emit_token(self, req: _Exl3Request, token: int, row: Any, forced: bool = False, end: str | None = None,
                     cached: int | None = None) -> None:
         """end: the finish reason when this token ends the job (the request ends with it, on this event)."""
         # Forced tokens come with row=None: no logits for them, so no logprobs either.
@@ -404,13 +410,13 @@ class Exl3Engine(WorkerEngine):
         else:
             req.emit(event)
 
-    def _finish(self, req: _Request, reason: str) -> None:
+    def _finish(self, req: _Exl3Request, reason: str) -> None:
         event = TokenEvent(token_id=req.generated[-1] if req.generated else 0, text=req.detok.flush(), token_text="",
                            finish_reason=reason)
         self._stop_job(req)
         self._retire(req, "requests_finished", event)
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: _Exl3Request) -> None:
         req.job = None  # its generator job is cancelled by the caller where needed (_stop_job), not on failure
 
     def _mark_kv_waiting(self) -> None:

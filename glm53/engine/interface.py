@@ -80,6 +80,7 @@ class SamplingParams:
     seed: int | None = None  # same seed + same prompt + same params -> same tokens; None = nondeterministic
     max_tokens: int | None = None  # generated-token limit; None = until the context is full
     stop_token_ids: list[int] = field(default_factory=list)  # sampling one ends the generation ("stop")
+    min_tokens: int = 0  # stop_token_ids cannot be sampled before this many tokens were generated (vLLM's)
     logprobs: int | None = None  # None = off; n >= 0 = the sampled token's logprob plus the top-n alternatives
     reasoning_budget: int | None = None  # max tokens inside the open <think> block; None = unlimited
     reasoning_end_ids: list[int] = field(default_factory=list)  # forced when the budget runs out ("</think>\n")
@@ -130,6 +131,17 @@ class Engine(Protocol):
     @property
     def eos_token_ids(self) -> list[int]:
         """Ids that end an assistant turn (<|endoftext|>, <|user|>, <|observation|>); default stop_token_ids."""
+        ...
+
+    @property
+    def capacity(self) -> int | None:
+        """Generations the engine takes at once, running plus waiting (more are refused with QueueFull); None
+        when the waiting queue has no limit."""
+        ...
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids run from 0 to vocab_size - 1 (the tokenizer's entries); 0 until the model is loaded."""
         ...
 
     def load(self) -> None:

@@ -43,7 +43,7 @@ _KEPT, _KEPT_PROMPT = "kept prefix cache", "kept prompt cache"
 
 
 @dataclass(eq=False, kw_only=True)
-class _Request(Request):
+class _ReferenceRequest(Request):
     gen: torch.Generator
     constraint: constrain.GrammarConstraint | None = None  # applies once the think block is closed
     cache: Any = None
@@ -145,14 +145,14 @@ class ReferenceEngine(WorkerEngine):
             return self._ll_tokenizer
 
     # --- requests -----------------------------------------------------------------------------------------
-    def _new_request(self, **fields: Any) -> _Request:
+    def _new_request(self, **fields: Any) -> _ReferenceRequest:
         params = fields["params"]
         # A grammar only constrains the answer after an open think block closes (JSON inside the reasoning
         # would be wrong).
         constraint = None
         if params.grammar is not None:
             constraint = constrain.GrammarConstraint(self._grammar_vocab(), params.grammar)
-        return _Request(**fields, gen=sampling.make_generator(params.seed), constraint=constraint)
+        return _ReferenceRequest(**fields, gen=sampling.make_generator(params.seed), constraint=constraint)
 
     def _stats_extra(self) -> dict:
         return {"prefilling": sum(1 for r in self._running if r.prefilled < len(r.prompt))}
@@ -176,7 +176,7 @@ class ReferenceEngine(WorkerEngine):
                         req.cache = None  # not kept: a forward that raised may have left it half written
                         self._fail(req, exc, "while running this request")
 
-    def _forward(self, req: _Request, ids: list[int]) -> torch.Tensor:
+    def _forward(self, req: _ReferenceRequest, ids: list[int]) -> torch.Tensor:
         out = self._model(
             input_ids=torch.tensor([ids], dtype=torch.long),
             past_key_values=req.cache,
@@ -187,12 +187,12 @@ class ReferenceEngine(WorkerEngine):
         return out.logits[0, -1, : self._n_vocab]
 
     @staticmethod
-    def _tokens(req: _Request, a: int, b: int) -> list[int]:
+    def _tokens(req: _ReferenceRequest, a: int, b: int) -> list[int]:
         """Positions [a, b) of prompt + generated."""
         p = len(req.prompt)
         return req.prompt[a:min(b, p)] + req.generated[max(a - p, 0):max(b - p, 0)]
 
-    def _step(self, req: _Request) -> None:
+    def _step(self, req: _ReferenceRequest) -> None:
         """One unit of work for `req`: a chunk of prompt (or of what a preempted request had) into the cache, the
         last sampled token into the cache, or one token sampled. Waits (does nothing) while its pages are short."""
         total = len(req.prompt) + len(req.generated)
@@ -218,13 +218,19 @@ class ReferenceEngine(WorkerEngine):
             return
         req.emit(event)
 
-    def _start(self, req: _Request) -> None:
+    def _start(self, req: _ReferenceRequest) -> None:
         """Before the request's first chunk: count its prompt and what the prefix cache served of it."""
         if req.cached_tokens is None:  # what the client's usage reports (a resumed request is no new hit)
             self._count_prompt(len(req.prompt))
             self._note_cached(req, req.prefilled)
 
-    def _claim_prefix(self, req: _Request) -> None:
+    def _suspend(self, req: _ReferenceRequest) -> None:
+        """Yielding its slot, a request keeps its cache, logits and pages: resuming costs nothing (the pages go
+        if another request runs short of them: WorkerEngine._drop_suspended_pages)."""
+
+    def _claim_prefix(self, req: _ReferenceRequest) -> None:
+        if req.cache is not None:  # resuming with its own cache (a yielded request)
+            return
         total = len(req.prompt) + len(req.generated)
         matches = [(len(tokens), holder) for holder, (tokens, _) in self._kept.items()
                    if len(tokens) < total and self._tokens(req, 0, len(tokens)) == tokens]
@@ -245,11 +251,11 @@ class ReferenceEngine(WorkerEngine):
             self.kv.evicted += self.kv.drop(holder)
         return True
 
-    def _reset_for_resume(self, req: _Request) -> None:
+    def _reset_for_resume(self, req: _ReferenceRequest) -> None:
         req.cache = req.logits = req.prompt_cache = None
         req.prefilled = 0
 
-    def _next_token(self, req: _Request) -> tuple[int, bool, bool]:
+    def _next_token(self, req: _ReferenceRequest) -> tuple[int, bool, bool]:
         """(token, forced, grammar complete): sample, or take the next forced id of a budget-closed think block."""
         p = req.params
         if not req.forced and req.budget_spent:
@@ -259,11 +265,13 @@ class ReferenceEngine(WorkerEngine):
             return req.forced.pop(0), True, False
         constrained = req.constraint is not None and not req.in_reasoning
         logits = req.constraint.masked(req.logits) if constrained else req.logits
+        if len(req.generated) < p.min_tokens:
+            logits = sampling.suppressed(logits, req.stop_ids)
         token = sampling.sample(logits, p, req.gen)
         done = constrained and token not in req.stop_ids and req.constraint.advance(token)
         return token, False, done
 
-    def _release(self, req: _Request) -> None:
+    def _release(self, req: _ReferenceRequest) -> None:
         """Keep the ended request's cache for the next prompt that starts with what it holds (replacing, and so
         evicting, the one kept before)."""
         cache, held, prompt_cache = req.cache, req.prefilled, req.prompt_cache

@@ -26,6 +26,8 @@ def validate(params: SamplingParams) -> None:
         raise ValueError("min_p must be in [0, 1]")
     if params.max_tokens is not None and params.max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
+    if params.min_tokens < 0:
+        raise ValueError("min_tokens must be >= 0")
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_LOGPROBS:
         raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}]")
     if params.reasoning_budget is not None:
@@ -62,6 +64,17 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
+
+
+def suppressed(logits: torch.Tensor, ids: frozenset[int] | set[int] | list[int]) -> torch.Tensor:
+    """logits with `ids` made impossible (min_tokens holds the stop tokens back), unless nothing else is left
+    (a grammar that allows only them): then they stay, since some token must be sampled."""
+    ids = sorted(t for t in ids if 0 <= t < logits.numel())
+    if not ids:
+        return logits
+    out = logits.clone()
+    out[ids] = float("-inf")
+    return out if bool(torch.isfinite(out).any()) else logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:

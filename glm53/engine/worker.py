@@ -21,6 +21,13 @@ waiting queue, keeping what it generated, and prefills that again when pages fre
 itself the youngest waits. A request waiting for pages counts as waiting. The reference engine keeps that ledger
 here (`KvPages`); the exllamav3 engine's is exllamav3's page table, its jobs given `max_rq_tokens` (pages committed
 a segment at a time, the job requeued at each boundary: exllamav3 1.6.5 generator/job.py).
+
+Decode slots, time-sliced: when a request waits for a slot and every slot is held, the running request whose slice
+is spent longest (it has held its slot a slice and generated since it got it) yields: it goes to the back of the
+queue keeping what it generated, and prefills that again when its turn comes (the exllamav3 engine's page cache
+serves most of it). So a new request waits about one slice, whatever the others' lengths. The slice calibrates
+itself: SLICE_RESUMES times the median cost of a resume (admission to its first new token, less a decode gap), at
+least SLICE_FLOOR_S, which bounds what yielding costs the throughput.
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ from glm53.planning.spec import PAGE
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
 RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window
 DECODE_GAPS = 256  # the measured decode rate per stream: the last this many gaps between a request's sampled tokens
+SLICE_FLOOR_S = 2.0  # a decode slot's time slice at least ...
+SLICE_RESUMES = 10  # ... and this many times what resuming a yielded request costs (so yielding costs under 10%)
+RESUMES_TIMED = 32  # the slice follows the median of this many latest resumes
 LONG_TEXT_CHARS = 1 << 14  # from here on tokenize() releases the GIL (encode_batch); below, encode is faster
 
 
@@ -77,6 +87,9 @@ class Request:
     generated: list[int] = field(default_factory=list)  # every token emitted so far (sampled and forced)
     reasoning_tokens: int = 0
     last_token_at: float | None = None  # monotonic time of its last emitted token (the decode rate's gaps)
+    admitted_at: float | None = None  # monotonic time it last got a decode slot (its slice runs from there)
+    generated_at_admit: int = 0  # len(generated) then: a slice counts as spent only once it generated something
+    resume_from: float | None = None  # set when a yielded request gets its slot back, until its next token
 
     @property
     def budget_spent(self) -> bool:
@@ -169,10 +182,12 @@ class WorkerEngine(ABC):
         self._stopping = False
         self._counters = dict.fromkeys(("requests_total", "requests_finished", "requests_cancelled", "requests_failed",
                                         "requests_refused_queue_full", "requests_failed_out_of_memory",
-                                        "requests_preempted", "prompt_tokens", "prompt_tokens_cached",
+                                        "requests_preempted", "requests_yielded", "prompt_tokens", "prompt_tokens_cached",
                                         "prefix_cache_hits", "generated_tokens"), 0)
         self._rate: deque[tuple[float, int]] = deque()
         self._gaps: deque[float] = deque(maxlen=DECODE_GAPS)
+        self.slice_floor_s = SLICE_FLOOR_S
+        self._resumes: deque[float] = deque(maxlen=RESUMES_TIMED)
         self._started = time.monotonic()
         # The plan's speed forecast (glm53.planning.forecast's JSON), handed over by the composition (glm53.serve);
         # stats()["decode"] shows it beside the measured rate. None: nothing forecast (the demo, tests).
@@ -192,6 +207,14 @@ class WorkerEngine(ABC):
     @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def capacity(self) -> int | None:
+        return self.max_running + self.max_waiting if self.max_waiting else None
 
     def _start_worker(self, name: str) -> None:
         self._stopping = False
@@ -388,6 +411,7 @@ class WorkerEngine(ABC):
                 **self._stats_extra(),
                 "max_running": self.max_running,
                 "max_waiting": self.max_waiting,
+                "slice_s": round(self.slice_s, 3),
                 **self._counters,
                 "tokens_per_s": round(rate, 2),
                 "uptime_s": round(now - self._started, 1),
@@ -435,11 +459,41 @@ class WorkerEngine(ABC):
             if self._stopping:
                 return None
             new = []
-            while self._waiting and len(self._running) < self.max_running and self._kv_admits(self._waiting[0]):
+            now = time.monotonic()
+            while self._waiting and (len(self._running) < self.max_running or self._yield_slot(now)) \
+                    and self._kv_admits(self._waiting[0]):
                 req = self._waiting.popleft()
                 self._running.append(req)
                 new.append(req)
+                req.admitted_at, req.generated_at_admit = now, len(req.generated)
+                if req.generated:
+                    req.resume_from = now
             return Batch(new, list(self._running))
+
+    @property
+    def slice_s(self) -> float:
+        """A decode slot's time slice: SLICE_RESUMES x the median resume, at least slice_floor_s."""
+        resume = sorted(self._resumes)[len(self._resumes) // 2] if self._resumes else 0.0
+        return max(self.slice_floor_s, SLICE_RESUMES * resume)
+
+    def _yield_slot(self, now: float) -> bool:
+        """Every slot is held and a request waits: the running request whose slice is spent longest yields its slot
+        (to the back of the queue, keeping what it generated). False when none has spent its slice, or pages, not
+        slots, are what is short. Caller holds self._cv."""
+        if any(r.kv_waiting for r in self._running):
+            return False
+        limit = self.slice_s
+        spent = [r for r in self._running if not (r.done or r.cancelled) and r.admitted_at is not None
+                 and now - r.admitted_at >= limit and len(r.generated) > r.generated_at_admit]
+        if not spent:
+            return False
+        req = min(spent, key=lambda r: r.admitted_at)
+        self._running.remove(req)
+        self._suspend(req)
+        req.admitted_at = req.last_token_at = None  # the wait in the queue is no decode gap
+        self._waiting.append(req)
+        self._counters["requests_yielded"] += 1
+        return True
 
     def _kv_admits(self, req: Request) -> bool:
         """FIFO admission by pages: the head of the queue starts with its first page (a kept prefix cache it
@@ -451,7 +505,7 @@ class WorkerEngine(ABC):
         if self.kv is None:
             return True
         while not self.kv.take(req, 1):
-            if not self._kv_evict_kept():
+            if not (self._kv_evict_kept() or self._drop_suspended_pages(but=req)):
                 return False
         return True
 
@@ -463,6 +517,8 @@ class WorkerEngine(ABC):
         with self._cv:
             while not kv.take(req, tokens):
                 if self._kv_evict_kept():
+                    continue
+                if self._drop_suspended_pages():
                     continue
                 younger = [r for r in self._running if r is not req and r.arrival > req.arrival and kv.held.get(r)]
                 if not younger:
@@ -483,6 +539,27 @@ class WorkerEngine(ABC):
         at = next((i for i, w in enumerate(self._waiting) if w.arrival > req.arrival), len(self._waiting))
         self._waiting.insert(at, req)
         self._counters["requests_preempted"] += 1
+
+    def _suspend(self, req: Request) -> None:
+        """A request yielding its slot: by default it lets go of its pages and model state and prefills prompt +
+        generated again on resuming; an engine that can keep the state overrides this. Caller holds self._cv."""
+        if self.kv is not None:
+            self.kv.drop(req)
+        self._reset_for_resume(req)
+
+    def _drop_suspended_pages(self, but: Request | None = None) -> bool:
+        """Pages are short: a waiting request (other than `but`) that kept its pages when it yielded lets go of them
+        (it prefills again on resuming), the latest in the queue first. False when none holds any. Caller holds
+        self._cv."""
+        kv = self.kv
+        holders = [r for r in self._waiting if r is not but and kv is not None and kv.held.get(r)]
+        if not holders:
+            return False
+        req = holders[-1]
+        kv.drop(req)
+        self._reset_for_resume(req)
+        self._counters["requests_preempted"] += 1
+        return True
 
     def _claim_prefix(self, req: Request) -> None:  # noqa: B027 - only an engine keeping prefix caches here
         """Hand a kept prefix cache that `req` continues from (and its pages) to `req`. Caller holds self._cv."""
@@ -536,6 +613,10 @@ class WorkerEngine(ABC):
             if not forced and req.last_token_at is not None:
                 self._gaps.append(now - req.last_token_at)
             req.last_token_at = now
+            if req.resume_from is not None:  # its first token since it got its slot back: beyond a decode gap,
+                gap = sorted(self._gaps)[len(self._gaps) // 2] if self._gaps else 0.0  # what the resume cost
+                self._resumes.append(max(0.0, now - req.resume_from - gap))
+                req.resume_from = None
         event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced,
                            cached_tokens=req.cached_tokens if len(req.generated) == 1 else None)
         if req.params.logprobs is not None and logits is not None:

@@ -163,8 +163,9 @@ class Runtime:
     # --- jobs ---------------------------------------------------------------------------------------------
     def start(self, owner: Any, ids: Sequence[int], *, max_new: int, temperature: float, min_p: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[int] = (),
-              logits: bool = False, grammar: Any = None) -> Any:
-        """Enqueue a job for `owner` on prompt `ids` (greedy at temperature 0); returns its handle."""
+              logits: bool = False, grammar: Any = None, min_new: int = 0) -> Any:
+        """Enqueue a job for `owner` on prompt `ids` (greedy at temperature 0); returns its handle. min_new: the
+        stop tokens are held back until the job generated that many (exllamav3 masks them, across requeues)."""
         import torch
 
         exl = self.exl
@@ -173,6 +174,7 @@ class Runtime:
         job = exl.Job(
             input_ids=torch.tensor([list(ids)], dtype=torch.long),
             max_new_tokens=max_new,
+            min_new_tokens=min_new,
             sampler=sampler,
             seed=seed,
             stop_conditions=list(stop),

@@ -85,6 +85,13 @@ class _Layer:
     next_host: Any = None  # pinned int64 (MAX_BSZN, top_k): the next layer's predicted picks
     guess_host: Any = None  # pinned bool (experts,): the next layer's experts a prompt chunk's router run names
 
+    @classmethod
+    def of(cls, module: Any, slots: int) -> _Layer:
+        """The layer as exllamav3 built it: its experts' Linear keys, and what `close` puts back."""
+        m = module
+        return cls(m, [(g.key, u.key, d.key) for g, u, d in zip(m.gates, m.ups, m.downs, strict=True)], slots,
+                   (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))
+
 
 class TieredMoE:
     """Routed experts of an exllamav3 model in glm53.tiers: S VRAM slots per MoE layer, the rest in the pinned RAM
@@ -133,35 +140,12 @@ class TieredMoE:
         self.counts = counts
         self.index = SafetensorsIndex(self.model_dir)
         self.read_threads = max(1, read_threads)
-        mods = moe_modules(model)
-        if not mods:
-            raise Exl3TierError("the model has no BlockSparseMLP (MoE) layer to tier")
+        mods = _alike_moe_modules(model)
         self.num_experts = mods[0].num_experts
         self.top_k = mods[0].num_experts_per_tok
-        for m in mods:
-            if m.num_experts != self.num_experts or m.num_experts_per_tok != self.top_k:
-                raise Exl3TierError(f"{m.key}: {m.num_experts} experts / top-{m.num_experts_per_tok} differs from "
-                                    f"the first MoE layer's {self.num_experts} / top-{self.top_k}")
-            if m.num_local_experts != m.num_experts or m.routing_first is not None:
-                raise Exl3TierError(f"{m.key}: already an expert slice (TP or CPU split); not supported with tiers")
-            if not m.gated or len(m.gates) != m.num_experts:
-                raise Exl3TierError(f"{m.key}: expected gated experts (gate/up/down per expert)")
-        budgets = list(spec.vram_slots)
-        if len(budgets) != len(mods):
-            raise Exl3TierError(f"the spec has VRAM slots for {len(budgets)} MoE layers, the model {len(mods)}: the "
-                                "plan was made for another checkpoint")
-        if any(not 0 <= s <= self.num_experts for s in budgets):
-            raise Exl3TierError(f"VRAM slots per layer must be in [0, {self.num_experts}], got {budgets}")
         self.staging_slots = spec.staging_slots
-        if self.staging_slots < self.top_k or staging_for(budgets, self.num_experts, self.staging_slots) != \
-                self.staging_slots:
-            raise Exl3TierError(f"{self.staging_slots} staging slots cannot serve VRAM slots {budgets} of "
-                                f"{self.num_experts} experts, top-{self.top_k} (glm53.planning.spec.staging_for)")
-        self.layers = [
-            _Layer(m, [(g.key, u.key, d.key) for g, u, d in zip(m.gates, m.ups, m.downs, strict=True)], s,
-                   (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last))
-            for m, s in zip(mods, budgets, strict=True)
-        ]
+        budgets = _checked_slots(spec, len(mods), self.num_experts, self.top_k)
+        self.layers = [_Layer.of(m, s) for m, s in zip(mods, budgets, strict=True)]
         self.link_devices, self.link_of = _links(spec, mods)
         self.layout = self._layout()
         self.nvme_open = nvme_open
@@ -446,17 +430,17 @@ class TieredMoE:
         # the lookahead admits into VRAM, which waits until this step's own copies are decided, so it never delays
         # this step's kernels.
         early = self.nvme is not None and predict
-        step = stepper.resolve(li, ids, decode, x, w,
-                               next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
-                               read_ahead=read_ahead if early else None)
+        resolved = stepper.resolve(li, ids, decode, x, w,
+                                   next_guess=np.flatnonzero(layer.guess_host.numpy()).tolist() if guess else None,
+                                   read_ahead=read_ahead if early else None)
         if not early:
-            read_ahead(step.cpu)
+            read_ahead(resolved.cpu)
         out = layer.out_host[:n]
-        out.numpy()[:] = step.slots.reshape(-1)
+        out.numpy()[:] = resolved.slots.reshape(-1)
         selected.copy_(out.view(selected.shape), non_blocking=True)
         self.step_time["sync"] += t1 - t0
         self.steps += 1
-        return None, ((LANE_TAG, step.ticket, bsz) if step.ticket is not None else None)
+        return None, ((LANE_TAG, resolved.ticket, bsz) if resolved.ticket is not None else None)
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
@@ -592,6 +576,41 @@ class TieredMoE:
         self.tiers = self.nvme = self.stepper = None
         self._pool.shutdown(wait=True)
         self.index.close()
+
+
+def _alike_moe_modules(model: Any) -> list[Any]:
+    """The model's MoE modules, each whole and shaped like the first: one slot image, one staging pool and one
+    router width serve every layer, and a module exllamav3 already sliced (TP, its own CPU split) has no room
+    for our expert interval."""
+    mods = moe_modules(model)
+    if not mods:
+        raise Exl3TierError("the model has no BlockSparseMLP (MoE) layer to tier")
+    num_experts, top_k = mods[0].num_experts, mods[0].num_experts_per_tok
+    for m in mods:
+        if m.num_experts != num_experts or m.num_experts_per_tok != top_k:
+            raise Exl3TierError(f"{m.key}: {m.num_experts} experts / top-{m.num_experts_per_tok} differs from "
+                                f"the first MoE layer's {num_experts} / top-{top_k}")
+        if m.num_local_experts != m.num_experts or m.routing_first is not None:
+            raise Exl3TierError(f"{m.key}: already an expert slice (TP or CPU split); not supported with tiers")
+        if not m.gated or len(m.gates) != m.num_experts:
+            raise Exl3TierError(f"{m.key}: expected gated experts (gate/up/down per expert)")
+    return mods
+
+
+def _checked_slots(spec: EngineSpec, moe_layers: int, num_experts: int, top_k: int) -> list[int]:
+    """The spec's VRAM slots per MoE layer, refused unless they fit this model and its staging slots serve them
+    (a spec planned for another checkpoint fails here, before any memory is allocated)."""
+    budgets = list(spec.vram_slots)
+    if len(budgets) != moe_layers:
+        raise Exl3TierError(f"the spec has VRAM slots for {len(budgets)} MoE layers, the model {moe_layers}: the "
+                            "plan was made for another checkpoint")
+    if any(not 0 <= s <= num_experts for s in budgets):
+        raise Exl3TierError(f"VRAM slots per layer must be in [0, {num_experts}], got {budgets}")
+    staging = spec.staging_slots
+    if staging < top_k or staging_for(budgets, num_experts, staging) != staging:
+        raise Exl3TierError(f"{staging} staging slots cannot serve VRAM slots {budgets} of "
+                            f"{num_experts} experts, top-{top_k} (glm53.planning.spec.staging_for)")
+    return budgets
 
 
 def _links(spec: EngineSpec, mods: Sequence[Any]) -> tuple[list[str], list[int]]:

@@ -48,7 +48,9 @@ def inputs(settings: S.Settings, root: str = "/", shape_name: str | None = None)
     elif settings.model_dir:
         # On a fake host the model directory is part of the tree, like every other path.
         model = Path(root) / settings.model_dir.lstrip("/") if root != "/" else Path(settings.model_dir)
-        mounted = (model / "config.json").is_file()
+        # exists(), not is_file(): a config.json that is a FIFO or a directory is refused by name, not taken for
+        # a model not mounted yet.
+        mounted = (model / "config.json").exists()
         if mounted:
             try:
                 shape = M.from_checkpoint(model)

@@ -85,6 +85,30 @@ def _host(text: str) -> str:
     return value
 
 
+DEFAULT_PORTS = {"http": "80", "https": "443"}
+
+
+def _origin(item: str) -> str:
+    """One allowed origin as browsers write it in the Origin header: lower case, no path, no default port."""
+    if item in ("*", "null"):
+        return item
+    scheme, sep, rest = item.partition("://")
+    authority = rest.rstrip("/")
+    if not sep or not scheme.isalpha() or not authority or any(c in authority for c in "/?#@ "):
+        raise ValueError(f"{item!r} is not an origin (scheme://host[:port], e.g. http://localhost:3000)")
+    scheme, authority = scheme.lower(), authority.lower()
+    default = DEFAULT_PORTS.get(scheme)
+    if default and authority.endswith(f":{default}"):
+        authority = authority[: -len(default) - 1]
+    return f"{scheme}://{authority}"
+
+
+def _origins(text: str) -> tuple:
+    """Comma-separated origins -> a tuple of normalized origin strings, in the order given, without repeats."""
+    items = [_origin(x.strip()) for x in text.split(",") if x.strip()]
+    return tuple(dict.fromkeys(items))
+
+
 def _port(text: str) -> int:
     value = int(text.strip())
     if not 1 <= value <= 65535:
@@ -101,6 +125,7 @@ class Setting:
     allowed: str = "text"
     # Defaults that differ by mode, e.g. {"nvme": "2"}; the plain default applies to the other modes.
     mode_defaults: dict[str, str] = field(default_factory=dict)
+    secret: bool = False  # `glm53 settings` says whether it is set, never the value (terminals get shared)
 
 
 SCHEMA: tuple[Setting, ...] = (
@@ -113,10 +138,18 @@ SCHEMA: tuple[Setting, ...] = (
             "an address: 127.0.0.1 (this machine), 0.0.0.0 / :: (every interface)"),
     Setting("GLM53_PORT", "30000", "TCP port of the HTTP server.", _port, "1..65535"),
     Setting("GLM53_MODEL_ID", "glm-5.3-flash", "Model id reported by /v1/models and accepted in requests."),
-    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>' (or 'x-api-key: <key>')."),
+    Setting("GLM53_API_KEY", "", "If set, every route but /health, /ready and /metrics needs 'Authorization: Bearer <key>' (or 'x-api-key: <key>').",
+            secret=True),
     Setting("GLM53_ALLOW_NO_API_KEY", "0",
             "Allow binding to a non-loopback address without an API key (otherwise start-up refuses).",
             _bool, BOOL),
+    Setting("GLM53_ALLOWED_ORIGINS", "",
+            "Web pages that may use the server from a browser, and the names it answers to besides localhost and IP "
+            "addresses (so a page cannot reach it by DNS rebinding): list the origins of those pages, and the "
+            "address clients reach the server at when it is a name (http://gpubox.lan:30000, a compose service "
+            "http://glm53:30000). Empty: only non-browser clients and the server's own /docs page. * lets every "
+            "site and name through.",
+            _origins, "comma-separated origins scheme://host[:port] | * | (empty)"),
     Setting("GLM53_CONTEXT", "131072", "Context window in tokens (KV cache size); the plan may lower it to fit.",
             _int_at_least(256), "integer >= 256"),
     Setting("GLM53_REASONING_BUDGET", "4096",
@@ -134,7 +167,8 @@ SCHEMA: tuple[Setting, ...] = (
             _int_at_least(0), "0 (the plan picks) | integer >= 1"),
     Setting("GLM53_MAX_QUEUE", "32",
             "Requests that may wait for a decode slot; beyond it a request gets 429 with Retry-After (Anthropic's "
-            "route: 429 rate_limit_error) at once instead of waiting unseen. 0 = no limit.",
+            "route: 429 rate_limit_error) at once instead of waiting unseen; one that needs more generations than slots "
+            "plus queue (n, or prompts on /v1/completions) gets 400. 0 = no limit.",
             _int_at_least(0), "integer >= 0"),
     Setting("GLM53_VRAM_BUDGET_GB", "0",
             "Cap on the VRAM glm53 uses, in GiB; 0 = what the GPU has free. Emulates a smaller card on a big one.",
@@ -171,6 +205,7 @@ class Settings:
     model_id: str
     api_key: str
     allow_no_api_key: bool
+    allowed_origins: tuple  # of origins, normalized as browsers write them (or "*")
     context: int
     reasoning_budget: int
     reasoning_effort: str
@@ -281,9 +316,16 @@ def render_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
+def shown_value(s: Setting, value: Any) -> str:
+    """A current value as `glm53 settings` prints it: a secret only as set or not."""
+    if s.secret:
+        return f"<set, {len(value)} characters, hidden>" if value else "''"
+    return repr(value)
+
+
 def render_table(settings: Settings | None = None) -> str:
     rows = []
     for s in SCHEMA:
-        current = "" if settings is None else f"  = {getattr(settings, attr_name(s.name))!r}"
+        current = "" if settings is None else f"  = {shown_value(s, getattr(settings, attr_name(s.name)))}"
         rows.append(f"{s.name:28} default {_default_column(s)!r:18} {s.meaning}{current}")
     return "\n".join(rows)

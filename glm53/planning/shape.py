@@ -14,6 +14,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from store.files import not_regular
 from store.safetensors_header import SafetensorsHeaderError, read_safetensors_header
 
 MIB = 1 << 20
@@ -197,6 +198,51 @@ def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
 
 
+RESTORE = "fix: restore the config.json that came with the checkpoint"
+
+
+def json_kind(value: object) -> str:
+    """How a JSON value is called in a refusal."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a JSON boolean"), (dict, "a JSON object"), (list, "a JSON array"), (str, "a JSON string"),
+             (int, "a JSON number"), (float, "a JSON number"))
+    return next(name for t, name in kinds if isinstance(value, t))
+
+
+def load_config(root: str | Path) -> dict:
+    """The checkpoint's config.json, checked as far as glm53 reads it before anything loads: a regular file (never
+    opened otherwise: a FIFO would block), holding a JSON object whose text_config, if any, is an object and whose
+    max_position_embeddings, if any, is a positive integer. ShapeError names the problem and the fix."""
+    path = Path(root) / "config.json"
+    kind = not_regular(path)
+    if kind is not None:
+        raise ShapeError(f"{path} is {kind}, not a regular file; {RESTORE}")
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ShapeError(f"no config.json in {root}") from None
+    except UnicodeDecodeError:
+        raise ShapeError(f"{path} is not text (not valid JSON); {RESTORE}") from None
+    except ValueError as exc:
+        raise ShapeError(f"{path} is not valid JSON ({exc}); {RESTORE}") from None
+    if not isinstance(config, dict):
+        raise ShapeError(f"{path} is {json_kind(config)}, not the JSON object a model's config.json is; {RESTORE}")
+    text = config.get("text_config")
+    if text is not None and not isinstance(text, dict):
+        raise ShapeError(f"{path}: text_config is {json_kind(text)}, not a JSON object; {RESTORE}")
+    native = _text_config(config).get("max_position_embeddings")
+    if native is not None and not _positive_int(native):
+        raise ShapeError(f"{path}: max_position_embeddings is {json.dumps(native)}, not a positive integer (the "
+                         f"model's context length in tokens); {RESTORE}")
+    return config
+
+
+def _positive_int(value: object) -> bool:
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    return integral and not isinstance(value, bool) and value > 0
+
+
 def _geometry(tc: dict, layers: int, hidden: int, top_k: int, moe: bool) -> dict:
     """The cache and activation sizes of config.json's geometry (transformers' defaults for keys it leaves out)."""
     def num(key: str, *alt: str) -> int:
@@ -244,12 +290,7 @@ def _tensor_place(name: str, layers: int, tied_head: bool) -> str:
 def from_checkpoint(model_dir: str | Path) -> ModelShape:
     """Read config.json and every *.safetensors header under `model_dir`."""
     root = Path(model_dir)
-    try:
-        config = json.loads((root / "config.json").read_text())
-    except FileNotFoundError:
-        raise ShapeError(f"no config.json in {root}") from None
-    except ValueError as exc:
-        raise ShapeError(f"{root}/config.json is not JSON: {exc}") from None
+    config = load_config(root)
     tc = _text_config(config)
     try:
         layers = int(tc["num_hidden_layers"])
@@ -259,11 +300,14 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
     except (KeyError, TypeError, ValueError) as exc:
         raise ShapeError(f"{root}/config.json lacks {exc} (num_hidden_layers, hidden_size, n_routed_experts, "
                          "num_experts_per_tok are needed)") from None
-    mlp_types = tc.get("mlp_layer_types") or (["dense"] * int(tc.get("first_k_dense_replace", 0))
-                                              + ["sparse"] * (layers - int(tc.get("first_k_dense_replace", 0))))
-    moe_from_config = sum(1 for t in mlp_types[:layers] if t == "sparse")
-    geo = _geometry(tc, layers, hidden, top_k, moe_from_config > 0)
-    mtp = layers if int(tc.get("num_nextn_predict_layers", 0) or 0) > 0 else None
+    try:
+        mlp_types = tc.get("mlp_layer_types") or (["dense"] * int(tc.get("first_k_dense_replace", 0))
+                                                  + ["sparse"] * (layers - int(tc.get("first_k_dense_replace", 0))))
+        moe_from_config = sum(1 for t in mlp_types[:layers] if t == "sparse")
+        geo = _geometry(tc, layers, hidden, top_k, moe_from_config > 0)
+        mtp = layers if int(tc.get("num_nextn_predict_layers", 0) or 0) > 0 else None
+    except (TypeError, ValueError, AttributeError) as exc:  # a value of the wrong kind (a word for a number...)
+        raise ShapeError(f"{root}/config.json has a value glm53 cannot read ({exc}); {RESTORE}") from None
     native = int(tc.get("max_position_embeddings") or 0) or None
     caches = dict(max_context=native, checkpoint_bytes=geo["checkpoint"], prefill_phases=geo["phases"])
 

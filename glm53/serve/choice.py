@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +35,18 @@ class EngineChoice:
 
 
 def read_config(model_dir: Path) -> dict:
-    path = model_dir / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
+    """config.json, checked as far as start-up reads it (glm53.planning.shape.load_config)."""
+    from glm53.planning.shape import ShapeError, load_config
+
+    if not (model_dir / "config.json").exists():
         raise EngineChoiceError(f"{model_dir} has no config.json: is GLM53_MODEL_DIR a checkpoint directory "
-                                f"(and is it mounted)?") from None
-    except (OSError, ValueError) as exc:
-        raise EngineChoiceError(f"cannot read {path}: {exc}") from None
+                                f"(and is it mounted)?")
+    try:
+        return load_config(model_dir)
+    except ShapeError as exc:
+        raise EngineChoiceError(str(exc)) from None
+    except OSError as exc:
+        raise EngineChoiceError(f"cannot read {model_dir / 'config.json'}: {exc.strerror}") from None
 
 
 def tensor_sizes(model_dir: Path) -> dict[str, int]:
@@ -159,7 +162,24 @@ def engine_for_plan(model_dir: Path, settings: Any, plan: Any) -> Any:
     return engine
 
 
+def check_cache_dir(cache_dir: str) -> Path:
+    """GLM53_CACHE_DIR as a directory (made if missing), or EngineChoiceError saying what is in the way."""
+    path = Path(cache_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        what = "a file" if path.is_file() else "not a directory"
+        raise EngineChoiceError(f"GLM53_CACHE_DIR={path} is {what}, not a directory (it keeps the demo model, "
+                                f"routing statistics and compiled kernels); fix: point GLM53_CACHE_DIR at a "
+                                f"directory (it is made if missing), or move {path} away") from None
+    except OSError as exc:
+        raise EngineChoiceError(f"GLM53_CACHE_DIR={path} cannot be made: {exc.strerror}; fix: point "
+                                f"GLM53_CACHE_DIR at a directory this user can write") from None
+    return path
+
+
 def choose_engine(settings: Any) -> EngineChoice:
+    check_cache_dir(settings.cache_dir)
     if not settings.model_dir:
         choice = _demo(settings)
         if settings.store:

@@ -32,7 +32,7 @@ def _server(config: Any, state: Any) -> Any:
     """uvicorn's Server, told about the shutdown as soon as the signal arrives (see DRAIN_S)."""
     import uvicorn
 
-    class Server(uvicorn.Server):
+    class DrainingServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)
@@ -40,7 +40,7 @@ def _server(config: Any, state: Any) -> Any:
                 loop = asyncio.get_running_loop()
                 loop.call_soon_threadsafe(loop.call_later, DRAIN_S, _stop_generations, state)
 
-    return Server(config)
+    return DrainingServer(config)
 
 
 def _stop_generations(state: Any) -> None:
@@ -220,10 +220,22 @@ def serve(settings: Any, make_engine: Callable[[Any], Any] | None = None) -> int
              http_url(settings.host, settings.port), settings.model_id)
     config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level),
                             timeout_graceful_shutdown=DRAIN_S + 5)
-    server = _server(config, app.state.glm53)
+    state = app.state.glm53
+    server = _server(config, state)
+
+    def stop_serving() -> None:
+        # A failed load is final: exit (status 2) rather than answer 503 forever. A container then stops with the
+        # reason as the last line of its log, and its restart policy, not a health check, decides what follows.
+        server.should_exit = True
+
+    state.on_load_failure = stop_serving
     uvicorn_log = logging.getLogger("uvicorn.error")
     uvicorn_log.addFilter(_DropUvicornStartupLine())
     # uvicorn names its address only when it binds it itself; the socket is listening already, so say it here.
     uvicorn_log.info("Uvicorn running on %s (Press CTRL+C to quit)", http_url(settings.host, settings.port))
     server.run(sockets=[sock])
+    if state.load_error:
+        print(f"glm53: the model could not be loaded: {state.load_error} (the log above has the details); fix that "
+              f"and start again", file=sys.stderr)
+        return 2
     return 0

@@ -1,5 +1,5 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API (what Claude Code and the anthropic
-SDK send), translated into the chat route's request and run through the same path (chat_api.plan_chat and
+SDK send), translated into the chat route's request and run through the same path (chat_api.prepare_chat and
 run_choice: one prompt builder, thinking control, reasoning re-attachment, tool grammar, usage).
 
 Any `model` is accepted (Claude Code names its own tiers) and the reply names the served model. Errors on these
@@ -19,8 +19,8 @@ from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt
 
 from glm53.server.blocks import Block, BlockEvent, BlockSequence
-from glm53.server.chat_api import ChatPlan, build_chat_prompt, chat_request, plan_chat, run_choice
-from glm53.server.common import Job, ServerState, check_ready, respond
+from glm53.server.chat_api import PreparedChat, build_chat_prompt, chat_request, prepare_chat, run_choice
+from glm53.server.common import LiveRequest, ServerState, check_ready, respond
 from glm53.server.errors import APIError, anthropic_body, bad_request, from_engine_error
 from glm53.server.protocol import SEED_MAX, SEED_MIN, TOOL_NAME, ChatCompletionRequest, _Model
 from glm53.server.sse import PING, event_frame, with_keepalive
@@ -254,9 +254,9 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
 # -- replies ---------------------------------------------------------------------------------------------------
 
 
-def usage(job: Job) -> dict[str, int]:
+def usage(live: LiveRequest) -> dict[str, int]:
     # Anthropic counts prompt tokens read from the cache apart from input_tokens; their sum is the prompt.
-    u = job.usage()
+    u = live.usage()
     cached = u["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
@@ -282,16 +282,16 @@ def _stop(reason: str | None, stop_sequence: str | None) -> tuple[str | None, st
     return STOP_REASONS.get(reason or "", reason), None
 
 
-def _message(state: ServerState, job: Job, content: list[dict], reason: str | None,
+def _message(state: ServerState, live: LiveRequest, content: list[dict], reason: str | None,
              stop_sequence: str | None) -> dict[str, Any]:
-    return {"id": job.id, "type": "message", "role": "assistant", "model": state.model_id, "content": content,
-            "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage(job)}
+    return {"id": live.id, "type": "message", "role": "assistant", "model": state.model_id, "content": content,
+            "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage(live)}
 
 
-async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, Any]:
+async def _collect(state: ServerState, prep: PreparedChat, live: LiveRequest) -> dict[str, Any]:
     seq = BlockSequence()
     reason = stop_sequence = None
-    events = run_choice(state, plan, job, 0)
+    events = run_choice(state, prep, live, 0)
     try:
         async for ev in events:
             seq.feed(ev.delta)
@@ -299,9 +299,9 @@ async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, An
                 reason, stop_sequence = _stop(ev.finish_reason, ev.stop_sequence)
     finally:
         await events.aclose()
-        job.finish()
+        live.finish()
     seq.finish()
-    return _message(state, job, [_block_json(b, True) for b in seq.blocks], reason, stop_sequence)
+    return _message(state, live, [_block_json(b, True) for b in seq.blocks], reason, stop_sequence)
 
 
 _DELTAS = {"thinking": ("thinking_delta", "thinking"), "text": ("text_delta", "text"),
@@ -328,12 +328,12 @@ def _block_frames(ev: BlockEvent) -> list[bytes]:
 PING_EVENT = event_frame("ping", {"type": "ping"})
 
 
-async def _stream(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator[bytes]:
+async def _stream(state: ServerState, prep: PreparedChat, live: LiveRequest) -> AsyncIterator[bytes]:
     seq = BlockSequence()
     reason = stop_sequence = None
-    events = with_keepalive(run_choice(state, plan, job, 0), state.ping_interval)
+    events = with_keepalive(run_choice(state, prep, live, 0), state.ping_interval)
     try:
-        yield event_frame("message_start", {"type": "message_start", "message": _message(state, job, [], None, None)})
+        yield event_frame("message_start", {"type": "message_start", "message": _message(state, live, [], None, None)})
         async for ev in events:
             if ev is PING:  # a long prefill (or a wait for a slot): keep the client's read timeout at bay
                 yield PING_EVENT
@@ -348,7 +348,7 @@ async def _stream(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator
                 yield chunk
         yield event_frame("message_delta", {"type": "message_delta",
                                             "delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
-                                            "usage": usage(job)})
+                                            "usage": usage(live)})
         yield event_frame("message_stop", {"type": "message_stop"})
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band
         err = exc if isinstance(exc, APIError) else from_engine_error(exc)
@@ -356,14 +356,14 @@ async def _stream(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator
         yield event_frame("message_stop", {"type": "message_stop"})  # the stream's end, as clients wait for it
     finally:
         await events.aclose()
-        job.finish()
+        live.finish()
 
 
 async def messages(state: ServerState, request: Request, req: MessagesRequest) -> Response:
-    job = Job(state, "msg")
-    plan = await plan_chat(state, to_chat(req), job)
-    return await respond(request, job, req.stream, lambda: _stream(state, plan, job),
-                         lambda: _collect(state, plan, job))
+    live = LiveRequest(state, "msg")
+    prep = await prepare_chat(state, to_chat(req), live)
+    return await respond(request, live, req.stream, lambda: _stream(state, prep, live),
+                         lambda: _collect(state, prep, live))
 
 
 async def count_tokens(state: ServerState, req: CountTokensRequest) -> dict[str, int]:

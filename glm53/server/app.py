@@ -21,12 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from glm53.engine.interface import Engine
 from glm53.server import errors, routes
+from glm53.server.asgi import drain, send_error
+from glm53.server.browser import BrowserGuard, policy_for
 from glm53.server.common import ServerState
 from glm53.server.errors import APIError
+from glm53.server.jsontext import JSONBody
 from glm53.server.metrics import Metrics
 from glm53.server.urls import http_url
 
@@ -36,14 +40,10 @@ ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages
           "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize", "/api/hello")
 
 
-JSON_HEADER = (b"content-type", b"application/json")
-DRAIN_LIMIT_BYTES = 64 << 20  # a refused body is read and dropped up to this much (then the connection closes)
-
-
 class RequestMetrics:
-    """Pure ASGI middleware counting requests by route and status (BaseHTTPMiddleware would wrap `receive`
-    and break disconnect detection of streams). It also reads every POST body as JSON whatever its
-    content-type: `curl -d '{...}'` sends form encoding, and a JSON API has nothing else to offer."""
+    """Pure ASGI middleware counting requests by route and status and logging every refusal (BaseHTTPMiddleware
+    would wrap `receive` and break disconnect detection of streams). Outermost, so the refusals of the other
+    middlewares (Host, Origin, Content-Type, body size, API key) are counted and logged too."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -57,12 +57,6 @@ class RequestMetrics:
         if path.startswith("/v1/models/"):
             path = "/v1/models/{model}"
         route = path if path in ROUTES or path == "/v1/models/{model}" else "other"
-        if scope.get("method") == "POST":
-            headers = [h for h in scope.get("headers", []) if h[0] != b"content-type"]
-            scope = {**scope, "headers": headers + [JSON_HEADER]}
-            receive = await self._bounded_body(scope, receive, send, route)
-            if receive is None:
-                return
         status = 500
         refused = False
 
@@ -70,8 +64,8 @@ class RequestMetrics:
             nonlocal status, refused
             if message["type"] == "http.response.start":
                 status = message["status"]
-                refused = status >= 400
-            elif message["type"] == "http.response.body" and refused and path not in OPEN_ROUTES:
+                refused = status >= 400 and not (status == 503 and path in OPEN_ROUTES)
+            elif message["type"] == "http.response.body" and refused:
                 refused = False  # an error body is one JSON document, sent whole
                 log_refusal(scope, status, message.get("body", b""))
             await send(message)
@@ -85,15 +79,28 @@ class RequestMetrics:
             self.state.metrics.observe_request(route, status)
 
 
-    async def _bounded_body(self, scope: Scope, receive: Receive, send: Send, route: str) -> Receive | None:
-        """Refuse a body larger than any prompt the context can hold before it is read (by its content-length)
-        or as soon as it grows past the limit (chunked): 413, in well under a second, whatever it carries.
-        Returns the receive to hand on (the body replayed), or None once the 413 was sent."""
+class BodyLimit:
+    """Refuse a POST body larger than any prompt the context can hold before it is read (by its content-length)
+    or as soon as it grows past the limit (chunked): 413, in well under a second, whatever it carries."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            receive = await self._bounded_body(scope, receive, send)
+            if receive is None:
+                return
+        await self.app(scope, receive, send)
+
+    async def _bounded_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
+        """The receive to hand on (the body replayed), or None once the 413 was sent."""
         limit = self.state.max_body_bytes()
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await self._too_large(scope, send, int(length), limit, route)
-            await _drain(receive, DRAIN_LIMIT_BYTES)
+            await send_error(scope, send, self._too_large(int(length), limit))
+            await drain(receive)
             return None
         if length is not None:
             return receive
@@ -104,9 +111,9 @@ class RequestMetrics:
                 break
             body += message.get("body", b"")
             if len(body) > limit:
-                await self._too_large(scope, send, len(body), limit, route)
+                await send_error(scope, send, self._too_large(len(body), limit))
                 if message.get("more_body", False):
-                    await _drain(receive, DRAIN_LIMIT_BYTES)
+                    await drain(receive)
                 return None
             if not message.get("more_body", False):
                 break
@@ -121,39 +128,22 @@ class RequestMetrics:
 
         return replay
 
-    async def _too_large(self, scope: Scope, send: Send, size: int, limit: int, route: str) -> None:
-        err = APIError(413, f"The request body has {size} bytes, more than the {limit} bytes any prompt that fits "
-                            f"this server's context ({self.state.engine.context_length} tokens) can take. Send a "
-                            "shorter conversation.", code="request_too_large")
-        body = json.dumps(errors.body_for(scope.get("path", ""), err)).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-        log_refusal(scope, 413, body)
-        self.state.metrics.observe_request(route, 413)
+    def _too_large(self, size: int, limit: int) -> APIError:
+        return APIError(413, f"The request body has {size} bytes, more than the {limit} bytes any prompt that fits "
+                             f"this server's context ({self.state.engine.context_length} tokens) can take. Send a "
+                             "shorter conversation.", code="request_too_large")
 
 
 def log_refusal(scope: Scope, status: int, body: bytes) -> None:
     """One line for every request answered with a 4xx or 5xx: the route, the status, the reason the client was
-    told, and who the client is (a user whose agent fails reads why here). The probes of OPEN_ROUTES are not
-    logged: a 503 from /ready while the model loads is the answer a health check polls for."""
+    told, and who the client is (a user whose agent fails reads why here). A 503 from the probes of OPEN_ROUTES
+    is not logged: it is the answer a health check polls for while the model loads."""
     try:
         reason = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         reason = body[:200].decode("utf-8", "replace")
     agent = dict(scope.get("headers", [])).get(b"user-agent", b"-").decode("latin-1")
     log.warning("%s %s -> %d: %s [client: %s]", scope.get("method", ""), scope.get("path", ""), status, reason, agent)
-
-
-async def _drain(receive: Receive, most: int) -> None:
-    """Read and drop the rest of a refused body (cheap: no parsing), so a client that writes its whole request
-    before reading gets the 413 rather than a connection reset; a body beyond `most` is cut off."""
-    seen = 0
-    while seen <= most:
-        message = await receive()
-        if message["type"] != "http.request" or not message.get("more_body", False):
-            return
-        seen += len(message.get("body", b""))
 
 
 # What answers without the key: liveness and readiness probes, and the Prometheus scrape (docs/configuration.md).
@@ -184,11 +174,7 @@ class ApiKeyGate:
             return
         err = APIError(401, "Missing or wrong API key: send 'Authorization: Bearer <GLM53_API_KEY>' (or 'x-api-key: "
                             "<GLM53_API_KEY>').", code="invalid_api_key")
-        body = json.dumps(errors.body_for(scope.get("path", ""), err)).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [JSON_HEADER, (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(scope, send, err, [(b"www-authenticate", b"Bearer")])
 
 
 def _shard_count(engine: Engine) -> int:
@@ -229,9 +215,11 @@ async def _load_in_background(state: ServerState, on_ready: Any) -> None:
         log.info("Loading safetensors checkpoint shards: 0%% Completed | 0/%d", shards)
     try:
         await _in_daemon_thread(engine.load)
-    except Exception as exc:  # noqa: BLE001 - keep serving /health and a clear 503 instead of dying silently
+    except Exception as exc:  # noqa: BLE001 - reported: every route says 503 with it, and the owner is told
         state.load_error = f"{type(exc).__name__}: {exc}"
         log.error("model load failed: %s", state.load_error, exc_info=exc)
+        if state.on_load_failure is not None:
+            state.on_load_failure()
         return
     if shards:
         log.info("Loading safetensors checkpoint shards: 100%% Completed | %d/%d", shards, shards)
@@ -280,12 +268,20 @@ def create_app(engine: Engine, settings: Any, *, ping_interval: float | None = N
                         reasoning_effort=getattr(settings, "reasoning_effort", "high"))
     if ping_interval is not None:
         state.ping_interval = ping_interval
-    app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="glm53", version="0.1.0", lifespan=lifespan, default_response_class=JSONBody,
                   description="OpenAI-compatible API serving GLM-5.3-Flash.")
     app.state.glm53 = state  # what the routes reach through glm53.server.routes.State
     errors.install(app)
-    # Added first, so inside the metrics: refused requests are counted too.
+    # Each add_middleware wraps what was added before: from the outside in, metrics (every refusal counted and
+    # logged), the browser checks (before any body is read), CORS for the allowed origins (preflights carry no
+    # key), the body limit, the key.
     app.add_middleware(ApiKeyGate, key=getattr(settings, "api_key", "") or "")
+    app.add_middleware(BodyLimit, state=state)
+    origins = tuple(getattr(settings, "allowed_origins", ()) or ())
+    if origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
+    app.add_middleware(BrowserGuard, policy=policy_for(origins, getattr(settings, "host", "127.0.0.1")))
     app.add_middleware(RequestMetrics, state=state)
     for router in routes.ROUTERS:
         app.include_router(router)

@@ -23,8 +23,9 @@ from glm53.server.chat import (
 from glm53.server.chat_grammar import check_tool_schemas, tool_call_grammar
 from glm53.server.chat_prompt import Prompt, Thinking, finish_prompt, history_keys, reattach, resolve_thinking
 from glm53.server.common import (
-    Job,
+    LiveRequest,
     ServerState,
+    check_capacity,
     check_model,
     check_ready,
     check_unsupported,
@@ -38,7 +39,7 @@ from glm53.server.common import (
     tokenize_prompt,
 )
 from glm53.server.errors import bad_request
-from glm53.server.generation import Tally, TokenLogprob, choice_steps
+from glm53.server.generation import Tally, TokenLogprob, choice_emissions
 from glm53.server.protocol import ChatCompletionRequest, ChatFields, ChatMessage, NamedToolChoice
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_keepalive
 
@@ -161,7 +162,10 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
 
 
 @dataclass
-class ChatPlan:
+class PreparedChat:
+    """A chat request checked, rendered and started: every choice's sampling and its engine run, before any reply
+    is written (so a refusal is still an HTTP error, not a broken stream)."""
+
     req: ChatCompletionRequest
     chat: ChatPrompt
     param_types: dict[str, dict[str, str]]
@@ -170,18 +174,19 @@ class ChatPlan:
     runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
 
 
-async def plan_chat(state: ServerState, req: ChatCompletionRequest, job: Job) -> ChatPlan:
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest, live: LiveRequest) -> PreparedChat:
     check_model(state, req.model)
     check_unsupported(req)
     check_ready(state)
     engine = state.engine
     if req.n > 1 and req.tool_choice not in (None, "auto", "none"):
         raise bad_request("n > 1 is not supported together with a forced tool_choice.", param="n")
+    check_capacity(state, req.n, "n")
     # Rendering and tokenizing a long prompt takes a while; keep the event loop free for running streams.
     chat = await asyncio.to_thread(build_chat_prompt, state, req, response_format=req.response_format,
                                    parallel=req.parallel_tool_calls is not False)
     prompt_ids = chat.ids
-    job.prompt_tokens = len(prompt_ids)
+    live.prompt_tokens = len(prompt_ids)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt_ids), engine.context_length)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -196,9 +201,9 @@ async def plan_chat(state: ServerState, req: ChatCompletionRequest, job: Job) ->
             p.reasoning_budget = budget
             p.reasoning_end_ids = list(end_ids)
         params.append(p)
-    plan = ChatPlan(req, chat, tool_param_types(chat.tools), params, req.logprobs)
-    plan.runs = await open_runs(engine, prompt_ids, params, job)
-    return plan
+    prep = PreparedChat(req, chat, tool_param_types(chat.tools), params, req.logprobs)
+    prep.runs = await open_runs(engine, prompt_ids, params, live)
+    return prep
 
 
 @dataclass
@@ -210,25 +215,26 @@ class ChoiceEvent:
     stop_sequence: str | None = None
 
 
-async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -> AsyncIterator[ChoiceEvent]:
-    rid, tally, events = plan.runs[index]
-    chat = plan.chat
+async def run_choice(state: ServerState, prep: PreparedChat, live: LiveRequest,
+                     index: int) -> AsyncIterator[ChoiceEvent]:
+    rid, tally, events = prep.runs[index]
+    chat = prep.chat
     parser = ChatStreamParser(start_in_reasoning=chat.prompt.start_in_reasoning, parse_tools=chat.parse_tools,
-                              param_types=plan.param_types)
+                              param_types=prep.param_types)
     whole = Delta()  # the turn as the client gets it, remembered with its reasoning
     if chat.prompt.stuffed_tool:
         first = parser.begin_tool_call(chat.named)
         if first:
             whole.extend(first)
             yield ChoiceEvent(index, first, [], None)
-    steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop, tally,
-                         state.stop_error)
+    emissions = choice_emissions(state.engine, events, rid, frozenset(prep.params[index].stop_token_ids),
+                                 prep.req.stop, tally, state.stop_error)
     try:
-        async for step in steps:
+        async for em in emissions:
             if parser.in_reasoning:
-                tally.reasoning_tokens += step.tokens
-            delta = parser.feed(step.text) if step.text else Delta()
-            reason = step.finish_reason
+                tally.reasoning_tokens += em.tokens
+            delta = parser.feed(em.text) if em.text else Delta()
+            reason = em.finish_reason
             if reason:
                 # Cut off by max_tokens: a call keeps the arguments as generated (no invented closing).
                 delta.extend(parser.finish(truncated=reason == "length"))
@@ -239,10 +245,10 @@ async def run_choice(state: ServerState, plan: ChatPlan, job: Job, index: int) -
                 calls = merge_tool_calls(whole.tool_calls)
                 state.reasoning_memory.remember(whole.content if whole.content or not calls else None, calls,
                                                 whole.reasoning, chat.history)
-            if delta or step.logprobs or reason:
-                yield ChoiceEvent(index, delta, step.logprobs, reason, step.stop_sequence)
+            if delta or em.logprobs or reason:
+                yield ChoiceEvent(index, delta, em.logprobs, reason, em.stop_sequence)
     finally:
-        await steps.aclose()
+        await emissions.aclose()
 
 
 def _logprobs_json(items: list[TokenLogprob]) -> list[dict[str, Any]]:
@@ -274,20 +280,20 @@ def _delta_json(delta: Delta) -> dict[str, Any]:
     return d
 
 
-def _events(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator[ChoiceEvent]:
-    if plan.req.n == 1:
-        return run_choice(state, plan, job, 0)
-    return merge([run_choice(state, plan, job, i) for i in range(plan.req.n)])
+def _events(state: ServerState, prep: PreparedChat, live: LiveRequest) -> AsyncIterator[ChoiceEvent]:
+    if prep.req.n == 1:
+        return run_choice(state, prep, live, 0)
+    return merge([run_choice(state, prep, live, i) for i in range(prep.req.n)])
 
 
-async def stream_frames(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIterator[bytes]:
-    include_usage = stream_usage_requested(plan.req)
-    head = {"id": job.id, "object": "chat.completion.chunk", "created": job.created, "model": state.model_id}
+async def stream_frames(state: ServerState, prep: PreparedChat, live: LiveRequest) -> AsyncIterator[bytes]:
+    include_usage = stream_usage_requested(prep.req)
+    head = {"id": live.id, "object": "chat.completion.chunk", "created": live.created, "model": state.model_id}
     if include_usage:
         head["usage"] = None
-    events = with_keepalive(_events(state, plan, job), state.ping_interval)
+    events = with_keepalive(_events(state, prep, live), state.ping_interval)
     try:
-        for i in range(plan.req.n):
+        for i in range(prep.req.n):
             yield frame({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                               "logprobs": None, "finish_reason": None}]})
         async for ev in events:
@@ -295,25 +301,25 @@ async def stream_frames(state: ServerState, plan: ChatPlan, job: Job) -> AsyncIt
                 yield PING_FRAME
                 continue
             choice = {"index": ev.index, "delta": _delta_json(ev.delta),
-                      "logprobs": {"content": _logprobs_json(ev.logprobs)} if plan.logprobs and ev.logprobs else None,
+                      "logprobs": {"content": _logprobs_json(ev.logprobs)} if prep.logprobs and ev.logprobs else None,
                       "finish_reason": ev.finish_reason}
             yield frame({**head, "choices": [choice]})
         if include_usage:
-            yield frame({**head, "choices": [], "usage": job.usage()})
+            yield frame({**head, "choices": [], "usage": live.usage()})
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, then [DONE]
         yield frame(error_frame_body(exc))
     finally:
         await events.aclose()
-        job.finish()
+        live.finish()
     yield DONE_FRAME
 
 
-async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, Any]:
-    n = plan.req.n
+async def _collect(state: ServerState, prep: PreparedChat, live: LiveRequest) -> dict[str, Any]:
+    n = prep.req.n
     acc = [Delta() for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     reasons: list[str | None] = [None] * n
-    events = _events(state, plan, job)
+    events = _events(state, prep, live)
     try:
         async for ev in events:
             acc[ev.index].extend(ev.delta)
@@ -322,7 +328,7 @@ async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, An
                 reasons[ev.index] = ev.finish_reason
     finally:
         await events.aclose()
-        job.finish()
+        live.finish()
     choices = []
     for i in range(n):
         calls = merge_tool_calls(acc[i].tool_calls)
@@ -332,14 +338,14 @@ async def _collect(state: ServerState, plan: ChatPlan, job: Job) -> dict[str, An
         if calls:
             message["tool_calls"] = calls
         choices.append({"index": i, "message": message,
-                        "logprobs": {"content": _logprobs_json(lps[i])} if plan.logprobs else None,
+                        "logprobs": {"content": _logprobs_json(lps[i])} if prep.logprobs else None,
                         "finish_reason": reasons[i]})
-    return {"id": job.id, "object": "chat.completion", "created": job.created, "model": state.model_id,
-            "choices": choices, "usage": job.usage()}
+    return {"id": live.id, "object": "chat.completion", "created": live.created, "model": state.model_id,
+            "choices": choices, "usage": live.usage()}
 
 
 async def chat_completions(state: ServerState, request: Request, req: ChatCompletionRequest) -> Response:
-    job = Job(state, "chatcmpl")
-    plan = await plan_chat(state, req, job)
-    return await respond(request, job, bool(req.stream), lambda: stream_frames(state, plan, job),
-                         lambda: _collect(state, plan, job))
+    live = LiveRequest(state, "chatcmpl")
+    prep = await prepare_chat(state, req, live)
+    return await respond(request, live, bool(req.stream), lambda: stream_frames(state, prep, live),
+                         lambda: _collect(state, prep, live))

@@ -66,20 +66,20 @@ def resolve_thinking(kwargs: dict[str, Any], reasoning_effort: str | None, max_r
 
 
 @dataclass(frozen=True)
-class Layout:
+class TurnLayout:
     """How the checkpoint's template writes an assistant turn, read by rendering one (any template)."""
 
     after_think: str  # what follows `</think>` before the answer ("" in GLM-5.3's, "\n" in GLM-4.5's)
 
 
-def probe_layout(engine: Any) -> Layout:
+def probe_layout(engine: Any) -> TurnLayout:
     msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ANSWER", "reasoning_content": "r"}]
     try:
         text = engine.apply_chat_template(msgs, None, True, False, {"clear_thinking": False})
     except Exception:  # noqa: BLE001 - a template that cannot render this has no layout to learn
-        return Layout("\n")
+        return TurnLayout("\n")
     head, sep, tail = text.rpartition(THINK_CLOSE)
-    return Layout(tail.split("ANSWER")[0] if sep and "ANSWER" in tail else "\n")
+    return TurnLayout(tail.split("ANSWER")[0] if sep and "ANSWER" in tail else "\n")
 
 
 def _canonical_args(args: Any) -> str:

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
-from glm53.server.chat_prompt import Layout, ReasoningMemory, probe_layout
+from glm53.server.chat_prompt import ReasoningMemory, TurnLayout, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
+from glm53.server.jsontext import JSONBody
 from glm53.server.metrics import Metrics
 from glm53.server.protocol import ResponseFormat, SamplingFields
 from glm53.server.sse import SSEResponse, wait_for_disconnect
@@ -40,18 +41,20 @@ class ServerState:
     reasoning_effort: str = "high"  # the default effort (GLM53_REASONING_EFFORT): none | low | high | max
     ping_interval: float = PING_INTERVAL_S
     load_error: str | None = None
+    # Called once the load failed (glm53 serve stops the server then: the process exits with status 2).
+    on_load_failure: Callable[[], None] | None = None
     reasoning_memory: ReasoningMemory = field(default_factory=ReasoningMemory)
     stopping: bool = False  # the server is shutting down: generations still running end with an error
-    live: set[Job] = field(default_factory=set)  # requests being answered
-    _layout: Layout | None = None
+    live: set[LiveRequest] = field(default_factory=set)  # requests being answered
+    _layout: TurnLayout | None = None
 
     def stop_generations(self) -> int:
         """End every running generation (shutdown, after the drain): each reply ends with its API's error."""
         self.stopping = True
-        jobs = list(self.live)
-        for job in jobs:
-            job.cancel()
-        return len(jobs)
+        answering = list(self.live)
+        for live in answering:
+            live.cancel()
+        return len(answering)
 
     def stop_error(self) -> APIError | None:
         """The error a generation the server ended reports: only once it is shutting down."""
@@ -61,14 +64,26 @@ class ServerState:
         """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
         return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
 
-    def layout(self) -> Layout:
+    def layout(self) -> TurnLayout:
         """How the checkpoint's template writes a turn (learned once, by rendering one)."""
         if self._layout is None:
             self._layout = probe_layout(self.engine)
         return self._layout
 
 
+def check_unicode(text: str, param: str) -> None:
+    """A lone surrogate (an escape pair cut in half) is no text: 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"The {param} text is not valid Unicode: a lone surrogate ({text[exc.start]!r}) at "
+                          f"character {exc.start}. Send UTF-8 text (escape pairs must be complete).",
+                          param=param) from None
+
+
 def check_model(state: ServerState, model: str | None) -> None:
+    if model:
+        check_unicode(model, "model")
     if model and model != state.model_id:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{state.model_id}`.",
                        param="model", code="model_not_found")
@@ -80,6 +95,26 @@ def check_ready(state: ServerState) -> None:
             raise APIError(503, f"The model could not be loaded: {state.load_error}. Fix that and restart the "
                                 "server; the log has the details.", code="model_load_failed")
         raise APIError(503, "The model is still loading; retry shortly.", code="model_not_ready")
+
+
+def check_token_ids(state: ServerState, ids: list[int], param: str) -> None:
+    """Refuse ids outside the vocabulary (a tokenizer would decode them to nothing, silently)."""
+    n = state.engine.vocab_size
+    bad = next((i for i, t in enumerate(ids) if t >= n), None)
+    if bad is not None:
+        raise bad_request(f"{param}[{bad}] = {ids[bad]} is not a token id of this model (its ids run from 0 to "
+                          f"{n - 1}).", param=f"{param}.{bad}")
+
+
+def check_capacity(state: ServerState, choices: int, param: str) -> None:
+    """Refuse a request that needs more generations at once than the engine ever takes: QueueFull's 429 "retry
+    shortly" would be answered forever, on an idle server too."""
+    most = state.engine.capacity
+    if most is not None and choices > most:
+        raise bad_request(f"This request needs {choices} generations at once, and this server takes at most {most} "
+                          f"(its decode slots, GLM53_MAX_CONCURRENCY, plus the requests that may wait for one, "
+                          f"GLM53_MAX_QUEUE), so it could never start. Ask for at most {most}, or raise those "
+                          f"settings.", param=param, code="too_many_choices")
 
 
 def check_unsupported(req: SamplingFields) -> None:
@@ -121,12 +156,8 @@ def tokenize_prompt(state: ServerState, text: str, add_special: bool = False, pa
     """Prompt text -> ids, in a worker thread (the tokenizer releases the GIL on long texts). A text that cannot
     fit the context even at the vocabulary's longest token is refused before the tokenizer sees it."""
     engine = state.engine
-    try:
-        size = len(text.encode("utf-8"))
-    except UnicodeEncodeError as exc:
-        raise bad_request(f"The {param} text is not valid Unicode: a lone surrogate ({text[exc.start]!r}) at "
-                          f"character {exc.start}. Send UTF-8 text (escape pairs must be complete).",
-                          param=param) from None
+    check_unicode(text, param)
+    size = len(text.encode("utf-8"))
     longest = getattr(engine, "max_token_bytes", 0)
     if longest and size > longest * engine.context_length:
         raise context_exceeded(-(-size // longest), engine.context_length, param, at_least=True)
@@ -152,6 +183,8 @@ def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, ind
         # n > 1 with a seed: distinct but reproducible choices. Negative seeds fold into the engine's range.
         seed = (seed + index) % (2**63)
     top_k = req.top_k or 0
+    # The end-of-turn tokens are the stop tokens here: never stopping at them is holding them back to the end.
+    min_tokens = max_tokens if req.ignore_eos else min(req.min_tokens, max_tokens)
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -160,14 +193,16 @@ def sampling_params(req: SamplingFields, engine: Engine, *, max_tokens: int, ind
         seed=seed,
         max_tokens=max_tokens,
         stop_token_ids=list(engine.eos_token_ids),
+        min_tokens=min_tokens,
         logprobs=logprobs,
         grammar=grammar,
     )
 
 
 @dataclass(eq=False)  # a request is itself: held in ServerState.live by identity
-class Job:
-    """One HTTP request's generations: ids to cancel, per-choice tallies, metrics on completion."""
+class LiveRequest:
+    """One HTTP request being answered (in ServerState.live until it finishes): its generations' ids to cancel,
+    per-choice tallies, metrics on completion."""
 
     state: ServerState
     kind: str  # "chatcmpl" | "cmpl"
@@ -230,16 +265,16 @@ class Job:
 
 
 async def open_runs(engine: Engine, prompt_ids: list[int] | list[list[int]], params: list[SamplingParams],
-                    job: Job) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
+                    live: LiveRequest) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
     """Start every choice's generation (see generation.open_events); on a failure, stop the ones started."""
     runs = []
     try:
         for i, p in enumerate(params):
-            rid, tally = job.new_choice()
+            rid, tally = live.new_choice()
             ids = prompt_ids[i] if prompt_ids and isinstance(prompt_ids[0], list) else prompt_ids
             runs.append((rid, tally, await open_events(engine, ids, p, rid)))  # type: ignore[arg-type]
     except BaseException:
-        job.cancel()
+        live.cancel()
         for _, _, events in runs:
             await events.aclose()
         raise
@@ -250,7 +285,7 @@ class ClientGone(Exception):
     """The client disconnected before a non-streamed reply was ready."""
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) -> T:
+async def unless_disconnected(request: Request, work: Awaitable[T], live: LiveRequest) -> T:
     """Await `work`, but cancel it (and the engine requests) as soon as the client disconnects."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(wait_for_disconnect(request.receive))
@@ -258,7 +293,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) ->
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         if not task.done():
-            job.client_gone()
+            live.client_gone()
             task.cancel()
         watch.cancel()
         await asyncio.gather(task, watch, return_exceptions=True)
@@ -267,16 +302,16 @@ async def unless_disconnected(request: Request, work: Awaitable[T], job: Job) ->
     return task.result()
 
 
-async def respond(request: Request, job: Job, stream: bool, frames: Callable[[], AsyncIterator[bytes]],
+async def respond(request: Request, live: LiveRequest, stream: bool, frames: Callable[[], AsyncIterator[bytes]],
                   collect: Callable[[], Awaitable[dict[str, Any]]]) -> Response:
     """The reply of a completion route: an SSE stream, or the collected body unless the client left first."""
     if stream:
-        return SSEResponse(frames(), on_disconnect=job.client_gone)
+        return SSEResponse(frames(), on_disconnect=live.client_gone)
     try:
-        body = await unless_disconnected(request, collect(), job)
+        body = await unless_disconnected(request, collect(), live)
     except ClientGone:
         return Response(status_code=499)
-    return JSONResponse(body)
+    return JSONBody(body)
 
 
 def stream_usage_requested(req: SamplingFields) -> bool:

@@ -12,10 +12,12 @@ from fastapi.responses import Response
 
 from glm53.engine.interface import EngineEvent, SamplingParams
 from glm53.server.common import (
-    Job,
+    LiveRequest,
     ServerState,
+    check_capacity,
     check_model,
     check_ready,
+    check_token_ids,
     check_unsupported,
     error_frame_body,
     grammar_for,
@@ -27,26 +29,29 @@ from glm53.server.common import (
     tokenize_prompt,
 )
 from glm53.server.errors import bad_request
-from glm53.server.generation import Step, Tally, TokenLogprob, choice_steps
+from glm53.server.generation import Emission, Tally, TokenLogprob, choice_emissions
 from glm53.server.protocol import CompletionRequest
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_keepalive
 
 
 @dataclass
-class Prompt:
+class CompletionPrompt:
     ids: list[int]
     text: str  # for echo
 
 
 @dataclass
-class CompletionPlan:
+class PreparedCompletion:
+    """A completion request checked, tokenized and started: every choice's sampling and its engine run, before any
+    reply is written."""
+
     req: CompletionRequest
-    prompts: list[Prompt]
+    prompts: list[CompletionPrompt]
     params: list[SamplingParams]  # one per choice: prompt-major, n per prompt
     runs: list[tuple[str, Tally, AsyncIterator[EngineEvent]]] = field(default_factory=list)
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
+def _prompts(state: ServerState, req: CompletionRequest) -> list[CompletionPrompt]:
     engine = state.engine
     p = req.prompt
     if isinstance(p, str):
@@ -60,16 +65,16 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[Prompt]:
     out = []
     for item in raw:
         if isinstance(item, str):
-            out.append(Prompt(tokenize_prompt(state, item, True, "prompt"), item))
+            out.append(CompletionPrompt(tokenize_prompt(state, item, True, "prompt"), item))
             continue
         if not item:
             raise bad_request("A token-id prompt must not be empty.", param="prompt")
-        # Ids outside the vocabulary are refused by the engine when the generation starts (a 400 as well).
-        out.append(Prompt(list(item), engine.detokenize(list(item))))
+        check_token_ids(state, list(item), "prompt")
+        out.append(CompletionPrompt(list(item), engine.detokenize(list(item))))
     return out
 
 
-async def plan_completion(state: ServerState, req: CompletionRequest, job: Job) -> CompletionPlan:
+async def prepare_completion(state: ServerState, req: CompletionRequest, live: LiveRequest) -> PreparedCompletion:
     check_model(state, req.model)
     check_unsupported(req)
     check_ready(state)
@@ -86,37 +91,39 @@ async def plan_completion(state: ServerState, req: CompletionRequest, job: Job) 
     prompts = await asyncio.to_thread(_prompts, state, req)
     if len(prompts) * req.n > 64:
         raise bad_request("At most 64 choices (prompts x n) per request.", param="n")
-    job.prompt_tokens = sum(len(p.ids) for p in prompts)
+    check_capacity(state, len(prompts) * req.n, "prompt" if len(prompts) > 1 else "n")
+    live.prompt_tokens = sum(len(p.ids) for p in prompts)
     params = []
     for p in prompts:
         max_tokens = resolve_max_tokens(req.max_tokens, len(p.ids), engine.context_length, "prompt")
         for i in range(req.n):
             params.append(sampling_params(req, engine, max_tokens=max_tokens, index=i, logprobs=req.logprobs,
                                           grammar=grammar))
-    plan = CompletionPlan(req, prompts, params)
+    prep = PreparedCompletion(req, prompts, params)
     per_choice = [prompts[i // req.n].ids for i in range(len(params))]
-    plan.runs = await open_runs(engine, per_choice, params, job)
-    return plan
+    prep.runs = await open_runs(engine, per_choice, params, live)
+    return prep
 
 
-async def _run(state: ServerState, plan: CompletionPlan, job: Job, index: int) -> AsyncIterator[tuple[int, Step]]:
-    rid, tally, events = plan.runs[index]
-    prompt = plan.prompts[index // plan.req.n]
-    steps = choice_steps(state.engine, events, rid, frozenset(plan.params[index].stop_token_ids), plan.req.stop,
-                         tally, state.stop_error)
+async def _run(state: ServerState, prep: PreparedCompletion, live: LiveRequest,
+               index: int) -> AsyncIterator[tuple[int, Emission]]:
+    rid, tally, events = prep.runs[index]
+    prompt = prep.prompts[index // prep.req.n]
+    emissions = choice_emissions(state.engine, events, rid, frozenset(prep.params[index].stop_token_ids),
+                                 prep.req.stop, tally, state.stop_error)
     try:
-        if plan.req.echo:
-            yield index, Step(prompt.text)
-        async for step in steps:
-            yield index, step
+        if prep.req.echo:
+            yield index, Emission(prompt.text)
+        async for em in emissions:
+            yield index, em
     finally:
-        await steps.aclose()
+        await emissions.aclose()
 
 
-def _events(state: ServerState, plan: CompletionPlan, job: Job) -> AsyncIterator[tuple[int, Step]]:
-    if len(plan.params) == 1:
-        return _run(state, plan, job, 0)
-    return merge([_run(state, plan, job, i) for i in range(len(plan.params))])
+def _events(state: ServerState, prep: PreparedCompletion, live: LiveRequest) -> AsyncIterator[tuple[int, Emission]]:
+    if len(prep.params) == 1:
+        return _run(state, prep, live, 0)
+    return merge([_run(state, prep, live, i) for i in range(len(prep.params))])
 
 
 def _logprobs_json(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
@@ -130,59 +137,59 @@ def _logprobs_json(items: list[TokenLogprob], offset: int) -> dict[str, Any]:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def stream_frames(state: ServerState, plan: CompletionPlan, job: Job) -> AsyncIterator[bytes]:
-    include_usage = stream_usage_requested(plan.req)
-    head = {"id": job.id, "object": "text_completion", "created": job.created, "model": state.model_id}
+async def stream_frames(state: ServerState, prep: PreparedCompletion, live: LiveRequest) -> AsyncIterator[bytes]:
+    include_usage = stream_usage_requested(prep.req)
+    head = {"id": live.id, "object": "text_completion", "created": live.created, "model": state.model_id}
     if include_usage:
         head["usage"] = None
-    offsets = [0] * len(plan.params)
-    events = with_keepalive(_events(state, plan, job), state.ping_interval)
+    offsets = [0] * len(prep.params)
+    events = with_keepalive(_events(state, prep, live), state.ping_interval)
     try:
         async for ev in events:
             if ev is PING:
                 yield PING_FRAME
                 continue
-            index, step = ev
+            index, em = ev
             lp = None
-            if plan.req.logprobs is not None:
-                lp = _logprobs_json(step.logprobs, offsets[index])
-            offsets[index] += len(step.text)
-            yield frame({**head, "choices": [{"index": index, "text": step.text, "logprobs": lp,
-                                              "finish_reason": step.finish_reason}]})
+            if prep.req.logprobs is not None:
+                lp = _logprobs_json(em.logprobs, offsets[index])
+            offsets[index] += len(em.text)
+            yield frame({**head, "choices": [{"index": index, "text": em.text, "logprobs": lp,
+                                              "finish_reason": em.finish_reason}]})
         if include_usage:
-            yield frame({**head, "choices": [], "usage": job.usage()})
+            yield frame({**head, "choices": [], "usage": live.usage()})
     except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-band, then [DONE]
         yield frame(error_frame_body(exc))
     finally:
         await events.aclose()
-        job.finish()
+        live.finish()
     yield DONE_FRAME
 
 
-async def _collect(state: ServerState, plan: CompletionPlan, job: Job) -> dict[str, Any]:
-    count = len(plan.params)
+async def _collect(state: ServerState, prep: PreparedCompletion, live: LiveRequest) -> dict[str, Any]:
+    count = len(prep.params)
     texts = [""] * count
     lps: list[list[TokenLogprob]] = [[] for _ in range(count)]
     reasons: list[str | None] = [None] * count
-    events = _events(state, plan, job)
+    events = _events(state, prep, live)
     try:
-        async for index, step in events:
-            texts[index] += step.text
-            lps[index].extend(step.logprobs)
-            if step.finish_reason:
-                reasons[index] = step.finish_reason
+        async for index, em in events:
+            texts[index] += em.text
+            lps[index].extend(em.logprobs)
+            if em.finish_reason:
+                reasons[index] = em.finish_reason
     finally:
         await events.aclose()
-        job.finish()
+        live.finish()
     choices = [{"index": i, "text": texts[i],
-                "logprobs": _logprobs_json(lps[i], 0) if plan.req.logprobs is not None else None,
+                "logprobs": _logprobs_json(lps[i], 0) if prep.req.logprobs is not None else None,
                 "finish_reason": reasons[i]} for i in range(count)]
-    return {"id": job.id, "object": "text_completion", "created": job.created, "model": state.model_id,
-            "choices": choices, "usage": job.usage()}
+    return {"id": live.id, "object": "text_completion", "created": live.created, "model": state.model_id,
+            "choices": choices, "usage": live.usage()}
 
 
 async def completions(state: ServerState, request: Request, req: CompletionRequest) -> Response:
-    job = Job(state, "cmpl")
-    plan = await plan_completion(state, req, job)
-    return await respond(request, job, bool(req.stream), lambda: stream_frames(state, plan, job),
-                         lambda: _collect(state, plan, job))
+    live = LiveRequest(state, "cmpl")
+    prep = await prepare_completion(state, req, live)
+    return await respond(request, live, bool(req.stream), lambda: stream_frames(state, prep, live),
+                         lambda: _collect(state, prep, live))

@@ -21,12 +21,13 @@ from glm53.engine.interface import (
     GrammarUnsupported,
     QueueFull,
 )
+from glm53.server.jsontext import JSONBody
 
 log = logging.getLogger("glm53.server")
 
 QUEUE_RETRY_AFTER_S = 2
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable",
           500: "server_error"}
@@ -107,7 +108,7 @@ def from_engine_error(exc: Exception) -> APIError:
 
 
 def json_error(err: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
-    return JSONResponse(body_for(path, err), status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
+    return JSONBody(body_for(path, err), status_code=err.status, headers={**(err.headers or {}), **(headers or {})})
 
 
 def _loc_param(loc: tuple) -> str | None:

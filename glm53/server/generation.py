@@ -1,4 +1,4 @@
-"""One completion choice: engine token events -> output text steps, with stop strings and logprobs.
+"""One completion choice: engine token events -> the text it emits, with stop strings and logprobs.
 
 The engine streams detokenized text per token. Stop strings are matched on that text, across token
 boundaries: text that could still be the start of a stop string is held back until it cannot, and the stop
@@ -28,11 +28,14 @@ class TokenLogprob:
 
 
 @dataclass
-class Step:
+class Emission:
+    """What one choice releases at once: text no stop string can still claim, its tokens' logprobs, and the
+    finish reason on the last."""
+
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    tokens: int = 0  # engine tokens consumed since the previous step (its text may lag them: stop strings)
+    tokens: int = 0  # engine tokens consumed since the previous emission (its text may lag them: stop strings)
     stop_sequence: str | None = None  # the stop string that ended the choice (Anthropic's stop_sequence)
 
 
@@ -141,14 +144,15 @@ async def _chain(first: asyncio.Future, events: AsyncIterator[EngineEvent]) -> A
         await events.aclose()
 
 
-async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], request_id: str, end_ids: frozenset[int],
-                       stops: list[str], tally: Tally, stopped: Callable[[], BaseException | None]) -> AsyncIterator[Step]:
-    """Yield text steps of one choice from opened `events`; the last step carries finish_reason
+async def choice_emissions(engine: Engine, events: AsyncIterator[EngineEvent], request_id: str,
+                           end_ids: frozenset[int], stops: list[str], tally: Tally,
+                           stopped: Callable[[], BaseException | None]) -> AsyncIterator[Emission]:
+    """Yield the emissions of one choice from opened `events`; the last carries finish_reason
     ("stop" | "length"). A generation that ends without one raises `stopped()` when that is an error (the server
     stopped it), else an engine error."""
     matcher = StopMatcher(stops) if stops else None
     engine_done = False  # the engine finished on its own; otherwise it is told to stop (stop string, error, client gone)
-    pending = 0  # tokens not yet reported in a step
+    pending = 0  # tokens not yet reported in an emission
     try:
         async for ev in events:
             if isinstance(ev, PromptProgress):
@@ -165,24 +169,24 @@ async def choice_steps(engine: Engine, events: AsyncIterator[EngineEvent], reque
             text = "" if ev.finish_reason == "stop" and ev.token_id in end_ids else ev.text
             lp = _logprob(ev)
             if matcher is None:
-                step = Step(text, [lp] if lp else [], ev.finish_reason, pending)
+                em = Emission(text, [lp] if lp else [], ev.finish_reason, pending)
             else:
                 released, items, matched = matcher.feed(text, lp)
                 if matched:
-                    yield Step(released, items, "stop", pending, matcher.matched)
+                    yield Emission(released, items, "stop", pending, matcher.matched)
                     return
-                step = Step(released, items, ev.finish_reason, pending)
+                em = Emission(released, items, ev.finish_reason, pending)
                 if ev.finish_reason:
                     rest, more = matcher.flush()
-                    step.text += rest
-                    step.logprobs += more
-            if step.finish_reason:
+                    em.text += rest
+                    em.logprobs += more
+            if em.finish_reason:
                 engine_done = True
-                yield step
+                yield em
                 return
-            if step.text or step.logprobs:
+            if em.text or em.logprobs:
                 pending = 0
-                yield step
+                yield em
         raise stopped() or EngineError("the engine ended the generation without a finish reason")
     finally:
         if not engine_done:

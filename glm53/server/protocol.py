@@ -70,7 +70,15 @@ class MessageToolCall(_Model):
     function: ToolCallFunction
 
 
+# What _tool_message_names_its_call checks, said in the schema too (clients and fuzzers generate from it).
+TOOL_NEEDS_CALL_ID = {"if": {"properties": {"role": {"const": "tool"}}, "required": ["role"]},
+                      "then": {"required": ["tool_call_id"],
+                               "properties": {"tool_call_id": {"type": "string", "minLength": 1}}}}
+
+
 class ChatMessage(_Model):
+    model_config = ConfigDict(**_Model.model_config, json_schema_extra=TOOL_NEEDS_CALL_ID)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -119,6 +127,9 @@ class SamplingFields(_Model):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's (benchmark clients send them): no end-of-turn token before min_tokens, or before max_tokens at all.
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    ignore_eos: StrictBool = False
 
     @field_validator("stop")
     @classmethod

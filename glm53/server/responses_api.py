@@ -1,5 +1,5 @@
 """POST /v1/responses: OpenAI's Responses API (what Codex-style CLIs send), non-stateful: translated into the
-chat route's request and run through the same path (chat_api.plan_chat and run_choice).
+chat route's request and run through the same path (chat_api.prepare_chat and run_choice).
 
 The server keeps no responses: `store: true` and `previous_response_id` are refused, so a client sends the
 whole conversation as input items each turn (reasoning items included, or the server re-attaches the
@@ -18,8 +18,8 @@ from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt
 
 from glm53.server.blocks import Block, BlockEvent, BlockSequence
-from glm53.server.chat_api import ChatPlan, chat_request, plan_chat, run_choice
-from glm53.server.common import Job, ServerState, error_frame_body, respond
+from glm53.server.chat_api import PreparedChat, chat_request, prepare_chat, run_choice
+from glm53.server.common import LiveRequest, ServerState, error_frame_body, respond
 from glm53.server.errors import bad_request
 from glm53.server.protocol import SEED_MAX, SEED_MIN, ReasoningEffort, _Model
 from glm53.server.sse import PING, PING_FRAME, event_frame, with_keepalive
@@ -226,8 +226,8 @@ def to_chat(req: ResponsesRequest) -> Any:
 # -- replies ---------------------------------------------------------------------------------------------------
 
 
-def usage(job: Job) -> dict[str, Any]:
-    u = job.usage()
+def usage(live: LiveRequest) -> dict[str, Any]:
+    u = live.usage()
     return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
             "output_tokens": u["completion_tokens"], "output_tokens_details": u["completion_tokens_details"],
             "total_tokens": u["total_tokens"]}
@@ -236,8 +236,8 @@ def usage(job: Job) -> dict[str, Any]:
 class Reply:
     """One response's state: its id, its items' ids and the envelope every lifecycle event carries."""
 
-    def __init__(self, state: ServerState, req: ResponsesRequest, job: Job) -> None:
-        self.state, self.req, self.job = state, req, job
+    def __init__(self, state: ServerState, req: ResponsesRequest, live: LiveRequest) -> None:
+        self.state, self.req, self.live = state, req, live
         self.id = "resp_" + uuid.uuid4().hex
         self.seq = 0
         self.reason: str | None = None
@@ -267,7 +267,7 @@ class Reply:
         incomplete = status == "completed" and self.reason == "length"
         if incomplete:
             status = "incomplete"
-        return {"id": self.id, "object": "response", "created_at": self.job.created, "status": status,
+        return {"id": self.id, "object": "response", "created_at": self.live.created, "status": status,
                 "model": self.state.model_id, "output": output, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -279,7 +279,7 @@ class Reply:
                 "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
                 "text": req.text.model_dump(by_alias=True, exclude_none=True) if req.text else {"format": {"type": "text"}},
                 "truncation": "disabled", "metadata": req.metadata or {},
-                "usage": usage(self.job) if status != "in_progress" else None}
+                "usage": usage(self.live) if status != "in_progress" else None}
 
     def event(self, kind: str, **fields: Any) -> bytes:
         self.seq += 1
@@ -320,23 +320,23 @@ def _output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-async def _collect(reply: Reply, plan: ChatPlan) -> dict[str, Any]:
+async def _collect(reply: Reply, prep: PreparedChat) -> dict[str, Any]:
     seq = BlockSequence()
-    events = run_choice(reply.state, plan, reply.job, 0)
+    events = run_choice(reply.state, prep, reply.live, 0)
     try:
         async for ev in events:
             seq.feed(ev.delta)
             reply.reason = ev.finish_reason or reply.reason
     finally:
         await events.aclose()
-        reply.job.finish()
+        reply.live.finish()
     seq.finish()
     return reply.body([reply.item(b, True) for b in seq.blocks], "completed")
 
 
-async def _stream(reply: Reply, plan: ChatPlan) -> AsyncIterator[bytes]:
+async def _stream(reply: Reply, prep: PreparedChat) -> AsyncIterator[bytes]:
     seq = BlockSequence()
-    events = with_keepalive(run_choice(reply.state, plan, reply.job, 0), reply.state.ping_interval)
+    events = with_keepalive(run_choice(reply.state, prep, reply.live, 0), reply.state.ping_interval)
     try:
         yield reply.event("response.created", response=reply.body([], "in_progress"))
         yield reply.event("response.in_progress", response=reply.body([], "in_progress"))
@@ -361,11 +361,11 @@ async def _stream(reply: Reply, plan: ChatPlan) -> AsyncIterator[bytes]:
         yield reply.event("response.failed", response=failed)
     finally:
         await events.aclose()
-        reply.job.finish()
+        reply.live.finish()
 
 
 async def responses(state: ServerState, request: Request, req: ResponsesRequest) -> Response:
-    job = Job(state, "resp")
-    plan = await plan_chat(state, to_chat(req), job)
-    reply = Reply(state, req, job)
-    return await respond(request, job, req.stream, lambda: _stream(reply, plan), lambda: _collect(reply, plan))
+    live = LiveRequest(state, "resp")
+    prep = await prepare_chat(state, to_chat(req), live)
+    reply = Reply(state, req, live)
+    return await respond(request, live, req.stream, lambda: _stream(reply, prep), lambda: _collect(reply, prep))

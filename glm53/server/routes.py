@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from glm53.server import anthropic_api, chat_api, completions_api, responses_api
-from glm53.server.common import ServerState, check_model, check_ready, tokenize_prompt
+from glm53.server.common import ServerState, check_model, check_ready, check_token_ids, tokenize_prompt
 from glm53.server.errors import APIError, bad_request
 from glm53.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -23,6 +23,18 @@ async def server_state(request: Request) -> ServerState:
 
 
 State = Annotated[ServerState, Depends(server_state)]
+GET_HEAD = ["GET", "HEAD"]  # the start-up probes, out of the schema
+
+
+def get_and_head(router: APIRouter, path: str, **kw: Any) -> Any:
+    """A GET route that answers HEAD as well (the status and headers alone: monitors and launchers probe with
+    it). The HEAD twin stays out of the schema, where it would repeat the GET's operation id."""
+
+    def register(fn: Any) -> Any:
+        router.add_api_route(path, fn, methods=["HEAD"], include_in_schema=False)
+        return router.get(path, **kw)(fn)
+
+    return register
 
 
 # ------------------------------------------------------------------------------------------------ probes
@@ -30,20 +42,23 @@ State = Annotated[ServerState, Depends(server_state)]
 probes = APIRouter()
 
 
-@probes.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
-@probes.api_route("/api/hello", methods=["GET", "HEAD"], include_in_schema=False)
+@probes.api_route("/", methods=GET_HEAD, include_in_schema=False)
+@probes.api_route("/api/hello", methods=GET_HEAD, include_in_schema=False)
 async def hello() -> dict[str, str]:
     """What clients probe before their first request (Claude Code: HEAD /api/hello): the server answers."""
     return {"status": "ok", "api": "/v1"}
 
 
-@probes.get("/health", tags=["ops"])
-async def health() -> dict[str, str]:
-    """Liveness: the process answers (the model may still be loading)."""
+@get_and_head(probes, "/health", tags=["ops"])
+async def health(state: State) -> dict[str, str]:
+    """Liveness: the process answers (the model may still be loading); 503 once the load failed, which no
+    waiting mends."""
+    if state.load_error:
+        check_ready(state)
     return {"status": "ok"}
 
 
-@probes.get("/ready", tags=["ops"])
+@get_and_head(probes, "/ready", tags=["ops"])
 async def ready(state: State) -> dict[str, str]:
     """Readiness: 200 once the model is loaded, 503 before, and 503 while a tier reports a fault (a store
     record that cannot be read: requests that need it fail with the record named, the rest are served)."""
@@ -65,14 +80,14 @@ def model_card(state: ServerState) -> dict[str, Any]:
             "max_model_len": state.engine.context_length}
 
 
-@openai.get("/v1/models")
+@get_and_head(openai, "/v1/models")
 async def list_models(state: State) -> dict[str, Any]:
     # Launchers treat a 200 here as "ready": answer 503 until the model can generate.
     check_ready(state)
     return {"object": "list", "data": [model_card(state)]}
 
 
-@openai.get("/v1/models/{model}")
+@get_and_head(openai, "/v1/models/{model}")
 async def get_model(model: str, state: State) -> dict[str, Any]:
     check_model(state, model)
     return model_card(state)
@@ -142,6 +157,7 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
 async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, Any]:
     check_model(state, body.model)
     check_ready(state)
+    check_token_ids(state, body.tokens, "tokens")
     return {"prompt": state.engine.detokenize(body.tokens)}
 
 
@@ -150,13 +166,13 @@ async def detokenize(body: DetokenizeRequest, state: State) -> dict[str, Any]:
 monitoring = APIRouter(tags=["ops"])
 
 
-@monitoring.get("/metrics")
+@get_and_head(monitoring, "/metrics")
 async def prometheus(state: State) -> Response:
     data, content_type = state.metrics.render()
     return Response(data, media_type=content_type)
 
 
-@monitoring.get("/stats")
+@get_and_head(monitoring, "/stats")
 async def stats(state: State) -> dict[str, Any]:
     """engine.stats() plus the server's own counters under "server"."""
     engine = state.engine

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,6 +16,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
+
+from glm53.server.jsontext import json_bytes
 
 log = logging.getLogger("glm53.server")
 
@@ -26,7 +27,7 @@ PING = object()  # sentinel yielded by with_keepalive while nothing else is read
 
 
 def frame(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 def event_frame(event: str, obj: Any) -> bytes:

@@ -1,7 +1,7 @@
 """The per-layer MoE step: which tier each of a layer's expert picks is read from, and the bookkeeping after it.
 
   stepper     MoeStepper: one decode step and one prefill step over the tiers, and what runs after launch
-  slots       router ids -> slot ids (cache, staging, masked for the CPU lane); the resolved Step
+  slots       router ids -> slot ids (cache, staging, masked for the CPU lane); a step's Resolution
   lookahead   the next layer's router run ahead (predict_topk), its recall (RecallMeter) and live precision
   lane_judge  whether offering decode steps to the CPU lane makes them faster, judged from their wall time
   timing      StepTimer: the one hook through which a step's host time is measured and charged

@@ -1,4 +1,4 @@
-"""Router ids -> slot ids, and the resolved step that carries them back to the adapter.
+"""Router ids -> slot ids, and the Resolution that carries them back to the adapter.
 
 A slot id is one of the layer's S cache slots (a VRAM hit, or an expert admitted this step), one of the P staging
 slots shared by all layers (a miss streamed over PCIe without admission), or `masked` (S + P: outside the module's
@@ -23,8 +23,9 @@ NO_SLOTS.flags.writeable = False
 
 
 @dataclass
-class Step:
-    """One resolved layer step."""
+class Resolution:
+    """What `MoeStepper.resolve` decided for one layer step: the slot each pick is read from, the misses it
+    staged, and the experts the CPU lane computes with the lane's ticket."""
 
     slots: np.ndarray                       # (tokens, top_k) slot id per pick
     staged: list[int] = field(default_factory=list)  # misses streamed into staging (a decode step's admissions

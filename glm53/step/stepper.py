@@ -31,7 +31,7 @@ import numpy as np
 from glm53.planning.spec import FREE_RAM_SLOTS
 from glm53.step.lane_judge import LaneJudge
 from glm53.step.lookahead import Guesses, LazySets
-from glm53.step.slots import NO_SLOTS, Step, StepError, decode_slots, translate
+from glm53.step.slots import NO_SLOTS, Resolution, StepError, decode_slots, translate
 from glm53.step.timing import StepTimer
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class MoeStepper:
 
     def resolve(self, li: int, ids: np.ndarray, decode: bool, x: np.ndarray | None = None,
                 weights: np.ndarray | None = None, next_guess: Sequence[int] | None = None,
-                read_ahead: ReadAhead | None = None) -> Step:
+                read_ahead: ReadAhead | None = None) -> Resolution:
         """Make every pick of layer li readable on the GPU (or give it to the CPU lane) and translate to slots.
 
         Decode steps (<= MAX_BSZN rows) teach the policy, admit the misses it wants and stream the rest through
@@ -144,57 +144,57 @@ class MoeStepper:
         return self._prefill_step(li, ids, next_guess)
 
     def _decode_step(self, li: int, ids: Any, x: np.ndarray | None, weights: np.ndarray | None,
-                     read_ahead: ReadAhead | None) -> Step:
+                     read_ahead: ReadAhead | None) -> Resolution:
         """A decode step: every PCIe miss streams through staging, the GPU (not the host) waits for the copies, and
         the policy's learning and admissions wait for after_launch."""
         p = self._begin(li, ids, decode=True)
         reading, ahead_later = self._decode_reads(p, read_ahead)
         hits, misses = self._split_hits(p)
-        step = Step(slots=NO_SLOTS)
+        resolved = Resolution(slots=NO_SLOTS)
         pcie = misses
         if self.lane is not None:  # fast / nvme: the planner's split of the misses, and the judge told of it
-            step.cpu, n_cpu = self._plan_lane(li, p.ids, misses)
+            resolved.cpu, n_cpu = self._plan_lane(li, p.ids, misses)
             self.lane_judge.done(p.ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
-            on_cpu = set(step.cpu)
+            on_cpu = set(resolved.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
-        step.staged = list(pcie)
-        self._make_room(p, step.staged)
-        self._count_picks(li, p.picks, hits, p.from_store, step.cpu)
-        if step.cpu:
-            reading = self._land_for_lane(p, reading, step.cpu)
-            step.ticket = self._submit_lane(li, p.ids, x, weights, step.cpu)
+        resolved.staged = list(pcie)
+        self._make_room(p, resolved.staged)
+        self._count_picks(li, p.picks, hits, p.from_store, resolved.cpu)
+        if resolved.cpu:
+            reading = self._land_for_lane(p, reading, resolved.cpu)
+            resolved.ticket = self._submit_lane(li, p.ids, x, weights, resolved.cpu)
         self.timer.phase(None)
-        last = self._stream_decode(p, step, reading)
-        self._charge_copies(p, step.staged, hits)
-        self._deferred = (li, p.ids, p.uniq, pcie, step.staged, ahead_later, p.uniq_l)
+        last = self._stream_decode(p, resolved, reading)
+        self._charge_copies(p, resolved.staged, hits)
+        self._deferred = (li, p.ids, p.uniq, pcie, resolved.staged, ahead_later, p.uniq_l)
         if last is not None:  # the GPU waits for the copies, the host goes on
-            self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", self._order_after, li, step.staged, last))
+            self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", self._order_after, li, resolved.staged, last))
         self.timer.phase("plan_copies")
-        step.slots = decode_slots(p.ids, p.picks, p.uniq, self.tiers.vram[li].slot_of, step.staged,
-                                  self.cache_slots[li], step.cpu, self.masked_id(li))
+        resolved.slots = decode_slots(p.ids, p.picks, p.uniq, self.tiers.vram[li].slot_of, resolved.staged,
+                                      self.cache_slots[li], resolved.cpu, self.masked_id(li))
         self.timer.end()
-        return step
+        return resolved
 
-    def _prefill_step(self, li: int, ids: Any, next_guess: Sequence[int] | None) -> Step:
+    def _prefill_step(self, li: int, ids: Any, next_guess: Sequence[int] | None) -> Resolution:
         """A prefill step: every picked expert is staged in ascending id order (residents copied on the device), the
         host waits for the copies, and nothing is learned or admitted."""
         p = self._begin(li, ids, decode=False)
         self._count_lookahead(li, p.ids, False)
         self._prefill_reads(p, next_guess)
         hits, _ = self._split_hits(p)
-        step = Step(slots=NO_SLOTS, staged=list(p.uniq_l))
-        self._make_room(p, step.staged)
-        self._count_picks(li, p.picks, hits, p.from_store, step.cpu)
+        resolved = Resolution(slots=NO_SLOTS, staged=list(p.uniq_l))
+        self._make_room(p, resolved.staged)
+        self._count_picks(li, p.picks, hits, p.from_store, resolved.cpu)
         self.timer.phase(None)
-        last = self._copy_staged(li, step.staged) if step.staged else None
-        self._charge_copies(p, step.staged, hits)
+        last = self._copy_staged(li, resolved.staged) if resolved.staged else None
+        self._charge_copies(p, resolved.staged, hits)
         if last is not None:
             self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", last.wait))
         self.timer.phase("plan_copies")
-        step.slots = translate(p.ids, np.full(self.num_experts, -1, np.int32), step.staged, self.cache_slots[li],
-                               step.cpu, self.masked_id(li))
+        resolved.slots = translate(p.ids, np.full(self.num_experts, -1, np.int32), resolved.staged,
+                                   self.cache_slots[li], resolved.cpu, self.masked_id(li))
         self.timer.end()
-        return step
+        return resolved
 
     # ---- a step's parts, in the order a step runs them ----------------------------------------------------------
 
@@ -318,13 +318,13 @@ class MoeStepper:
         return tiers.copier_of(li).copy_many([(tiers.staging_slot(i, li), tiers.bytes_of(li, e))
                                               for i, e in zip(rows, experts, strict=True)])
 
-    def _stream_decode(self, p: _Picks, step: Step, reading: list[int]) -> Any:
+    def _stream_decode(self, p: _Picks, resolved: Resolution, reading: list[int]) -> Any:
         """The staged misses cross PCIe: the RAM-resident ones first, while the store reads land, then the records
         read. Returns the last copy ticket (one fill stream: it covers the earlier ones), or None."""
         if not reading:
-            return self._copy_staged(p.li, step.staged) if step.staged else None
+            return self._copy_staged(p.li, resolved.staged) if resolved.staged else None
         pending = set(reading)
-        early = [(i, e) for i, e in enumerate(step.staged) if e not in pending]
+        early = [(i, e) for i, e in enumerate(resolved.staged) if e not in pending]
         last = self._copy_staged(p.li, [e for _, e in early], [i for i, _ in early]) if early else None
         self.copied_before_store_wait += len(early)
         try:
@@ -332,10 +332,10 @@ class MoeStepper:
         except BaseException:
             if last is not None:  # its RAM sources must not be dropped under the copy
                 last.wait()
-            if step.ticket is not None:  # nobody collects it now: stop the lane reading this step's RAM rows
-                step.ticket.cancel[0] = 1
+            if resolved.ticket is not None:  # nobody collects it now: stop the lane reading this step's RAM rows
+                resolved.ticket.cancel[0] = 1
             raise
-        late = [(i, e) for i, e in enumerate(step.staged) if e in pending]
+        late = [(i, e) for i, e in enumerate(resolved.staged) if e in pending]
         return self._copy_staged(p.li, [e for _, e in late], [i for i, _ in late]) if late else last
 
     def _charge_copies(self, p: _Picks, staged: list[int], hits: set[int]) -> None:

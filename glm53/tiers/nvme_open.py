@@ -70,15 +70,7 @@ def open_nvme_tier(
     if not rep.ok:
         raise _refusal(rep, store_path, model_dir)
     header = read_header(store_path)
-    layers = sorted({e.layer for e in header.entries})
-    per_layer = {layer: sum(1 for e in header.entries if e.layer == layer) for layer in layers}
-    num_experts = per_layer[layers[0]]
-    if set(per_layer.values()) != {num_experts}:
-        raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
-    if len(spec.vram_slots) != len(layers) or spec.ram_slots < num_experts + 1:
-        raise ValueError(f"the spec (VRAM slots for {len(spec.vram_slots)} layers, {spec.ram_slots} RAM rows) does "
-                         f"not fit the store's {len(layers)} layers of {num_experts} experts (at least "
-                         f"{num_experts + 1} RAM rows: one layer's experts plus one)")
+    layers, num_experts = _store_shape(header, spec, store_path, model_dir)
     read_pieces, timing = calibrate_pieces(store_path, header, allow_buffered)
     n_threads = spec.store_threads or 4
     at_once, at_once_gain = calibrate_prefetch(store_path, header, allow_buffered, read_pieces, n_threads)
@@ -105,6 +97,22 @@ def open_nvme_tier(
         log.info("nvme tier: warmed %d VRAM and %d RAM experts in %.1f s (%d unreadable)", report["vram"],
                  report["ram"], report["seconds"], report["failed"])
     return tier
+
+
+def _store_shape(header: StoreHeader, spec: EngineSpec, store_path: Path, model_dir: Path) -> tuple[list[int], int]:
+    """The store's MoE layers and experts per layer, refused where its layers differ (a damaged or foreign store)
+    and where the spec does not fit it (planned for another checkpoint, or RAM rows below one layer's experts plus
+    one, which a step picking a whole layer needs)."""
+    layers = sorted({e.layer for e in header.entries})
+    per_layer = {layer: sum(1 for e in header.entries if e.layer == layer) for layer in layers}
+    num_experts = per_layer[layers[0]]
+    if set(per_layer.values()) != {num_experts}:
+        raise _refusal_text(store_path, model_dir, f"the store's layers hold different numbers of experts: {per_layer}")
+    if len(spec.vram_slots) != len(layers) or spec.ram_slots < num_experts + 1:
+        raise ValueError(f"the spec (VRAM slots for {len(spec.vram_slots)} layers, {spec.ram_slots} RAM rows) does "
+                         f"not fit the store's {len(layers)} layers of {num_experts} experts (at least "
+                         f"{num_experts + 1} RAM rows: one layer's experts plus one)")
+    return layers, num_experts
 
 
 def calibrate_pieces(store_path: Path, header: StoreHeader, allow_buffered: bool) -> tuple[int, dict[int, float]]:

@@ -18,7 +18,8 @@ thread that owns these tiers. Without one, `fetch` reads synchronously.
 
 The parts it keeps, each on its own: the VRAM slot arenas (glm53.tiers.vram) and the RAM arena (glm53.tiers.ram),
 which only keep books; who leaves RAM (glm53.tiers.ranking: the policies, the guards, each layer's weakest expert);
-the staging rows lent by other layers' slots (glm53.tiers.lending); one copy link per card (glm53.tiers.links).
+the staging rows lent by other layers' slots (glm53.tiers.lending); one copy link per card (glm53.tiers.links);
+the RAM experts a copy in flight still reads (glm53.tiers.holds).
 What stays here is the state of each expert and every move between the tiers, since each move changes several
 parts at once and must keep them agreeing.
 """
@@ -36,6 +37,7 @@ import torch
 from glm53.planning.spec import borrowed_rows
 
 from .copier import Copier, Ticket
+from .holds import Holds
 from .layout import SlotLayout
 from .lending import Lending
 from .links import Link
@@ -75,6 +77,26 @@ class _Move:
     slot: int  # destination: the VRAM slot (to_vram) or the RAM slot (write-back)
 
 
+def _check_ram_slots(ram_slots: int, vram_slots: Sequence[int], num_experts: int, lent: int, keep_all: bool,
+                     fetch: Loader | None) -> None:
+    """Refuse a RAM tier too small for its mode before anything is allocated. All-RAM: every expert not in VRAM,
+    those whose slots are lent to staging, and one spare for a write-back in flight. A cache of the store: `fetch`,
+    and one layer's experts plus one."""
+    total, in_vram = len(vram_slots) * num_experts, int(sum(vram_slots))
+    if keep_all and ram_slots < total - in_vram + lent + 1:
+        raise ValueError(
+            f"all-RAM tiers need ram_slots >= {total - in_vram + lent + 1} "
+            f"({total} experts - {in_vram} VRAM slots + {lent} lent to staging + 1 spare for write-backs), "
+            f"got {ram_slots}"
+        )
+    if not keep_all and fetch is None:
+        raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
+    if not keep_all and ram_slots < num_experts + 1:
+        # One step of one layer may pick all of its experts, each must sit in RAM at once (CPU lane, PCIe
+        # source) while a victim's write-back needs one more slot.
+        raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
+
+
 class ExpertTiers:
     def __init__(
         self,
@@ -110,56 +132,58 @@ class ExpertTiers:
         self.num_experts = num_experts
         self.keep_all = keep_all
         self.device = torch.device(device)
-        total, in_vram = self.num_layers * num_experts, int(sum(vram_slots))
         self.staging_rows = staging_slots if staging_rows is None else int(staging_rows)
         if not 0 < self.staging_rows <= staging_slots:
             raise ValueError(f"staging_rows {self.staging_rows} must be in [1, staging_slots {staging_slots}]")
         self.link_of = [0] * self.num_layers if link_of is None else [int(x) for x in link_of]
         lent = borrowed_rows(vram_slots, staging_slots - self.staging_rows,
                              self.link_of if len(self.link_of) == self.num_layers else None)
-        if keep_all and ram_slots < total - in_vram + len(lent) + 1:
-            raise ValueError(
-                f"all-RAM tiers need ram_slots >= {total - in_vram + len(lent) + 1} "
-                f"({total} experts - {in_vram} VRAM slots + {len(lent)} lent to staging + 1 spare for write-backs), "
-                f"got {ram_slots}"
-            )
-        if not keep_all and fetch is None:
-            raise ValueError("a RAM tier that caches the store needs `fetch` to read records")
-        if not keep_all and ram_slots < num_experts + 1:
-            # One step of one layer may pick all of its experts, each must sit in RAM at once (CPU lane, PCIe
-            # source) while a victim's write-back needs one more slot.
-            raise ValueError(f"a RAM tier that caches the store needs >= {num_experts + 1} slots, got {ram_slots}")
+        _check_ram_slots(ram_slots, vram_slots, num_experts, len(lent), keep_all, fetch)
+        devices = self._link_devices(link_devices, copier)
+        self._build_parts(devices, vram_slots, ram_slots, staging_slots, lent, copier, pin, vram_storage, ram_storage)
+        self.fetch = fetch
+        self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
+        self._held = Holds()  # RAM experts a copy in flight still reads: they stay until it lands
+        self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
+        self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
+        self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
+        self._populated = False
+
+    def _link_devices(self, link_devices: Sequence[torch.device | str] | None,
+                      copier: Copier | None) -> list[torch.device]:
+        """Each link's device, once every layer names one of them (self.link_of); an injected copier (a test's,
+        a pacing bench's) serves one link only, since each link's copies run on their own streams."""
         devices = [self.device] if link_devices is None else [torch.device(d) for d in link_devices]
         if len(self.link_of) != self.num_layers or not all(0 <= x < len(devices) for x in self.link_of):
             raise ValueError(f"link_of {self.link_of} must name one of {len(devices)} links for each of "
                              f"{self.num_layers} layers")
         if copier is not None and len(devices) > 1:
             raise ValueError("an injected copier serves one link; a split across devices makes one per link")
-        self.links = [Link(layout, d, self.staging_rows, copier if i == 0 else None) for i, d in enumerate(devices)]
+        return devices
+
+    def _build_parts(self, devices: list[torch.device], vram_slots: Sequence[int], ram_slots: int,
+                     staging_slots: int, lent: Sequence[tuple[int, int]], copier: Copier | None, pin: bool | None,
+                     vram_storage: Sequence[torch.Tensor] | None, ram_storage: torch.Tensor | None) -> None:
+        """The parts that keep books for the moves here: one link per card, each layer's VRAM arena on its link's
+        device, the staging rows lent by other layers' slots, the RAM arena, and who leaves RAM. Every expert
+        starts in the store (`populate` places them)."""
+        self.links = [Link(self.layout, d, self.staging_rows, copier if i == 0 else None)
+                      for i, d in enumerate(devices)]
         self.vram = [
-            VramLayer(layout, num_experts, s, devices[self.link_of[i]],
+            VramLayer(self.layout, self.num_experts, s, devices[self.link_of[i]],
                       None if vram_storage is None else vram_storage[i])
             for i, s in enumerate(vram_slots)
         ]
         self.lending = Lending(lent, staging_slots - self.staging_rows, self.staging_rows, self.link_of, self.links,
                                self.vram)
         self.lent = self.lending.lent
-        self.ram = RamTier(layout, self.num_layers, num_experts, ram_slots, pin, storage=ram_storage)
-        self.where = np.full((self.num_layers, num_experts), Where.STORE, np.int8)
+        self.ram = RamTier(self.layout, self.num_layers, self.num_experts, ram_slots, pin, storage=ram_storage)
+        self.where = np.full((self.num_layers, self.num_experts), Where.STORE, np.int8)
         self.ranking = Ranking(self.where)  # who leaves RAM: the policies, the guards, each layer's weakest
         self.policies = self.ranking.policies
         self.ram_guard = self.ranking.ram_guard
         self.copier = self.links[0].copier  # the first link's (the only one on one device)
-        self.fetch = fetch
-        self.store: StoreSource | None = None  # set by the nvme tier: async store reads replace `fetch`
-        # RAM experts a copy in flight still reads (a staging or prestaging copy the host did not wait for): their
-        # slots must not be handed to a store read before it lands. A hard rule, unlike the guard.
-        self._held: dict[tuple[int, int], Ticket] = {}
-        self.stats = TierStats(self.num_layers, vram_slots, ram_slots)
-        self._moves: dict[tuple[int, int], _Move] = {}  # insertion order = issue order
-        self._slot_reader: dict[tuple[int, int], Ticket] = {}  # (layer, VRAM slot) -> write-back reading it
         self.staging = self.links[0].staging  # the first link's own rows
-        self._populated = False
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
@@ -391,15 +415,12 @@ class ExpertTiers:
     def hold(self, layer: int, experts: int | Sequence[int], ticket: Ticket | None) -> None:
         """A copy (`ticket`) still reads these RAM experts' bytes: they are not dropped before the copy lands.
         One ticket for many experts is checked once (on the GPU each check is an event query)."""
-        if ticket is None or ticket.done():
-            return
-        for e in [experts] if isinstance(experts, int) else experts:
-            self._held[(layer, e)] = ticket
+        self._held.hold(layer, experts, ticket)
 
     def droppable(self) -> np.ndarray:
         """(num_layers, num_experts): RAM experts no copy in flight reads (the candidates for dropping)."""
         ok = self.where == RAM
-        for key in self._live_holds():
+        for key in self._held.live():
             ok[key] = False
         return ok
 
@@ -408,8 +429,7 @@ class ExpertTiers:
         if self.keep_all or self.where[layer, expert] != RAM:
             raise TierError(f"drop {layer}/{expert}: it is {Where(self.where[layer, expert]).name}"
                             + (" (all-RAM mode)" if self.keep_all else ", not RAM"))
-        held = self._held.get((layer, expert))
-        if held is not None and not held.done():
+        if self._held.reads(layer, expert):
             raise TierError(f"drop {layer}/{expert}: a copy in flight still reads it")
         self.ranking.unrank(layer, expert)
         self.ram.free(layer, expert)
@@ -429,7 +449,7 @@ class ExpertTiers:
     def weakest_droppable(self, exclude: Mapping[int, Collection[int]] | None = None) -> tuple[int, int] | None:
         """The weakest RAM expert that may go now: not read by a copy in flight, not guarded, not in `exclude`
         ({layer: experts}); None when none is (Ranking.weakest_droppable)."""
-        return self.ranking.weakest_droppable(self._live_holds(), exclude)
+        return self.ranking.weakest_droppable(self._held.live(), exclude)
 
     def scores(self) -> np.ndarray:
         """(num_layers, num_experts) policy scores: the keep-worthiness the RAM tier ranks victims by (a new
@@ -439,22 +459,6 @@ class ExpertTiers:
     def weakest(self, ok: np.ndarray) -> tuple[int, int]:
         """The lowest-scored (layer, expert) where `ok` holds (Ranking.weakest)."""
         return self.ranking.weakest(ok)
-
-    def _live_holds(self) -> list[tuple[int, int]]:
-        """The held experts whose copy is still in flight; forgets the others. Each ticket is asked once: a step's
-        staged experts share one, and on the GPU each ask is an event query that also lets go of the GIL."""
-        if not self._held:
-            return []
-        busy: dict[int, bool] = {}
-        live, landed = [], []
-        for key, ticket in self._held.items():
-            b = busy.get(id(ticket))
-            if b is None:
-                b = busy[id(ticket)] = not ticket.done()
-            (live if b else landed).append(key)
-        for key in landed:
-            del self._held[key]
-        return live
 
     def admit(self, layer: int, expert: int, victim: int | None = None, protect: np.ndarray | None = None,
               src: Any = None) -> int:
@@ -553,11 +557,7 @@ class ExpertTiers:
                 self.stats.add_wait("pcie", self.settle(*waitable[0]))
                 continue
             if self._held:  # every droppable expert is read by a copy in flight: wait for the oldest copy
-                key, ticket = next(iter(self._held.items()))
-                t0 = time.perf_counter()
-                ticket.wait()
-                self.stats.add_wait("pcie", time.perf_counter() - t0)
-                del self._held[key]
+                self.stats.add_wait("pcie", self._held.wait_oldest())
                 continue
             return False
         return True

@@ -13,11 +13,11 @@ from glm53.cli import main
 
 def test_rates_count_tokens_after_the_first_over_the_span():
     # Two streams of 11 tokens: each decodes its last 10 in 1 s; the second starts 0.5 s late.
-    level = SB.Level(2, [SB.StreamRun(0.0, 1.0, 11, "length", 64), SB.StreamRun(0.5, 1.5, 11, "stop", 64)])
+    level = SB.Level(2, [SB.StreamedReply(0.0, 1.0, 11, "length", 64), SB.StreamedReply(0.5, 1.5, 11, "stop", 64)])
     assert level.per_stream_tps == pytest.approx(10.0) and level.slowest_tps == pytest.approx(10.0)
     assert level.aggregate_tps == pytest.approx(20 / 1.5)  # the late start counts against the aggregate
     assert level.ended_early(max_tokens=11) == 0 and level.ended_early(max_tokens=12) == 2
-    result = SB.ConcurrencyResult(SB.ConcurrencyOptions(), "m", 8, [SB.Level(1, [SB.StreamRun(0, 1, 11, "length", 64)]),
+    result = SB.ConcurrencyResult(SB.ConcurrencyOptions(), "m", 8, [SB.Level(1, [SB.StreamedReply(0, 1, 11, "length", 64)]),
                                                                     level])
     assert result.ratio(result.levels[0]) == 1.0 and result.ratio(level) == pytest.approx(20 / 1.5 / 10)
     assert SB.REFERENCE_RATIO == pytest.approx(1.206, abs=1e-3)

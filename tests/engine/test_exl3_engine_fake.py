@@ -141,6 +141,16 @@ def test_stock_serves_and_reports(stock):
     assert tokens(s7) == tokens(s7b) != tokens(s8)
 
 
+def test_min_tokens_holds_the_stop_tokens_back(stock):
+    """exllamav3 masks the stop tokens until min_new_tokens, across the job's requeues."""
+    prompt = stock.tokenize("Hello there, how are you?")
+    stop = tokens(collect(stock, prompt, SamplingParams(temperature=0, max_tokens=4)))[0]
+    assert tokens(collect(stock, prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))) == [stop]
+    held = collect(stock, prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop], min_tokens=6))
+    ids = tokens(held)
+    assert len(ids) >= 6 and stop not in ids[:6], ids
+
+
 def test_exact_mode_equals_stock_through_the_tiers(stock, ck, caplog):
     prompt = stock.tokenize("Hello there, how are you?")
     want = greedy_run(stock, prompt)
@@ -560,3 +570,26 @@ def test_the_warm_up_runs_every_shape_before_serving(ck, fake_exllamav3, monkeyp
         assert [e for e in events if isinstance(e, TokenEvent)][-1].finish_reason == "length"
     finally:
         engine.close()
+
+
+def test_three_greedy_replies_on_two_slots_take_turns_and_stay_what_they_are_alone(ck):
+    """Decode slots are time-sliced (glm53.engine.worker): a reply whose slice is spent yields its slot while another
+    waits, its job stopped and a new one started on prompt + generated; each reply equals the same request alone."""
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=40)
+    with running(ck, "exact", max_concurrency=2) as engine:
+        assert engine.max_running == 2
+        prompts = [engine.tokenize(t) for t in ("First of three.", "Second, a little longer.", "Third")]
+        alone = [tokens(collect(engine, p, params)) for p in prompts]
+        engine.slice_floor_s = 0.0  # every step with a waiting request yields (the slice's floor)
+
+        async def main():
+            async def one(p):
+                return [ev async for ev in engine.generate(p, params, f"r{next(_ids)}")]
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        together = asyncio.run(main())
+        st = engine.stats()
+    assert st["requests_yielded"] > 0 and st["requests_failed"] == 0
+    assert [tokens(t) for t in together] == alone
+    for t in together:
+        check_events(engine, t, 40)

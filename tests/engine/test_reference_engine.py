@@ -293,3 +293,15 @@ def test_incremental_detokenizer_never_splits_characters(reference_engine) -> No
     parts = [detok.push(i) for i in ids]
     assert "".join(parts) + detok.flush() == text
     assert all("\ufffd" not in p for p in parts)
+
+
+def test_min_tokens_holds_the_stop_tokens_back(reference_engine, prompt) -> None:
+    greedy = tokens(asyncio.run(collect(reference_engine, prompt, SamplingParams(temperature=0, max_tokens=12))))
+    stop = greedy[0]  # what greedy decoding says first: as a stop token it ends the reply at once
+    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop])
+    assert tokens(asyncio.run(collect(reference_engine, prompt, params))) == [stop]
+    held = asyncio.run(collect(reference_engine, prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                        stop_token_ids=[stop], min_tokens=6)))
+    ids = tokens(held)
+    assert len(ids) >= 6 and stop not in ids[:6], ids
+    assert held[-1].finish_reason == ("stop" if ids[-1] == stop else "length")

@@ -26,6 +26,7 @@ from glm53.server import create_app
 from glm53.server.anthropic_api import MessagesRequest, to_chat
 
 MODEL = "glm-5.3-flash"
+JSON_TYPE = {"Content-Type": "application/json"}
 BUDGET = 8  # the server's reasoning budget: thinking closes after at most 8 tokens
 WEATHER = {"name": "get_weather", "description": "Current weather for a city", "input_schema": WEATHER_PARAMS}
 RUN_TESTS = {"name": "run_tests", "description": "Run a test file", "input_schema": RUN_TESTS_PARAMS}
@@ -218,7 +219,7 @@ def test_errors_are_anthropic_shaped(server, client):
     url = server.url + "/v1/messages"
     assert "max_tokens" in anthropic_error(httpx.post(url, json={"model": "x", "messages": user("hi")}), 400,
                                            "invalid_request_error")
-    anthropic_error(httpx.post(url, content=b"{oops"), 400, "invalid_request_error")
+    anthropic_error(httpx.post(url, content=b"{oops", headers=JSON_TYPE), 400, "invalid_request_error")
     image = [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": ""}}]}]
     assert "messages.0.content.0" in anthropic_error(
         httpx.post(url, json={"model": "x", "max_tokens": 5, "messages": image}), 400, "invalid_request_error")
@@ -232,7 +233,7 @@ def test_errors_are_anthropic_shaped(server, client):
     assert tokens > most == server.engine.context_length - 1
     anthropic_error(httpx.post(server.url + "/v1/messages/batches", json={}), 404, "not_found_error")
     big = json.dumps({"model": "x", "max_tokens": 5, "messages": user("river " * 1_750_000)}).encode()
-    anthropic_error(httpx.post(url, content=big, timeout=60), 413, "request_too_large")
+    anthropic_error(httpx.post(url, content=big, timeout=60, headers=JSON_TYPE), 413, "request_too_large")
     with pytest.raises(anthropic.BadRequestError) as exc:
         # temperature is Anthropic's 0..1 (the SDK sends it as an extra field)
         client.messages.create(model=MODEL, max_tokens=5, messages=user("x"), extra_body={"temperature": 1.5})

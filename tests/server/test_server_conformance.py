@@ -23,6 +23,7 @@ from glm53.planning import settings as S
 from glm53.server import create_app
 
 MODEL = "glm-5.3-flash"
+JSON_TYPE = {"Content-Type": "application/json"}
 BUDGET = 8  # reasoning budget of the main server: thinking is closed after 8 tokens
 SMALL_CONTEXT = 256  # the gate server's window: requests without max_tokens end within seconds on a CPU
 # Bounded values: the grammar keeps a random-weight model's arguments to what the schema allows, so a call
@@ -679,9 +680,10 @@ def test_bad_chat_input_is_a_400_naming_the_field(server, extra, param):
 def test_lone_surrogate_is_a_400(server):
     raw = b'{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
     for route in ("/v1/chat/completions", "/tokenize"):
-        r = httpx.post(server.url + route, content=raw)
+        r = httpx.post(server.url + route, content=raw, headers=JSON_TYPE)
         assert r.status_code == 400, r.text
-    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a\\udfff", "max_tokens": 2}')
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "a\\udfff", "max_tokens": 2}',
+                   headers=JSON_TYPE)
     assert r.status_code == 400, r.text
 
 
@@ -711,7 +713,7 @@ def test_huge_body_is_refused_fast_and_never_stalls_a_stream(server):
     assert decoding.wait(60), "the stream never produced a token"
     big = json.dumps({"model": MODEL, "messages": user("river " * 1_750_000)}).encode()  # ~10.5 MB
     started = time.perf_counter()
-    r = httpx.post(server.url + "/v1/chat/completions", content=big, timeout=60)
+    r = httpx.post(server.url + "/v1/chat/completions", content=big, timeout=60, headers=JSON_TYPE)
     took = time.perf_counter() - started
     t.join(timeout=120)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text

@@ -37,10 +37,10 @@ def test_hits_and_misses_are_counted_and_a_miss_admits_into_a_free_slot_first() 
     stepper = MoeStepper(tiers, [2], 4)
     x, w = torch.randn(1, HIDDEN), torch.ones(1, 3)
     ids = np.array([[0, 4, 5]])
-    y, step = step_layer(tiers, stepper, 0, x, ids, w, swiglu)
+    y, resolved = step_layer(tiers, stepper, 0, x, ids, w, swiglu)
     assert torch.equal(y, direct_moe(x, ids, w, lambda e: experts[0, e], swiglu))
     snap = tiers.stats.snapshot()
-    assert snap["picks"]["vram_hit"] == 1 and snap["picks"]["pcie"] == 2 and step.staged == [4, 5]
+    assert snap["picks"]["vram_hit"] == 1 and snap["picks"]["pcie"] == 2 and resolved.staged == [4, 5]
     assert snap["bytes"]["ram_to_vram"] == 0, "an admission crossed PCIe a second time"
     # Free every slot but 0's: a miss then takes the free slot without displacing anyone.
     tiers.settle_all()
@@ -50,10 +50,10 @@ def test_hits_and_misses_are_counted_and_a_miss_admits_into_a_free_slot_first() 
     tiers.settle_all()
     evictions, admissions = tiers.stats.snapshot()["evictions"], tiers.stats.snapshot()["admissions"]
     ids = np.array([[0, 6, 7]])
-    y, step = step_layer(tiers, stepper, 0, x, ids, w, swiglu)
+    y, resolved = step_layer(tiers, stepper, 0, x, ids, w, swiglu)
     assert torch.equal(y, direct_moe(x, ids, w, lambda e: experts[0, e], swiglu))
     snap = tiers.stats.snapshot()
-    assert step.staged == [6, 7] and snap["admissions"] > admissions and snap["evictions"] == evictions
+    assert resolved.staged == [6, 7] and snap["admissions"] > admissions and snap["evictions"] == evictions
     tiers.settle_all()
     assert tiers.where[0, 0] == Where.VRAM and tiers.where[0, 1] == Where.RAM
     assert (tiers.where[0] == Where.VRAM).sum() == 2
@@ -80,9 +80,9 @@ def test_lane_picks_move_no_bytes_and_are_counted_as_cpu(monkeypatch) -> None:
         x = torch.from_numpy(np.random.default_rng(0).standard_normal((1, EXL3_HIDDEN))).float()
         w = torch.ones(1, 3)
         ids = np.array([[0, 4, 5]])
-        y, step = step_layer(tiers, stepper, 0, x, ids, w, reference_forward)
+        y, resolved = step_layer(tiers, stepper, 0, x, ids, w, reference_forward)
     want = direct_moe(x, ids, w, lambda e: experts[0, e], reference_forward)
-    assert step.cpu == [4, 5] and step.staged == []
+    assert resolved.cpu == [4, 5] and resolved.staged == []
     assert rel_err(y.double(), want.double()) < LANE_TOL
     snap = tiers.stats.snapshot()
     assert snap["picks"]["vram_hit"] == 1 and snap["picks"]["cpu"] == 2 and snap["picks"]["pcie"] == 0
@@ -97,8 +97,8 @@ def test_prefill_streams_without_evicting() -> None:
     stepper = MoeStepper(tiers, [3], 8)
     ids, w = np.array([[3, 4, 5], [5, 6, 7]]), torch.rand(2, 3)
     x = torch.randn(2, HIDDEN)
-    y, step = step_layer(tiers, stepper, 0, x, ids, w, swiglu, decode=False)
-    assert step.staged == [3, 4, 5, 6, 7] and tiers.stats.snapshot()["admissions"] == 0
+    y, resolved = step_layer(tiers, stepper, 0, x, ids, w, swiglu, decode=False)
+    assert resolved.staged == [3, 4, 5, 6, 7] and tiers.stats.snapshot()["admissions"] == 0
     assert sorted(np.flatnonzero(tiers.vram[0].resident()).tolist()) == [0, 1, 2]
     assert torch.equal(y, direct_moe(x, ids, w, lambda e: experts[0, e], swiglu))
 

@@ -244,3 +244,20 @@ def test_verify_reads_with_the_fixture_index_omission(tmp_path):
     res = pack_store(PackOptions(ck, out, threads=2, progress=False), log=lambda m: None)
     assert res.verify.ok and quick_verify(out, ck).ok
     assert np.array_equal(sorted({e.layer for e in read_header(out).entries}), [1, 2])
+
+
+def test_quick_says_what_it_did_not_read(world, copy):
+    """A damaged record outside the sample: --quick cannot see it, and says so instead of a bare SOUND."""
+    head = read_header(copy)
+    victim = head.entry(2, 5)
+    flip(copy, victim.offset + 1234)
+    total = len(head.entries)
+    rep = next(r for r in (quick_verify(copy, world["a"], seed=s) for s in range(50)) if r.ok)  # victim unsampled
+    assert rep.records_checked == 8 and rep.unread == total - 8
+    text = rep.render()
+    assert f"SOUND as far as checked ({total - 8} records not read)" in text and not text.endswith(": SOUND")
+    assert f"{total - 8} of {total} records were not read" in text
+    assert f"glm53 verify-store {copy}` without --quick" in text
+    assert not full_verify(copy, world["a"]).ok
+    sound = full_verify(world["store"], world["a"])
+    assert sound.render().endswith(": SOUND") and not sound.notes

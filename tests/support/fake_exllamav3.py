@@ -2,9 +2,9 @@
 tests here).
 
 `installed()` puts fake modules into sys.modules for the duration of a `with` block (exllamav3, .version,
-.modules.block_sparse_mlp, .modules.block_sparse_mlp_routing, .modules.linear, .modules.quant.exl3,
-.modules.quant.exl3_lib.quantize, .generator, .generator.filter, .generator.filter.llguidance, .generator.sampler)
-that satisfy the adapter's check_contract(), and puts back what was there before.
+.modules.block_sparse_mlp, .modules.block_sparse_mlp_routing, .modules.linear, .modules.mla_attn,
+.modules.quant.exl3, .modules.quant.exl3_lib.quantize, .generator.filter, .generator.filter.llguidance and their
+parents), holding what glm53.exl3 imports and check_contract() checks, and puts back what was there before.
 `Model.from_config(Config.from_directory(dir))` builds a model of a generated EXL3 checkpoint (glm53.fixture.exl3):
 the embedding, one block per layer (FakeBlockSparseMLP under the sparse ones, a stand-in under the dense ones),
 the fp16 head. Its forward is a deterministic function of the token history (each position reads its own and the
@@ -12,9 +12,9 @@ two previous tokens' embeddings, in place of attention and a KV cache) that runs
 crosses TieredMoE's seam at every step.
 
 Generation (generator/generator.py, job.py, sampler, filter/filter.py, filter/llguidance.py), at the level
-Exl3Engine depends on: Cache(model, max_num_tokens, max_batch_size) is allocated by the model's next load();
-Generator(model, cache, tokenizer, max_batch_size, max_chunk_size) with enqueue / iterate / cancel / clear_queue /
-num_remaining_jobs; iterate() starts pending jobs, runs one page-aligned prefill chunk of each job still ingesting
+glm53.exl3.runtime depends on (it turns iterate()'s dicts into glm53.exl3.events for Exl3Engine):
+Cache(model, max_num_tokens, max_batch_size) is allocated by the model's next load(); Generator(model, cache,
+tokenizer, max_batch_size, max_chunk_size) with enqueue / iterate / cancel / clear_queue / num_remaining_jobs; iterate() starts pending jobs, runs one page-aligned prefill chunk of each job still ingesting
 its prompt (a failure there is contained as reap_failed_job does: an "error" result, no identifier), then one
 batched decode forward and each job's sample. Job(...) takes exllamav3's arguments; max_new_tokens is capped to the
 cache and a job that cannot fit its pages is refused at enqueue, as there. Results are emit()'s dicts: "stage"
@@ -425,12 +425,6 @@ class MultiLinear:
         self.mcg, self.mul1 = linears[0].inner.mcg, linears[0].inner.mul1
         assert all(lin.inner.mcg == self.mcg and lin.inner.mul1 == self.mul1 for lin in linears[1:])
 
-    def q_cb(self) -> tuple[bool, bool]:
-        return self.mcg, self.mul1
-
-    def unload(self) -> None:
-        pass
-
 
 @dataclasses.dataclass
 class RoutingCFG:
@@ -451,15 +445,11 @@ class RoutingCFG:
 
 
 def routing_dots(bsz: int, cfg: RoutingCFG, y: torch.Tensor, params: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM's router: sigmoid scores; top-k of score + selection bias (group-limited where configured); weights the
+    """GLM's router: sigmoid scores; top-k of score + selection bias (one group); weights the
     unbiased scores of the picks, normalised, times routed_scaling_factor; half. bsz 1: the fixed buffers."""
     scores = torch.sigmoid(y.reshape(bsz, -1).float() @ cfg.gate_tensor.float())
     sel = scores + (cfg.e_score_correction_bias.float() if cfg.e_score_correction_bias is not None else 0.0)
-    if (cfg.n_group or 1) > 1:
-        grouped = sel.unflatten(-1, (cfg.n_group, -1))
-        keep = torch.zeros(grouped.shape[:-1], dtype=torch.bool)
-        keep.scatter_(-1, grouped.topk(2, dim=-1).values.sum(-1).topk(cfg.topk_group, dim=-1).indices, True)
-        sel = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+    assert (cfg.n_group or 1) == 1, "the fake routes without expert groups (the fixture writes n_group 1)"
     ids = sel.topk(cfg.num_experts_per_tok, dim=-1).indices
     w = scores.gather(1, ids)
     w = (w / (w.sum(-1, keepdim=True) + 1e-20) * (cfg.routed_scaling_factor or 1.0)).half()
@@ -810,7 +800,7 @@ def _dense_mask(mask: torch.Tensor, dim: int) -> torch.Tensor:
 class Sampler:
     """exllamav3's sampler interface: forward(logits, sequence_ids, rand_u32, tokenizer, logit_mask) -> token ids of
     shape logits.shape[:-1]. Logits past the tokenizer's vocabulary are set to -inf in place (as exllamav3 does);
-    the filter mask is applied to a copy."""
+    the filter mask is applied to a copy. Each sampler's pick(x, rand_u32) draws from the masked logits."""
 
     reqs_past_ids = False
 
@@ -826,9 +816,6 @@ class Sampler:
         if rand_u32 is None:
             rand_u32 = random.randint(0, (1 << 32) - 1)
         return self.pick(x, rand_u32).view(out_shape)
-
-    def pick(self, x: torch.Tensor, rand_u32: int) -> torch.Tensor:
-        raise NotImplementedError
 
 
 class ArgmaxSampler(Sampler):
@@ -871,7 +858,8 @@ class ComboSampler(Sampler):
 
 class Filter:
     """Inactive until trigger_token is sampled (then reset and active); active from the start without one. Each
-    sampled token is fed; completing the grammar deactivates it and, with eos_after_completed, ends the job."""
+    sampled token is fed; completing the grammar deactivates it and, with eos_after_completed, ends the job. The
+    grammar itself is LLGuidanceFilter's: reset, accept_token, get_next_logit_mask, is_completed."""
 
     def __init__(self, tokenizer: Tokenizer, trigger_token: int | None, prefix_str: str | None,
                  eos_after_completed: bool):
@@ -897,18 +885,6 @@ class Filter:
     def attach(self, job: Job) -> None:
         self.job, self.generator = job, job.generator
         self.vocab_size = job.generator.padded_vocab_size
-
-    def reset(self) -> None:
-        raise NotImplementedError
-
-    def accept_token(self, token: int) -> None:
-        raise NotImplementedError
-
-    def get_next_logit_mask(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    def is_completed(self) -> bool:
-        raise NotImplementedError
 
 
 try:
@@ -1045,9 +1021,6 @@ class Job:
         self.held_logits: list[torch.Tensor] = []
         self.full_completion = ""
         self.is_finished = False
-
-    def __repr__(self) -> str:
-        return "Generator job (new)" if self.serial_number is None else f"Generator job #{self.serial_number}"
 
     def prepare_for_queue(self, generator: Generator, serial_number: int) -> None:
         self.serial_number, self.generator = serial_number, generator
@@ -1233,12 +1206,6 @@ class Generator:
     def num_remaining_jobs(self) -> int:
         return len(self.pending_jobs) + len(self.active_jobs)
 
-    def num_active_jobs(self) -> int:
-        return len(self.active_jobs)
-
-    def num_pending_jobs(self) -> int:
-        return len(self.pending_jobs)
-
     def enqueue(self, job: Job | list[Job]) -> int | list[int]:
         if isinstance(job, list):
             return [self.enqueue(j) for j in job]
@@ -1326,28 +1293,22 @@ def fake_modules() -> dict[str, types.ModuleType]:
     """The sys.modules entries of the fake exllamav3, parents included."""
     mods = {
         "exllamav3": _module("exllamav3", Config=Config, Model=Model, Cache=Cache, Tokenizer=Tokenizer,
-                             Generator=Generator, Job=Job, Filter=Filter, LLGuidanceFilter=LLGuidanceFilter,
-                             ArgmaxSampler=ArgmaxSampler, GreedySampler=ArgmaxSampler, ComboSampler=ComboSampler),
-        "exllamav3.generator": _module("exllamav3.generator", Generator=Generator, Job=Job),
+                             Generator=Generator, Job=Job, ArgmaxSampler=ArgmaxSampler, ComboSampler=ComboSampler),
+        "exllamav3.generator": _module("exllamav3.generator"),
         "exllamav3.generator.filter": _module("exllamav3.generator.filter", Filter=Filter,
                                               LLGuidanceFilter=LLGuidanceFilter),
         "exllamav3.generator.filter.llguidance": _module("exllamav3.generator.filter.llguidance",
                                                          LLGuidanceFilter=LLGuidanceFilter,
                                                          llguidance_available=llguidance_available,
                                                          create_ll_tokenizer=create_ll_tokenizer),
-        "exllamav3.generator.sampler": _module("exllamav3.generator.sampler", Sampler=Sampler,
-                                               ArgmaxSampler=ArgmaxSampler, GreedySampler=ArgmaxSampler,
-                                               ComboSampler=ComboSampler),
         "exllamav3.version": _module("exllamav3.version", __version__=VERSION),
-        "exllamav3.modules": _module("exllamav3.modules", Module=Module, Linear=Linear,
-                                     BlockSparseMLP=BlockSparseMLP),
+        "exllamav3.modules": _module("exllamav3.modules"),
         "exllamav3.modules.block_sparse_mlp": _module("exllamav3.modules.block_sparse_mlp",
                                                       BlockSparseMLP=BlockSparseMLP, MAX_BSZN=MAX_BSZN),
         "exllamav3.modules.block_sparse_mlp_routing": _module("exllamav3.modules.block_sparse_mlp_routing",
-                                                              RoutingCFG=RoutingCFG, routing_dots=routing_dots),
+                                                              RoutingCFG=RoutingCFG),
         "exllamav3.modules.linear": _module("exllamav3.modules.linear", Linear=Linear),
         "exllamav3.modules.mla_attn": _module("exllamav3.modules.mla_attn", MAX_DECODE_QLEN=16),
-        "exllamav3.modules.multilinear": _module("exllamav3.modules.multilinear", MultiLinear=MultiLinear),
         "exllamav3.modules.quant": _module("exllamav3.modules.quant"),
         "exllamav3.modules.quant.exl3": _module("exllamav3.modules.quant.exl3", LinearEXL3=LinearEXL3),
         "exllamav3.modules.quant.exl3_lib": _module("exllamav3.modules.quant.exl3_lib"),

@@ -45,6 +45,7 @@ class FakeEngine:
         self.prompt_tokens = 0
         self.last_params: SamplingParams | None = None
         self.vocab_size = _BASE + len(_SPECIALS)
+        self.capacity: int | None = None  # no queue limit
         env = jinja2.Environment()
         env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
         self._template = env.from_string(gtok.CHAT_TEMPLATE)

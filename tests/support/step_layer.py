@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tier_experts import HIDDEN, build, check_contents, make_experts, route, swiglu
 
-from glm53.step.slots import Step
+from glm53.step.slots import Resolution
 from glm53.step.stepper import MoeStepper
 from glm53.tiers import combine, direct_moe, group_picks
 
@@ -45,26 +45,26 @@ def picks_of(tiers, before: dict | None = None) -> dict[str, int]:
 
 def step_layer(tiers, stepper: MoeStepper, li: int, x: torch.Tensor, ids: np.ndarray, w: torch.Tensor,
                expert_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-               decode: bool | None = None) -> tuple[torch.Tensor, Step]:
+               decode: bool | None = None) -> tuple[torch.Tensor, Resolution]:
     """resolve -> kernels over the slot ids (a masked pick adds exact zeros) -> combine (+ the lane's partial) ->
     after_launch. decode: by rows, as the adapter decides, unless given."""
     decode = len(ids) <= MAX_BSZN if decode is None else decode
     lane = decode and stepper.lane is not None
     x_np = x.detach().cpu().float().numpy() if lane else None
     w_np = w.detach().cpu().float().numpy() if lane else None
-    step = stepper.resolve(li, ids, decode, x_np, w_np)
+    resolved = stepper.resolve(li, ids, decode, x_np, w_np)
     outputs = {}
     for e, rows, ks in group_picks(ids):
-        slots = {int(step.slots[r, k]) for r, k in zip(rows.tolist(), ks.tolist(), strict=True)}
+        slots = {int(resolved.slots[r, k]) for r, k in zip(rows.tolist(), ks.tolist(), strict=True)}
         assert len(slots) == 1, f"expert {e}'s picks point at several slots {slots}"
         src = slot_bytes(tiers, stepper, li, slots.pop())
         x_rows = x[torch.from_numpy(rows).to(x.device)]
         outputs[e] = torch.zeros_like(x_rows) if src is None else expert_forward(src, x_rows)
     y = combine(x, w, ids, outputs)
-    if step.ticket is not None:
-        y = y + torch.from_numpy(step.ticket.partial(len(ids))).to(y.device, y.dtype)
+    if resolved.ticket is not None:
+        y = y + torch.from_numpy(resolved.ticket.partial(len(ids))).to(y.device, y.dtype)
     stepper.after_launch()  # exllamav3's combine
-    return y, step
+    return y, resolved
 
 
 def random_steps(seed: int, device: str) -> None:
