@@ -161,7 +161,10 @@ SCHEMA: tuple[Setting, ...] = (
             "desktop decode speed). Requests override it with reasoning_effort.",
             _choice(("none", "low", "high", "max")), "none | low | high | max"),
     Setting("GLM53_MAX_CONCURRENCY", "0",
-            "Requests decoded together, at most; more wait in the queue. Each holds 145 MiB of KDA state in VRAM. "
+            "Requests decoded together, at most; more wait in the queue, and the slots are time-sliced: while one "
+            "waits, the reply that has held its slot longest past a slice (10x what resuming a reply costs, at least "
+            "2 s; slice_s in /stats) yields it and resumes later where it was. Each holds 145 MiB of KDA state in "
+            "VRAM. "
             "0: the plan picks, up to 8, fewer where more would cost the VRAM expert slots' hot set; a number is "
             "kept as given.",
             _int_at_least(0), "0 (the plan picks) | integer >= 1"),
