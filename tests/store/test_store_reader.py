@@ -397,22 +397,28 @@ def test_a_dropped_future_still_has_its_read_settled(store):
 # -- the nvme tier on the native reader: tests/tiers/test_nvme_tier.py's core equality test, parametrized ------------------
 
 
-def test_a_retry_cut_short_by_close_fails_with_what_it_was_retrying(store, tmp_path):
+def test_a_retry_cut_short_by_close_fails_with_what_it_was_retrying(store, tmp_path, monkeypatch):
     """A read whose first attempt failed its check has its retry queued when close() comes: the future raises the
     check's failure (as StoreReader's would), not CancelledError."""
     path = copy(store, tmp_path)
     e = read_header(path).entry(1, 3)
     corrupt(path, e.offset + 100)
     r = R.StoreReader(path, threads=1, allow_buffered=True, verify=True)
-    fut = r.read(1, 3, alloc_slots(1, r.max_extent)[0])
+    arena = alloc_slots(2, r.max_extent)
+    fut = r.read(1, 3, arena[0])
     deadline = time.monotonic() + 10
     while int(fut.task[R.STATE]) < R.DONE:
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    assert not fut.done()  # the first attempt checked: its retry is queued, behind a 10 ms native delay
+    # The retry's own delay is slept on the worker, under way: only a read holding the one worker keeps it queued.
+    slow_first(monkeypatch, 0.3)
+    slow = r.read(1, 1, arena[1])
+    under_way(slow)
+    assert not fut.done()  # the first attempt checked: its retry is queued, behind the slow read
     r.close()
     with pytest.raises(StoreCorruptError, match=r"layer 1, expert 3.*after 1 attempts"):
         fut.result(5)
+    assert slow.result(1).expert == 1
 
 
 def _run(script: str, tmp_path) -> None:
