@@ -49,7 +49,7 @@ def _short(server: Server, opts: FairnessOptions, i: int) -> tuple[float, float]
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, tokens = None, 0
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(server), timeout=3600) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers(), timeout=3600) as r:
         if r.status_code != 200:
             raise BenchError(f"the short request failed: {r.status_code} {r.read()[:300]!r}")
         for line in r.iter_lines():
@@ -63,10 +63,6 @@ def _short(server: Server, opts: FairnessOptions, i: int) -> tuple[float, float]
     if tokens != opts.short_tokens or first is None:
         raise BenchError(f"the short request got {tokens} tokens, not {opts.short_tokens}")
     return first, time.perf_counter() - t0
-
-
-def _auth(server: Server) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
 
 
 class _Unbounded:
@@ -83,7 +79,7 @@ class _Unbounded:
         body = {"prompt": [1000 + 97 * i + j for j in range(opts.prompt_tokens)], "ignore_eos": True,
                 "temperature": 0, "stream": True}
         try:
-            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=_auth(server),
+            with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers(),
                               timeout=3600) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"text"' in line:

@@ -44,7 +44,7 @@ class Server:
     def stats(self) -> dict[str, Any] | None:
         """/stats where the server has one (glm53's), else None."""
         try:
-            r = httpx.get(self.url + "/stats", headers=self._auth(), timeout=30)
+            r = httpx.get(self.url + "/stats", headers=self.headers(), timeout=30)
         except httpx.HTTPError:
             return None
         return r.json() if r.status_code == 200 else None
@@ -56,12 +56,13 @@ class Server:
 
     def tokenize(self, body: dict[str, Any]) -> list[int] | None:
         try:
-            r = httpx.post(self.url + "/tokenize", json=body, headers=self._auth(), timeout=120)
+            r = httpx.post(self.url + "/tokenize", json=body, headers=self.headers(), timeout=120)
         except httpx.HTTPError:
             return None
         return r.json()["tokens"] if r.status_code == 200 else None
 
-    def _auth(self) -> dict[str, str]:
+    def headers(self) -> dict[str, str]:
+        """The request headers its API key needs (none without one)."""
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 

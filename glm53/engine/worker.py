@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -89,7 +90,7 @@ class Request:
     last_token_at: float | None = None  # monotonic time of its last emitted token (the decode rate's gaps)
     admitted_at: float | None = None  # monotonic time it last got a decode slot (its slice runs from there)
     generated_at_admit: int = 0  # len(generated) then: a slice counts as spent only once it generated something
-    resume_from: float | None = None  # set when a yielded request gets its slot back, until its next token
+    resuming: bool = False  # a yielded request has its slot back (since admitted_at) and no new token yet
 
     @property
     def budget_spent(self) -> bool:
@@ -467,13 +468,13 @@ class WorkerEngine(ABC):
                 new.append(req)
                 req.admitted_at, req.generated_at_admit = now, len(req.generated)
                 if req.generated:
-                    req.resume_from = now
+                    req.resuming = True
             return Batch(new, list(self._running))
 
     @property
     def slice_s(self) -> float:
         """A decode slot's time slice: SLICE_RESUMES x the median resume, at least slice_floor_s."""
-        resume = sorted(self._resumes)[len(self._resumes) // 2] if self._resumes else 0.0
+        resume = statistics.median_high(self._resumes) if self._resumes else 0.0
         return max(self.slice_floor_s, SLICE_RESUMES * resume)
 
     def _yield_slot(self, now: float) -> bool:
@@ -552,7 +553,9 @@ class WorkerEngine(ABC):
         (it prefills again on resuming), the latest in the queue first. False when none holds any. Caller holds
         self._cv."""
         kv = self.kv
-        holders = [r for r in self._waiting if r is not but and kv is not None and kv.held.get(r)]
+        if kv is None:
+            return False
+        holders = [r for r in self._waiting if r is not but and kv.held.get(r)]
         if not holders:
             return False
         req = holders[-1]
@@ -613,10 +616,10 @@ class WorkerEngine(ABC):
             if not forced and req.last_token_at is not None:
                 self._gaps.append(now - req.last_token_at)
             req.last_token_at = now
-            if req.resume_from is not None:  # its first token since it got its slot back: beyond a decode gap,
-                gap = sorted(self._gaps)[len(self._gaps) // 2] if self._gaps else 0.0  # what the resume cost
-                self._resumes.append(max(0.0, now - req.resume_from - gap))
-                req.resume_from = None
+            if req.resuming:  # its first token since it got its slot back: beyond a decode gap, the resume's cost
+                gap = statistics.median_high(self._gaps) if self._gaps else 0.0
+                self._resumes.append(max(0.0, now - req.admitted_at - gap))
+                req.resuming = False
         event = TokenEvent(token_id=token, text="", token_text=self._piece(token), forced=forced,
                            cached_tokens=req.cached_tokens if len(req.generated) == 1 else None)
         if req.params.logprobs is not None and logits is not None:
