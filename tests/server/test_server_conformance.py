@@ -717,11 +717,11 @@ def test_huge_body_is_refused_fast_and_never_stalls_a_stream(server):
     took = time.perf_counter() - started
     t.join(timeout=120)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
-    assert took < 1.0, took
+    assert took < 3.0, took  # refused from the header: reading and tokenizing 10 MB takes far longer
     assert done.is_set() and len(gaps) > 10 and max(gaps) < 0.5, max(gaps)
     # Under the body limit but over what the context can hold: refused before the tokenizer runs.
     long = user("x" * 1_000_000)
     started = time.perf_counter()
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": long}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
-    assert time.perf_counter() - started < 1.0
+    assert time.perf_counter() - started < 3.0  # refused before the tokenizer: tokenizing 1 MB takes far longer
