@@ -19,9 +19,11 @@ last content token (which carries text, unlike a stop token).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from glm53.engine.vision import PromptImage, VisionSpec
 
 
 class EngineError(RuntimeError):
@@ -122,6 +124,8 @@ class Engine(Protocol):
     context_length: int  # max prompt + generated tokens of one request
     kind: str  # "reference-cpu" | "exllamav3"
     supports_grammar: bool  # whether SamplingParams.grammar is honoured
+    vision: VisionSpec | None  # what the checkpoint's vision tower takes (set by load()); None: no images
+    no_vision_reason: str  # why vision is None, naming what is missing
 
     @property
     def ready(self) -> bool:
@@ -180,8 +184,11 @@ class Engine(Protocol):
         further template variables (reasoning_effort, clear_thinking), ignored by a template that lacks them."""
         ...
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[EngineEvent]:
-        """Async generator of events for one completion. Errors surface on the first iteration, before any
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                 images: Sequence[PromptImage] = ()) -> AsyncIterator[EngineEvent]:
+        """Async generator of events for one completion. `images`: the prompt's images in order, each taking the
+        run of image tokens at its span (their embeddings replace those tokens'; a prefix cache is reused only
+        where the images it holds are the same, by content hash). Errors surface on the first iteration, before any
         event (so pull one event before sending response headers): ContextLengthExceeded if the prompt leaves
         no room for a token, ValueError for an empty prompt, out-of-range params or a request_id already in
         flight, EngineNotReady before load(). Closing the iterator (or cancelling the task consuming it)

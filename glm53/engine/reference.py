@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,14 @@ import torch
 from glm53.engine import constrain, sampling
 from glm53.engine.interface import PromptProgress
 from glm53.engine.quiet import quiet_transformers
+from glm53.engine.vision import NoVision, PromptImage, read_vision_spec
 from glm53.engine.worker import END, Request, WorkerEngine, out_of_memory_names_knobs
 
 log = logging.getLogger("glm53.engine")
 
 # The ledger's holder names of the kept caches: the whole one, and the copy taken at its prompt's end.
 _KEPT, _KEPT_PROMPT = "kept prefix cache", "kept prompt cache"
+EMBEDDINGS_KEPT = 32  # image embeddings kept by content hash, the latest used (a conversation resends its images)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -97,7 +100,10 @@ class ReferenceEngine(WorkerEngine):
         self._model: Any = None
         self._ll_tokenizer: Any = None  # llguidance's vocabulary view, when llguidance is installed
         self.supports_grammar = constrain.available()
-        self._kept: dict[str, tuple[list[int], Any]] = {}  # holder -> (the tokens it holds, a transformers cache)
+        # holder -> (the tokens it holds, the (start, hash) of each image among them, a transformers cache)
+        self._kept: dict[str, tuple[list[int], tuple, Any]] = {}
+        self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()  # content hash -> the tower's output
+        self._vision_counts = {"images_encoded": 0, "image_embeddings_reused": 0}
 
     # --- lifecycle ----------------------------------------------------------------------------------------
     @property
@@ -112,6 +118,7 @@ class ReferenceEngine(WorkerEngine):
             torch.set_num_threads(self.threads)
         log.info("reference engine: loading %s on the CPU (%s)", self.model_dir, str(self.dtype).replace("torch.", ""))
         text = self._load_text()
+        self._read_vision()
         with quiet_transformers(), out_of_memory_names_knobs("while loading the model"):
             num_mtp = int(getattr(text, "num_nextn_predict_layers", 0) or 0)
             cls = _model_class(text.num_hidden_layers, num_mtp)
@@ -134,6 +141,17 @@ class ReferenceEngine(WorkerEngine):
         self._stop_worker(timeout=30)
         self._model = None
         self._kept = {}
+        self._embeddings.clear()
+
+    def _read_vision(self) -> None:
+        """The checkpoint's vision tower, if it has one; otherwise images are refused with the reason."""
+        try:
+            self.vision = read_vision_spec(self.model_dir)
+        except NoVision as exc:
+            self.vision = None
+            self.no_vision_reason = (f"{exc}: serve a checkpoint that includes the vision tower (GLM-5.3-Flash "
+                                     "ships it), or send text only")
+            log.info("reference engine: images are refused (%s)", exc)
 
     # --- text ---------------------------------------------------------------------------------------------
     def _grammar_vocab(self) -> Any:
@@ -155,7 +173,9 @@ class ReferenceEngine(WorkerEngine):
         return _ReferenceRequest(**fields, gen=sampling.make_generator(params.seed), constraint=constraint)
 
     def _stats_extra(self) -> dict:
-        return {"prefilling": sum(1 for r in self._running if r.prefilled < len(r.prompt))}
+        return {"prefilling": sum(1 for r in self._running if r.prefilled < len(r.prompt)),
+                "vision": {"available": self.vision is not None, **self._vision_counts,
+                           "image_embeddings_kept": len(self._embeddings)}}
 
     # --- worker -------------------------------------------------------------------------------------------
     def _worker(self) -> None:
@@ -176,15 +196,52 @@ class ReferenceEngine(WorkerEngine):
                         req.cache = None  # not kept: a forward that raised may have left it half written
                         self._fail(req, exc, "while running this request")
 
-    def _forward(self, req: _ReferenceRequest, ids: list[int]) -> torch.Tensor:
+    def _forward(self, req: _ReferenceRequest, ids: list[int], start: int | None = None) -> torch.Tensor:
+        """The logits after feeding `ids`, positions [start, start + len(ids)) of the request (images there take
+        their embeddings); start None: positions without images (a generated token)."""
+        inputs = torch.tensor([ids], dtype=torch.long)
+        embeds = None if start is None else self._image_embeds(req, inputs, start)
         out = self._model(
-            input_ids=torch.tensor([ids], dtype=torch.long),
+            input_ids=None if embeds is not None else inputs,
+            inputs_embeds=embeds,
             past_key_values=req.cache,
             use_cache=True,
             logits_to_keep=1,
         )
         req.cache = out.past_key_values
         return out.logits[0, -1, : self._n_vocab]
+
+    def _image_embeds(self, req: _ReferenceRequest, inputs: torch.Tensor, start: int) -> torch.Tensor | None:
+        """Token embeddings of `inputs` with the tower's output at the image positions; None when no image
+        overlaps them (the plain input_ids path)."""
+        end = start + inputs.shape[1]
+        overlapping = [im for im in req.images if im.start < end and im.end > start]
+        if not overlapping:
+            return None
+        embeds = self._model.get_input_embeddings()(inputs).clone()
+        for im in overlapping:
+            rows = self._embedding(im)
+            a, b = max(im.start, start), min(im.end, end)
+            embeds[0, a - start:b - start] = rows[a - im.start:b - im.start].to(embeds.dtype)
+        return embeds
+
+    def _embedding(self, im: PromptImage) -> torch.Tensor:
+        """The tower's output for one image (tokens x hidden), kept by content hash."""
+        rows = self._embeddings.get(im.digest)
+        if rows is not None:
+            self._embeddings.move_to_end(im.digest)
+            self._vision_counts["image_embeddings_reused"] += 1
+            return rows
+        pixels = torch.as_tensor(im.pixels, dtype=self.dtype)
+        grid = torch.tensor([im.grid], dtype=torch.long)
+        rows = self._model.get_image_features(pixels, grid).pooler_output[0]
+        if rows.shape[0] != im.tokens:
+            raise ValueError(f"the vision tower made {rows.shape[0]} embeddings for an image of {im.tokens} tokens")
+        self._embeddings[im.digest] = rows
+        self._vision_counts["images_encoded"] += 1
+        while len(self._embeddings) > EMBEDDINGS_KEPT:
+            self._embeddings.popitem(last=False)
+        return rows
 
     @staticmethod
     def _tokens(req: _ReferenceRequest, a: int, b: int) -> list[int]:
@@ -202,7 +259,7 @@ class ReferenceEngine(WorkerEngine):
             end = min(req.prefilled + self.prefill_chunk, total)
             if not self._kv_reserve(req, end):
                 return
-            req.logits = self._forward(req, self._tokens(req, req.prefilled, end))
+            req.logits = self._forward(req, self._tokens(req, req.prefilled, end), req.prefilled)
             req.prefilled = end
             if end == len(req.prompt) and not req.generated:
                 req.prompt_cache = copy.deepcopy(req.cache)
@@ -232,12 +289,13 @@ class ReferenceEngine(WorkerEngine):
         if req.cache is not None:  # resuming with its own cache (a yielded request)
             return
         total = len(req.prompt) + len(req.generated)
-        matches = [(len(tokens), holder) for holder, (tokens, _) in self._kept.items()
-                   if len(tokens) < total and self._tokens(req, 0, len(tokens)) == tokens]
+        matches = [(len(tokens), holder) for holder, (tokens, images, _) in self._kept.items()
+                   if len(tokens) < total and self._tokens(req, 0, len(tokens)) == tokens
+                   and _images_before(req, len(tokens)) == images]
         if not matches:
             return
         held, holder = max(matches)
-        _, cache = self._kept.pop(holder)
+        _, _, cache = self._kept.pop(holder)
         if self.kv is not None:
             self.kv.held[req] = self.kv.drop(holder)  # its pages go with it
         req.cache, req.prefilled = cache, held
@@ -281,10 +339,16 @@ class ReferenceEngine(WorkerEngine):
         with self._cv:
             while self._kv_evict_kept():
                 pass
-            self._kept[_KEPT] = (self._tokens(req, 0, held), cache)
+            self._kept[_KEPT] = (self._tokens(req, 0, held), _images_before(req, held), cache)
             if prompt_cache is not None and len(req.prompt) < held:
-                self._kept[_KEPT_PROMPT] = (list(req.prompt), prompt_cache)
+                self._kept[_KEPT_PROMPT] = (list(req.prompt), _images_before(req, len(req.prompt)), prompt_cache)
             if self.kv is not None:  # the pages the request just gave back; a copy without room is not kept
-                for holder, (tokens, _) in list(self._kept.items()):
+                for holder, (tokens, _, _) in list(self._kept.items()):
                     if not self.kv.take(holder, len(tokens)):
                         del self._kept[holder]
+
+
+def _images_before(req: Request, held: int) -> tuple:
+    """The identity of the images among a request's first `held` positions: the same tokens with another image
+    are another prefix (its image tokens are all alike)."""
+    return tuple((im.start, im.tokens, im.digest) for im in req.images if im.start < held)

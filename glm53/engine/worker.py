@@ -39,7 +39,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -58,6 +58,7 @@ from glm53.engine.interface import (
     TokenEvent,
 )
 from glm53.engine.template import render_chat
+from glm53.engine.vision import PromptImage, VisionSpec
 from glm53.planning.spec import PAGE
 
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
@@ -91,6 +92,7 @@ class Request:
     admitted_at: float | None = None  # monotonic time it last got a decode slot (its slice runs from there)
     generated_at_admit: int = 0  # len(generated) then: a slice counts as spent only once it generated something
     resuming: bool = False  # a yielded request has its slot back (since admitted_at) and no new token yet
+    images: tuple[PromptImage, ...] = ()  # the prompt's images, in order (their spans hold the image token)
 
     @property
     def budget_spent(self) -> bool:
@@ -157,6 +159,8 @@ class WorkerEngine(ABC):
     kind: str
     supports_grammar: bool
     no_grammar_reason: str  # GrammarUnsupported's message when supports_grammar is False
+    vision: VisionSpec | None = None  # what the engine's vision tower takes; None: it takes no images
+    no_vision_reason: str = "this engine does not run the vision tower"
 
     def __init__(self, model_dir: Path, *, model_id: str, context_length: int | None, max_running: int) -> None:
         self.model_dir = Path(model_dir)
@@ -311,7 +315,7 @@ class WorkerEngine(ABC):
 
     # --- requests (asyncio side) --------------------------------------------------------------------------
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str, images: Sequence[PromptImage] = ()
     ) -> AsyncIterator[EngineEvent]:
         if not self.ready:
             raise EngineNotReady("the model is not loaded yet")
@@ -324,6 +328,8 @@ class WorkerEngine(ABC):
             raise ContextLengthExceeded(len(prompt_ids), self.request_limit)
         if any(not 0 <= t < self._n_vocab for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {self._n_vocab})")
+        if images:
+            self._check_images(prompt_ids, images)
 
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -346,6 +352,7 @@ class WorkerEngine(ABC):
             # A prompt that ends in an open <think> starts in reasoning: the budget counts from there.
             in_reasoning=params.reasoning_budget is not None or prompt_ids[-1] == self._think_open,
             reasoning_end=params.reasoning_end_ids[0] if params.reasoning_end_ids else self._think_close,
+            images=tuple(images),
         )
         with self._cv:
             if request_id in self._by_id:
@@ -373,6 +380,18 @@ class WorkerEngine(ABC):
                     return
         finally:
             self._cancel(req)  # consumer stopped early (closed, cancelled, raised): free the slot
+
+    def _check_images(self, prompt_ids: list[int], images: Sequence[PromptImage]) -> None:
+        """An image needs the tower, and a span of image tokens of its own in the prompt, in order."""
+        if self.vision is None:
+            raise ValueError(f"this model takes no images: {self.no_vision_reason}")
+        token, after = self.vision.image_token_id, 0
+        for i, im in enumerate(images):
+            if im.start < after or im.end > len(prompt_ids) or im.tokens < 1 \
+                    or any(t != token for t in prompt_ids[im.start:im.end]):
+                raise ValueError(f"image {i}'s span [{im.start}, {im.end}) is not a run of image tokens of its own "
+                                 "in the prompt")
+            after = im.end
 
     def cancel(self, request_id: str) -> None:
         with self._cv:
