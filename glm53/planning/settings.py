@@ -173,6 +173,19 @@ SCHEMA: tuple[Setting, ...] = (
             "route: 429 rate_limit_error) at once instead of waiting unseen; one that needs more generations than slots "
             "plus queue (n, or prompts on /v1/completions) gets 400. 0 = no limit.",
             _int_at_least(0), "integer >= 0"),
+    Setting("GLM53_MAX_IMAGES", "16",
+            "Images one request may carry, history included (each costs its vision-tower pass and up to the "
+            "checkpoint's max_image_tokens of context); more get 400.",
+            _int_at_least(1), "integer >= 1"),
+    Setting("GLM53_MAX_IMAGE_MB", "5",
+            "Largest image accepted, in MiB of encoded bytes (PNG, JPEG, GIF, WebP; Anthropic's API takes 5 too); a "
+            "larger one gets 413. Request "
+            "bodies may grow by this (base64) for each image allowed.",
+            _float_at_least(0.01), "number >= 0.01"),
+    Setting("GLM53_IMAGE_URL_FETCH", "0",
+            "Let requests name images by http(s) URL, which the server then downloads (the appliance runs offline, "
+            "so off by default: such images get 400 and clients send the bytes inline instead).",
+            _bool, BOOL),
     Setting("GLM53_VRAM_BUDGET_GB", "0",
             "Cap on the VRAM glm53 uses, in GiB; 0 = what the GPU has free. Emulates a smaller card on a big one.",
             _float_at_least(0.0), "number >= 0"),
@@ -214,6 +227,9 @@ class Settings:
     reasoning_effort: str
     max_concurrency: int
     max_queue: int
+    max_images: int
+    max_image_mb: float
+    image_url_fetch: bool
     vram_budget_gb: float
     cpu_threads: int
     allow_buffered_reads: bool
