@@ -37,7 +37,14 @@ _SKIPPED_BLOCKS = frozenset({"redacted_thinking", "server_tool_use", "web_search
                              "code_execution_tool_result", "bash_code_execution_tool_result",
                              "text_editor_code_execution_tool_result", "mcp_tool_use", "mcp_tool_result",
                              "container_upload", "tool_search_tool_result"})
-_MEDIA_BLOCKS = frozenset({"image", "document"})
+_MEDIA_BLOCKS = frozenset({"document"})
+
+
+class ImageSource(_Model):
+    type: str  # "base64" | "url" (others, e.g. "file", are refused by name)
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
 
 
 class ContentBlock(_Model):
@@ -53,6 +60,7 @@ class ContentBlock(_Model):
     tool_use_id: str | None = None
     content: str | list[ContentBlock] | None = None
     is_error: bool | None = None
+    source: ImageSource | None = None  # an image block's
 
 
 class Message(_Model):
@@ -125,6 +133,51 @@ def _skipped(b: ContentBlock, where: str) -> bool:
     return False
 
 
+def _image_part(b: ContentBlock, where: str) -> dict[str, Any]:
+    """An image block as the chat route's image_url part (a data URL for a base64 source)."""
+    src = b.source
+    if src is None:
+        raise bad_request(f"{where}: an image block needs source.", param=f"{where}.source")
+    if src.type == "base64":
+        if not src.media_type or not src.data:
+            raise bad_request(f"{where}.source: a base64 image source needs media_type and data.",
+                              param=f"{where}.source")
+        url = f"data:{src.media_type};base64,{src.data}"
+    elif src.type == "url" and src.url:
+        url = src.url
+    else:
+        raise bad_request(f"{where}.source: image sources of type {src.type!r} are not supported here (base64, "
+                          "and url where the server fetches, are): send the image's bytes as a base64 source.",
+                          param=f"{where}.source.type")
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _joined(items: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Blocks' texts joined by newlines; with images, chat parts in the same order (an image where it stood)."""
+    if all(isinstance(x, str) for x in items):
+        return "\n".join(items)  # type: ignore[arg-type]
+    parts: list[dict[str, Any]] = []
+    for k, x in enumerate(items):
+        if k:
+            parts.append({"type": "text", "text": "\n"})
+        parts.append({"type": "text", "text": x} if isinstance(x, str) else x)
+    return parts
+
+
+def _tool_result(blocks: list[ContentBlock], where: str) -> str | list[dict[str, Any]]:
+    """A tool_result's content: text blocks and images (what an agent's Read tool returns for a screenshot)."""
+    items: list[str | dict[str, Any]] = []
+    for j, b in enumerate(blocks):
+        if b.type == "image":
+            items.append(_image_part(b, f"{where}.{j}"))
+        elif not _skipped(b, f"{where}.{j}"):
+            if b.type != "text" or b.text is None:
+                raise bad_request(f"{where}.{j}: only text and image blocks are supported here (got {b.type!r}).",
+                                  param=f"{where}.{j}")
+            items.append(b.text)
+    return _joined(items)
+
+
 def _texts(blocks: list[ContentBlock], where: str) -> str:
     out = []
     for j, b in enumerate(blocks):
@@ -170,28 +223,37 @@ def _assistant(blocks: list[ContentBlock], where: str) -> dict[str, Any]:
 
 def _user(blocks: list[ContentBlock], where: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    texts: list[str | dict[str, Any]] = []
     for j, b in enumerate(blocks):
         if b.type == "text" and b.text is not None:
             texts.append(b.text)
+        elif b.type == "image":
+            texts.append(_image_part(b, f"{where}.{j}"))
         elif _skipped(b, f"{where}.{j}"):
             continue
         elif b.type == "tool_result":
             if texts:
-                out.append({"role": "user", "content": "\n".join(texts)})
+                out.append({"role": "user", "content": _joined(texts)})
                 texts = []
             if not b.tool_use_id:
                 raise bad_request(f"{where}.{j}: a tool_result block needs tool_use_id.", param=f"{where}.{j}")
-            result = b.content if isinstance(b.content, str) else _texts(b.content or [], f"{where}.{j}.content")
-            # The chat template has no error flag for a tool response: the text says it.
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                        "content": f"Error: {result}" if b.is_error else result})
+            result = b.content if isinstance(b.content, str) else _tool_result(b.content or [], f"{where}.{j}.content")
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": _error_marked(result, b.is_error)})
         else:
-            raise bad_request(f"{where}.{j}: only text and tool_result blocks are supported in a user turn "
+            raise bad_request(f"{where}.{j}: only text, image and tool_result blocks are supported in a user turn "
                               f"(got {b.type!r}).", param=f"{where}.{j}")
     if texts:
-        out.append({"role": "user", "content": "\n".join(texts)})
+        out.append({"role": "user", "content": _joined(texts)})
     return out
+
+
+def _error_marked(result: str | list[dict[str, Any]], is_error: bool | None) -> str | list[dict[str, Any]]:
+    # The chat template has no error flag for a tool response: the text says it.
+    if not is_error:
+        return result
+    if isinstance(result, str):
+        return f"Error: {result}"
+    return [{"type": "text", "text": "Error: "}, *result]
 
 
 def _tool_choice(choice: ToolChoice | None) -> Any:
@@ -254,12 +316,16 @@ def to_chat(req: CountTokensRequest) -> ChatCompletionRequest:
 # -- replies ---------------------------------------------------------------------------------------------------
 
 
-def usage(live: LiveRequest) -> dict[str, int]:
+def usage(live: LiveRequest) -> dict[str, Any]:
     # Anthropic counts prompt tokens read from the cache apart from input_tokens; their sum is the prompt.
     u = live.usage()
     cached = u["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    out: dict[str, Any] = {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+                           "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+    details = u["prompt_tokens_details"]
+    if "image_tokens" in details:  # an extension (Anthropic's usage has no such field): the prompt's images
+        out["input_tokens_details"] = {k: details[k] for k in ("image_tokens", "image_tokens_per_image")}
+    return out
 
 
 def _tool_input(arguments: str) -> Any:

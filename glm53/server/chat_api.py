@@ -13,6 +13,8 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from glm53.engine.interface import EngineEvent, SamplingParams
+from glm53.engine.vision import PromptImage
+from glm53.server import images
 from glm53.server.chat import (
     THINK_CLOSE,
     ChatStreamParser,
@@ -40,23 +42,36 @@ from glm53.server.common import (
 )
 from glm53.server.errors import bad_request
 from glm53.server.generation import Tally, TokenLogprob, choice_emissions
-from glm53.server.protocol import ChatCompletionRequest, ChatFields, ChatMessage, NamedToolChoice
+from glm53.server.images import MARKER, ImageRef
+from glm53.server.protocol import ChatCompletionRequest, ChatFields, ChatMessage, ContentPart, ImageURL, NamedToolChoice
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_keepalive
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def _part_text(part: ContentPart, where: str, role: str, images: list[ImageRef]) -> str:
+    """A content part's text in the prompt; an image part stands as its marker, its reference kept in `images`."""
+    if part.type in ("text", "input_text") and part.text is not None:
+        return part.text
+    if part.type in ("image_url", "input_image"):
+        url = part.image_url.url if isinstance(part.image_url, ImageURL) else part.image_url
+        if not url:
+            raise bad_request(f"{where}: an image_url part needs image_url.url.", param=where)
+        if role == "assistant":
+            raise bad_request(f"{where}: images go in user, system or tool turns, not the assistant's.", param=where)
+        images.append(ImageRef(url, where))
+        return MARKER
+    raise bad_request(f"{where}: only text and image_url parts are supported (got {part.type!r}).", param=where)
+
+
+def template_messages(messages: list[ChatMessage], images: list[ImageRef] | None = None) -> list[dict[str, Any]]:
     """OpenAI messages -> the dicts the GLM chat template reads. Prior reasoning (either field name) and tool
-    calls are kept so multi-turn agent loops render as the model saw them."""
+    calls are kept so multi-turn agent loops render as the model saw them. Image parts are appended to `images`
+    in prompt order."""
+    found: list[ImageRef] = [] if images is None else images
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type not in ("text", "input_text") or part.text is None:
-                    raise bad_request(f"messages[{i}].content: only text parts are supported (got {part.type!r}).",
-                                      param=f"messages.{i}.content")
-                texts.append(part.text)
-            content = "".join(texts)
+            content = "".join(_part_text(part, f"messages.{i}.content.{j}", m.role, found)
+                              for j, part in enumerate(m.content))
         else:
             content = m.content or ""
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
@@ -99,6 +114,7 @@ class ChatPrompt:
     named: str | None  # a named tool_choice
     grammar: str | None
     history: str = ""  # the identity of the conversation before the reply (chat_prompt.history_keys)
+    images: list[PromptImage] = field(default_factory=list)  # the prompt's images, in order
 
 
 def _tool_choice(req: ChatFields, tools: list[dict]) -> tuple[str, str | None]:
@@ -129,7 +145,9 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
         # the think block, where no grammar applies) without the call the client demanded.
         thinking = Thinking(False, thinking.effort, thinking.budget)
     shown_tools = tools if tools and choice != "none" else None
-    sent = template_messages(req.messages or [])
+    refs: list[ImageRef] = []
+    sent = template_messages(req.messages or [], refs)
+    decoded = load_images(state, refs)
     messages = reattach(sent, state.reasoning_memory)
     template_kwargs = {**kwargs, "enable_thinking": thinking.on}
     if thinking.on or "reasoning_effort" not in kwargs:
@@ -148,7 +166,21 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
     prompt = finish_prompt(text, thinking, force_call=forced and not use_grammar and add_generation_prompt,
                            named=named)
     ids = tokenize_prompt(state, prompt.text)
-    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar, history_keys(sent)[-1])
+    placed: list[PromptImage] = []
+    if decoded:
+        ids, placed = images.expand(ids, decoded, engine.vision, "messages")
+    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar, history_keys(sent)[-1], placed)
+
+
+def load_images(state: ServerState, refs: list[ImageRef]) -> list[images.DecodedImage]:
+    """The request's images read and decoded, each checked; none needs the engine's vision tower."""
+    if not refs:
+        return []
+    if getattr(state.engine, "vision", None) is None:
+        raise images.unavailable(state.engine, refs[0].param)
+    limits = images.ImageLimits.of(state.settings)
+    images.check_count(refs, limits)
+    return [images.load(ref, limits) for ref in refs]
 
 
 def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
@@ -202,7 +234,8 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest, live: Liv
             p.reasoning_end_ids = list(end_ids)
         params.append(p)
     prep = PreparedChat(req, chat, tool_param_types(chat.tools), params, req.logprobs)
-    prep.runs = await open_runs(engine, prompt_ids, params, live)
+    live.image_tokens = [im.tokens for im in chat.images]
+    prep.runs = await open_runs(engine, prompt_ids, params, live, chat.images)
     return prep
 
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from glm53.engine.interface import Engine, EngineEvent, SamplingParams
+from glm53.engine.vision import PromptImage
 from glm53.server.chat_prompt import ReasoningMemory, TurnLayout, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
@@ -61,8 +62,13 @@ class ServerState:
         return shutting_down() if self.stopping else None
 
     def max_body_bytes(self) -> int:
-        """The largest request body worth reading: room for a prompt filling the context, JSON-escaped."""
-        return BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
+        """The largest request body worth reading: room for a prompt filling the context, JSON-escaped, and for
+        as many images as a request may carry (base64) where the engine reads images."""
+        text = BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
+        if getattr(self.engine, "vision", None) is None:
+            return text
+        max_images = int(getattr(self.settings, "max_images", 0))
+        return text + max_images * (int(float(getattr(self.settings, "max_image_mb", 0)) * (1 << 20)) * 4 // 3 + 64)
 
     def layout(self) -> TurnLayout:
         """How the checkpoint's template writes a turn (learned once, by rendering one)."""
@@ -212,6 +218,7 @@ class LiveRequest:
     request_ids: list[str] = field(default_factory=list)
     tallies: list[Tally] = field(default_factory=list)
     prompt_tokens: int = 0
+    image_tokens: list[int] = field(default_factory=list)  # each image's prompt tokens, in order
     recorded: bool = False
 
     def __post_init__(self) -> None:
@@ -233,9 +240,12 @@ class LiveRequest:
         # cached_tokens: prompt tokens the engine served from its prefix cache (0 where it has none); each
         # choice prefills the same prompt, so the first choice's count is the request's.
         cached = self.tallies[0].cached_tokens if self.tallies else 0
+        details: dict[str, Any] = {"cached_tokens": cached}
+        if self.image_tokens:  # counted in prompt_tokens; per image, in the order they were sent
+            details.update(image_tokens=sum(self.image_tokens), image_tokens_per_image=list(self.image_tokens))
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached},
+                "prompt_tokens_details": details,
                 "completion_tokens_details": {"reasoning_tokens": sum(t.reasoning_tokens for t in self.tallies)}}
 
     def cancel(self) -> None:
@@ -265,14 +275,15 @@ class LiveRequest:
 
 
 async def open_runs(engine: Engine, prompt_ids: list[int] | list[list[int]], params: list[SamplingParams],
-                    live: LiveRequest) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
+                    live: LiveRequest, images: Sequence[PromptImage] = ()
+                    ) -> list[tuple[str, Tally, AsyncIterator[EngineEvent]]]:
     """Start every choice's generation (see generation.open_events); on a failure, stop the ones started."""
     runs = []
     try:
         for i, p in enumerate(params):
             rid, tally = live.new_choice()
             ids = prompt_ids[i] if prompt_ids and isinstance(prompt_ids[0], list) else prompt_ids
-            runs.append((rid, tally, await open_events(engine, ids, p, rid)))  # type: ignore[arg-type]
+            runs.append((rid, tally, await open_events(engine, ids, p, rid, images)))  # type: ignore[arg-type]
     except BaseException:
         live.cancel()
         for _, _, events in runs:

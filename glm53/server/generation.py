@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from glm53.engine.interface import Engine, EngineError, EngineEvent, PromptProgress, SamplingParams, TokenEvent
+from glm53.engine.vision import PromptImage
 from glm53.server.chat import split_at_tag
 from glm53.server.errors import bad_request, from_engine_error
 
@@ -92,11 +93,13 @@ def _logprob(ev: TokenEvent) -> TokenLogprob | None:
 
 
 async def open_events(engine: Engine, prompt_ids: list[int], params: SamplingParams,
-                      request_id: str) -> AsyncIterator[EngineEvent]:
+                      request_id: str, images: Sequence[PromptImage] = ()) -> AsyncIterator[EngineEvent]:
     """Start a generation now, so that what the engine rejects up front (prompt ids outside the vocabulary,
     a prompt over the context, an engine not loaded) becomes an HTTP error before a stream's 200 status
     line is sent. Engines validate synchronously before their first await, so one loop turn is enough."""
-    events = engine.generate(prompt_ids, params, request_id)
+    # Text-only calls keep the three-argument form, which every engine (and test double) takes.
+    events = engine.generate(prompt_ids, params, request_id, images) if images else \
+        engine.generate(prompt_ids, params, request_id)
     first = asyncio.ensure_future(anext(events))
     # If the caller never iterates (a stream whose client left at once), the request is cancelled by id and
     # this task ends unobserved: mark its outcome as seen so asyncio does not log it.

@@ -53,9 +53,15 @@ class NamedToolChoice(_Model):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+class ImageURL(_Model):
+    url: str
+    detail: str | None = None  # OpenAI's resolution hint; the tower's canvas is the checkpoint's whatever it says
+
+
 class ContentPart(_Model):
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None  # type "image_url" (a string: what some clients send)
 
 
 class ToolCallFunction(_Model):

@@ -38,6 +38,9 @@ _SKIPPED_ITEMS = frozenset({"web_search_call", "file_search_call", "image_genera
 class Part(_Model):
     type: str
     text: str | None = None
+    image_url: str | None = None  # input_image: a data URL, or http(s) where the server fetches
+    file_id: str | None = None  # input_image from OpenAI's files API, which this server does not have
+    detail: str | None = None
 
 
 class InputItem(_Model):
@@ -114,6 +117,31 @@ def _text(content: str | list[Part] | None, where: str) -> str:
     return "".join(out)
 
 
+def _image_part(p: Part, where: str) -> dict[str, Any]:
+    if not p.image_url:
+        what = "file_id refers to OpenAI's files API, which this server does not have" if p.file_id else \
+            "it has no image_url"
+        raise bad_request(f"{where}: an input_image needs image_url ({what}): send the image as a data URL "
+                          "(data:image/png;base64,...).", param=f"{where}.image_url")
+    return {"type": "image_url", "image_url": {"url": p.image_url}}
+
+
+def _content(content: str | list[Part] | None, where: str) -> str | list[dict[str, Any]]:
+    """A user, system or tool item's content: its text, or chat parts where it holds images."""
+    if content is None or isinstance(content, str) or all(p.type != "input_image" for p in content):
+        return _text(content, where)
+    parts = []
+    for j, p in enumerate(content):
+        if p.type == "input_image":
+            parts.append(_image_part(p, f"{where}.{j}"))
+        elif p.type in _TEXT_PARTS and p.text is not None:
+            parts.append({"type": "text", "text": p.text})
+        else:
+            raise bad_request(f"{where}.{j}: only text and input_image parts are supported (got {p.type!r}).",
+                              param=f"{where}.{j}")
+    return parts
+
+
 def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if req.instructions:
@@ -136,11 +164,11 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
         if kind == "message":
             if item.role is None:
                 raise bad_request(f"{where}: a message item needs role.", param=f"{where}.role")
-            text = _text(item.content, f"{where}.content")
             if item.role == "assistant":
-                assistant_turn(text)
+                assistant_turn(_text(item.content, f"{where}.content"))
             else:
-                messages.append({"role": "system" if item.role == "developer" else item.role, "content": text})
+                messages.append({"role": "system" if item.role == "developer" else item.role,
+                                 "content": _content(item.content, f"{where}.content")})
         elif kind == "function_call":
             if not item.call_id or not item.name:
                 raise bad_request(f"{where}: a function_call item needs call_id and name.", param=where)
@@ -152,7 +180,7 @@ def _messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             if not item.call_id:
                 raise bad_request(f"{where}: a function_call_output item needs call_id.", param=f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": item.call_id,
-                             "content": _text(item.output, f"{where}.output")})
+                             "content": _content(item.output, f"{where}.output")})
         elif kind == "reasoning":
             reasoning = _text(item.summary, f"{where}.summary") or _text(item.content, f"{where}.content")
         elif kind in _SKIPPED_ITEMS:
