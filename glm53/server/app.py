@@ -30,6 +30,7 @@ from glm53.server.asgi import drain, send_error
 from glm53.server.browser import BrowserGuard, policy_for
 from glm53.server.common import ServerState
 from glm53.server.errors import APIError
+from glm53.server.images import inline_image_bytes
 from glm53.server.jsontext import JSONBody
 from glm53.server.metrics import Metrics
 from glm53.server.urls import http_url
@@ -96,13 +97,13 @@ class BodyLimit:
 
     async def _bounded_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
         """The receive to hand on (the body replayed), or None once the 413 was sent."""
-        limit = self.state.max_body_bytes()
+        limit, text_limit = self.state.max_body_bytes(), self.state.max_body_bytes(images=False)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            await send_error(scope, send, self._too_large(int(length), limit))
+            await send_error(scope, send, self._too_large(int(length), text_limit))
             await drain(receive)
             return None
-        if length is not None:
+        if length is not None and (limit == text_limit or not length.isdigit() or int(length) <= text_limit):
             return receive
         body = bytearray()
         while True:
@@ -111,12 +112,16 @@ class BodyLimit:
                 break
             body += message.get("body", b"")
             if len(body) > limit:
-                await send_error(scope, send, self._too_large(len(body), limit))
+                await send_error(scope, send, self._too_large(len(body), text_limit))
                 if message.get("more_body", False):
                     await drain(receive)
                 return None
             if not message.get("more_body", False):
                 break
+        # Past the text's room only by the images it carries: what is not inline image data must fit as before.
+        if len(body) > text_limit and len(body) - inline_image_bytes(bytes(body)) > text_limit:
+            await send_error(scope, send, self._too_large(len(body), text_limit))
+            return None
         replayed = False
 
         async def replay() -> Message:

@@ -61,11 +61,11 @@ class ServerState:
         """The error a generation the server ended reports: only once it is shutting down."""
         return shutting_down() if self.stopping else None
 
-    def max_body_bytes(self) -> int:
-        """The largest request body worth reading: room for a prompt filling the context, JSON-escaped, and for
-        as many images as a request may carry (base64) where the engine reads images."""
+    def max_body_bytes(self, images: bool = True) -> int:
+        """The largest request body worth reading: room for a prompt filling the context, JSON-escaped, and (with
+        `images`, where the engine reads them) for as many images as a request may carry, base64."""
         text = BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
-        if getattr(self.engine, "vision", None) is None:
+        if not images or getattr(self.engine, "vision", None) is None:
             return text
         max_images = int(getattr(self.settings, "max_images", 0))
         return text + max_images * (int(float(getattr(self.settings, "max_image_mb", 0)) * (1 << 20)) * 4 // 3 + 64)

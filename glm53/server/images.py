@@ -14,6 +14,7 @@ import base64
 import binascii
 import io
 import logging
+import re
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "im
 MAX_PIXELS = 64 * 1024 * 1024  # a larger canvas is a decompression bomb, whatever its file size
 FETCH_TIMEOUT_S = 10.0
 MARKER = "<|begin_of_image|><|image|><|end_of_image|>"
+_BASE64_RUN = re.compile(rb"[A-Za-z0-9+/=]{1024,}")  # inline image data, as a request body carries it
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,11 @@ class ImageRef:
 class DecodedImage:
     digest: str
     image: Any  # a loaded PIL image
+
+
+def inline_image_bytes(body: bytes) -> int:
+    """Bytes of a request body that are long base64 runs (inline images: data URLs, Anthropic base64 sources)."""
+    return sum(m.end() - m.start() for m in _BASE64_RUN.finditer(body))
 
 
 def unavailable(engine: Any, param: str) -> APIError:

@@ -119,10 +119,9 @@ def _text(content: str | list[Part] | None, where: str) -> str:
 
 def _image_part(p: Part, where: str) -> dict[str, Any]:
     if not p.image_url:
-        what = "file_id refers to OpenAI's files API, which this server does not have" if p.file_id else \
-            "it has no image_url"
-        raise bad_request(f"{where}: an input_image needs image_url ({what}): send the image as a data URL "
-                          "(data:image/png;base64,...).", param=f"{where}.image_url")
+        why = " (file_id names a file of OpenAI's files API, which this server does not have)" if p.file_id else ""
+        raise bad_request(f"{where}: an input_image needs image_url{why}: send the image as a data URL "
+                          "(data:image/png;base64,...).", param=where)
     return {"type": "image_url", "image_url": {"url": p.image_url}}
 
 
