@@ -196,18 +196,23 @@ class ReferenceEngine(WorkerEngine):
                         req.cache = None  # not kept: a forward that raised may have left it half written
                         self._fail(req, exc, "while running this request")
 
-    def _forward(self, req: _ReferenceRequest, ids: list[int], start: int | None = None) -> torch.Tensor:
-        """The logits after feeding `ids`, positions [start, start + len(ids)) of the request (images there take
-        their embeddings); start None: positions without images (a generated token)."""
-        inputs = torch.tensor([ids], dtype=torch.long)
-        embeds = None if start is None else self._image_embeds(req, inputs, start)
+    def _forward(self, req: _ReferenceRequest, ids: list[int]) -> torch.Tensor:
         out = self._model(
-            input_ids=None if embeds is not None else inputs,
-            inputs_embeds=embeds,
+            input_ids=torch.tensor([ids], dtype=torch.long),
             past_key_values=req.cache,
             use_cache=True,
             logits_to_keep=1,
         )
+        req.cache = out.past_key_values
+        return out.logits[0, -1, : self._n_vocab]
+
+    def _prefill(self, req: _ReferenceRequest, start: int, end: int) -> torch.Tensor:
+        """The logits after positions [start, end) of the request, images there taking their embeddings."""
+        ids = self._tokens(req, start, end)
+        embeds = self._image_embeds(req, torch.tensor([ids], dtype=torch.long), start)
+        if embeds is None:
+            return self._forward(req, ids)
+        out = self._model(inputs_embeds=embeds, past_key_values=req.cache, use_cache=True, logits_to_keep=1)
         req.cache = out.past_key_values
         return out.logits[0, -1, : self._n_vocab]
 
@@ -259,7 +264,7 @@ class ReferenceEngine(WorkerEngine):
             end = min(req.prefilled + self.prefill_chunk, total)
             if not self._kv_reserve(req, end):
                 return
-            req.logits = self._forward(req, self._tokens(req, req.prefilled, end), req.prefilled)
+            req.logits = self._prefill(req, req.prefilled, end)
             req.prefilled = end
             if end == len(req.prompt) and not req.generated:
                 req.prompt_cache = copy.deepcopy(req.cache)
