@@ -149,8 +149,11 @@ async def tokenize(body: TokenizeRequest, state: State) -> dict[str, Any]:
     # think block, re-attached reasoning, an opened forced call).
     chat = await asyncio.to_thread(chat_api.build_chat_prompt, state, body,
                                    add_generation_prompt=body.add_generation_prompt)
-    return {"tokens": chat.ids, "count": len(chat.ids), "max_model_len": state.engine.context_length,
-            "prompt": chat.prompt.text}
+    out = {"tokens": chat.ids, "count": len(chat.ids), "max_model_len": state.engine.context_length,
+           "prompt": chat.prompt.text}
+    if chat.images:  # counted in `count`; per image, in the order sent
+        out["image_tokens_per_image"] = [im.tokens for im in chat.images]
+    return out
 
 
 @extras.post("/detokenize")

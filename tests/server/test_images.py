@@ -95,6 +95,7 @@ def test_chat_reads_an_image_and_usage_counts_its_tokens(server):
     counted = httpx.post(server.url + "/tokenize", json={"messages": chat_image(data_url(png)), **OFF}).json()
     assert counted["count"] == r.json()["usage"]["prompt_tokens"]
     assert counted["tokens"].count(spec(server).image_token_id) == expected
+    assert counted["image_tokens_per_image"] == [expected]
     text_only = httpx.post(server.url + "/tokenize", json={"messages": chat_image(data_url(png))[:0] + [
         {"role": "user", "content": "What is in the picture?"}], **OFF}).json()
     assert counted["count"] == text_only["count"] + expected + 2  # the begin and end tokens
