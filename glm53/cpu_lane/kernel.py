@@ -423,6 +423,27 @@ def physical_cores(sys_root: str | Path = "/sys/devices/system/cpu", allowed: se
     return sorted(cores.values())
 
 
+def host_cpus(lane_cpus: Sequence[int], sys_root: str | Path = "/sys/devices/system/cpu",
+              allowed: set[int] | None = None) -> list[int]:
+    """The CPUs a pinned lane leaves to the rest of the process (the thread feeding the GPU, torch's CPU pool, the
+    event loop): every allowed CPU on a physical core no lane worker runs on; if the lane holds every core, the
+    allowed CPUs it does not name (SMT siblings); empty when it names them all."""
+    if allowed is None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    lane = set(lane_cpus)
+
+    def core(cpu: int) -> tuple[str, str] | None:
+        topo = Path(sys_root) / f"cpu{cpu}" / "topology"
+        try:
+            return (topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()
+        except OSError:
+            return None
+
+    busy = {core(c) for c in lane}
+    free = [c for c in sorted(allowed) if c not in lane and core(c) not in busy]
+    return free or sorted(set(allowed) - lane)
+
+
 def _cpu_list(text: str) -> set[int]:
     """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11} (the kernel's cpulist format)."""
     out: set[int] = set()

@@ -20,6 +20,7 @@ are given to the lane, and the tier machinery neither frees nor rewrites the RAM
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .kernel import SWIGLU_LIMIT, CpuKernel, ExpertCall, ExpertGeometry
+from .kernel import SWIGLU_LIMIT, CpuKernel, ExpertCall, ExpertGeometry, host_cpus
 from .planner import Assignment, LiveFit
 
 log = logging.getLogger("glm53.cpu_lane")
@@ -167,6 +168,51 @@ def _to_numpy(y: Any) -> np.ndarray:
     return np.asarray(y)
 
 
+@dataclass
+class HostPin:
+    """The thread that starts a pinned lane (the one that goes on to feed the GPU, and every thread it starts
+    later: Linux threads inherit the mask) moved onto the CPUs the lane leaves free, and torch's CPU pool bounded to
+    as many threads, for the lane's life. Unpinned, they share the lane workers' cores and the lane's kernel runs
+    slower inside decode than its calibration measured."""
+
+    tid: int
+    cpus: list[int]
+    before: set[int]
+    torch_threads: int | None
+
+    @classmethod
+    def take(cls, lane_cpus: Sequence[int]) -> HostPin | None:
+        """None where there is nothing to do: no affinity API, or no CPU left outside the lane."""
+        if not hasattr(os, "sched_setaffinity"):
+            return None
+        free = host_cpus(lane_cpus)
+        if not free:
+            return None
+        tid = threading.get_native_id()
+        pin = cls(tid, free, os.sched_getaffinity(tid), _torch_threads(len(free)))
+        os.sched_setaffinity(tid, free)
+        return pin
+
+    def release(self) -> None:
+        try:
+            os.sched_setaffinity(self.tid, self.before)
+        except OSError:  # the thread has ended: nothing holds the mask any more
+            pass
+        if self.torch_threads is not None:
+            _torch_threads(self.torch_threads)
+
+
+def _torch_threads(n: int) -> int | None:
+    """Set torch's intra-op pool to `n` threads; the previous count, or None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, n))
+    return before
+
+
 class CpuLane:
     """The CPU lane's worker thread, its kernel pool, and its counters."""
 
@@ -185,9 +231,12 @@ class CpuLane:
                              "exact mode (GLM53_MODE=exact or nvme-exact)")
         self.geometry = ExpertGeometry.from_layout(layout)
         self.kernel: CpuKernel | None = None
+        self.host_pin: HostPin | None = None
         if compute is None:
             self.kernel = CpuKernel(threads, cpus, isa=isa, kernel=kernel)
             compute = kernel_compute(self.kernel, self.geometry, swiglu_limit)
+            if self.kernel.pinned and cpus:
+                self.host_pin = HostPin.take(cpus)
         self.threads = threads
         self.stats = stats
         self.fit = fit
@@ -216,6 +265,7 @@ class CpuLane:
             doc = asdict(self.counters)
         doc.update(alive=self.alive, disabled_reason=self.disabled_reason, threads=self.threads,
                    isa=self.kernel.isa if self.kernel else None, pinned=self.kernel.pinned if self.kernel else 0,
+                   host_cpus=self.host_pin.cpus if self.host_pin else None,
                    kernel=self.kernel.kernel if self.kernel else None)
         if self.fit is not None:
             doc["cost_model"] = self.fit.model().to_json()
@@ -253,6 +303,9 @@ class CpuLane:
             self._thread.join(timeout=max(self.grace, 5.0))
         if self.kernel is not None and not self._thread.is_alive():
             self.kernel.close()
+        if self.host_pin is not None:
+            self.host_pin.release()
+            self.host_pin = None
 
     def __enter__(self) -> CpuLane:
         return self
@@ -335,8 +388,10 @@ def start_lane(layout: Any, pcie_samples: Sequence[Any], threads: int, *, cpus: 
     fit = LiveFit(cal.samples, list(pcie_samples), threads)
     lane = CpuLane(layout, threads, cpus=cpus, isa=cal.isa, stats=stats, fit=fit, codebook=codebook,
                    kernel=cal.kernel)
-    log.info("CPU lane: %d threads (CPUs %s), %s %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert",
-             threads, ",".join(map(str, cpus)) if cpus else "unpinned", cal.isa, cal.kernel,
-             fit.model().cpu_expert(1) * 1e6, fit.model().pcie.expert_cost(1) * 1e6)
+    host = lane.host_pin.cpus if lane.host_pin else None
+    log.info("CPU lane: %d threads (CPUs %s), %s %s kernel, %.0f us per one-row expert; PCIe %.0f us per expert; "
+             "the GPU's feeder and torch's pool on CPUs %s", threads, ",".join(map(str, cpus)) if cpus else "unpinned",
+             cal.isa, cal.kernel, fit.model().cpu_expert(1) * 1e6, fit.model().pcie.expert_cost(1) * 1e6,
+             ",".join(map(str, host)) if host else "shared with the lane")
     return lane, fit
 

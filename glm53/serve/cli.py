@@ -213,12 +213,13 @@ def serve(settings: Any, make_engine: Callable[[Any], Any] | None = None) -> int
 
     import uvicorn
 
+    from glm53.serve.http import protocol
     from glm53.server.app import create_app
 
     app = create_app(engine, settings)
     log.info("HTTP on %s (model %s loading; /health answers now, /ready once loaded)",
              http_url(settings.host, settings.port), settings.model_id)
-    config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level),
+    config = uvicorn.Config(app, log_config=uvicorn_log_config(settings.log_level), http=protocol(),
                             timeout_graceful_shutdown=DRAIN_S + 5)
     state = app.state.glm53
     server = _server(config, state)

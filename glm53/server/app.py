@@ -37,6 +37,9 @@ from glm53.server.urls import http_url
 
 log = logging.getLogger("glm53.server")
 
+# A request body may pause this long between two of its chunks (a client on a LAN never does); then 408.
+BODY_IDLE_S = 30.0
+
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens",
           "/v1/responses", "/health", "/ready", "/metrics", "/stats", "/tokenize", "/detokenize", "/api/hello")
 
@@ -82,7 +85,9 @@ class RequestMetrics:
 
 class BodyLimit:
     """Refuse a POST body larger than any prompt the context can hold before it is read (by its content-length)
-    or as soon as it grows past the limit (chunked): 413, in well under a second, whatever it carries."""
+    or as soon as it grows past the limit (chunked): 413, in well under a second, whatever it carries. A body that
+    stops arriving for BODY_IDLE_S gets 408: the app reads the whole body before it starts, so a client that
+    stalls mid-body would otherwise hold its connection and task forever (glm53.serve.http bounds the headers)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -96,18 +101,20 @@ class BodyLimit:
         await self.app(scope, receive, send)
 
     async def _bounded_body(self, scope: Scope, receive: Receive, send: Send) -> Receive | None:
-        """The receive to hand on (the body replayed), or None once the 413 was sent."""
+        """The receive to hand on (the body replayed), or None once the 413 or 408 was sent."""
         limit, text_limit = self.state.max_body_bytes(), self.state.max_body_bytes(images=False)
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await send_error(scope, send, self._too_large(int(length), text_limit))
             await drain(receive)
             return None
-        if length is not None and (limit == text_limit or not length.isdigit() or int(length) <= text_limit):
-            return receive
         body = bytearray()
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_IDLE_S)
+            except TimeoutError:
+                await send_error(scope, send, self._stalled(len(body), length))
+                return None
             if message["type"] != "http.request":
                 break
             body += message.get("body", b"")
@@ -132,6 +139,12 @@ class BodyLimit:
             return await receive()
 
         return replay
+
+    @staticmethod
+    def _stalled(got: int, length: bytes | None) -> APIError:
+        of = f" of the {int(length)} its content-length announced" if length and length.isdigit() else ""
+        return APIError(408, f"The request body stopped arriving: no bytes for {BODY_IDLE_S:.0f} s after {got} "
+                             f"bytes{of}. Send the whole body without pauses.", code="request_timeout")
 
     def _too_large(self, size: int, limit: int) -> APIError:
         return APIError(413, f"The request body has {size} bytes, more than the {limit} bytes any prompt that fits "

@@ -385,6 +385,53 @@ def test_cpu_picking_uses_one_cpu_per_physical_core(tmp_path):
     assert K.physical_cores(tmp_path, {0, 9}) == []           # no topology for CPU 9: unpinned
 
 
+def test_host_cpus_are_the_cores_the_lane_leaves(tmp_path):
+    # Four cores, each with an SMT sibling: cpu c and cpu c+4 share core c.
+    for cpu in range(8):
+        topo = tmp_path / f"cpu{cpu}" / "topology"
+        topo.mkdir(parents=True)
+        (topo / "physical_package_id").write_text("0\n")
+        (topo / "core_id").write_text(f"{cpu % 4}\n")
+    every = set(range(8))
+    lane = K.pick_cpus(3, tmp_path, every, set())
+    assert lane == [1, 2, 3]
+    assert K.host_cpus(lane, tmp_path, every) == [0, 4]      # core 0 and its sibling; never a lane core's sibling
+    assert K.host_cpus([0, 1, 2, 3], tmp_path, every) == [4, 5, 6, 7]  # every core taken: the siblings
+    assert K.host_cpus(sorted(every), tmp_path, every) == []
+
+
+def test_a_pinned_lane_moves_its_starter_off_the_lane_cores_until_closed():
+    import os
+    import threading
+
+    import torch
+
+    from glm53.cpu_lane.lane import HostPin
+
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(K.physical_cores(allowed=set(allowed))) < 2:
+        pytest.skip("needs two physical cores")
+    seen = {}
+
+    def starter() -> None:  # in its own thread, so the test runner's mask is never touched
+        lane_cpus = K.pick_cpus(1)
+        torch_before = torch.get_num_threads()
+        pin = HostPin.take(lane_cpus)
+        child = threading.Thread(target=lambda: seen.update(child=os.sched_getaffinity(0)))
+        child.start()
+        child.join()
+        seen.update(lane=lane_cpus, pinned=os.sched_getaffinity(0), torch=torch.get_num_threads(), pin=pin.cpus)
+        pin.release()
+        seen.update(after=os.sched_getaffinity(0), torch_after=torch.get_num_threads(), torch_before=torch_before)
+
+    t = threading.Thread(target=starter)
+    t.start()
+    t.join()
+    assert seen["pinned"] == set(seen["pin"]) == seen["child"] and not seen["pinned"] & set(seen["lane"])
+    assert seen["torch"] == len(seen["pin"])
+    assert seen["after"] == set(allowed) and seen["torch_after"] == seen["torch_before"]
+
+
 def test_cpu_picking_prefers_performance_cores(tmp_path):
     # A hybrid CPU: cores 0-3 are performance cores, 4-7 efficiency cores (no SMT here, for brevity).
     for cpu in range(8):

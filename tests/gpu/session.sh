@@ -113,6 +113,10 @@ step_tiny() {
   gpu_pytest modes-tiny 300 tests/engine/test_gpu_modes.py -k tiny
   gpu_pytest exact-tiny 360 tests/engine/test_gpu_engine.py -k "tiny or engine"
 }
+step_modes() {  # the near-exact modes' KL and nvme-exact's bit-identity, tiny and full width, without the exact suites
+  gpu_pytest modes-tiny 300 tests/engine/test_gpu_modes.py -k tiny
+  gpu_pytest modes-width 400 tests/engine/test_gpu_modes.py -k glm53_width
+}
 step_server() {  # the first engine start on a fresh machine compiles the warm-up's shapes (~170 s on the tiny model)
   GLM53_TEST_ENGINE=exl3 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/server/test_server_conformance.py \
     > "$OUT/server.log" 2>&1
@@ -340,6 +344,21 @@ step_fairness() {
     fairness --model /tmp/fx --unbounded 2 --rounds 3 --log-dir "$OUT/fair" --json "$OUT/fair-exl3.json" \
     > "$OUT/fair.log" 2>&1
   stamp "fairness rc=$? $(tail -4 "$OUT/fair.log" | tr '\n' ';')"
+}
+step_imageprobe() {  # issue 36's GPU half: can this machine build the image's CUDA stage? (tools, namespaces, network)
+  {
+    for tool in buildah podman docker runc crun debootstrap apt-get nvcc; do
+      printf '%s: %s\n' "$tool" "$(command -v "$tool" || echo absent)"
+    done
+    echo "uid: $(id -u); user namespaces: $(cat /proc/sys/user/max_user_namespaces 2>/dev/null || echo unknown)"
+    unshare --user --map-root-user true 2>&1 && echo "unshare --user: ok" || echo "unshare --user: failed"
+    echo "overlay in /proc/filesystems: $(grep -c overlay /proc/filesystems)"; ls -l /dev/fuse 2>&1
+    echo "disk free in /tmp: $(df --output=avail -BG /tmp | tail -1)"
+    timeout 20 python3 -m pip download -q --no-deps -d /tmp/probe-wheel tini-placeholder-nonexistent==0 2>&1 | tail -2
+    timeout 10 python3 -c "import urllib.request; urllib.request.urlopen('https://pypi.org/simple/', timeout=5)" 2>&1 | tail -1
+    timeout 10 python3 -c "import urllib.request; urllib.request.urlopen('http://archive.ubuntu.com/ubuntu/', timeout=5)" 2>&1 | tail -1
+  } > "$OUT/imageprobe.log" 2>&1
+  stamp "imageprobe: $(tr '\n' ';' < "$OUT/imageprobe.log" | cut -c1-900)"
 }
 step_zerocopy() {
   timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \

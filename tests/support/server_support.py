@@ -16,6 +16,7 @@ import uvicorn
 
 from glm53.engine.interface import ContextLengthExceeded, EngineNotReady, SamplingParams, TokenEvent
 from glm53.fixture import tokenizer as gtok
+from glm53.serve.http import protocol
 from glm53.server import create_app
 
 _SPECIALS = list(gtok.ADDED_TOKENS)
@@ -172,15 +173,17 @@ class FakeEngine:
 
 
 class ServerThread:
-    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread."""
+    """uvicorn serving `app` on 127.0.0.1:<free port> in a daemon thread, through the HTTP protocol `glm53 serve`
+    uses (glm53.serve.http.protocol(), or `http`: one with another deadline or base)."""
 
-    def __init__(self, app, log_level: str = "warning") -> None:
+    def __init__(self, app, log_level: str = "warning", http: type | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level=log_level, lifespan="on", timeout_graceful_shutdown=2,
+                                http=http or protocol())
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
