@@ -1,7 +1,8 @@
 """The real agent CLIs (Claude Code, Codex; versions in tests/clients/clients.json, installed into .clients/ by
 tests/clients/install.sh) against `glm53 serve` on the demo, set up exactly as docs/clients.md says, through a
 recording proxy: each completes a turn with its default prompt and tools, the server log has no refused request,
-and Claude Code's second turn is served mostly from the prefix cache.
+and Claude Code's second turn is served mostly from the prefix cache; a pasted screenshot (Claude Code) and
+an attached image (Codex `--image`) reach the server and their turns complete.
 
 Each test takes a minute or two on a 2-core machine (the agents' first prompts are ~20,000 tokens). Without the
 CLIs they skip, except in CI, where they must run.
@@ -124,8 +125,32 @@ def _project(tmp_path: Path) -> Path:
     return project
 
 
-def _run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+def _run(cmd: list[str], cwd: Path, env: dict[str, str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600, input=stdin,
+                          stdin=subprocess.DEVNULL if stdin is None else None)
+
+
+def _screenshot(path: Path) -> Path:
+    """A screenshot-like PNG: a window with a title bar and a few lines of "text"."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (640, 400), (245, 245, 245))
+    draw = ImageDraw.Draw(img)
+    draw.rectangle((0, 0, 640, 28), fill=(40, 44, 52))
+    for i in range(8):
+        draw.rectangle((24, 48 + 36 * i, 24 + 60 * (i % 5 + 3), 64 + 36 * i), fill=(30, 90 + 15 * i, 200))
+    img.save(path)
+    return path
+
+
+def _image_parts(body: object) -> list[dict]:
+    """Every image part of a recorded request body, whatever the API calls it."""
+    if isinstance(body, list):
+        return [p for item in body for p in _image_parts(item)]
+    if not isinstance(body, dict):
+        return []
+    own = [body] if body.get("type") in ("image", "input_image", "image_url") else []
+    return own + [p for v in body.values() for p in _image_parts(v)]
 
 
 def _turns(records: list[dict], path: str) -> list[dict]:
@@ -152,6 +177,47 @@ def test_claude_code_completes_two_turns_and_the_second_is_cached(served: Served
     usage = turn2[0]["usage"]
     cached, prompt = usage["cache_read_input_tokens"], usage["cache_read_input_tokens"] + usage["input_tokens"]
     assert cached / prompt >= 0.9, usage
+    assert not served.refusals(), served.refusals()
+
+
+def test_claude_code_takes_a_pasted_image(served: Served, tmp_path: Path) -> None:
+    """A pasted screenshot reaches the server as Claude Code sends it (an image block of base64 PNG, through its
+    streaming input, which is what its paste produces) and the turn completes."""
+    import base64
+
+    claude = _cli("claude")
+    project = _project(tmp_path)
+    env = claude_env(served.url, tmp_path / "home")
+    data = base64.b64encode(_screenshot(tmp_path / "shot.png").read_bytes()).decode()
+    message = {"type": "user", "message": {"role": "user", "content": [
+        {"type": "text", "text": "What does this screenshot show?"},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}}
+    before = len(_turns(served.records(), "/v1/messages"))
+    done = _run([str(claude), "-p", "--input-format", "stream-json", "--output-format", "stream-json", "--verbose"],
+                project, env, stdin=json.dumps(message) + "\n")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["type"] == "result" and result["is_error"] is False, result
+    turn = _turns(served.records(), "/v1/messages")[before:]
+    assert turn and all(r["status"] == 200 for r in turn), [r["status"] for r in turn]
+    sent = [p for r in turn for p in _image_parts(r["body"])]
+    assert sent and sent[0]["source"]["data"] == data, [list(p) for p in sent]
+    assert not served.refusals(), served.refusals()
+
+
+def test_codex_takes_an_attached_image(served: Served, tmp_path: Path) -> None:
+    codex = _cli("codex")
+    project = _project(tmp_path)
+    env = {"PATH": os.environ["PATH"], "HOME": str(codex_home(served.url, tmp_path / "home")), "GLM53_API_KEY": "none"}
+    shot = _screenshot(tmp_path / "shot.png")
+    before = len(_turns(served.records(), "/v1/responses"))
+    # --image takes several files, so the prompt comes first
+    done = _run([str(codex), "exec", "What does this screenshot show?", "--image", str(shot)], project, env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    turn = _turns(served.records(), "/v1/responses")[before:]
+    assert turn and all(r["status"] == 200 for r in turn), [r["status"] for r in turn]
+    assert any(p["type"] == "input_image" for r in turn for p in _image_parts(r["body"])), turn[0]["body"]
+    assert "ERROR" not in done.stdout + done.stderr, done.stdout + done.stderr
     assert not served.refusals(), served.refusals()
 
 
