@@ -62,6 +62,9 @@ class Exl3Engine(WorkerEngine):
     # Constrained decoding through exllamav3's own llguidance filter; decided at load (llguidance importable).
     supports_grammar = False
     no_grammar_reason = "constrained decoding needs llguidance, which this exllamav3 install lacks"
+    # The tower runs on the CPU demo only so far; a user pasting a screenshot reads what to do instead.
+    no_vision_reason = ("glm53's exllamav3 engine does not run the model's vision tower yet (the CPU demo does): "
+                        "describe the image in text, or paste its text content")
 
     def __init__(
         self,
