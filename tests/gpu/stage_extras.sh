@@ -13,7 +13,7 @@ mkdir -p "$dest"
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
   -d "$dest" fastapi "uvicorn[standard]" openai prometheus-client xxhash python-dotenv py-cpuinfo hypothesis \
-  httpx pyyaml jsonschema anthropic
+  httpx pyyaml jsonschema anthropic pillow
 rm -f "$dest"/torch-* "$dest"/numpy-* "$dest"/pydantic-* "$dest"/pydantic_core-* "$dest"/transformers-* \
   "$dest"/nvidia_* "$dest"/triton-*
 du -sh "$dest"
