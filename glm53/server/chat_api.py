@@ -23,7 +23,15 @@ from glm53.server.chat import (
     tool_param_types,
 )
 from glm53.server.chat_grammar import check_tool_schemas, tool_call_grammar
-from glm53.server.chat_prompt import Prompt, Thinking, finish_prompt, history_keys, reattach, resolve_thinking
+from glm53.server.chat_prompt import (
+    Prompt,
+    Thinking,
+    finish_prompt,
+    history_keys,
+    image_digests,
+    reattach,
+    resolve_thinking,
+)
 from glm53.server.common import (
     LiveRequest,
     ServerState,
@@ -47,7 +55,7 @@ from glm53.server.protocol import ChatCompletionRequest, ChatFields, ChatMessage
 from glm53.server.sse import DONE_FRAME, PING, PING_FRAME, frame, merge, with_keepalive
 
 
-def _part_text(part: ContentPart, where: str, role: str, images: list[ImageRef]) -> str:
+def _part_text(part: ContentPart, where: str, role: str, images: list[ImageRef], message: int) -> str:
     """A content part's text in the prompt; an image part stands as its marker, its reference kept in `images`."""
     if part.type in ("text", "input_text") and part.text is not None:
         return part.text
@@ -57,7 +65,7 @@ def _part_text(part: ContentPart, where: str, role: str, images: list[ImageRef])
             raise bad_request(f"{where}: an image_url part needs image_url.url.", param=where)
         if role == "assistant":
             raise bad_request(f"{where}: images go in user, system or tool turns, not the assistant's.", param=where)
-        images.append(ImageRef(url, where))
+        images.append(ImageRef(url, where, message))
         return MARKER
     raise bad_request(f"{where}: only text and image_url parts are supported (got {part.type!r}).", param=where)
 
@@ -70,7 +78,7 @@ def template_messages(messages: list[ChatMessage], images: list[ImageRef] | None
     out = []
     for i, m in enumerate(messages):
         if isinstance(m.content, list):
-            content = "".join(_part_text(part, f"messages.{i}.content.{j}", m.role, found)
+            content = "".join(_part_text(part, f"messages.{i}.content.{j}", m.role, found, i)
                               for j, part in enumerate(m.content))
         else:
             content = m.content or ""
@@ -148,7 +156,8 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
     refs: list[ImageRef] = []
     sent = template_messages(req.messages or [], refs)
     decoded = load_images(state, refs)
-    messages = reattach(sent, state.reasoning_memory)
+    shown = image_digests(refs)
+    messages = reattach(sent, state.reasoning_memory, shown)
     template_kwargs = {**kwargs, "enable_thinking": thinking.on}
     if thinking.on or "reasoning_effort" not in kwargs:
         template_kwargs["reasoning_effort"] = thinking.effort
@@ -169,7 +178,7 @@ def build_chat_prompt(state: ServerState, req: ChatFields, *, add_generation_pro
     placed: list[PromptImage] = []
     if decoded:
         ids, placed = images.expand(ids, decoded, engine.vision, "messages")
-    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar, history_keys(sent)[-1], placed)
+    return ChatPrompt(prompt, ids, tools, bool(shown_tools), named, grammar, history_keys(sent, shown)[-1], placed)
 
 
 def load_images(state: ServerState, refs: list[ImageRef]) -> list[images.DecodedImage]:

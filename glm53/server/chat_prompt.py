@@ -18,6 +18,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,14 +105,24 @@ def _message_doc(m: dict) -> list:
             m.get("tool_call_id")]
 
 
-def history_keys(messages: list[dict]) -> list[str]:
-    """keys[i]: the identity of messages[:i], the conversation before message i (one running hash, so a long
-    history costs one pass)."""
+def image_digests(refs: Sequence[Any]) -> dict[int, list[str]]:
+    """Per message index, the sha256 of each image it carries (images.ImageRef): a message's text holds only a
+    marker where an image stands, so two conversations that differ by a picture differ here."""
+    out: dict[int, list[str]] = {}
+    for ref in refs:
+        out.setdefault(ref.message, []).append(hashlib.sha256(ref.url.encode("utf-8", "surrogatepass")).hexdigest())
+    return out
+
+
+def history_keys(messages: list[dict], images: dict[int, list[str]] | None = None) -> list[str]:
+    """keys[i]: the identity of messages[:i], the conversation before message i, images included (one running
+    hash, so a long history costs one pass)."""
     running = hashlib.sha256()
     keys = []
-    for m in messages:
+    for i, m in enumerate(messages):
         keys.append(running.hexdigest())
-        running.update(json.dumps(_message_doc(m), ensure_ascii=False).encode("utf-8", "surrogatepass"))
+        doc = _message_doc(m) + (images or {}).get(i, [])
+        running.update(json.dumps(doc, ensure_ascii=False).encode("utf-8", "surrogatepass"))
     keys.append(running.hexdigest())
     return keys
 
@@ -157,10 +168,11 @@ class ReasoningMemory:
         return self._chars
 
 
-def reattach(messages: list[dict], memory: ReasoningMemory) -> list[dict]:
-    """Assistant turns without reasoning get back the reasoning the server generated for them."""
+def reattach(messages: list[dict], memory: ReasoningMemory, images: dict[int, list[str]] | None = None) -> list[dict]:
+    """Assistant turns without reasoning get back the reasoning the server generated for them (`images`: as
+    history_keys takes them)."""
     out = []
-    keys = history_keys(messages)
+    keys = history_keys(messages, images)
     for i, m in enumerate(messages):
         if m["role"] == "assistant" and "reasoning_content" not in m and THINK_CLOSE not in (m.get("content") or ""):
             found = memory.recall(m.get("content"), m.get("tool_calls"), keys[i])

@@ -46,10 +46,12 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class ImageRef:
-    """An image part as sent: its URL (data: or http(s)) and the request field it came in."""
+    """An image part as sent: its URL (data: or http(s)), the request field it came in, and the index of its
+    message among the template's messages."""
 
     url: str
     param: str
+    message: int
 
 
 @dataclass(frozen=True)

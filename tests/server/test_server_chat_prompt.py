@@ -86,6 +86,32 @@ def test_turns_alike_in_themselves_get_their_own_reasoning_back():
     assert all("reasoning_content" not in m for m in reattach(edited, mem))
 
 
+
+def test_a_turn_after_another_picture_is_another_conversation():
+    # Images stand as one marker in the template's text: the history key holds each image's digest, so a reply
+    # given about one picture never lends its reasoning to the same words about another.
+    from glm53.server.chat_api import template_messages
+    from glm53.server.chat_prompt import image_digests
+    from glm53.server.protocol import ChatMessage
+
+    def turn(url: str) -> tuple[list[dict], dict]:
+        refs: list = []
+        sent = template_messages([
+            ChatMessage(role="user", content=[{"type": "text", "text": "What is this?"},
+                                              {"type": "image_url", "image_url": {"url": url}}]),
+            ChatMessage(role="assistant", content="A cat.")], refs)
+        return sent, image_digests(refs)
+
+    mem = ReasoningMemory()
+    sent, shown = turn("data:image/png;base64,AAAA")
+    assert list(shown) == [0]
+    mem.remember("A cat.", None, "about picture A", history_keys(sent[:1], shown)[-1])
+    assert reattach(sent, mem, shown)[1]["reasoning_content"] == "about picture A"
+    other, other_shown = turn("data:image/png;base64,BBBB")
+    assert other == sent  # the same text, markers and all
+    assert "reasoning_content" not in reattach(other, mem, other_shown)[1]
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
