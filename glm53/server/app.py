@@ -113,7 +113,8 @@ class BodyLimit:
             try:
                 message = await asyncio.wait_for(receive(), BODY_IDLE_S)
             except TimeoutError:
-                await send_error(scope, send, self._stalled(len(body), length))
+                # The rest of the body may still come: closing the connection keeps it from being read as a request.
+                await send_error(scope, send, self._stalled(len(body), length), [(b"connection", b"close")])
                 return None
             if message["type"] != "http.request":
                 break

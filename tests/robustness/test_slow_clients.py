@@ -86,6 +86,7 @@ def test_a_stalled_body_gets_408_in_the_routes_shape(server, path, caplog):
         answer = read_until_closed(s)
     head, _, text = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert b"connection: close" in head.lower(), head  # the body's rest is never read as a next request
     doc = json.loads(text)
     message = doc["error"]["message"]
     assert "stopped arriving" in message and f"after 10 bytes of the {len(payload)}" in message, doc
