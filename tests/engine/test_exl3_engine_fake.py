@@ -495,6 +495,7 @@ def test_tool_call_grammar_through_the_filter(stock):
         assert isinstance(args["city"], str) and len(args["city"]) <= 8 and 1 <= args["days"] <= 9
 
 
+@pytest.mark.slow  # end to end and long (30-50 s on two cores): make test runs it after the unit suite
 def test_replies_without_max_tokens_commit_pages_as_they_grow_and_wait_for_them(ck):
     """max_rq_tokens: a job holds its prompt's pages and one segment, and requeues at the segment's end; on a cache
     too small for two whole replies, the second job waits for pages (counted as waiting, not running) instead of

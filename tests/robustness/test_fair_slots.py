@@ -31,6 +31,7 @@ def post(srv, body: dict, timeout: float = 600) -> httpx.Response:
     return httpx.post(srv.url + "/v1/completions", json={"temperature": 0, **body}, timeout=timeout)
 
 
+@pytest.mark.slow  # end to end and long (30-50 s on two cores): make test runs it after the unit suite
 def test_a_short_request_is_answered_while_every_slot_runs_an_unbounded_reply(two_slots):
     srv = two_slots
     before = srv.engine.stats()
@@ -85,6 +86,7 @@ def test_stats_show_the_slice_and_the_yields(two_slots):
     assert stats["slice_s"] >= 0.3 and stats["requests_yielded"] >= 0
 
 
+@pytest.mark.slow  # end to end and long (30-50 s on two cores): make test runs it after the unit suite
 def test_yielded_replies_give_up_their_kept_pages_when_the_cache_runs_short(hf_model_dir):
     """A yielded reply keeps its cache and pages (resuming costs nothing), but when a running reply needs a page
     the waiting one lets go of its pages and prefills again later: three replies of a two-page cache on two slots

@@ -58,6 +58,7 @@ def idle(srv) -> bool:
     return s["running"] == 0 and s["waiting"] == 0
 
 
+@pytest.mark.slow  # end to end and long (30-50 s on two cores): make test runs it after the unit suite
 def test_four_requests_without_max_tokens_share_a_small_cache(small):
     """Four replies that could each fill the whole cache: all are answered, each ends with "length" where the cache
     ends (or earlier on a stop token), none fails, and /stats and /metrics show the ones waiting for pages."""
