@@ -126,7 +126,7 @@ class BodyLimit:
                 return None
             if not message.get("more_body", False):
                 break
-        # Past the text's room only by the images it carries: what is not inline image data must fit as before.
+        # A body may pass the text's room only by the inline image data it carries: the rest must fit that room.
         if len(body) > text_limit and len(body) - inline_image_bytes(bytes(body)) > text_limit:
             await send_error(scope, send, self._too_large(len(body), text_limit))
             return None

@@ -19,6 +19,7 @@ from glm53.engine.vision import PromptImage
 from glm53.server.chat_prompt import ReasoningMemory, TurnLayout, probe_layout
 from glm53.server.errors import APIError, bad_request, context_exceeded, from_engine_error
 from glm53.server.generation import Tally, open_events
+from glm53.server.images import ImageLimits
 from glm53.server.jsontext import JSONBody
 from glm53.server.metrics import Metrics
 from glm53.server.protocol import ResponseFormat, SamplingFields
@@ -67,8 +68,8 @@ class ServerState:
         text = BODY_BASE_BYTES + BODY_BYTES_PER_TOKEN * max(int(self.engine.context_length or 0), 0)
         if not images or getattr(self.engine, "vision", None) is None:
             return text
-        max_images = int(getattr(self.settings, "max_images", 0))
-        return text + max_images * (int(float(getattr(self.settings, "max_image_mb", 0)) * (1 << 20)) * 4 // 3 + 64)
+        limits = ImageLimits.of(self.settings)
+        return text + limits.max_images * (limits.max_bytes * 4 // 3 + 64)
 
     def layout(self) -> TurnLayout:
         """How the checkpoint's template writes a turn (learned once, by rendering one)."""

@@ -97,9 +97,7 @@ async def open_events(engine: Engine, prompt_ids: list[int], params: SamplingPar
     """Start a generation now, so that what the engine rejects up front (prompt ids outside the vocabulary,
     a prompt over the context, an engine not loaded) becomes an HTTP error before a stream's 200 status
     line is sent. Engines validate synchronously before their first await, so one loop turn is enough."""
-    # Text-only calls keep the three-argument form, which every engine (and test double) takes.
-    events = engine.generate(prompt_ids, params, request_id, images) if images else \
-        engine.generate(prompt_ids, params, request_id)
+    events = engine.generate(prompt_ids, params, request_id, images)
     first = asyncio.ensure_future(anext(events))
     # If the caller never iterates (a stream whose client left at once), the request is cancelled by id and
     # this task ends unobserved: mark its outcome as seen so asyncio does not log it.

@@ -383,8 +383,8 @@ def test_ready_reports_a_store_fault_and_serving_goes_on(server, client, engine)
 
 def test_mid_stream_error_is_an_error_frame(engine):
     class Failing(FakeEngine):
-        async def generate(self, prompt_ids, params, request_id):
-            async for ev in super().generate(prompt_ids, params, request_id):
+        async def generate(self, prompt_ids, params, request_id, images=()):
+            async for ev in super().generate(prompt_ids, params, request_id, images):
                 yield ev
                 if ev.token_id == ord("a"):
                     from glm53.engine.interface import EngineError

@@ -106,8 +106,8 @@ class FakeEngine:
         return {"waiting": 0, "running": len(self.running), "prompt_tokens": self.prompt_tokens,
                 "generated_tokens": self.generated, "tokens_per_s": 0.0, "tiers": {"vram": {"hits": 3}}}
 
-    async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[TokenEvent]:
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       images: tuple = ()) -> AsyncIterator[TokenEvent]:
         if not self._ready:
             raise EngineNotReady("not loaded")
         if len(prompt_ids) >= self.context_length:
