@@ -1,0 +1,37 @@
+"""The CPU lane given every RAM-resident miss (issue 40's accuracy panel): PCIe priced out of the planner's cost
+model and a judge that always offers the lane, so the measured KL is the lane kernel's alone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from glm53.cpu_lane.planner import PcieCost
+from glm53.step.lane_judge import LaneJudge
+
+PRICED_OUT = PcieCost(step=1.0, expert=1.0, row=1.0)  # a second an expert: no split puts a miss on PCIe
+
+
+class PcieOutFit:
+    """The lane's LiveFit with its PCIe half priced out; the CPU half keeps learning (the lane's deadlines use it)."""
+
+    def __init__(self, fit: Any):
+        self.fit = fit
+
+    def model(self):
+        return replace(self.fit.model(), pcie=PRICED_OUT)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fit, name)
+
+
+class AlwaysOffer(LaneJudge):
+    def offer(self) -> bool:
+        return True
+
+
+def force_lane(tiered: Any) -> None:
+    """After start_lane: every later decode step's RAM-resident misses go to the CPU lane."""
+    stepper = tiered.stepper
+    stepper.fit = PcieOutFit(stepper.fit)
+    stepper.lane_judge = AlwaysOffer()
