@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt
 
 from glm53.server.blocks import Block, BlockEvent, BlockSequence
-from glm53.server.chat_api import PreparedChat, build_chat_prompt, chat_request, prepare_chat, run_choice
+from glm53.server.chat_api import ORIGIN, PreparedChat, build_chat_prompt, chat_request, prepare_chat, run_choice
 from glm53.server.common import LiveRequest, ServerState, check_ready, respond
 from glm53.server.errors import APIError, anthropic_body, bad_request, from_engine_error
 from glm53.server.protocol import SEED_MAX, SEED_MIN, TOOL_NAME, ChatCompletionRequest, _Model
@@ -149,7 +149,7 @@ def _image_part(b: ContentBlock, where: str) -> dict[str, Any]:
         raise bad_request(f"{where}.source: image sources of type {src.type!r} are not supported here (base64, "
                           "and url where the server fetches, are): send the image's bytes as a base64 source.",
                           param=f"{where}.source.type")
-    return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": url}, ORIGIN: where}
 
 
 def _joined(items: list[str | dict[str, Any]]) -> str | list[dict[str, Any]]:

@@ -65,7 +65,7 @@ def _part_text(part: ContentPart, where: str, role: str, images: list[ImageRef],
             raise bad_request(f"{where}: an image_url part needs image_url.url.", param=where)
         if role == "assistant":
             raise bad_request(f"{where}: images go in user, system or tool turns, not the assistant's.", param=where)
-        images.append(ImageRef(url, where, message))
+        images.append(ImageRef(url, part._origin or where, message))
         return MARKER
     raise bad_request(f"{where}: only text and image_url parts are supported (got {part.type!r}).", param=where)
 
@@ -196,10 +196,25 @@ def chat_request(fields: dict[str, Any]) -> ChatCompletionRequest:
     """The chat request another wire format (Anthropic Messages, Responses) translates into: every format
     runs the chat route's one path from here on. What the chat model refuses is a 400 naming the field."""
     try:
-        return ChatCompletionRequest.model_validate(fields)
+        req = ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
         raise bad_request(f"Invalid request: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    _keep_origins(req, fields)
+    return req
+
+
+ORIGIN = "origin"  # a translated part's key naming its field in the request as sent (chat's model ignores it)
+
+
+def _keep_origins(req: ChatCompletionRequest, fields: dict[str, Any]) -> None:
+    """Each translated part's origin onto its validated part, so its errors name the client's own field."""
+    for msg, sent in zip(req.messages or [], fields.get("messages") or [], strict=False):
+        parts = sent.get("content") if isinstance(sent, dict) else None
+        if isinstance(msg.content, list) and isinstance(parts, list):
+            for part, raw in zip(msg.content, parts, strict=False):
+                if isinstance(raw, dict) and isinstance(raw.get(ORIGIN), str):
+                    part._origin = raw[ORIGIN]
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictInt, field_validator, model_validator
 
 MAX_N = 16
 MAX_STOPS = 16
@@ -62,6 +62,9 @@ class ContentPart(_Model):
     type: str
     text: str | None = None
     image_url: ImageURL | str | None = None  # type "image_url" (a string: what some clients send)
+    # Where the part stood in the request as sent, when another wire format was translated into chat (errors name
+    # the client's own field); never read from a request body.
+    _origin: str | None = PrivateAttr(default=None)
 
 
 class ToolCallFunction(_Model):

@@ -18,7 +18,7 @@ from fastapi.responses import Response
 from pydantic import Field, StrictBool, StrictInt
 
 from glm53.server.blocks import Block, BlockEvent, BlockSequence
-from glm53.server.chat_api import PreparedChat, chat_request, prepare_chat, run_choice
+from glm53.server.chat_api import ORIGIN, PreparedChat, chat_request, prepare_chat, run_choice
 from glm53.server.common import LiveRequest, ServerState, error_frame_body, respond
 from glm53.server.errors import bad_request
 from glm53.server.protocol import SEED_MAX, SEED_MIN, ReasoningEffort, _Model
@@ -122,7 +122,7 @@ def _image_part(p: Part, where: str) -> dict[str, Any]:
         why = " (file_id names a file of OpenAI's files API, which this server does not have)" if p.file_id else ""
         raise bad_request(f"{where}: an input_image needs image_url{why}: send the image as a data URL "
                           "(data:image/png;base64,...).", param=where)
-    return {"type": "image_url", "image_url": {"url": p.image_url}}
+    return {"type": "image_url", "image_url": {"url": p.image_url}, ORIGIN: where}
 
 
 def _content(content: str | list[Part] | None, where: str) -> str | list[dict[str, Any]]:

@@ -232,6 +232,29 @@ def test_refusals_are_in_the_anthropic_shape(server):
     assert r.status_code == 400 and "'file'" in r.json()["error"]["message"], r.text
 
 
+def test_refusals_name_the_field_as_the_client_sent_it(server):
+    # A broken image in a tool_result (Claude Code's Read of a screenshot) after a system prompt and an earlier
+    # exchange: the message names the Anthropic block, not the chat messages the request was translated into.
+    bad = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": base64.b64encode(b"\x89PNG\r\n\x1a\n not a png").decode()}}
+    messages = [
+        {"role": "user", "content": "Read the screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a"}}]},
+        {"role": "user", "content": [{"type": "text", "text": "here:"},
+                                     {"type": "tool_result", "tool_use_id": "t1", "content": [
+                                         {"type": "text", "text": "shot.png"}, bad]}]},
+    ]
+    r = httpx.post(server.url + "/v1/messages", json={"model": "x", "max_tokens": 4, "system": "Be brief.",
+                                                      "messages": messages})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("messages.2.content.1.content.1"), r.text
+    content = [{"type": "input_text", "text": "Describe"},
+               {"type": "input_image", "image_url": "data:image/png;base64,@@@@"}]
+    r = httpx.post(server.url + "/v1/responses", timeout=60, json={
+        "instructions": "Be brief.", "input": [{"role": "user", "content": "hi"}, {"role": "user", "content": content}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.1.content.1", r.text
+
+
 def test_a_stream_runs_on_while_bad_images_are_refused(server):
     """Refusals happen before anything reaches the engine: a reply streaming meanwhile ends normally."""
     done: dict = {}
