@@ -167,8 +167,8 @@ def kernel_supported(isa: str, kernel: str, lib: ctypes.CDLL | None = None) -> b
 
 
 def served_kernel(isa: str | None = None, lib: ctypes.CDLL | None = None) -> str:
-    """The kernel the lane serves with on `isa` (default the widest): "int" where the build has a tested
-    integer kernel for it (scalar and AVX2 today), else "exact"."""
+    """The kernel the lane serves with on `isa` (default the widest): "int" where the build has an integer kernel
+    for it (every ISA path), else "exact"."""
     isa = best_isa() if isa is None else isa
     return "int" if kernel_supported(isa, "int", lib) else "exact"
 

@@ -14,15 +14,9 @@
 #pragma clang attribute pop
 #endif
 
-// The integer kernel compiles here but has not yet passed the tests on a CPU with this ISA, so it is not offered
-// (the lane serves the exact kernel); a build with -DGLM53_OFFER_UNTESTED_INT=1 offers it, to run them there.
-#ifndef GLM53_OFFER_UNTESTED_INT
-#define GLM53_OFFER_UNTESTED_INT 0
-#endif
-
 namespace glm53 {
 const IsaOps kAvx2VnniOps = {"avx2vnni", isa_avx2vnni::decode_tile, isa_avx2vnni::gemv_cols, isa_avx2vnni::prep_block,
                          isa_avx2vnni::mid_block, isa_avx2vnni::out_block,
-    GLM53_OFFER_UNTESTED_INT ? isa_avx2vnni::gemv_cols_q : nullptr, isa_avx2vnni::prep_block_q, isa_avx2vnni::mid_block_q};
+    isa_avx2vnni::gemv_cols_q, isa_avx2vnni::prep_block_q, isa_avx2vnni::mid_block_q};
 }
 #endif

@@ -18,15 +18,9 @@
 #pragma clang attribute pop
 #endif
 
-// The integer kernel compiles here but has not yet passed the tests on a CPU with this ISA, so it is not offered
-// (the lane serves the exact kernel); a build with -DGLM53_OFFER_UNTESTED_INT=1 offers it, to run them there.
-#ifndef GLM53_OFFER_UNTESTED_INT
-#define GLM53_OFFER_UNTESTED_INT 0
-#endif
-
 namespace glm53 {
 const IsaOps kAvx512Ops = {"avx512", isa_avx512::decode_tile, isa_avx512::gemv_cols, isa_avx512::prep_block,
                            isa_avx512::mid_block, isa_avx512::out_block,
-    GLM53_OFFER_UNTESTED_INT ? isa_avx512::gemv_cols_q : nullptr, isa_avx512::prep_block_q, isa_avx512::mid_block_q};
+    isa_avx512::gemv_cols_q, isa_avx512::prep_block_q, isa_avx512::mid_block_q};
 }
 #endif
