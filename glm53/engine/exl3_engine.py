@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.engine.interface import EngineError, PromptProgress, TokenEvent
+from glm53.engine.vision import EMBEDDINGS_KEPT, NoVision, read_vision_spec
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
 from glm53.exl3.events import Failed, Progress, Tokens
 from glm53.planning.spec import PAGE, EngineSpec
@@ -62,9 +63,6 @@ class Exl3Engine(WorkerEngine):
     # Constrained decoding through exllamav3's own llguidance filter; decided at load (llguidance importable).
     supports_grammar = False
     no_grammar_reason = "constrained decoding needs llguidance, which this exllamav3 install lacks"
-    # The tower runs on the CPU demo only so far; a user pasting a screenshot reads what to do instead.
-    no_vision_reason = ("glm53's exllamav3 engine does not run the model's vision tower yet (the CPU demo does): "
-                        "describe the image in text, or paste its text content")
 
     def __init__(
         self,
@@ -109,6 +107,7 @@ class Exl3Engine(WorkerEngine):
         t0 = time.perf_counter()
         check_contract()
         self._load_text()
+        self._read_vision()
         self.supports_grammar = llguidance_filter() is not None
         runtime = Runtime.open(self.model_dir)
         if runtime.cpu_split_set:
@@ -118,7 +117,8 @@ class Exl3Engine(WorkerEngine):
         # Out of memory here is the plan's sizes against this device: the message says which settings lower them.
         with out_of_memory_names_knobs("while loading the model"):
             runtime.load(spec, counts_for=self._saved_counts if self.routing_stats_dir is not None else None,
-                         admit=self.admit, nvme_open=self._nvme_open(), on_tiers=self.on_tiers)
+                         admit=self.admit, nvme_open=self._nvme_open(), on_tiers=self.on_tiers,
+                         vision_kept=EMBEDDINGS_KEPT if self.vision is not None else 0)
         self.runtime, self.tiered = runtime, runtime.tiered
         if self.supports_grammar:
             runtime.prepare_grammar()
@@ -134,6 +134,17 @@ class Exl3Engine(WorkerEngine):
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
                  self.context_length)
+
+    def _read_vision(self) -> None:
+        """The checkpoint's vision tower, if it has one (loaded with the model); otherwise images are refused with
+        the reason."""
+        try:
+            self.vision = read_vision_spec(self.model_dir)
+        except NoVision as exc:
+            self.vision = None
+            self.no_vision_reason = (f"{exc}: serve a checkpoint that includes the vision tower (GLM-5.3-Flash "
+                                     "ships it), or send text only")
+            log.info("exllamav3 engine: images are refused (%s)", exc)
 
     def _nvme_open(self) -> Any:
         """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
@@ -261,6 +272,10 @@ class Exl3Engine(WorkerEngine):
             doc.update(self.runtime.kv_stats())
         return doc
 
+    def _stats_extra(self) -> dict:
+        tower = self.runtime.vision if self.runtime is not None else None
+        return {"vision": {"available": self.vision is not None, **(tower.stats() if tower is not None else {})}}
+
     def stats(self) -> dict:
         doc = {"kind": self.kind, "mode": self.mode, **super().stats()}  # "mode" second, as it always was
         tiered = self.tiered
@@ -302,8 +317,11 @@ class Exl3Engine(WorkerEngine):
         left = req.max_new - len(req.generated)
         p = req.params
         seed = None if p.seed is None else (p.seed + len(req.generated)) & 0x7FFF_FFFF
+        ids, embeddings = req.prompt + req.generated, []
+        if req.images:  # each image's tokens become its embedding's ids (the same image: the same ids, its pages)
+            ids, embeddings = self.runtime.vision.prompt(ids, req.images)
         req.job = self.runtime.start(
-            req, req.prompt + req.generated, max_new=left, min_new=max(0, p.min_tokens - len(req.generated)),
+            req, ids, max_new=left, embeddings=embeddings, min_new=max(0, p.min_tokens - len(req.generated)),
             temperature=p.temperature, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p, seed=seed,
             stop=sorted(req.stop_ids), logits=p.logprobs is not None,
             grammar=self._job_filter(req) if p.grammar is not None else None)
