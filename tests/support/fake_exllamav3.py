@@ -764,14 +764,20 @@ class Model:
         """Logits (bsz, n, vocab) float of input_ids (bsz, n). A position's state is its token's embedding plus 0.5 x
         the previous token's plus 0.25 x the one before (params["past_ids"], (bsz, 2): the two tokens before each
         row's first, -1 for none: the fake's KV cache), RMS-normalised to fp16; every MoE layer adds its output to
-        it (renormalised), dense layers are identities; the head reads the last state."""
+        it (renormalised), dense layers are identities; the head reads the last state. params["image_context"]
+        (bsz, hidden), where a row's sequence holds images: 0.5 x the mean of their embeddings joins every position's
+        state (the fake's stand-in for attention reaching back to the image)."""
         assert self.loaded, "forward() before load()"
         bsz = input_ids.shape[0]
         past = params.get("past_ids")
         if past is None:
             past = torch.full((bsz, CONTEXT - 1), -1, dtype=torch.long)
         emb = self.modules[0].forward(torch.cat([past.long(), input_ids.long()], dim=1), params)
-        x = rms_half(emb[:, 2:] + 0.5 * emb[:, 1:-1] + 0.25 * emb[:, :-2])
+        state = emb[:, 2:] + 0.5 * emb[:, 1:-1] + 0.25 * emb[:, :-2]
+        seen = params.get("image_context")  # (bsz, hidden): the images each row's sequence holds, or None
+        if seen is not None:
+            state = state + 0.5 * seen.unsqueeze(1)
+        x = rms_half(state)
         for m in self.moe():
             x = rms_half(x.float() + m.forward(x.contiguous(), params).float())
         return self.modules[-1].forward(x, params).float()
@@ -1224,7 +1230,8 @@ class Job:
         end = min((start + self.generator.max_chunk_size) // PAGE_SIZE * PAGE_SIZE, n - 1)
         ids = torch.tensor([self.sequence_ids[start:end]], dtype=torch.long)
         self.generator.model.forward(ids, {"past_ids": torch.tensor([self._past(start)], dtype=torch.long),
-                                           "indexed_embeddings": self.embeddings})
+                                           "indexed_embeddings": self.embeddings,
+                                           "image_context": _image_context([self])})
         self.kv_position = end
         r = {"job": self, "stage": "prefill", "eos": False, "curr_progress": end, "max_progress": n - 1,
              "serial": self.serial_number}
@@ -1434,7 +1441,8 @@ class Generator:
         past = torch.tensor([job._past(len(job.sequence_ids) - 1) for job in batch], dtype=torch.long)
         self.forwards += 1
         logits = self.model.forward(ids, {"past_ids": past,
-                                          "indexed_embeddings": [e for job in batch for e in job.embeddings]})
+                                          "indexed_embeddings": [e for job in batch for e in job.embeddings],
+                                          "image_context": _image_context(batch)})
         for j, (job, mask) in enumerate(zip(batch, masks, strict=True)):
             row = logits[j : j + 1]
             token = job.sampler.forward(row, None, job.rng.randint(0, (1 << 32) - 1), self.tokenizer, logit_mask=mask)
@@ -1471,6 +1479,15 @@ class Generator:
             self.page_hashes.move_to_end(h)
         while len(self.page_hashes) > self.cache.max_pages:
             self.page_hashes.popitem(last=False)
+
+
+def _image_context(jobs: list[Job]) -> torch.Tensor | None:
+    """Per job, the mean row of the embeddings its sequence holds (zeros for none); None when no job has any."""
+    if not any(job.embeddings for job in jobs):
+        return None
+    hidden = next(e.embeddings.shape[-1] for job in jobs for e in job.embeddings)
+    return torch.stack([torch.cat([e.embeddings.float() for e in job.embeddings]).mean(0) if job.embeddings
+                        else torch.zeros(hidden) for job in jobs])
 
 
 def _page_chain(ids: list[int]) -> list[bytes]:
