@@ -23,6 +23,11 @@ that outgrows the cache ends with "length". The prefix reuse it reports (a job's
 usage.prompt_tokens_details.cached_tokens and the stats' prefix counters; the page table's and the recurrent
 cache's eviction counters are in stats()["kv_cache"].
 
+Images: a checkpoint with the vision tower loads it with the model (glm53.exl3.vision: exllamav3's own component,
+preprocessing and embeddings); a request's images become their embeddings' placeholder ids in the job's prompt,
+kept by content hash, so the page cache reuses a prefix only where it held the same images. Without the tower,
+images are refused with the reason (the server's 400 images_unsupported).
+
 Reasoning budget: when a request has spent its budget inside <think>, its job is cancelled, the close tokens
 are emitted as forced events, and a continuation job (prompt + generated + forced) is enqueued; exllamav3's
 page cache recognises the shared prefix, so only the tail is prefilled again.
