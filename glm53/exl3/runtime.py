@@ -106,17 +106,21 @@ class Runtime:
         self.tokenizer = self.exl.Tokenizer.from_config(self.config)
         self._load_model(spec, counts_for, admit, nvme_open, on_tiers)
         if vision_kept > 0:
-            self.load_vision(spec.device, vision_kept)
+            try:
+                self.load_vision(spec.device, vision_kept)
+            except BaseException:
+                self.close()  # the text model, tiers and pinned arena must not outlive a failed load
+                raise
         self.build_generator(spec.max_concurrency, spec.prefill_chunk, spec.recurrent_cache_bytes)
 
     def load_vision(self, device: str, kept: int) -> Any:
         """The checkpoint's vision component onto `device` (glm53.exl3.vision), warmed by one small image."""
+        import torch
+
         from glm53.exl3.vision import VisionTower
 
         if self.tokenizer is None:
             self.tokenizer = self.exl.Tokenizer.from_config(self.config)
-        import torch
-
         with torch.inference_mode():
             self.vision = VisionTower.load(self.exl, self.config, self.tokenizer, device, kept)
             self.vision.warm()
