@@ -13,6 +13,7 @@ from pathlib import Path
 
 import fake_exllamav3 as F
 import httpx
+import numpy as np
 import pytest
 from server_support import loaded_and_served
 from specs import spec_for
@@ -179,3 +180,28 @@ def test_image_tokens_follow_exllamav3s_canvas(size):
     h, w = size
     assert vision.canvas(h, w, s) == canvas(s.temporal_patch_size, h, w, s.temporal_patch_size, s.factor,
                                             s.min_image_tokens, s.max_image_tokens)
+
+
+def test_two_images_at_once_each_answer_as_alone(server):
+    """Two requests with different images decoded together: each sees its own image, as when it ran alone."""
+    import threading
+
+    a, b = picture(56, 84, seed=21), picture(84, 56, seed=22)
+    alone = [first_logprobs(server, a), first_logprobs(server, b)]
+    got: dict[int, list] = {}
+
+    def ask(i: int, png: bytes) -> None:
+        r = chat(server, chat_image(data_url(png)), max_tokens=6, logprobs=True, top_logprobs=5)
+        assert r.status_code == 200, r.text
+        got[i] = r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+
+    threads = [threading.Thread(target=ask, args=(i, png)) for i, png in enumerate((a, b))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    # The same tokens, their logprobs within float rounding (the CPU's batched matmul sums in another order).
+    for i in range(2):
+        assert [x["token"] for x in got[i]] == [x["token"] for x in alone[i]]
+        assert np.allclose([x["logprob"] for x in got[i]], [x["logprob"] for x in alone[i]], atol=1e-5)
+    assert [x["token"] for x in alone[0]] != [x["token"] for x in alone[1]]
