@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.engine.interface import EngineError, PromptProgress, TokenEvent
-from glm53.engine.vision import EMBEDDINGS_KEPT, NoVision, read_vision_spec
+from glm53.engine.vision import EMBEDDINGS_KEPT
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
 from glm53.exl3.events import Failed, Progress, Tokens
 from glm53.planning.spec import PAGE, EngineSpec
@@ -139,17 +139,6 @@ class Exl3Engine(WorkerEngine):
         self.load_seconds = time.perf_counter() - t0
         log.info("exllamav3 engine (%s): ready in %.1f s (context %d)", self.mode, self.load_seconds,
                  self.context_length)
-
-    def _read_vision(self) -> None:
-        """The checkpoint's vision tower, if it has one (loaded with the model); otherwise images are refused with
-        the reason."""
-        try:
-            self.vision = read_vision_spec(self.model_dir)
-        except NoVision as exc:
-            self.vision = None
-            self.no_vision_reason = (f"{exc}: serve a checkpoint that includes the vision tower (GLM-5.3-Flash "
-                                     "ships it), or send text only")
-            log.info("exllamav3 engine: images are refused (%s)", exc)
 
     def _nvme_open(self) -> Any:
         """The nvme modes' store opener for TieredMoE (verifies the store against this checkpoint first)."""
