@@ -4,7 +4,8 @@ tests here).
 `installed()` puts fake modules into sys.modules for the duration of a `with` block (exllamav3, .version,
 .modules.block_sparse_mlp, .modules.block_sparse_mlp_routing, .modules.linear, .modules.mla_attn,
 .modules.quant.exl3, .modules.quant.exl3_lib.quantize, .generator.filter, .generator.filter.llguidance,
-.tokenizer, .architecture.glm5_next and their parents), holding what glm53.exl3 imports and check_contract() checks, and puts back what was there before.
+.tokenizer, .architecture.glm5_next and their parents), holding what glm53.exl3 imports and check_contract()
+checks, and puts back what was there before.
 `Model.from_config(Config.from_directory(dir))` builds a model of a generated EXL3 checkpoint (glm53.fixture.exl3):
 the embedding, one block per layer (FakeBlockSparseMLP under the sparse ones, a stand-in under the dense ones),
 the fp16 head. Its forward is a deterministic function of the token history (each position reads its own and the
