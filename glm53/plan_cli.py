@@ -94,6 +94,7 @@ def _value(key: str, out: dict) -> str:
         "sequences": str((out.get("engine") or {}).get("cache_sequences") or ""),
         "prefill_chunk": str((out.get("engine") or {}).get("prefill_chunk") or ""),
         "reserve": gib((out.get("vram_accounting") or {}).get("reserve") or 0),
+        "vision": "resident " + gib((out.get("vram_accounting") or {}).get("vision_tower") or 0),
         "store": str(out["store"]),
         "engine": _engine_value(out.get("engine")),
         "model": "",  # filled by render from the shape

@@ -141,10 +141,11 @@ def test_3090_at_131072_counts_everything(tmp_path):
     assert not any("VRAM expert slots <" in w for w in p.warnings)
     assert "borrowing the other" in p.reasons["vram_slots"] and "cache slots lent" in p.reasons["engine"]
     assert acc["prefill_activations"] > 700 * U.MIB and "measured" in p.reasons["reserve"]
-    # One sequence: its rows and state go to slots, and a longer chunk fits beside the hot set.
+    # One sequence: its rows and state go to slots or to a longer chunk beside the hot set.
     one = run(tmp_path / "one", GLM53_CONTEXT="131072", GLM53_MAX_CONCURRENCY="1")
     assert one.engine.cache_sequences == 1 and one.engine.dedicated_staging == 8
-    assert one.vram_slots > p.vram_slots and one.engine.prefill_chunk >= spec.prefill_chunk
+    assert one.vram_slots >= P.hot_set_floor(M.DEFAULT_SHAPE) and one.engine.prefill_chunk >= spec.prefill_chunk
+    assert one.vram_slots > p.vram_slots or one.engine.prefill_chunk > spec.prefill_chunk
     # A number the user gave is kept: eight sequences take the state and staging rows of the extra ones, and the
     # chunk shrinks to keep the hot set.
     many = run(tmp_path / "many", GLM53_CONTEXT="131072", GLM53_MAX_CONCURRENCY="8")
@@ -152,7 +153,10 @@ def test_3090_at_131072_counts_everything(tmp_path):
     assert many.engine.cache_sequences == 8 and many.engine.dedicated_staging == 64
     assert acc8["kda_state"] - acc["kda_state"] == extra * d.state_bytes_per_seq
     assert acc8["staging"] - acc["staging"] == extra * 8 * d.expert_bytes
-    assert many.engine.prefill_chunk < spec.prefill_chunk and many.vram_slots >= 1376
+    # With the vision tower resident the auto plan's chunk is already exllamav3's 2,048: eight sequences cost slots
+    # below the hot set instead, and the plan says so.
+    assert many.engine.prefill_chunk <= spec.prefill_chunk and many.vram_slots < p.vram_slots
+    assert many.vram_slots >= 1376 or any("VRAM expert slots < 1376" in w for w in many.warnings)
 
 
 def test_3090_at_65536_keeps_the_hot_set(tmp_path):
@@ -617,3 +621,36 @@ def test_nvme_ram_tier_that_can_hold_the_rest_also_holds_the_rows_kept_free(tmp_
     assert "nothing is read from the store once warm" in p.reasons["ram_slots"]
     full = run(tmp_path / "real", NVME_55, GLM53_STORE=STORE)  # the real model: the cap binds, as before
     assert full.engine.ram_slots < M.DEFAULT_SHAPE.experts - full.vram_slots
+
+
+# ---------------------------------------------------------------- the vision tower
+
+
+def test_the_vision_tower_is_budgeted_resident_beside_the_experts(tmp_path):
+    """A checkpoint with the tower: its weights (read from the headers) and a screenshot's activations come out of
+    the budget, before the expert slots, and the reason says so; the same shape without it gives them to slots."""
+    import dataclasses
+
+    p = run(tmp_path / "with")
+    tower, why = P.vision_tower_bytes(M.DEFAULT_SHAPE)
+    assert p.vram_accounting["vision_tower"] == tower == M.DEFAULT_SHAPE.vision_bytes + 5336 * (
+        M.DEFAULT_SHAPE.vision_bytes_per_patch)
+    assert "resident" in p.reasons["vision"] and "1280x800 screenshot" in p.reasons["vision"]
+    assert sum(p.vram_accounting.values()) <= p.vram_budget_bytes
+    one = run(tmp_path / "one", GLM53_MAX_CONCURRENCY="1")
+    bare = run(tmp_path / "bare", shape=dataclasses.replace(M.DEFAULT_SHAPE, vision_bytes=0), GLM53_MAX_CONCURRENCY="1")
+    assert "vision_tower" not in bare.vram_accounting and "vision" not in bare.reasons
+    assert bare.vram_slots > one.vram_slots
+
+
+def test_the_shape_reads_the_tower_from_the_checkpoint(tmp_path):
+    from glm53.fixture.exl3 import VISUAL, write_exl3_checkpoint
+
+    with_tower = M.from_checkpoint(write_exl3_checkpoint(tmp_path / "v", vision=True))
+    text_only = M.from_checkpoint(write_exl3_checkpoint(tmp_path / "t"))
+    sizes = {}
+    for f in (tmp_path / "v").glob("*.safetensors"):
+        sizes.update(M.read_safetensors_sizes(f))
+    assert with_tower.vision_bytes == sum(n for k, n in sizes.items() if k.startswith(VISUAL + ".")) > 0
+    assert with_tower.vision_bytes_per_patch > 0 and with_tower.always_used_bytes == text_only.always_used_bytes
+    assert text_only.vision_bytes == 0 == text_only.vision_bytes_per_patch

@@ -38,11 +38,11 @@ def check_split(p: P.Plan, shape: M.ModelShape = M.DEFAULT_SHAPE) -> None:
 def test_one_gpu_keeps_its_plan_and_lists_one_device(tmp_path):
     p = run(tmp_path)
     # The reference box's numbers of the one-card plan (staging borrowing cache slots: tests/test_plan.py).
-    assert (p.mode, p.vram_slots, p.vram_slots_per_layer, p.kv_tokens, p.ram_slots) == ("fast", 1376, 32, 131072,
-                                                                                         10974)
+    assert (p.mode, p.vram_slots, p.vram_slots_per_layer, p.kv_tokens, p.ram_slots) == ("fast", 1391, 33, 131072,
+                                                                                         10992)
     assert p.engine.devices == () and p.engine.to_json()["devices"] == []
     assert p.devices == [{"index": 0, "name": RTX3090[0], "vram_budget_bytes": p.vram_budget_bytes,
-                          "layers": [0, 44], "vram_slots": 1376}]
+                          "layers": [0, 44], "vram_slots": 1391}]
 
 
 def test_two_3090s_split_the_layers_and_reach_the_full_context(tmp_path):
@@ -67,7 +67,8 @@ def test_two_3090s_split_the_layers_and_reach_the_full_context(tmp_path):
 
 def test_each_card_pays_the_plans_accounting(tmp_path):
     """The split prices every card with the one-card plan's terms: the embedding in host RAM, main's KV per token,
-    the KDA state of the cache's sequences, and per card the reserve, the chunk's activations and its staging."""
+    the KDA state of the cache's sequences, and per card the reserve, the vision tower, the chunk's activations and
+    its staging."""
     shape = M.DEFAULT_SHAPE
     p = run(tmp_path, HostSpec(gpus=DUAL_3090), **FULL)
     acc, n, spec = p.vram_accounting, len(p.devices), p.engine
@@ -76,7 +77,8 @@ def test_each_card_pays_the_plans_accounting(tmp_path):
                    "kda_state": spec.max_concurrency * shape.state_bytes_per_seq,
                    "staging": n * spec.dedicated_staging * shape.expert_bytes,
                    "prefill_activations": n * P.prefill_activation_bytes(shape, spec.prefill_chunk)[0],
-                   "reserve": n * P.vram_reserve()[0], "expert_slots": p.vram_slots * shape.expert_bytes}
+                   "reserve": n * P.vram_reserve()[0], "vision_tower": n * P.vision_tower_bytes(shape)[0],
+                   "expert_slots": p.vram_slots * shape.expert_bytes}
     assert sum(acc.values()) <= p.vram_budget_bytes and p.ram_accounting["host_weights"] == shape.host_bytes
     assert spec.prefill_chunk in P.PREFILL_CHUNKS and "tokens: each chunk stages" in p.reasons["prefill_chunk"]
     assert "on each of the 2 cards" in p.reasons["reserve"] and p.reasons["sequences"].startswith(f"{spec.max_concurrency} ")

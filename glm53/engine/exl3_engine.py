@@ -23,6 +23,11 @@ that outgrows the cache ends with "length". The prefix reuse it reports (a job's
 usage.prompt_tokens_details.cached_tokens and the stats' prefix counters; the page table's and the recurrent
 cache's eviction counters are in stats()["kv_cache"].
 
+Images: a checkpoint with the vision tower loads it with the model (glm53.exl3.vision: exllamav3's own component,
+preprocessing and embeddings); a request's images become their embeddings' placeholder ids in the job's prompt,
+kept by content hash, so the page cache reuses a prefix only where it held the same images. Without the tower,
+images are refused with the reason (the server's 400 images_unsupported).
+
 Reasoning budget: when a request has spent its budget inside <think>, its job is cancelled, the close tokens
 are emitted as forced events, and a continuation job (prompt + generated + forced) is enqueued; exllamav3's
 page cache recognises the shared prefix, so only the tail is prefilled again.
@@ -39,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from glm53.engine.interface import EngineError, PromptProgress, TokenEvent
+from glm53.engine.vision import EMBEDDINGS_KEPT
 from glm53.engine.worker import END, Request, WorkerEngine, is_out_of_memory, out_of_memory_names_knobs
 from glm53.exl3.events import Failed, Progress, Tokens
 from glm53.planning.spec import PAGE, EngineSpec
@@ -62,9 +68,6 @@ class Exl3Engine(WorkerEngine):
     # Constrained decoding through exllamav3's own llguidance filter; decided at load (llguidance importable).
     supports_grammar = False
     no_grammar_reason = "constrained decoding needs llguidance, which this exllamav3 install lacks"
-    # The tower runs on the CPU demo only so far; a user pasting a screenshot reads what to do instead.
-    no_vision_reason = ("glm53's exllamav3 engine does not run the model's vision tower yet (the CPU demo does): "
-                        "describe the image in text, or paste its text content")
 
     def __init__(
         self,
@@ -109,6 +112,7 @@ class Exl3Engine(WorkerEngine):
         t0 = time.perf_counter()
         check_contract()
         self._load_text()
+        self._read_vision()
         self.supports_grammar = llguidance_filter() is not None
         runtime = Runtime.open(self.model_dir)
         if runtime.cpu_split_set:
@@ -118,7 +122,8 @@ class Exl3Engine(WorkerEngine):
         # Out of memory here is the plan's sizes against this device: the message says which settings lower them.
         with out_of_memory_names_knobs("while loading the model"):
             runtime.load(spec, counts_for=self._saved_counts if self.routing_stats_dir is not None else None,
-                         admit=self.admit, nvme_open=self._nvme_open(), on_tiers=self.on_tiers)
+                         admit=self.admit, nvme_open=self._nvme_open(), on_tiers=self.on_tiers,
+                         vision_kept=EMBEDDINGS_KEPT if self.vision is not None else 0)
         self.runtime, self.tiered = runtime, runtime.tiered
         if self.supports_grammar:
             runtime.prepare_grammar()
@@ -261,6 +266,10 @@ class Exl3Engine(WorkerEngine):
             doc.update(self.runtime.kv_stats())
         return doc
 
+    def _stats_extra(self) -> dict:
+        tower = self.runtime.vision if self.runtime is not None else None
+        return {"vision": {"available": self.vision is not None, **(tower.stats() if tower is not None else {})}}
+
     def stats(self) -> dict:
         doc = {"kind": self.kind, "mode": self.mode, **super().stats()}  # "mode" second, as it always was
         tiered = self.tiered
@@ -302,8 +311,11 @@ class Exl3Engine(WorkerEngine):
         left = req.max_new - len(req.generated)
         p = req.params
         seed = None if p.seed is None else (p.seed + len(req.generated)) & 0x7FFF_FFFF
+        ids, embeddings = req.prompt + req.generated, []
+        if req.images:  # each image's tokens become its embedding's ids (the same image: the same ids, its pages)
+            ids, embeddings = self.runtime.vision.prompt(ids, req.images)
         req.job = self.runtime.start(
-            req, req.prompt + req.generated, max_new=left, min_new=max(0, p.min_tokens - len(req.generated)),
+            req, ids, max_new=left, embeddings=embeddings, min_new=max(0, p.min_tokens - len(req.generated)),
             temperature=p.temperature, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p, seed=seed,
             stop=sorted(req.stop_ids), logits=p.logprobs is not None,
             grammar=self._job_filter(req) if p.grammar is not None else None)

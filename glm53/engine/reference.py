@@ -35,14 +35,13 @@ import torch
 from glm53.engine import constrain, sampling
 from glm53.engine.interface import PromptProgress
 from glm53.engine.quiet import quiet_transformers
-from glm53.engine.vision import NoVision, PromptImage, read_vision_spec
+from glm53.engine.vision import EMBEDDINGS_KEPT, PromptImage
 from glm53.engine.worker import END, Request, WorkerEngine, out_of_memory_names_knobs
 
 log = logging.getLogger("glm53.engine")
 
 # The ledger's holder names of the kept caches: the whole one, and the copy taken at its prompt's end.
 _KEPT, _KEPT_PROMPT = "kept prefix cache", "kept prompt cache"
-EMBEDDINGS_KEPT = 32  # image embeddings kept by content hash, the latest used (a conversation resends its images)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -142,16 +141,6 @@ class ReferenceEngine(WorkerEngine):
         self._model = None
         self._kept = {}
         self._embeddings.clear()
-
-    def _read_vision(self) -> None:
-        """The checkpoint's vision tower, if it has one; otherwise images are refused with the reason."""
-        try:
-            self.vision = read_vision_spec(self.model_dir)
-        except NoVision as exc:
-            self.vision = None
-            self.no_vision_reason = (f"{exc}: serve a checkpoint that includes the vision tower (GLM-5.3-Flash "
-                                     "ships it), or send text only")
-            log.info("reference engine: images are refused (%s)", exc)
 
     # --- text ---------------------------------------------------------------------------------------------
     def _grammar_vocab(self) -> Any:

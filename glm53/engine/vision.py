@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 VISUAL_PREFIX = "model.visual."  # the tower's tensors in the checkpoint
+EMBEDDINGS_KEPT = 32  # image embeddings an engine keeps by content hash, the latest used (a conversation resends them)
 
 
 @dataclass(frozen=True)
@@ -48,13 +49,15 @@ class PromptImage:
     """One image of a prompt: its content hash, the prompt positions its embeddings take, and its pixels.
 
     `start`: the index in the prompt of the first `<|image|>` token; `tokens` of them follow. `pixels`: the
-    flattened patches (float32, grid_h * grid_w rows); `grid`: (1, grid_h, grid_w) in patches."""
+    flattened patches (float32, grid_h * grid_w rows); `grid`: (1, grid_h, grid_w) in patches. `image`: the decoded
+    PIL image, for an engine whose tower preprocesses it itself (exllamav3's)."""
 
     digest: str
     start: int
     tokens: int
     pixels: Any
     grid: tuple[int, int, int]
+    image: Any = None
 
     @property
     def end(self) -> int:

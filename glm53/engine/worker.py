@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import statistics
 import threading
 import time
@@ -58,8 +59,10 @@ from glm53.engine.interface import (
     TokenEvent,
 )
 from glm53.engine.template import render_chat
-from glm53.engine.vision import PromptImage, VisionSpec
+from glm53.engine.vision import NoVision, PromptImage, VisionSpec, read_vision_spec
 from glm53.planning.spec import PAGE
+
+log = logging.getLogger("glm53.engine")
 
 END = object()  # queue sentinel: the generation ended without a finish reason (cancelled)
 RATE_WINDOW_S = 10.0  # tokens_per_s is averaged over this window
@@ -244,6 +247,16 @@ class WorkerEngine(ABC):
         for req in pending:
             req.emit(EngineNotReady("the engine was shut down"))
         self._thread = None
+
+    def _read_vision(self) -> None:
+        """The checkpoint's vision tower, if it has one; otherwise images are refused with the reason."""
+        try:
+            self.vision = read_vision_spec(self.model_dir)
+        except NoVision as exc:
+            self.vision = None
+            self.no_vision_reason = (f"{exc}: serve a checkpoint that includes the vision tower (GLM-5.3-Flash "
+                                     "ships it), or send text only")
+            log.info("%s engine: images are refused (%s)", self.kind, exc)
 
     # --- text ---------------------------------------------------------------------------------------------
     def _load_text(self) -> Any:

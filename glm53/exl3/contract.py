@@ -67,6 +67,10 @@ CONTRACT: tuple[Hook, ...] = (
          "ext.BC_LinearEXL3("),
     Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mul1_mult", "mul1 codebook marker value"),
     Hook("exllamav3.modules.quant.exl3_lib.quantize", "codebook_mcg_mult", "mcg codebook marker value"),
+    Hook("exllamav3.architecture.glm5_next:Glm5NextVisionModel", "get_image_embeddings",
+         "an image's embeddings by exllamav3's own preprocessing and tower (Model.from_config component=\"vision\")",
+         "MMEmbedding("),
+    Hook("exllamav3.tokenizer", "MMEmbedding", "an image's placeholder ids (token_list) and rows, taken by a Job"),
 )
 
 ROUTING_FIELDS = ("gate_tensor", "e_score_correction_bias", "num_experts_per_tok", "n_group", "topk_group")

@@ -40,6 +40,7 @@ class Runtime:
         self.cache: Any = None
         self.generator: Any = None
         self.tiered: Any = None
+        self.vision: Any = None  # glm53.exl3.vision.VisionTower, when loaded
 
     @classmethod
     def open(cls, model_dir: Path) -> Runtime:
@@ -95,13 +96,35 @@ class Runtime:
         return self.generator
 
     def load(self, spec: EngineSpec, *, counts_for: Callable[[int, int], Any] | None = None, admit: bool = True,
-             nvme_open: Callable[[], Any] | None = None, on_tiers: Callable[[Any], None] | None = None) -> None:
+             nvme_open: Callable[[], Any] | None = None, on_tiers: Callable[[Any], None] | None = None,
+             vision_kept: int = 0) -> None:
         """The tokenizer, model, cache, tiers and generator for `spec`. counts_for(moe_layers, experts): saved
         routing statistics to warm the tiers with (or None). on_tiers(tiered): called once the tiers hold their
-        experts, before the CPU lane times the link (a benchmark emulating another host paces the link there)."""
+        experts, before the CPU lane times the link (a benchmark emulating another host paces the link there).
+        vision_kept > 0: the vision tower too (resident, on the first card), keeping that many images'
+        embeddings."""
         self.tokenizer = self.exl.Tokenizer.from_config(self.config)
         self._load_model(spec, counts_for, admit, nvme_open, on_tiers)
+        if vision_kept > 0:
+            try:
+                self.load_vision(spec.device, vision_kept)
+            except BaseException:
+                self.close()  # the text model, tiers and pinned arena must not outlive a failed load
+                raise
         self.build_generator(spec.max_concurrency, spec.prefill_chunk, spec.recurrent_cache_bytes)
+
+    def load_vision(self, device: str, kept: int) -> Any:
+        """The checkpoint's vision component onto `device` (glm53.exl3.vision), warmed by one small image."""
+        import torch
+
+        from glm53.exl3.vision import VisionTower
+
+        if self.tokenizer is None:
+            self.tokenizer = self.exl.Tokenizer.from_config(self.config)
+        with torch.inference_mode():
+            self.vision = VisionTower.load(self.exl, self.config, self.tokenizer, device, kept)
+            self.vision.warm()
+        return self.vision
 
     def _load_model(self, spec: EngineSpec, counts_for: Callable[[int, int], Any] | None, admit: bool,
                     nvme_open: Callable[[], Any] | None, on_tiers: Callable[[Any], None] | None = None) -> None:
@@ -163,9 +186,10 @@ class Runtime:
     # --- jobs ---------------------------------------------------------------------------------------------
     def start(self, owner: Any, ids: Sequence[int], *, max_new: int, temperature: float, min_p: float = 0.0,
               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop: Sequence[int] = (),
-              logits: bool = False, grammar: Any = None, min_new: int = 0) -> Any:
+              logits: bool = False, grammar: Any = None, min_new: int = 0, embeddings: Sequence[Any] = ()) -> Any:
         """Enqueue a job for `owner` on prompt `ids` (greedy at temperature 0); returns its handle. min_new: the
-        stop tokens are held back until the job generated that many (exllamav3 masks them, across requeues)."""
+        stop tokens are held back until the job generated that many (exllamav3 masks them, across requeues).
+        embeddings: the MMEmbeddings whose placeholder ids `ids` holds (VisionTower.prompt)."""
         import torch
 
         exl = self.exl
@@ -186,6 +210,7 @@ class Runtime:
             return_logits=logits,
             decode_special_tokens=True,
             filters=[grammar] if grammar is not None else None,
+            embeddings=list(embeddings) or None,
         )
         self.generator.enqueue(job)
         return job
@@ -267,11 +292,13 @@ class Runtime:
 
     def close(self) -> None:
         """Unload the model and drop the tiers (the modules are restored either way)."""
+        if self.vision is not None:
+            self.vision.close()
         if self.model is not None:
             self.model.unload()
         if self.tiered is not None:
             self.tiered.close()
-        self.generator = self.cache = self.model = self.tiered = None
+        self.generator = self.cache = self.model = self.tiered = self.vision = None
 
 
 def _log_tiers(spec: EngineSpec, tiered: Any) -> None:

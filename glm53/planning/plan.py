@@ -53,6 +53,11 @@ MIN_GPU_GIB = 20
 # 120,000-token prompt + 512 tokens (the run is in docs/results.md), rounded up to 64 MiB.
 VRAM_RESERVE = 26 * 64 * MIB
 VRAM_RESERVE_SOURCE = "bench depth on an H200, 2026-12-01: driver-seen peak minus the counted tensors, docs/results.md"
+# The image the vision tower's activations are budgeted for (height, width): a laptop screenshot, what a coding
+# agent pastes. GLM-5.3-Flash's tower cuts 14-pixel patches and merges 2 x 2 of them into one prompt token.
+SCREENSHOT = (800, 1280)
+VISION_MERGE = 2
+VISION_FACTOR = 14 * VISION_MERGE
 # Prefill activations, measured likewise: (bytes per chunk token, fixed bytes, source), from
 # torch.cuda.max_memory_allocated() during a prefill minus memory_allocated() before it, at chunks of 2,048 and
 # 4,096 (the difference is the per-token term). Applies to GLM-5.3-Flash's geometry; None: glm53.planning.shape's estimate.
@@ -244,7 +249,7 @@ class Plan:
 
 # The order decisions are shown in: the mode first, then where it runs, then each tier from fastest to slowest.
 REASON_ORDER = ("mode", "real_model", "gpu", "vram_slots", "kv_tokens", "sequences", "prefill_chunk", "reserve",
-                "ram_slots", "recurrent_cache", "cpu_threads", "nvme_threads", "store", "engine", "model")
+                "vision", "ram_slots", "recurrent_cache", "cpu_threads", "nvme_threads", "store", "engine", "model")
 
 
 def ordered(reasons: dict[str, str]) -> dict[str, str]:
@@ -367,6 +372,9 @@ def _size_vram(shape: ModelShape, settings: Settings, gpu: Gpu, budget: int, rea
     layer fit beside a 2,048-token chunk and one sequence."""
     eb = shape.expert_bytes
     reserve, reserve_why = vram_reserve()
+    tower, tower_why = vision_tower_bytes(shape)
+    if tower:
+        reasons["vision"] = tower_why
     act = lambda chunk: prefill_activation_bytes(shape, chunk)[0]  # noqa: E731
     kv_of = lambda tokens: kv_cache_bytes(tokens, shape.kv_bytes_per_token)  # noqa: E731
     seq = shape.state_bytes_per_seq
@@ -376,7 +384,7 @@ def _size_vram(shape: ModelShape, settings: Settings, gpu: Gpu, budget: int, rea
     def account(kv_tokens: int, staging: int, chunk: int, sequences: int, slots: int) -> dict[str, int]:
         return {"always_used_weights": shape.always_used_bytes, "kv_cache": kv_of(kv_tokens),
                 "kda_state": sequences * seq, "staging": staging * eb, "prefill_activations": act(chunk),
-                "reserve": reserve, "expert_slots": slots * eb}
+                "reserve": reserve, **({"vision_tower": tower} if tower else {}), "expert_slots": slots * eb}
 
     everything = account(context, 0, PREFILL_CHUNK, want, shape.experts)
     if sum(everything.values()) <= budget:
@@ -466,6 +474,21 @@ def vram_reserve() -> tuple[int, str]:
     return VRAM_RESERVE, f"{gib(VRAM_RESERVE)}: measured ({VRAM_RESERVE_SOURCE})"
 
 
+def vision_tower_bytes(shape: ModelShape) -> tuple[int, str]:
+    """VRAM the vision tower holds (0 without one) and why: resident, its weights and the activations of one
+    screenshot-sized image. Loading it only when an image arrives would give those bytes back to expert slots at
+    the cost of a load per image; resident is the choice until that trade is measured."""
+    if not shape.vision_bytes:
+        return 0, ""
+    h, w = SCREENSHOT
+    patches = VISION_MERGE**2 * math.ceil(h / VISION_FACTOR) * math.ceil(w / VISION_FACTOR)
+    act = patches * shape.vision_bytes_per_patch
+    return shape.vision_bytes + act, (
+        f"{gib(shape.vision_bytes + act)}: the vision tower is resident (its weights {gib(shape.vision_bytes)}, and "
+        f"{gib(act)} of activations for a {w}x{h} screenshot: {patches} patches at {human(shape.vision_bytes_per_patch)} "
+        "each, estimated from exllamav3 1.6.5's tower); a larger image takes more while it is encoded")
+
+
 def prefill_activation_bytes(shape: ModelShape, chunk: int) -> tuple[int, str]:
     """Device bytes one prefill chunk's forward allocates at its peak, and what that figure is."""
     if PREFILL_MEASURED is not None and shape.prefill_phases == DEFAULT_SHAPE.prefill_phases:
@@ -513,7 +536,7 @@ def _choose_chunk(shape: ModelShape, gpu: Gpu, slots_at_default: int, slots_at, 
 def _terms(acc: dict[str, int], skip: str) -> str:
     names = {"always_used_weights": "always-used weights", "kv_cache": "KV cache", "kda_state": "KDA state",
              "staging": "staging", "prefill_activations": "prefill activations", "reserve": "the reserve",
-             "expert_slots": "expert slots"}
+             "vision_tower": "the vision tower", "expert_slots": "expert slots"}
     return ", ".join(f"{names[k]} {gib(v)}" for k, v in acc.items() if k != skip and v)
 
 
@@ -805,9 +828,12 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings: Settings, budget:
         return None
     counts, why = routing if routing is not None else (None, "no routing statistics read")
     reserve, reserve_why = vram_reserve()
+    tower, tower_why = vision_tower_bytes(shape)
+    if tower:  # counted on every card: the split does not know which card the tower loads on (the first)
+        reasons["vision"] = f"{tower_why}; counted on each of the {len(cards)} cards"
     floor = hot_set_floor(shape)
     try:
-        cp = plan_cards(cards, budget, shape, settings, reserve=reserve,
+        cp = plan_cards(cards, budget, shape, settings, reserve=reserve, vision=tower,
                         activations=lambda chunk: prefill_activation_bytes(shape, chunk)[0],
                         choose_chunk=lambda default, at: _choose_chunk(shape, cards[0], default, at, floor),
                         min_slots=MIN_SLOTS_PER_LAYER_OF_TOP_K * shape.top_k, min_tokens=MIN_KV_TOKENS,

@@ -75,6 +75,10 @@ class ModelShape:
     # Prefill activations: (phase, bytes per chunk token, fixed bytes, bytes per sub-range token, sub-range tokens) for
     # each step of a layer; a chunk's peak is the largest phase's (temporaries are freed between steps).
     prefill_phases: tuple[tuple[str, int, int, int, int], ...] = ()
+    # The vision tower (model.visual.*), where the checkpoint has one: its VRAM weights, and the device bytes its
+    # forward allocates at its peak per image patch (an estimate: glm53.planning.shape.vision_patch_bytes).
+    vision_bytes: int = 0
+    vision_bytes_per_patch: int = 0
 
     @property
     def experts(self) -> int:
@@ -164,6 +168,24 @@ def _prefill_phases(hidden: int, hc_mult: int, top_k: int, moe_intermediate: int
     return tuple(phases)
 
 
+def vision_patch_bytes(vc: dict) -> int:
+    """Device bytes exllamav3's Glm5NextVisionModel forward holds per image patch at its peak (vision_config `vc`):
+    the fp16 patch row and the fp32 residual stream, with the larger of a block's temporaries (normed fp16 input,
+    fp16 gate, up and activation) and the merger's, whose rows are merge^2 patches each (fp32 input, fp16 gate, up
+    and activation of the projection's width). Attention runs in fp16 rows narrower than the MLP's."""
+    h, m = int(vc.get("hidden_size", 1024)), int(vc.get("intermediate_size", 4096))
+    out = int(vc.get("out_hidden_size", 4096))
+    proj = int(vc.get("projection_intermediate_size", 10240))
+    merge, tps, p = int(vc.get("spatial_merge_size", 2)), int(vc.get("temporal_patch_size", 2)), int(
+        vc.get("patch_size", 14))
+    block = h * F16 + 3 * m * F16
+    merger = (out * F32 + 3 * proj * F16) // merge**2
+    return 3 * tps * p * p * F16 + h * F32 + max(block, merger)
+
+
+# GLM-5.3-Flash's vision tower as the published 3.05 bpw checkpoint ships it (issue 42: a 0.6 GB encoder; depth 24,
+# width 1024, MLP 4096, projection 10240 into the 4096-wide text model).
+VISION_DEFAULT_BYTES = 600_000_000
 # GLM-5.3-Flash's real geometry (transformers' Glm5NextTextConfig): 34 KDA layers of 64 heads x 128, 11 NoPE MLA
 # layers (latent 512) each with a full k-pool indexer (128 dims, pools of 16), 64 attention heads of 256, mHC x4.
 _DEFAULT_KDA = _kda_state(34, 64, 128, 4)
@@ -181,6 +203,8 @@ DEFAULT_SHAPE = ModelShape(
     host_bytes=154880 * 4096 * F16,
     checkpoint_bytes=_DEFAULT_KDA[1],
     prefill_phases=_prefill_phases(4096, 4, 8, 2048, True, True, 64, 128, 64, 512, 2048 + 15, 32, 128),
+    vision_bytes=VISION_DEFAULT_BYTES,
+    vision_bytes_per_patch=vision_patch_bytes({}),
 )
 assert DEFAULT_SHAPE.expert_bytes == 9 * MIB + 36 * KIB
 
@@ -327,6 +351,10 @@ def from_checkpoint(model_dir: str | Path) -> ModelShape:
         n.startswith("lm_head.") for n in sizes)
     per_expert: dict[tuple[int, int], int] = defaultdict(int)
     always = host = 0
+    visual = sum(nbytes for name, nbytes in sizes.items() if name.startswith(VISION_PREFIX))
+    vc = config.get("vision_config") if isinstance(config.get("vision_config"), dict) else None
+    if visual and vc is not None:  # the tower the engine loads (resident) where the checkpoint has its weights
+        caches.update(vision_bytes=visual, vision_bytes_per_patch=vision_patch_bytes(vc))
     per_layer = [0] * layers
     for name, nbytes in sizes.items():
         if e := EXPERT_RE.search(name):

@@ -222,13 +222,15 @@ def usable(gpus: Sequence, budget_of, min_bytes: int) -> tuple[list, list[str]]:
 
 
 def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings: Settings, *, reserve: int,
-               activations: Callable[[int], int], choose_chunk: Callable[[int, Callable[[int], int]], tuple[int, str]],
+               activations: Callable[[int], int], vision: int = 0, choose_chunk: Callable[[int, Callable[[int], int]], tuple[int, str]],
                min_slots: int, min_tokens: int, kv_round: int, counts=None, counts_why: str = "") -> CardsPlan:
     """Split the model over `gpus` (two or more usable cards, CUDA order), each card paying `reserve` and
     `activations(chunk)` for the prefill chunk. The context is fitted beside exllamav3's 2,048-token chunk; then
     choose_chunk(total slots at 2,048, total slots at a chunk) picks the chunk (glm53.planning.plan's cost model). Raises
     ValueError naming the shortfall and the fix when no split leaves every MoE layer `min_slots` slots and
-    `min_tokens` of context."""
+    `min_tokens` of context. vision: the vision tower's bytes, paid by every card beside the reserve (the split does
+    not place the tower)."""
+    own_reserve, reserve = reserve, reserve + vision
     cards = [Card(g.cuda if g.cuda is not None else g.index, g.name, budget_of(g)) for g in gpus]
     sequences = concurrency_of(settings)[0]
     costs = layer_costs(shape, sequences)
@@ -263,14 +265,16 @@ def plan_cards(gpus: Sequence, budget_of, shape: ModelShape, settings: Settings,
     for c, share in zip(split.cards, split.shares(slots), strict=True):
         per_card.append(f"GPU {c.card.cuda} ({c.card.name}, budget {gib(c.card.budget)}): layers {c.first}-{c.last} "
                         f"({c.moe} MoE) with {gib(c.weights)} of always-used weights, {gib(c.state)} of KDA state, "
-                        f"{gib(c.kv)} of KV, {split.staging} staging rows, the {gib(reserve)} reserve, "
+                        f"{gib(c.kv)} of KV, {split.staging} staging rows, the {gib(own_reserve)} reserve"
+                        + (f", {gib(vision)} for the vision tower" if vision else "") + ", "
                         f"{gib(split.overhead - reserve)} of prefill activations, and {share.vram_slots} expert "
                         f"slots ({c.slots_per_layer} per MoE layer)")
     n = len(split.cards)
     accounting = {"always_used_weights": sum(c.weights for c in split.cards),
                   "kv_cache": sum(c.kv for c in split.cards), "kda_state": sum(c.state for c in split.cards),
                   "staging": n * split.staging * eb, "prefill_activations": n * (split.overhead - reserve),
-                  "reserve": n * reserve, "expert_slots": sum(slots) * eb}
+                  "reserve": n * own_reserve, **({"vision_tower": n * vision} if vision else {}),
+                  "expert_slots": sum(slots) * eb}
     reasons = {
         "gpu": (f"{len(cards)} GPUs, the decoder layers split across them (exllamav3's layer split: each layer's "
                 "weights, cache and expert slots on its card, its misses over that card's PCIe link), chosen so "

@@ -183,7 +183,7 @@ def expand(ids: list[int], images: list[DecodedImage], spec: VisionSpec, param: 
         out.extend(ids[last:pos + 1])
         px, grid = pixels(im.image, spec)
         n = grid[1] * grid[2] // spec.merge_size**2
-        placed.append(PromptImage(im.digest, len(out), n, px, grid))
+        placed.append(PromptImage(im.digest, len(out), n, px, grid, im.image))
         out.extend([spec.image_token_id] * n)
         last = pos + 2
     out.extend(ids[last:])

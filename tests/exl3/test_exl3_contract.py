@@ -54,6 +54,11 @@ class FakeLinearEXL3:
         self.bc = ext.BC_LinearEXL3(trellis)  # noqa: F821 - never called, only its source is read
 
 
+class FakeVisionModel:
+    def get_image_embeddings(self):
+        return MMEmbedding()  # noqa: F821 - never called, only its source is read
+
+
 @dataclasses.dataclass
 class FakeRoutingCFG:
     gate_tensor: object
@@ -73,6 +78,8 @@ def fake_modules(**overrides):
         "exllamav3.modules.linear": types.SimpleNamespace(Linear=FakeLinear),
         "exllamav3.modules.quant.exl3": types.SimpleNamespace(LinearEXL3=FakeLinearEXL3),
         "exllamav3.modules.quant.exl3_lib.quantize": types.SimpleNamespace(codebook_mul1_mult=1, codebook_mcg_mult=2),
+        "exllamav3.architecture.glm5_next": types.SimpleNamespace(Glm5NextVisionModel=FakeVisionModel),
+        "exllamav3.tokenizer": types.SimpleNamespace(MMEmbedding=object),
     }
     mods.update(overrides)
 

@@ -30,6 +30,9 @@
 #             first window, about 420 s in all with five modes: give it a call of its own); nvmeemu: the same
 #             with the store's reads paced as on a drive of each EMU_GBPS rate (--emulate-disk-GBps); disk: that disk's raw
 #             rate by reads in flight (after nvme)
+#   vision    images (issue 42): text with an image in exact mode bit-identical to stock (tiny and full width, the
+#             real tower's dims), exllamav3's image token counts, the tower's VRAM and the screenshot's TTFT, the
+#             engine end to end (tests/engine/test_gpu_vision.py; log vision.log)
 #   split1    the layer split onto ONE card (two device shares, two budgets): exact and nvme-exact bit-identical
 #             to stock over 256 greedy tokens (tests/engine/test_gpu_split.py -k same_card; issue 28)
 #   split2    two cards (needs two CUDA devices: nvidia-h200-x2, GLM53_VRAM_BUDGET_GB=24 per card): the two-card
@@ -211,6 +214,9 @@ step_nvme16() {
   timeout 540 python3 -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 3 --warmup-tokens 192 --work /tmp --keep --modes exact,nvme-exact,nvme \
     --ram-fraction 0.125 --json "$OUT/bench-nvme16.json" > "$OUT/bench-nvme16.log" 2>&1
   stamp "nvme 16 GiB fraction rc=$?"
+}
+step_vision() {  # issue 42: images through the tower, exact vs stock, the tower's VRAM and the screenshot's TTFT
+  gpu_pytest vision 580 tests/engine/test_gpu_vision.py
 }
 step_split1() {  # issue 28 on one GPU: a two-way split onto the same card
   gpu_pytest split1 420 tests/engine/test_gpu_split.py -k same_card

@@ -3,8 +3,9 @@ tests here).
 
 `installed()` puts fake modules into sys.modules for the duration of a `with` block (exllamav3, .version,
 .modules.block_sparse_mlp, .modules.block_sparse_mlp_routing, .modules.linear, .modules.mla_attn,
-.modules.quant.exl3, .modules.quant.exl3_lib.quantize, .generator.filter, .generator.filter.llguidance and their
-parents), holding what glm53.exl3 imports and check_contract() checks, and puts back what was there before.
+.modules.quant.exl3, .modules.quant.exl3_lib.quantize, .generator.filter, .generator.filter.llguidance,
+.tokenizer, .architecture.glm5_next and their parents), holding what glm53.exl3 imports and check_contract()
+checks, and puts back what was there before.
 `Model.from_config(Config.from_directory(dir))` builds a model of a generated EXL3 checkpoint (glm53.fixture.exl3):
 the embedding, one block per layer (FakeBlockSparseMLP under the sparse ones, a stand-in under the dense ones),
 the fp16 head. Its forward is a deterministic function of the token history (each position reads its own and the
@@ -29,9 +30,15 @@ inactive until that token is sampled, and completing the grammar with eos_after_
 (aligned to a page; the whole reply without it), a pending job starts when its pages are free (skipped over by
 smaller ones at most max_skips times, as iterate_start_jobs does), and a job given max_rq_tokens requeues at each
 segment's end (a "requeue" result; it goes back to the front of the pending queue with the sequence so far as its
-prompt, which it prefills again: the fake has no prompt cache). generator.pagetable has max_pages, metrics and
-num_unreferenced_pages(). Not faked: the prompt cache, stop strings, banned strings, token healing, speculative
-decoding.
+prompt, which it prefills again). generator.pagetable has max_pages, metrics and num_unreferenced_pages(). The
+prompt cache only under installed(prompt_cache=True): a job starts past the full pages (hash-chained token ids) an
+ended job held, as exllamav3's page hashing matches them; recurrent checkpoints are not modelled. Not faked: stop
+strings, banned strings, token healing, speculative decoding.
+
+The vision component (architecture/glm5_next.py, glm4v.py, tokenizer/mm_embedding.py):
+Model.from_config(config, component="vision") gives Glm5NextVisionModel, whose get_image_embeddings(tokenizer,
+image) preprocesses as exllamav3 does and returns an MMEmbedding owning fresh placeholder ids (>= 10^9); a Job's
+`embeddings` reach every forward as params["indexed_embeddings"], and the embedding puts their rows at those ids.
 
 The MoE layers, from exllamav3 1.6.5's sources (modules/block_sparse_mlp.py, block_sparse_mlp_cpu.py,
 linear.py, multilinear.py, quant/exl3.py, block_sparse_mlp_routing.py, loader/safetensors.py), at the level the
@@ -75,6 +82,7 @@ import random
 import sys
 import threading
 import types
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -261,6 +269,7 @@ class Config:
         self.eos_token_id = self.eos_token_id_list[0] if self.eos_token_id_list else None
         self.bos_token_id = top.get("bos_token_id", text.get("bos_token_id"))
         self.stc = FakeSTC(model_dir)
+        self._read_vision(top)
         # exllamav3's InferParams: its own CPU MoE split / offload come from the environment, as there
         self.infer_params = types.SimpleNamespace(
             no_reconstruct=False, moe_cpu_split=int(os.environ.get("EXL3_MOE_CPU_SPLIT", 0)),
@@ -269,6 +278,22 @@ class Config:
     @classmethod
     def from_directory(cls, model_dir: str) -> Config:
         return cls(model_dir)
+
+    def _read_vision(self, top: dict) -> None:
+        """The tower's preprocessing and ids (config.vision_pp, vision_start/end_token_id), as Glm5NextConfig reads
+        them; absent where the checkpoint describes no tower (exllamav3 would refuse such a config)."""
+        path = Path(self.directory) / "processor_config.json"
+        self.vision_pp = None
+        if "vision_config" not in top or not path.exists():
+            return
+        ip = json.loads(path.read_text())["image_processor"]
+        self.vision_pp = types.SimpleNamespace(
+            patch_size=ip["patch_size"], temporal_patch_size=ip["temporal_patch_size"], merge_size=ip["merge_size"],
+            image_mean=ip["image_mean"], image_std=ip["image_std"], min_image_tokens=ip["min_image_tokens"],
+            max_image_tokens=ip["max_image_tokens"], resample=3, rescale_factor=1 / 255)
+        self.vision_out_hidden = int(top["vision_config"]["out_hidden_size"])
+        self.vision_start_token_id = int(top["image_start_token_id"])
+        self.vision_end_token_id = int(top["image_end_token_id"])
 
 
 # ---- modules ----------------------------------------------------------------------------------------------------
@@ -670,9 +695,21 @@ class Embedding(Module):
         self.weight = None
         super().unload()
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of the embedding (float) for ids; -1 (no token) embeds as zeros."""
-        return self.weight.float()[ids.clamp(min=0)] * (ids >= 0).unsqueeze(-1)
+    def forward(self, ids: torch.Tensor, params: dict | None = None) -> torch.Tensor:
+        """Rows of the embedding (float) for ids; -1 (no token) embeds as zeros; a placeholder id (>=
+        FIRST_MM_EMBEDDING_INDEX) takes its row of the MMEmbedding in params["indexed_embeddings"] that owns it
+        (modules/embedding.py), and fails without one (exllamav3 would index past its table)."""
+        mm = ids >= FIRST_MM_EMBEDDING_INDEX
+        out = self.weight.float()[torch.where(mm, 0, ids).clamp(min=0)] * (ids >= 0).unsqueeze(-1)
+        if not bool(mm.any()):
+            return out
+        owned = torch.zeros_like(mm)
+        for e in (params or {}).get("indexed_embeddings") or []:
+            m = (ids >= e.first_index) & (ids < e.first_index + e.mm_length)
+            out[m] = e.embeddings.float()[ids[m] - e.first_index]
+            owned |= m
+        assert bool(owned[mm].all()), "placeholder ids without their MMEmbedding in indexed_embeddings"
+        return out
 
 
 class Model:
@@ -686,7 +723,11 @@ class Model:
         self.output_device: Any = None
 
     @classmethod
-    def from_config(cls, config: Config, interm_dtype: torch.dtype = torch.half) -> Model:
+    def from_config(cls, config: Config, component: str = "text", interm_dtype: torch.dtype = torch.half) -> Any:
+        if component == "vision":
+            assert config.vision_pp is not None, "Glm5NextForConditionalGeneration: no vision config"
+            return Glm5NextVisionModel(config)
+        assert component == "text", f"Glm5NextForConditionalGeneration does not define a '{component}' component model"
         modules: list[Module] = [Embedding(config, f"{PREFIX}.embed_tokens")]
         for i, kind in enumerate(config.mlp_layer_types):
             block = Module(config, f"{PREFIX}.layers.{i}")
@@ -724,14 +765,20 @@ class Model:
         """Logits (bsz, n, vocab) float of input_ids (bsz, n). A position's state is its token's embedding plus 0.5 x
         the previous token's plus 0.25 x the one before (params["past_ids"], (bsz, 2): the two tokens before each
         row's first, -1 for none: the fake's KV cache), RMS-normalised to fp16; every MoE layer adds its output to
-        it (renormalised), dense layers are identities; the head reads the last state."""
+        it (renormalised), dense layers are identities; the head reads the last state. params["image_context"]
+        (bsz, hidden), where a row's sequence holds images: 0.5 x the mean of their embeddings joins every position's
+        state (the fake's stand-in for attention reaching back to the image)."""
         assert self.loaded, "forward() before load()"
         bsz = input_ids.shape[0]
         past = params.get("past_ids")
         if past is None:
             past = torch.full((bsz, CONTEXT - 1), -1, dtype=torch.long)
-        emb = self.modules[0].forward(torch.cat([past.long(), input_ids.long()], dim=1))
-        x = rms_half(emb[:, 2:] + 0.5 * emb[:, 1:-1] + 0.25 * emb[:, :-2])
+        emb = self.modules[0].forward(torch.cat([past.long(), input_ids.long()], dim=1), params)
+        state = emb[:, 2:] + 0.5 * emb[:, 1:-1] + 0.25 * emb[:, :-2]
+        seen = params.get("image_context")  # (bsz, hidden): the images each row's sequence holds, or None
+        if seen is not None:
+            state = state + 0.5 * seen.unsqueeze(1)
+        x = rms_half(state)
         for m in self.moe():
             x = rms_half(x.float() + m.forward(x.contiguous(), params).float())
         return self.modules[-1].forward(x, params).float()
@@ -959,14 +1006,132 @@ class LLGuidanceFilter(Filter):
         return self._matcher.is_stopped()
 
 
+# ---- the vision tower (architecture/glm5_next.py, glm4v.py, tokenizer/mm_embedding.py) ----------------------------
+
+FIRST_MM_EMBEDDING_INDEX = 1000000000  # placeholder ids start here (exllamav3 assumes no vocabulary reaches it)
+_mm_next = [FIRST_MM_EMBEDDING_INDEX]  # the process-wide allocator (mm_embedding.global_allocator)
+
+
+class MMEmbedding:
+    """One image's embeddings (tokens, hidden) and the placeholder ids it owns: token_string's -1 entries are
+    replaced by first_index.. first_index + mm_length, allocated once per embedding, as in exllamav3."""
+
+    def __init__(self, embeddings: torch.Tensor, token_string: torch.Tensor, text_alias: str | None = None,
+                 grid_thw: tuple | None = None, mrope_merge_size: int | None = None, **kwargs: Any):
+        self.metadata: dict = {}
+        self.full_length = token_string.shape[-1]
+        self.mm_length = embeddings.shape[-2]
+        self.first_index = _mm_next[0]
+        _mm_next[0] += self.mm_length
+        self.last_index = self.first_index + self.mm_length
+        self.embeddings = embeddings
+        self.text_alias = text_alias or f"<$EMB_{self.first_index}$>"
+        self.grid_thw, self.mrope_merge_size = grid_thw, mrope_merge_size
+        r = torch.arange(self.first_index, self.last_index, dtype=torch.long)
+        token_string.masked_scatter_(token_string == -1, r)
+        self.token_string = token_string
+        self.token_list = token_string[0].tolist()
+
+
+def glm5_vision_canvas(num_frames, height, width, temporal_factor, factor, min_tokens, max_tokens):
+    """exllamav3's aligned canvas within the token budget (architecture/mm_processing/glm5_next.py)."""
+    pixels_per_token = temporal_factor * factor**2
+    min_pixels, max_pixels = min_tokens * pixels_per_token, max_tokens * pixels_per_token
+
+    def align(value: int, f: int) -> int:
+        return -(-value // f) * f
+
+    frames = max(temporal_factor, round(num_frames / temporal_factor) * temporal_factor)
+    h, w = align(height, factor), align(width, factor)
+    if frames * h * w < min_pixels:
+        scale = float(np.sqrt(min_pixels / (num_frames * height * width)))
+        h, w = align(max(1, int(np.ceil(height * scale))), factor), align(max(1, int(np.ceil(width * scale))), factor)
+    if frames * h * w > max_pixels:
+        low, high, best = 1, height, (factor, factor)
+        while low <= high:
+            ch = (low + high) // 2
+            cw = max(1, width * ch // height)
+            cand = (align(ch, factor), align(cw, factor))
+            if frames * cand[0] * cand[1] <= max_pixels:
+                best, low = cand, ch + 1
+            else:
+                high = ch - 1
+        h, w = best
+    return h, w
+
+
+class Glm5NextVisionModel:
+    """Model.from_config(config, component="vision"): load() reads the tower's patch embedding and downsample
+    weights (model.visual.*; a checkpoint without them fails there, as exllamav3's loader does); preprocess() is
+    exllamav3's (canvas, content scale, zero pad, rescale, normalize, merge-major patches, fp16);
+    get_image_embeddings() runs a stand-in tower on the patches: the patch embedding, then each merge block's
+    patches concatenated through the downsample conv, RMS-normalised, so the rows are a deterministic function of
+    the pixels and the checkpoint's bytes."""
+
+    def __init__(self, config: Config):
+        self.config, self.loaded = config, False
+        self.weights: dict[str, torch.Tensor] = {}
+        self.forwards = 0
+
+    def load(self, device: Any = "cpu", **kwargs: Any) -> None:
+        for key in ("patch_embed.proj.weight", "patch_embed.proj.bias", "downsample.weight", "downsample.bias"):
+            t = self.config.stc.get_tensor(f"model.visual.{key}", device)
+            assert t is not None, f"model.visual.{key} is missing"
+            self.weights[key] = t.float()
+        self.loaded = True
+
+    def unload(self) -> None:
+        self.weights, self.loaded = {}, False
+
+    def preprocess(self, image: Any) -> tuple[torch.Tensor, tuple, tuple]:
+        from PIL import Image
+
+        pp = self.config.vision_pp
+        tps, factor, p, m = pp.temporal_patch_size, pp.patch_size * pp.merge_size, pp.patch_size, pp.merge_size
+        image = image.convert("RGB")
+        w, h = image.size
+        th, tw = glm5_vision_canvas(tps, h, w, tps, factor, pp.min_image_tokens, pp.max_image_tokens)
+        scale = min(th / h, tw / w)
+        if tps * h * w >= tps * factor**2 * pp.min_image_tokens:
+            scale = min(1.0, scale)
+        ch, cw = max(1, min(th, int(np.floor(h * scale)))), max(1, min(tw, int(np.floor(w * scale))))
+        if (cw, ch) != image.size:
+            image = image.resize((cw, ch), resample=Image.Resampling(pp.resample))
+        board = Image.new("RGB", (tw, th), (0, 0, 0))
+        board.paste(image, (0, 0))
+        x = np.array(board).astype(np.float32) * pp.rescale_factor
+        x = (x - np.asarray(pp.image_mean, np.float32)) / np.asarray(pp.image_std, np.float32)
+        x = np.tile(x.transpose(2, 0, 1)[None], (tps, 1, 1, 1))
+        gh, gw = th // p, tw // p
+        x = x.reshape(1, tps, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return torch.from_numpy(x.reshape(gh * gw, 3 * tps * p * p).copy()).half(), (tw, th), (1, gh, gw)
+
+    def get_image_embeddings(self, tokenizer: Tokenizer, image: Any, text_alias: str | None = None) -> MMEmbedding:
+        assert self.loaded, "get_image_embeddings() before load()"
+        patches, _, grid_thw = self.preprocess(image)
+        wt = self.weights
+        x = patches.float() @ wt["patch_embed.proj.weight"].reshape(wt["patch_embed.proj.weight"].shape[0], -1).T
+        x = x + wt["patch_embed.proj.bias"]
+        x = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        down = wt["downsample.weight"]
+        blocks = x.reshape(-1, down.shape[2] * down.shape[3] * x.shape[-1])
+        y = blocks @ down.permute(0, 2, 3, 1).reshape(down.shape[0], -1).T + wt["downsample.bias"]
+        y = (y / y.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()).half()
+        self.forwards += 1
+        c = self.config
+        token_string = torch.tensor([[c.vision_start_token_id] + [-1] * y.shape[0] + [c.vision_end_token_id]])
+        return MMEmbedding(embeddings=y, text_alias=text_alias, token_string=token_string, grid_thw=grid_thw,
+                           mrope_merge_size=c.vision_pp.merge_size)
+
+
 # ---- jobs and the generator (generator/job.py, generator.py) -------------------------------------------------
 
 class Job:
     """One sequence: the prompt, then sampled tokens streamed in exllamav3's result dicts (Job.receive_sample's
     emit(): "stage" "streaming", "eos", "eos_reason", "token_ids" / "logits" of the tokens released, "held" for
     what an ending job still held, "identifier" when given). Text is held while it ends in an incomplete
-    character. Not faked (raise): stop strings, banned strings, token healing, top tokens / probs, embeddings,
-    loop detection."""
+    character. `embeddings`: the MMEmbeddings whose ids the prompt holds, read by every forward of the job. Not faked
+    (raise): stop strings, banned strings, token healing, top tokens / probs, loop detection."""
 
     def __init__(self, input_ids: torch.Tensor | list[torch.Tensor], max_new_tokens: int | None = None,
                  min_new_tokens: int = 0, max_skips: int | None = 4, sampler: Sampler | None = None,
@@ -983,10 +1148,10 @@ class Job:
         assert input_ids.dim() == 2 and input_ids.shape[0] == 1, "input_ids must be [1, seq_len] tensor"
         assert input_ids.shape[-1] > 0, "Input IDs cannot be empty."
         assert max_new_tokens is None or max_new_tokens >= 1, "max_new_tokens must be >= 1, or None for no limit"
-        if return_top_tokens or return_probs or token_healing or banned_strings or embeddings or stop_on_loop \
-                or rq_state:
-            raise NotImplementedError("the fake Job has no top tokens, probs, healing, banned strings, embeddings "
-                                      "or loop detection")
+        if return_top_tokens or return_probs or token_healing or banned_strings or stop_on_loop or rq_state:
+            raise NotImplementedError("the fake Job has no top tokens, probs, healing, banned strings or loop "
+                                      "detection")
+        self.embeddings = list(embeddings or [])  # MMEmbeddings whose placeholder ids the prompt holds
         self.orig_max_rq_tokens = self.max_rq_tokens = max_rq_tokens
         self.max_skips, self.skips, self.pages, self.requeued = max_skips, 0, 0, False
         self.generator: Generator | None = None
@@ -1065,7 +1230,9 @@ class Job:
         start = self.kv_position
         end = min((start + self.generator.max_chunk_size) // PAGE_SIZE * PAGE_SIZE, n - 1)
         ids = torch.tensor([self.sequence_ids[start:end]], dtype=torch.long)
-        self.generator.model.forward(ids, {"past_ids": torch.tensor([self._past(start)], dtype=torch.long)})
+        self.generator.model.forward(ids, {"past_ids": torch.tensor([self._past(start)], dtype=torch.long),
+                                           "indexed_embeddings": self.embeddings,
+                                           "image_context": _image_context([self])})
         self.kv_position = end
         r = {"job": self, "stage": "prefill", "eos": False, "curr_progress": end, "max_progress": n - 1,
              "serial": self.serial_number}
@@ -1155,7 +1322,7 @@ class Job:
             self.is_finished = True
             r.update(full_completion=self.full_completion, new_tokens=self.new_tokens,
                      prompt_tokens=len(self.input_ids[0]), time_enqueued=0.0, time_prefill=0.0, time_generate=0.0,
-                     cached_pages=0, cached_tokens=0)
+                     cached_pages=self.cached_pages, cached_tokens=self.cached_pages * PAGE_SIZE + self.cached_tokens)
             rh: dict[str, Any] = {}
             if self.held_text:
                 rh["text"] = self.held_text
@@ -1188,7 +1355,7 @@ class Generator:
     """Pending and active jobs; iterate(): start jobs (up to max_batch_size), one prefill chunk per job still
     ingesting its prompt (a failure there fails only that job: an "error" result, as reap_failed_job does), then one
     batched decode step (one model forward of every job past its prompt) and each job's sample. Pages as the module
-    docstring says; no prompt cache, no speculative decoding."""
+    docstring says; no speculative decoding."""
 
     def __init__(self, model: Model, cache: Cache, tokenizer: Tokenizer, max_batch_size: int = 256,
                  max_chunk_size: int = 2048, **kwargs: Any):
@@ -1202,6 +1369,8 @@ class Generator:
         self.recurrent_cache = None
         self.job_serial = 0
         self.forwards = 0  # model forwards (prefill chunks and decode steps), for tests
+        # installed(prompt_cache=True): hashes of the full pages ended jobs held, the latest max_pages of them
+        self.page_hashes: OrderedDict[bytes, None] | None = OrderedDict() if _options["prompt_cache"] else None
 
     def num_remaining_jobs(self) -> int:
         return len(self.pending_jobs) + len(self.active_jobs)
@@ -1249,6 +1418,7 @@ class Generator:
             self.pagetable.metrics["alloc_pages"] += job.pages
             if not job.requeued:  # a requeued job's filters carry on where they were
                 job.activate()
+                self._reuse_pages(job)
             r = {"job": job, "stage": "started", "eos": False, "serial": job.serial_number}
             if job.identifier is not None:
                 r["identifier"] = job.identifier
@@ -1271,16 +1441,63 @@ class Generator:
         ids = torch.tensor([[job.sequence_ids[-1]] for job in batch], dtype=torch.long)
         past = torch.tensor([job._past(len(job.sequence_ids) - 1) for job in batch], dtype=torch.long)
         self.forwards += 1
-        logits = self.model.forward(ids, {"past_ids": past})
+        logits = self.model.forward(ids, {"past_ids": past,
+                                          "indexed_embeddings": [e for job in batch for e in job.embeddings],
+                                          "image_context": _image_context(batch)})
         for j, (job, mask) in enumerate(zip(batch, masks, strict=True)):
             row = logits[j : j + 1]
             token = job.sampler.forward(row, None, job.rng.randint(0, (1 << 32) - 1), self.tokenizer, logit_mask=mask)
             ended = job.receive_sample(row, token, results)
             if ended:
                 self.active_jobs.remove(job)
+                self._keep_pages(job)
             if ended == "requeue":
                 job.prepare_for_requeue()
                 self.pending_jobs.insert(0, job)
+
+
+    def _reuse_pages(self, job: Job) -> None:
+        """With the prompt cache: the job starts past the leading full pages an ended job held (their hash chain:
+        the token ids of every page up to them, placeholder ids included), leaving at least one token to prefill;
+        the end-of-job result reports them."""
+        if self.page_hashes is None:
+            return
+        limit = max(0, (len(job.sequence_ids) - 2) // PAGE_SIZE)
+        n = 0
+        for h in _page_chain(job.sequence_ids)[:limit]:
+            if h not in self.page_hashes:
+                break
+            self.page_hashes.move_to_end(h)
+            n += 1
+        job.cached_pages, job.kv_position = n, n * PAGE_SIZE
+        self.pagetable.metrics["alloc_cached_pages"] += n
+
+    def _keep_pages(self, job: Job) -> None:
+        if self.page_hashes is None:
+            return
+        for h in _page_chain(job.sequence_ids[:job.kv_position]):
+            self.page_hashes[h] = None
+            self.page_hashes.move_to_end(h)
+        while len(self.page_hashes) > self.cache.max_pages:
+            self.page_hashes.popitem(last=False)
+
+
+def _image_context(jobs: list[Job]) -> torch.Tensor | None:
+    """Per job, the mean row of the embeddings its sequence holds (zeros for none); None when no job has any."""
+    if not any(job.embeddings for job in jobs):
+        return None
+    hidden = next(e.embeddings.shape[-1] for job in jobs for e in job.embeddings)
+    return torch.stack([torch.cat([e.embeddings.float() for e in job.embeddings]).mean(0) if job.embeddings
+                        else torch.zeros(hidden) for job in jobs])
+
+
+def _page_chain(ids: list[int]) -> list[bytes]:
+    """The hash of each full page of `ids`, chained through the pages before it (pagetable.tensor_hash_checksum)."""
+    out, h = [], b""
+    for i in range(len(ids) // PAGE_SIZE):
+        h = hashlib.sha256(h + np.asarray(ids[i * PAGE_SIZE:(i + 1) * PAGE_SIZE], dtype=np.int64).tobytes()).digest()
+        out.append(h)
+    return out
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
@@ -1302,6 +1519,10 @@ def fake_modules() -> dict[str, types.ModuleType]:
                                                          llguidance_available=llguidance_available,
                                                          create_ll_tokenizer=create_ll_tokenizer),
         "exllamav3.version": _module("exllamav3.version", __version__=VERSION),
+        "exllamav3.tokenizer": _module("exllamav3.tokenizer", MMEmbedding=MMEmbedding, Tokenizer=Tokenizer),
+        "exllamav3.architecture": _module("exllamav3.architecture"),
+        "exllamav3.architecture.glm5_next": _module("exllamav3.architecture.glm5_next",
+                                                    Glm5NextVisionModel=Glm5NextVisionModel),
         "exllamav3.modules": _module("exllamav3.modules"),
         "exllamav3.modules.block_sparse_mlp": _module("exllamav3.modules.block_sparse_mlp",
                                                       BlockSparseMLP=BlockSparseMLP, MAX_BSZN=MAX_BSZN),
@@ -1323,15 +1544,21 @@ def fake_modules() -> dict[str, types.ModuleType]:
     return mods
 
 
+_options = {"prompt_cache": False}
+
+
 @contextlib.contextmanager
-def installed() -> Iterator[dict[str, types.ModuleType]]:
-    """The fake exllamav3 in sys.modules inside the block; whatever was there before (usually nothing) after."""
+def installed(prompt_cache: bool = False) -> Iterator[dict[str, types.ModuleType]]:
+    """The fake exllamav3 in sys.modules inside the block; whatever was there before (usually nothing) after.
+    prompt_cache: generators made inside reuse the full pages of ended jobs (Generator._reuse_pages)."""
     mods = fake_modules()
     saved = {name: sys.modules.get(name) for name in mods}
     sys.modules.update(mods)
+    _options["prompt_cache"] = prompt_cache
     try:
         yield mods
     finally:
+        _options["prompt_cache"] = False
         for name, old in saved.items():
             if old is None:
                 sys.modules.pop(name, None)
