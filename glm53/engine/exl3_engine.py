@@ -125,6 +125,10 @@ class Exl3Engine(WorkerEngine):
                          admit=self.admit, nvme_open=self._nvme_open(), on_tiers=self.on_tiers,
                          vision_kept=EMBEDDINGS_KEPT if self.vision is not None else 0)
         self.runtime, self.tiered = runtime, runtime.tiered
+        if self.vision is not None and runtime.vision is None:
+            self.vision = None
+            self.no_vision_reason = (f"the model's vision tower failed to load on this server ({runtime.vision_error}; "
+                                     "see the server log): describe the image in text")
         if self.supports_grammar:
             runtime.prepare_grammar()
         native = runtime.native_context or spec.kv_tokens

@@ -41,6 +41,7 @@ class Runtime:
         self.generator: Any = None
         self.tiered: Any = None
         self.vision: Any = None  # glm53.exl3.vision.VisionTower, when loaded
+        self.vision_error: str | None = None  # why a checkpoint's tower did not load
 
     @classmethod
     def open(cls, model_dir: Path) -> Runtime:
@@ -108,10 +109,23 @@ class Runtime:
         if vision_kept > 0:
             try:
                 self.load_vision(spec.device, vision_kept)
+            except Exception as exc:  # text still serves: images are refused with this reason (vision_error)
+                self._drop_vision(exc)
             except BaseException:
                 self.close()  # the text model, tiers and pinned arena must not outlive a failed load
                 raise
         self.build_generator(spec.max_concurrency, spec.prefill_chunk, spec.recurrent_cache_bytes)
+
+    def _drop_vision(self, exc: Exception) -> None:
+        import torch
+
+        log.error("the vision tower did not load (%s: %s): serving text only, images are refused", type(exc).__name__,
+                  exc)
+        if self.vision is not None:
+            self.vision.close()
+        self.vision, self.vision_error = None, f"{type(exc).__name__}: {exc}"
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def load_vision(self, device: str, kept: int) -> Any:
         """The checkpoint's vision component onto `device` (glm53.exl3.vision), warmed by one small image."""

@@ -148,6 +148,19 @@ def test_a_checkpoint_without_the_tower_refuses_images_naming_the_fix(tmp_path):
         assert srv.engine.stats()["vision"] == {"available": False}
 
 
+def test_a_tower_that_fails_to_load_leaves_text_serving_and_refuses_images(ck, monkeypatch, caplog):
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setattr(F.Glm5NextVisionModel, "load", broken)
+    with loaded_and_served(engine_on(ck)) as srv:
+        e = error_of(chat(srv, chat_image(data_url(picture(16, 16)))), 400)
+        assert e["code"] == "images_unsupported" and "failed to load" in e["message"], e
+        assert "no kernel image" in e["message"]
+        assert chat(srv, [{"role": "user", "content": "hi"}]).status_code == 200
+    assert any("vision tower did not load" in r.getMessage() for r in caplog.records)
+
+
 def test_an_embedding_count_unlike_the_layout_fails_the_request_naming_both():
     from glm53.exl3.vision import VisionTower
 
