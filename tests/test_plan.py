@@ -641,6 +641,9 @@ def test_the_vision_tower_is_budgeted_resident_beside_the_experts(tmp_path):
     bare = run(tmp_path / "bare", shape=dataclasses.replace(M.DEFAULT_SHAPE, vision_bytes=0), GLM53_MAX_CONCURRENCY="1")
     assert "vision_tower" not in bare.vram_accounting and "vision" not in bare.reasons
     assert bare.vram_slots > one.vram_slots
+    off = run(tmp_path / "off", GLM53_MAX_CONCURRENCY="1", GLM53_MAX_IMAGES="0")  # images off: the slots get it back
+    assert "vision_tower" not in off.vram_accounting and "GLM53_MAX_IMAGES=0" in off.reasons["vision"]
+    assert off.vram_slots == bare.vram_slots and not off.engine.vision and one.engine.vision
 
 
 def test_the_shape_reads_the_tower_from_the_checkpoint(tmp_path):

@@ -113,6 +113,10 @@ class Exl3Engine(WorkerEngine):
         check_contract()
         self._load_text()
         self._read_vision()
+        if self.vision is not None and not self.spec.vision:
+            self.vision = None
+            self.no_vision_reason = ("images are off on this server (GLM53_MAX_IMAGES=0): describe the image in "
+                                     "text, or restart the server without that setting")
         self.supports_grammar = llguidance_filter() is not None
         runtime = Runtime.open(self.model_dir)
         if runtime.cpu_split_set:

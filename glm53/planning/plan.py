@@ -372,8 +372,8 @@ def _size_vram(shape: ModelShape, settings: Settings, gpu: Gpu, budget: int, rea
     layer fit beside a 2,048-token chunk and one sequence."""
     eb = shape.expert_bytes
     reserve, reserve_why = vram_reserve()
-    tower, tower_why = vision_tower_bytes(shape)
-    if tower:
+    tower, tower_why = vision_tower_bytes(shape, settings.max_images > 0)
+    if tower_why:
         reasons["vision"] = tower_why
     act = lambda chunk: prefill_activation_bytes(shape, chunk)[0]  # noqa: E731
     kv_of = lambda tokens: kv_cache_bytes(tokens, shape.kv_bytes_per_token)  # noqa: E731
@@ -474,12 +474,15 @@ def vram_reserve() -> tuple[int, str]:
     return VRAM_RESERVE, f"{gib(VRAM_RESERVE)}: measured ({VRAM_RESERVE_SOURCE})"
 
 
-def vision_tower_bytes(shape: ModelShape) -> tuple[int, str]:
-    """VRAM the vision tower holds (0 without one) and why: resident, its weights and the activations of one
-    screenshot-sized image. Loading it only when an image arrives would give those bytes back to expert slots at
-    the cost of a load per image; resident is the choice until that trade is measured."""
+def vision_tower_bytes(shape: ModelShape, images: bool = True) -> tuple[int, str]:
+    """VRAM the vision tower holds (0 without one, or with images off) and why: resident, its weights and the
+    activations of one screenshot-sized image. Loading it only when an image arrives would give those bytes back to
+    expert slots at the cost of a load per image; resident is the choice until that trade is measured."""
     if not shape.vision_bytes:
         return 0, ""
+    if not images:
+        return 0, (f"images off (GLM53_MAX_IMAGES=0): the vision tower is not loaded, its {gib(shape.vision_bytes)} "
+                   "stay with the expert slots")
     h, w = SCREENSHOT
     patches = VISION_MERGE**2 * math.ceil(h / VISION_FACTOR) * math.ceil(w / VISION_FACTOR)
     act = patches * shape.vision_bytes_per_patch
@@ -828,8 +831,8 @@ def _plan_cards(facts: HostFacts, shape: ModelShape, settings: Settings, budget:
         return None
     counts, why = routing if routing is not None else (None, "no routing statistics read")
     reserve, reserve_why = vram_reserve()
-    tower, tower_why = vision_tower_bytes(shape)
-    if tower:  # counted on every card: the split does not know which card the tower loads on (the first)
+    tower, tower_why = vision_tower_bytes(shape, settings.max_images > 0)
+    if tower_why:  # counted on every card: the split does not know which card the tower loads on (the first)
         reasons["vision"] = f"{tower_why}; counted on each of the {len(cards)} cards"
     floor = hot_set_floor(shape)
     try:
@@ -889,7 +892,8 @@ def _plan_real(facts: HostFacts, shape: ModelShape, settings: Settings, warnings
                        staging_rows=v.staging_rows or None, ram_slots=tier.slots,
                        cpu_threads=cpu_threads, store_threads=tier.nvme_threads, store=settings.store or None,
                        allow_buffered=settings.allow_buffered_reads, prefill_chunk=v.chunk,
-                       recurrent_cache_bytes=tier.recurrent_cache, split=split, devices=shares)
+                       recurrent_cache_bytes=tier.recurrent_cache, split=split, devices=shares,
+                       vision=settings.max_images > 0)
     if not staging:
         tier = _RamTier(0, 0, 0, tier.budget, tier.record_bytes, tier.recurrent_cache)
         pinned = 0

@@ -175,8 +175,9 @@ SCHEMA: tuple[Setting, ...] = (
             _int_at_least(0), "integer >= 0"),
     Setting("GLM53_MAX_IMAGES", "16",
             "Images one request may carry, history included (each costs its vision-tower pass and up to the "
-            "checkpoint's max_image_tokens of context); more get 400.",
-            _int_at_least(1), "integer >= 1"),
+            "checkpoint's max_image_tokens of context); more get 400. 0 = images off: the exllamav3 engine does not "
+            "load the vision tower, and its VRAM goes to expert slots.",
+            _int_at_least(0), "integer >= 0"),
     Setting("GLM53_MAX_IMAGE_MB", "5",
             "Largest image accepted, in MiB of encoded bytes (PNG, JPEG, GIF, WebP; Anthropic's API takes 5 too); a "
             "larger one gets 413. Request "

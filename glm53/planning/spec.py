@@ -57,6 +57,7 @@ class EngineSpec:
     # Device rows of staging of their own (per card); the other staging_slots - staging_rows are borrowed from the
     # cache slots of other layers (`borrowed_rows`) by the steps that need them. None: all staging_slots.
     staging_rows: int | None = None
+    vision: bool = True  # the checkpoint's vision tower loads, where it has one (GLM53_MAX_IMAGES=0: not)
 
     @property
     def dedicated_staging(self) -> int:
@@ -246,6 +247,7 @@ def engine_spec(
     recurrent_cache_bytes: int = RECURRENT_CACHE_BYTES,
     split: str = "uniform",
     devices: Sequence[DeviceShare] = (),
+    vision: bool = True,
 ) -> EngineSpec:
     """An EngineSpec with the sizing rules applied: staging defaults to one layer of experts (any prefill chunk
     fits, and exact modes stay bit-exact), raised by `staging_for`; of it, `staging_rows` (default: what a decode
@@ -262,7 +264,7 @@ def engine_spec(
     chunk = max(PAGE, int(prefill_chunk) // PAGE * PAGE)
     common = dict(device=device, kv_tokens=kv, context=ctx, max_concurrency=int(max_concurrency),
                   cache_sequences=int(max_concurrency), prefill_chunk=chunk, allow_buffered=bool(allow_buffered),
-                  recurrent_cache_bytes=max(0, int(recurrent_cache_bytes)), devices=devices)
+                  recurrent_cache_bytes=max(0, int(recurrent_cache_bytes)), devices=devices, vision=bool(vision))
     if engine == "stock":
         check_shares(devices, None, moe_layers)
         return EngineSpec("stock", vram_slots=(), staging_slots=0, ram_slots=0, cpu_threads=0, store_threads=0,

@@ -161,6 +161,18 @@ def test_a_tower_that_fails_to_load_leaves_text_serving_and_refuses_images(ck, m
     assert any("vision tower did not load" in r.getMessage() for r in caplog.records)
 
 
+def test_images_off_leaves_the_tower_unloaded_and_refuses_images(ck):
+    from dataclasses import replace
+
+    from glm53.engine.exl3_engine import Exl3Engine
+
+    with loaded_and_served(Exl3Engine(ck, replace(spec_for(ck, "exact", SLOTS), vision=False))) as srv:
+        e = error_of(chat(srv, chat_image(data_url(picture(16, 16)))), 400)
+        assert e["code"] == "images_unsupported" and "GLM53_MAX_IMAGES=0" in e["message"], e
+        assert srv.engine.runtime.vision is None
+        assert chat(srv, [{"role": "user", "content": "hi"}]).status_code == 200
+
+
 def test_an_embedding_count_unlike_the_layout_fails_the_request_naming_both():
     from glm53.exl3.vision import VisionTower
 
