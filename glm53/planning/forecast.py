@@ -53,9 +53,10 @@ STOCK_FLOOR_SOURCE = ("exllamav3's floor: stock 66.5 tok/s at full depth on the 
 LANE_OFFER_MS = 0.25
 LANE_OFFER_SOURCE = ("fast at 0.862 of exact's 1.53 ms layer steps with the lane on at 3.9% of picks "
                      "(docs/results.md)")
-# The served lane kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon: (ISA, threads, ms):
-# the exact kernel on AVX-512 VNNI, the integer kernel on AVX2; and AVX-512 VNNI's 4.955 ms on one thread for the
-# scaling (docs/results.md, bench cpu-lane at 1..16 threads).
+# The lane kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon: (ISA, threads, ms): the
+# exact kernel on AVX-512 VNNI (the integer kernel served there has no 15-thread figure yet, so a forecast on such a
+# host is pessimistic), the integer kernel on AVX2; and AVX-512 VNNI's 4.955 ms on one thread for the scaling
+# (docs/results.md, bench cpu-lane at 1..16 threads).
 LANE_MEASURED = {"avx512vnni": (15, 0.561), "avx2": (16, 0.57)}
 LANE_SERIAL = (0.561 - 4.955 / 15) / (4.955 - 4.955 / 15)  # Amdahl's serial share of the 1 -> 15 thread scaling
 LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
