@@ -94,12 +94,17 @@ def _value(key: str, out: dict) -> str:
         "sequences": str((out.get("engine") or {}).get("cache_sequences") or ""),
         "prefill_chunk": str((out.get("engine") or {}).get("prefill_chunk") or ""),
         "reserve": gib((out.get("vram_accounting") or {}).get("reserve") or 0),
-        "vision": "resident " + gib((out.get("vram_accounting") or {}).get("vision_tower") or 0),
+        "vision": _vision_value((out.get("vram_accounting") or {}).get("vision_tower")),
         "store": str(out["store"]),
         "engine": _engine_value(out.get("engine")),
         "model": "",  # filled by render from the shape
         "real_model": str((out.get("real_model") or {}).get("mode") or "refused"),
     }.get(key, "")
+
+
+def _vision_value(tower: int | None) -> str:
+    """The tower's row: resident and its VRAM, or off (GLM53_MAX_IMAGES=0: the plan counts none)."""
+    return f"resident {U.gib(tower)}" if tower else "off"
 
 
 def _engine_value(spec: dict | None) -> str:
