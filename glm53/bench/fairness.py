@@ -71,6 +71,7 @@ class _Unbounded:
     def __init__(self, server: Server, opts: FairnessOptions):
         self.stop_event = threading.Event()
         self.live = [False] * opts.unbounded
+        self.ended = [0] * opts.unbounded  # text frames of a reply that ended on its own (the context's end)
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._run, args=(server, opts, i), daemon=True)
                         for i in range(opts.unbounded)]
@@ -78,18 +79,30 @@ class _Unbounded:
     def _run(self, server: Server, opts: FairnessOptions, i: int) -> None:
         body = {"prompt": [1000 + 97 * i + j for j in range(opts.prompt_tokens)], "ignore_eos": True,
                 "temperature": 0, "stream": True}
+        frames = 0
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers(),
                               timeout=3600) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: {") and '"text"' in line:
                         self.live[i] = True
-                    if self.stop_event.is_set() or line == "data: [DONE]":
+                        frames += 1
+                    if self.stop_event.is_set():
+                        break
+                    if line == "data: [DONE]":
+                        self.ended[i] = max(1, frames)
                         break
         except httpx.HTTPError as exc:
             self.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
             self.live[i] = False
+
+    def too_short(self, live: int) -> str:
+        """Why the figure cannot be taken: a reply reached the end of the context before the rest were streaming
+        (a fast engine, or the cache holding one context's pages for all of them, so they run in turn)."""
+        return (f"an unbounded reply reached the end of the context ({max(self.ended)} streamed frames) while only "
+                f"{live} of the {len(self.live)} were streaming: they must hold the slots while the short requests "
+                "run; serve a longer context (GLM53_CONTEXT)")
 
     def __enter__(self) -> _Unbounded:
         for t in self.threads:
@@ -117,6 +130,8 @@ def run_fairness(server: Server, opts: FairnessOptions, log: Any = print) -> Fai
     with _Unbounded(server, opts) as longs:
         deadline = time.time() + opts.start_timeout_s
         while sum(longs.live) < min(opts.unbounded, res.max_running or opts.unbounded):
+            if any(longs.ended):
+                raise BenchError(longs.too_short(sum(longs.live)))
             if time.time() > deadline or longs.errors:
                 raise BenchError(f"the unbounded replies did not all start streaming: {longs.errors[:1]}")
             time.sleep(0.05)

@@ -81,7 +81,8 @@
 #             512-token prompts, 96 tokens per stream, best of 2 rounds per level
 #   fairness  issue 41's figure on the exllamav3 engine: glm53 bench fairness on the tiny EXL3 fixture (/tmp/fx,
 #             generated), exact, 2 decode slots, a 5-token request alone and beside 2 replies without max_tokens
-#             (needs .device-cache/extra for uvicorn, see tests/gpu/stage_extras.sh; the first start compiles ~170 s)
+#             (needs .device-cache/extra for uvicorn, see tests/gpu/stage_extras.sh; the first start compiles ~170 s;
+#             FAIR_CONTEXT, default 32768: at 2,048 the H100 ends each unbounded reply in 3 s, before the rest stream)
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
 #             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity. Needs no CPU-lane build:
@@ -360,7 +361,7 @@ step_serveconc() {  # issue 26: decode tok/s at 1, 2, 4, 8 concurrent streams th
 }
 step_fairness() {
   [ -d /tmp/fx ] || python3 -m glm53 fixture --kind exl3 --out /tmp/fx > "$OUT/fx.log" 2>&1
-  GLM53_MODE=exact GLM53_MAX_CONCURRENCY=2 GLM53_CONTEXT=2048 timeout "${FAIR_LIMIT:-400}" python3 -m glm53 bench \
+  GLM53_MODE=exact GLM53_MAX_CONCURRENCY=2 GLM53_CONTEXT=${FAIR_CONTEXT:-32768} timeout "${FAIR_LIMIT:-400}" python3 -m glm53 bench \
     fairness --model /tmp/fx --unbounded 2 --rounds 3 --log-dir "$OUT/fair" --json "$OUT/fair-exl3.json" \
     > "$OUT/fair.log" 2>&1
   stamp "fairness rc=$? $(tail -4 "$OUT/fair.log" | tr '\n' ';')"
