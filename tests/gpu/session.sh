@@ -109,8 +109,11 @@ if [ -d .device-cache/extra ] && ! python3 -c "import fastapi" 2>/dev/null; then
   export PYTHONPATH="${PYTHONPATH:-}:/tmp/site-extra"
 fi
 # The CPU-lane kernel is built per Python (the GPU machine's is 3.12); the working tree carries no build.
-python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
-stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
+# KERNEL_BUILD=0 skips it (a minute on a fresh machine) for steps that never run the lane (exact mode, the server).
+if [ "${KERNEL_BUILD:-1}" = 1 ]; then
+  python3 setup.py -q build_ext --inplace > "$OUT/kernel-build.log" 2>&1
+  stamp "kernel build rc=$? $(python3 -c 'from glm53.cpu_lane import kernel; print(kernel.supported_isas() or kernel.unavailable_reason())' 2>&1)"
+fi
 step_tiers() {
   gpu_pytest tiers 120 tests/tiers/test_tiers_gpu.py tests/tiers/test_nvme_tier_gpu.py
 }
