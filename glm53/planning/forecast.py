@@ -53,12 +53,11 @@ STOCK_FLOOR_SOURCE = ("exllamav3's floor: stock 66.5 tok/s at full depth on the 
 LANE_OFFER_MS = 0.25
 LANE_OFFER_SOURCE = ("fast at 0.862 of exact's 1.53 ms layer steps with the lane on at 3.9% of picks "
                      "(docs/results.md)")
-# The lane kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon: (ISA, threads, ms): the
-# exact kernel on AVX-512 VNNI (the integer kernel served there has no 15-thread figure yet, so a forecast on such a
-# host is pessimistic), the integer kernel on AVX2; and AVX-512 VNNI's 4.955 ms on one thread for the scaling
-# (docs/results.md, bench cpu-lane at 1..16 threads).
-LANE_MEASURED = {"avx512vnni": (15, 0.561), "avx2": (16, 0.57)}
-LANE_SERIAL = (0.561 - 4.955 / 15) / (4.955 - 4.955 / 15)  # Amdahl's serial share of the 1 -> 15 thread scaling
+# The served (integer) lane kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon, per ISA:
+# (threads, ms) at 15 threads, and AVX-512 VNNI's 2.926 ms on one thread for the thread scaling (docs/results.md,
+# `bench cpu-lane --kernel int`, twenty-seventh session).
+LANE_MEASURED = {"avx512vnni": (15, 0.422), "avx512": (15, 0.488), "avx2vnni": (15, 0.447), "avx2": (15, 0.453)}
+LANE_SERIAL = (0.422 - 2.926 / 15) / (2.926 - 2.926 / 15)  # Amdahl's serial share of the 1 -> 15 thread scaling
 LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
               "avx512": ("avx512f", "avx512dq", "avx512bw", "avx512vl"),
               "avx2vnni": ("avx2", "avx_vnni"), "avx2": ("avx2", "fma", "f16c")}  # widest first
@@ -289,18 +288,16 @@ def lane_isa(flags: frozenset[str]) -> str | None:
 
 
 def lane_estimate(isa: str, threads: int) -> Term:
-    """The lane's ms per one-row expert from host facts: the kernel's measured time on the H200 machine's Xeon at
-    15 threads, scaled to `threads` by the measured AVX-512 thread scaling (Amdahl, serial share LANE_SERIAL)."""
-    measured_as = isa if isa in LANE_MEASURED else "avx2"
-    at, ms = LANE_MEASURED[measured_as]
+    """The lane's ms per one-row expert from host facts: the kernel's measured time on the GPU machine's Xeon at
+    15 threads on this ISA, scaled to `threads` by the measured thread scaling (Amdahl, serial share LANE_SERIAL)."""
+    at, ms = LANE_MEASURED[isa]
 
     def amdahl(n: int) -> float:
         return LANE_SERIAL + (1 - LANE_SERIAL) / max(1, n)
 
     value = ms * amdahl(threads) / amdahl(at)
-    priced = "" if measured_as == isa else f", priced as AVX2 ({isa} not measured)"
-    return Term(value, "ms", f"estimated from {threads} threads {isa.upper()}{priced}: glm53's kernel took {ms:g} ms "
-                             f"on {at} threads of the H200 machine's 2.1 GHz Xeon (docs/results.md), scaled by its "
+    return Term(value, "ms", f"estimated from {threads} threads {isa.upper()}: glm53's integer kernel took {ms:g} ms "
+                             f"on {at} threads of the GPU machine's 2.1 GHz Xeon (docs/results.md), scaled by its "
                              "measured thread scaling; a faster core is faster, and start-up calibrates it")
 
 
