@@ -693,7 +693,26 @@ def _judged(m: dict) -> str:
         return "; CPU lane on trial"
     ratio = judge["ratio_on_over_off"]
     return (f"; CPU lane {'kept' if judge['kept'] else 'set aside'} (steps offering it took "
-            f"{'-' if ratio is None else f'{ratio:.3f}'} of the others, {judge['cpu_share']:.3f} of picks)")
+            f"{'-' if ratio is None else f'{ratio:.3f}'} of the others, {judge['cpu_share']:.3f} of picks)"
+            + _lane_vs_link(m["tiers"]["cpu_lane"]))
+
+
+def _lane_vs_link(lane: dict) -> str:
+    """One one-row expert on the lane (calibrated idle, and its kernel's mean inside decode) beside one over the
+    link: the lane can only speed decode up where it is not slower than the link per expert."""
+    model = lane.get("cost_model") or {}
+
+    def one_row(table: dict | None) -> float | None:
+        table = table or {}
+        return table.get(1, table.get("1"))
+
+    cpu_us, link_us = one_row(model.get("cpu_expert_us")), one_row(model.get("pcie_expert_us"))
+    if not cpu_us or not link_us:
+        return ""
+    jobs = lane.get("jobs") or 0
+    in_decode = f", {lane['kernel_seconds'] / jobs * 1e3:.2f} ms a job in decode" if jobs else ""
+    return (f"; one expert: lane {cpu_us / 1e3:.2f} ms idle{in_decode}, link {link_us / 1e3:.2f} ms "
+            f"(link / lane idle {link_us / cpu_us:.2f})")
 
 
 def report(res: dict, moe_layers: int | None) -> str:

@@ -36,7 +36,10 @@ def test_report_has_a_line_per_mode_and_the_targets():
                                             "idle_ms_after_layer": [1.25, 3.5]}
     res["modes"]["nvme"]["prefill_store"] = {"MiB": 1234.4, "busy": 0.61, "over_disk_bound": 0.705}
     res["modes"]["fast"]["tiers"] = {"cpu_lane": {"judge": {"kept": False, "ratio_on_over_off": 1.031,
-                                                            "cpu_share": 0.039}}}
+                                                            "cpu_share": 0.039},
+                                                  "jobs": 500, "kernel_seconds": 0.365,  # as JSON holds them:
+                                                  "cost_model": {"cpu_expert_us": {"1": 497.3, "8": 1431.7},
+                                                                 "pcie_expert_us": {"1": 391.2, "8": 391.2}}}}
     res["modes"]["nvme"]["tiers"] = {"cpu_lane": {"judge": {"kept": None, "ratio_on_over_off": None,
                                                             "cpu_share": None}}}
     res["read_contention"] = {"alone_s": 100e-6, "reader_s": 250e-6, "reader_over_alone": 2.5, "copies": 5,
@@ -46,7 +49,8 @@ def test_report_has_a_line_per_mode_and_the_targets():
     assert ("store: raw emulated (one fixed-rate timeline over the store's real reads) 6.50 GB/s at the start; RAM "
             "tier 0.470 of the experts\n") in emulated
     assert "100 us alone, 250 us beside 4 StoreReader reads in 8 part(s) (x 2.50)" in text
-    assert "CPU lane set aside (steps offering it took 1.031 of the others, 0.039 of picks)" in text
+    assert ("CPU lane set aside (steps offering it took 1.031 of the others, 0.039 of picks); one expert: lane 0.50 ms "
+            "idle, 0.73 ms a job in decode, link 0.39 ms (link / lane idle 0.79)") in text
     assert "CPU lane on trial" in text and text.count("CPU lane") == 2
     for mode in res["modes"]:
         assert f"  {mode} " in text, mode
