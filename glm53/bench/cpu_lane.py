@@ -137,9 +137,12 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
             for r in rows_list:
                 rows = (r,) * args.experts
                 secs: dict[str, list[float]] = {name: [] for name in kerns}
+                profiles = []
                 for _ in range(args.repeats):
                     for name, k in kerns.items():
                         secs[name].append(time_step(k, geo, pool.take(args.experts), rows, rng) / args.experts)
+                        if name == "":
+                            profiles.append(k.profile())
                 med = {name: float(np.median(v)) for name, v in secs.items()}
                 per = med[""]
                 bps = geo.nbytes / per
@@ -162,6 +165,11 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
                     line += f" {base_per * 1e3:>8.3f} {geo.nbytes / base_per / ram[t]:>10.3f} {base_per / per:>6.2f}x"
                 results.append(res)
                 log(line)
+                if profiles and profiles[0] is not None:
+                    phases = _phases(profiles, args.experts)
+                    res["phases_us_per_expert"] = phases
+                    log("        phases, us per expert (median call, mean of threads): "
+                        + " ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     host_ram = max(ram.values())
     best = max(results, key=lambda x: x["expert_bytes_per_s"])  # (medians: the best point of the run)
     log(f"best: {best['expert_bytes_per_s'] / 1e9:.2f} GB/s of experts ({best['threads']} threads, {best['rows']} "
@@ -173,6 +181,20 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
             "ram_bytes_per_s": {str(k): v for k, v in ram.items()}, "host_ram_bytes_per_s": host_ram,
             "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()},
             "baseline_lib": args.baseline_lib}
+
+
+def _phases(profiles: list, experts: int) -> dict[str, float]:
+    """The median-wall call's profile per expert in microseconds: each phase's mean over threads, the slowest
+    thread's gate_up + down (the parallel work's critical path), the caller's wake-up and the wall time."""
+    p = sorted(profiles, key=lambda q: q.wall)[len(profiles) // 2]
+    out = {k: v * 1e6 / experts for k, v in p.mean().items()}
+    from glm53.cpu_lane.kernel import PHASES
+
+    work = p.per_thread[:, [PHASES.index("gate_up"), PHASES.index("down")]].sum(axis=1)
+    out["work_max"] = float(work.max()) * 1e6 / experts
+    out["caller_wake"] = p.caller_wake * 1e6 / experts
+    out["wall"] = p.wall * 1e6 / experts
+    return out
 
 
 def _cpu_ghz() -> float | None:

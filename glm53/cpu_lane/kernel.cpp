@@ -267,6 +267,17 @@ int chunk_for(int cols_total, int threads, int rows) {
 // ---------------------------------------------------------------------------------------------------------------
 // The pool
 
+// Where a worker's time goes in one call (nanoseconds, summed over the call's experts): from the caller's start to
+// the worker's, then each phase's own work and each barrier's wait. `glm53 bench cpu-lane` prints them: the clock
+// reads cost ~25 ns each, 7 a worker per expert, against the hundreds of microseconds an expert takes.
+enum Phase { kPhWake, kPhPrep, kPhWait1, kPhGateUp, kPhWait2, kPhDown, kPhFinal, kPhases };
+
+inline int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
 class Pool {
 public:
     Pool(int threads, const int32_t* cpus, int ncpus, int spin_us)
@@ -362,6 +373,7 @@ public:
             return fail(-4, "out of memory for the kernel's scratch buffers");
         }
         finished_.store(0, std::memory_order_relaxed);
+        call_t0_ = now_ns();
         {
             std::lock_guard<std::mutex> lk(m_);
             gen_.fetch_add(1, std::memory_order_release);
@@ -369,13 +381,34 @@ public:
         cv_.notify_all();
         std::unique_lock<std::mutex> lk(done_m_);
         done_cv_.wait(lk, [&] { return finished_.load(std::memory_order_acquire) == n_; });
+        const int64_t t1 = now_ns();
+        int64_t last = call_t0_;
+        for (const Worker& w : workers_) last = std::max(last, w.finish_ns);
+        call_ns_ = t1 - call_t0_;
+        return_ns_ = t1 - last;
         return *call_.cancel ? 1 : 0;
+    }
+
+    // The last call's profile: {wall ns, ns from the last worker's finish to the caller's return, kPhases, then
+    // kPhases values per worker}. Returns how many values that is (written only if cap allows).
+    int profile(int64_t* out, int cap) {
+        std::lock_guard<std::mutex> one_call(call_m_);
+        const int need = 3 + n_ * kPhases;
+        if (!out || cap < need) return need;
+        out[0] = call_ns_;
+        out[1] = return_ns_;
+        out[2] = kPhases;
+        for (int t = 0; t < n_; ++t)
+            for (int p = 0; p < kPhases; ++p) out[3 + t * kPhases + p] = workers_[t].phase_ns[p];
+        return need;
     }
 
 private:
     struct Worker {
         Buf acc, wbuf;
         int sense = 0;
+        int64_t phase_ns[kPhases] = {};  // the last call's (Phase)
+        int64_t finish_ns = 0;
     };
     struct Call {
         const Glm53Job* jobs = nullptr;
@@ -411,6 +444,7 @@ private:
             if (stop_.load(std::memory_order_acquire)) return;
             seen = gen_.load(std::memory_order_acquire);
             execute(tid);
+            workers_[tid].finish_ns = now_ns();  // published by the release below
             if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
                 std::lock_guard<std::mutex> lk(done_m_);
                 done_cv_.notify_one();
@@ -452,6 +486,15 @@ private:
         const IsaOps& ops = *c.ops;
         const Tables& tab = tables();
         Worker& w = workers_[tid];
+        int64_t* ph = w.phase_ns;
+        int64_t t = now_ns();
+        for (int p = 0; p < kPhases; ++p) ph[p] = 0;
+        ph[kPhWake] = t - call_t0_;
+        const auto lap = [&](int phase) {
+            const int64_t now = now_ns();
+            ph[phase] += now - t;
+            t = now;
+        };
         for (int j = 0; j < c.njobs; ++j) {
             const Glm53Job& job = c.jobs[j];
             const Shape& s = c.shapes[j];
@@ -470,7 +513,9 @@ private:
                 else
                     ops.prep_block(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b, xv);
             });
+            lap(kPhPrep);
             barrier(tid);
+            lap(kPhWait1);
             share(ctr[kCtrGateUp], 2 * s.nchunk_gu, [&](int u) {
                 const int lin = u / s.nchunk_gu, tn0 = u % s.nchunk_gu * s.chunk_gu;
                 const int tn1 = std::min(in / 16, tn0 + s.chunk_gu);
@@ -490,7 +535,9 @@ private:
                                               job.up.svh + kHad * b, job.down.suh + kHad * b, job.swiglu_limit, xv);
                         }
             });
+            lap(kPhGateUp);
             barrier(tid);
+            lap(kPhWait2);
             share(ctr[kCtrDown], s.nchunk_d, [&](int u) {
                 const int tn0 = u * s.chunk_d, tn1 = std::min(h / 16, tn0 + s.chunk_d);
                 gemv(job.down, tab, xv_[2].p, qs_[2].p, r, tn0, tn1, w, yraw_.p, h);
@@ -506,10 +553,12 @@ private:
                         __atomic_store_n(&c.done[j], 1, __ATOMIC_RELEASE);
                 }
             });
+            lap(kPhDown);
             // No barrier: the next expert's input transforms write buffers this one no longer reads, and its
             // first barrier comes before anything overwrites the intermediate or the raw outputs.
         }
         barrier(tid);  // the call ends when every unit has finished
+        lap(kPhFinal);
     }
 
     void gemv(const Glm53Linear& l, const Tables& tab, const float* xv, const float* qs, int rows, int tn0, int tn1,
@@ -554,6 +603,7 @@ private:
 
     std::mutex call_m_;  // one call at a time
     Call call_;
+    int64_t call_t0_ = 0, call_ns_ = 0, return_ns_ = 0;  // the last call's start, wall time, caller's wake-up
     std::vector<std::atomic<int>> counters_;
     Buf xv_[3], raw_[2], yraw_, qs_[3];  // qs_: the integer kernel's block scales (gate, up, down)
 
@@ -602,6 +652,11 @@ GLM53_API void glm53_pool_free(void* pool) { delete static_cast<Pool*>(pool); }
 GLM53_API int glm53_pool_threads(void* pool) { return static_cast<Pool*>(pool)->threads(); }
 
 GLM53_API int glm53_pool_pinned(void* pool) { return static_cast<Pool*>(pool)->pinned(); }
+
+// The last call's time profile (Pool::profile); returns the number of values, writing them if cap allows.
+GLM53_API int glm53_pool_profile(void* pool, int64_t* out, int cap) {
+    return static_cast<Pool*>(pool)->profile(out, cap);
+}
 
 // Run njobs experts in order, with the ISA's exact kernel or, with GLM53_KERNEL_INT in `isa`, its integer one.
 // done[j] (optional) becomes 1 once job j's output is complete; *cancel (optional)

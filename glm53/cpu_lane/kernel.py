@@ -89,6 +89,7 @@ def _bind(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
     ))
     if missing:
         return None, f"{path} lacks {missing}: a build of other sources; rebuild it with {REBUILD}"
+    declare(lib, (("glm53_pool_profile", i32, [vp, ctypes.POINTER(ctypes.c_int64), i32]),))  # older builds lack it
     if lib.glm53_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.glm53_abi_version()}, this code wants {ABI_VERSION}; rebuild with {REBUILD}"
     return lib, None
@@ -271,6 +272,24 @@ def _as_rows(x: Any, hidden: int) -> np.ndarray:
 # The pool
 
 
+PHASES = ("wake", "prep", "wait1", "gate_up", "wait2", "down", "final")
+
+
+@dataclass(frozen=True)
+class CallProfile:
+    """One kernel call's time in seconds: the wall time from the caller's start to its return, the caller's own
+    wake-up after the last worker finished, and per worker (rows) the seconds of each phase in PHASES, summed over
+    the call's experts: wake (the call's start to the worker's), each phase's work (prep: input transforms;
+    gate_up: the gate and up GEMVs with the mid steps; down: the down GEMV with the output transforms) and each
+    barrier's wait (wait1, wait2, final)."""
+    wall: float
+    caller_wake: float
+    per_thread: np.ndarray
+
+    def mean(self) -> dict[str, float]:
+        return dict(zip(PHASES, self.per_thread.mean(axis=0).tolist(), strict=True))
+
+
 class CpuKernel:
     """The kernel on a pool of `threads` worker threads, pinned one per CPU in `cpus` when given.
 
@@ -359,6 +378,20 @@ class CpuKernel:
         if rc < 0:
             raise KernelError(self._lib.glm53_last_error().decode(errors="replace"))
         return rc == 0
+
+    def profile(self) -> CallProfile | None:
+        """Where the last call's time went (CallProfile); None from a build without the profile."""
+        fn = getattr(self._lib, "glm53_pool_profile", None)
+        with self._lock:
+            if fn is None or not self._pool:
+                return None
+            need = fn(self._pool, None, 0)
+            buf = (ctypes.c_int64 * need)()
+            fn(self._pool, buf, need)
+        raw = np.frombuffer(buf, dtype=np.int64)
+        secs = raw.astype(np.float64) * 1e-9
+        return CallProfile(wall=float(secs[0]), caller_wake=float(secs[1]),
+                           per_thread=secs[3:].reshape(-1, int(raw[2])))
 
     def forward(self, slot: Any, layout: Any, x: Any, *, swiglu_limit: float = SWIGLU_LIMIT) -> np.ndarray:
         """One expert: x (rows, hidden) or (hidden,) -> the same shape, float32."""

@@ -8,7 +8,7 @@
   layout the server makes and the engine checks).
 - The figures for docs/results.md, printed: the tower's VRAM (its weights, and torch's peak while it encodes a
   1280x800 PNG screenshot) beside the plan's estimate, and the time to the first token for that screenshot (the
-  tower's encode and the prefill of its ~1,334 tokens) in stock and exact mode.
+  tower's encode and the prefill of its ~1,334 tokens) in stock and exact mode, at two MoE layers and at full depth.
 - The engine (Exl3Engine, exact mode) takes an image end to end and answers what stock exllamav3 answers.
 """
 
@@ -207,6 +207,30 @@ def test_glm53_width_image_exact_bit_identical_vram_and_ttft(tmp_path, exl3):
           f"bit-identical, exact (16 slots/layer) vs stock; picks {exact['stats']['picks']}")
     print("TTFT for the screenshot (encode + prefill to the first token; first run, then warm): stock "
           + ", ".join(f"{t:.3f} s" for t in stock["ttft"]) + "; exact 16 slots/layer "
+          + ", ".join(f"{t:.3f} s" for t in exact["ttft"]))
+
+
+def test_full_depth_image_exact_bit_identical_and_ttft(tmp_path, exl3):
+    """The real depth (45 layers in the real pattern, FULL_DEPTH's bit widths) and width with the real tower's dims,
+    8 routed experts a layer: the screenshot's greedy text bit-identical in exact mode (4 VRAM slots a layer, so
+    about half of the picks cross PCIe) and its time to the first token, stock beside exact."""
+    from glm53.fixture.exl3 import FULL_DEPTH
+
+    path = write_exl3_checkpoint(tmp_path / "depth", shape="glm53", experts=8, shards=8, vision=True, **FULL_DEPTH)
+    _, tokenizer, tower, _ = load_tower(path)
+    shot = picture(*SCREENSHOT, seed=3)
+    try:
+        mme, _, _ = encode_peak(tower, tokenizer, shot)
+        ids = image_prompt(mme, 200)
+        stock = greedy_with_image(path, ids, mme, STEPS, ttft_image=shot, tokenizer=tokenizer, tower=tower)
+        exact = greedy_with_image(path, ids, mme, STEPS, slots=4, ttft_image=shot, tokenizer=tokenizer, tower=tower)
+    finally:
+        tower.unload()
+    assert_same(stock, exact, STEPS)
+    print(f"\nglm53 full depth (45 layers, 8 experts a layer) with the screenshot ({len(ids)} prompt tokens): {STEPS} "
+          f"greedy tokens bit-identical, exact (4 slots/layer) vs stock; picks {exact['stats']['picks']}")
+    print("TTFT for the screenshot at full depth (encode + prefill to the first token; first run, then warm): stock "
+          + ", ".join(f"{t:.3f} s" for t in stock["ttft"]) + "; exact 4 slots/layer "
           + ", ".join(f"{t:.3f} s" for t in exact["ttft"]))
 
 

@@ -59,6 +59,9 @@
 #             pass DEPTH_REF=FILE). DEPTH_MODES / DEPTH2_MODES split the modes over more calls where one runs out
 #   intpaths  issue 40: every integer path against the reference kernel (the CPU suite), and each one's time at
 #             15 threads beside the exact kernel
+#   phases    issue 40: tests/gpu/clock_probe.c (the clock under integer and AVX-512 load at 1..16 threads), then
+#             glm53 bench cpu-lane's per-phase profile of the integer kernel (PHASES_ISA, default avx512vnni) at
+#             PHASES_THREADS (default 1,4,8,15), 4 experts a call and 1
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 #   agent     (DIAGNOSE=1: the server's Triton compiles, GC pauses and sampled stacks, tests/gpu/diagnose)
@@ -285,6 +288,17 @@ step_intpaths() {  # issue 40: every integer path (AVX2, AVX2-VNNI, AVX-512, AVX
       --json "$OUT/intpaths-$isa.json" > "$OUT/intpaths-$isa.log" 2>&1
     stamp "intpaths $isa rc=$? $(grep -E '^ +15 ' "$OUT/intpaths-$isa.log" | tr -s ' ' | tr '\n' ';')"
   done
+}
+step_phases() {  # issue 40: the clock under load, and where the served lane kernel's time goes at 1..15 threads
+  gcc -O2 -pthread -mavx512f -o /tmp/clock_probe tests/gpu/clock_probe.c && /tmp/clock_probe 1 2 4 8 15 16 > "$OUT/clock.log" 2>&1
+  stamp "clock rc=$? $(tr -s ' ' < "$OUT/clock.log" | tr '\n' ';')"
+  { lscpu; grep -m1 MHz /proc/cpuinfo; grep . /sys/devices/system/cpu/cpu*/topology/thread_siblings_list; } > "$OUT/lscpu.log" 2>&1
+  timeout 200 python3 -m glm53 bench cpu-lane --thread-list "${PHASES_THREADS:-1,4,8,15}" --rows 1,8 --isa "${PHASES_ISA:-avx512vnni}" \
+    --kernel int --json "$OUT/phases.json" > "$OUT/phases.log" 2>&1
+  stamp "phases rc=$? $(grep -A1 -E '^ +15 +1 ' "$OUT/phases.log" | tr -s ' ' | tr '\n' ';')"
+  timeout 60 python3 -m glm53 bench cpu-lane --thread-list 15 --rows 1 --experts 1 --isa "${PHASES_ISA:-avx512vnni}" \
+    --kernel int > "$OUT/phases-one.log" 2>&1
+  stamp "phases, one expert a call rc=$? $(grep -A1 -E '^ +15 +1 ' "$OUT/phases-one.log" | tr -s ' ' | tr '\n' ';')"
 }
 step_planmem() {  # issue 25: the plan's prefill-activation and reserve estimates against what a prefill holds
   # (GLM53_MEMORY_CKPT=<full-depth fixture> for the reserve's real figure; default a full-width 4-layer one)
