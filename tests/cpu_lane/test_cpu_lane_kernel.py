@@ -346,6 +346,23 @@ def test_one_call_runs_many_experts_and_marks_each_done():
             assert np.array_equal(o, kern.forward(s[0], layout, x))
 
 
+def test_each_call_reports_where_its_time_went():
+    # `glm53 bench cpu-lane` prints it: the phases of each worker, summed over the call's experts.
+    slots = [_fixture_slot(512, 256, 3, seed=s) for s in range(2)]
+    layout = slots[0][1]
+    xs = [np.random.default_rng(r).standard_normal((r, 512)).astype(np.float32) for r in (1, 3)]
+    with K.CpuKernel(2) as kern:
+        assert kern.profile().wall == 0.0  # no call yet
+        kern.run([K.ExpertCall(s[0], x, np.empty_like(x)) for s, x in zip(slots, xs, strict=True)], layout)
+        prof = kern.profile()
+    assert prof.per_thread.shape == (2, len(K.PHASES)) and (prof.per_thread >= 0).all()
+    mean = prof.mean()
+    assert mean["gate_up"] > 0 and mean["down"] > 0 and mean["prep"] > 0
+    # Each worker's phases follow one another inside the call, from its start to its last barrier.
+    assert (prof.per_thread.sum(axis=1) <= prof.wall).all()
+    assert 0 <= prof.caller_wake <= prof.wall
+
+
 def test_a_cancelled_call_marks_nothing_done():
     slot, layout, _ = _fixture_slot(256, 128, 3, seed=1)
     x = np.ones((2, 256), np.float32)
