@@ -8,15 +8,18 @@
 //   transform) | down GEMV | out (output transform); a barrier between phases, work units shared out by an atomic
 //   counter within each. Each output column is summed by one thread in a fixed order, so results do not depend
 //   on the thread count or on which thread took which unit.
+#include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
+#include <climits>
 #include <mutex>
 #include <new>
 #include <string>
@@ -229,6 +232,17 @@ inline void cpu_relax() {
 #endif
 }
 
+// Sleep while *word == expected / wake up to n sleepers: the kernel's futex on a 32-bit atomic, so that one call wakes
+// every idle worker at once, each running as soon as its core is free (a condition variable would make each woken
+// worker take the same mutex in turn).
+void futex_wait(std::atomic<uint32_t>& word, uint32_t expected) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>& word, int n) {
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE_PRIVATE, n, nullptr, nullptr, 0);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Per-job geometry, computed and checked before the threads start
 
@@ -289,11 +303,9 @@ public:
     }
 
     ~Pool() {
-        {
-            std::lock_guard<std::mutex> lk(m_);
-            stop_.store(true, std::memory_order_release);
-        }
-        cv_.notify_all();
+        stop_.store(true, std::memory_order_seq_cst);
+        gen_.fetch_add(1, std::memory_order_seq_cst);
+        futex_wake(gen_, INT_MAX);
         for (auto& t : threads_) t.join();
     }
 
@@ -374,13 +386,15 @@ public:
         }
         finished_.store(0, std::memory_order_relaxed);
         call_t0_ = now_ns();
-        {
-            std::lock_guard<std::mutex> lk(m_);
-            gen_.fetch_add(1, std::memory_order_release);
+        // Workers about to sleep count themselves in sleepers_ and check gen_ again; the caller bumps gen_ and then
+        // checks sleepers_: both seq_cst, so a worker either sees the new call or gets woken.
+        gen_.fetch_add(1, std::memory_order_seq_cst);
+        if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(gen_, INT_MAX);
+        for (uint32_t f; (f = finished_.load(std::memory_order_acquire)) != (uint32_t)n_;) {
+            caller_waits_.store(1, std::memory_order_seq_cst);
+            if (finished_.load(std::memory_order_seq_cst) == f) futex_wait(finished_, f);
+            caller_waits_.store(0, std::memory_order_relaxed);
         }
-        cv_.notify_all();
-        std::unique_lock<std::mutex> lk(done_m_);
-        done_cv_.wait(lk, [&] { return finished_.load(std::memory_order_acquire) == n_; });
         const int64_t t1 = now_ns();
         int64_t last = call_t0_;
         for (const Worker& w : workers_) last = std::max(last, w.finish_ns);
@@ -429,15 +443,16 @@ private:
             if (pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0) pinned_.fetch_add(1);
         }
         started_.fetch_add(1, std::memory_order_release);
-        uint64_t seen = 0;
+        uint32_t seen = 0;
         for (;;) {
             // Spin briefly for the next call (a layer's experts come back to back), then sleep.
             const auto t0 = std::chrono::steady_clock::now();
             while (gen_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_acquire)) {
                 if (std::chrono::steady_clock::now() - t0 > std::chrono::microseconds(spin_us_)) {
-                    std::unique_lock<std::mutex> lk(m_);
-                    cv_.wait(lk, [&] { return gen_.load() != seen || stop_.load(); });
-                    break;
+                    sleepers_.fetch_add(1, std::memory_order_seq_cst);
+                    if (gen_.load(std::memory_order_seq_cst) == seen) futex_wait(gen_, seen);
+                    sleepers_.fetch_sub(1, std::memory_order_relaxed);
+                    continue;  // woken (or spuriously): look again
                 }
                 for (int i = 0; i < 64; ++i) cpu_relax();
             }
@@ -445,10 +460,9 @@ private:
             seen = gen_.load(std::memory_order_acquire);
             execute(tid);
             workers_[tid].finish_ns = now_ns();  // published by the release below
-            if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) {
-                std::lock_guard<std::mutex> lk(done_m_);
-                done_cv_.notify_one();
-            }
+            if (finished_.fetch_add(1, std::memory_order_seq_cst) + 1 == (uint32_t)n_ &&
+                caller_waits_.load(std::memory_order_seq_cst))
+                futex_wake(finished_, 1);
         }
     }
 
@@ -592,14 +606,11 @@ private:
     std::vector<std::thread> threads_;
     std::atomic<int> started_{0}, pinned_{0};
 
-    std::mutex m_;  // guards the wake-up of idle workers
-    std::condition_variable cv_;
-    std::atomic<uint64_t> gen_{0};
+    std::atomic<uint32_t> gen_{0};     // the call's number (a futex word: idle workers sleep on it)
+    std::atomic<int> sleepers_{0};     // workers asleep or about to sleep on gen_
     std::atomic<bool> stop_{false};
-
-    std::mutex done_m_;  // the caller sleeps here until every worker has finished the call
-    std::condition_variable done_cv_;
-    std::atomic<int> finished_{0};
+    std::atomic<uint32_t> finished_{0};  // workers done with the call (a futex word: the caller sleeps on it)
+    std::atomic<int> caller_waits_{0};
 
     std::mutex call_m_;  // one call at a time
     Call call_;
