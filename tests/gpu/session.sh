@@ -61,8 +61,8 @@
 #             15 threads beside the exact kernel
 #   phases    issue 40: tests/gpu/clock_probe.c (the clock under integer and AVX-512 load at 1..16 threads), then
 #             glm53 bench cpu-lane's per-phase profile of the integer kernel (PHASES_ISA, default avx512vnni) at
-#             PHASES_THREADS (default 1,4,8,15), 4 experts a call and 1; PHASES_BASE=<commit>: that commit's build
-#             paired against this one (--baseline-lib) at 8 and 15 threads
+#             PHASES_THREADS (default 1,4,8,15), 4 experts a call and 1; PHASES_BASE=<a kernel.cpp>: the tree
+#             built with it, paired against this one (--baseline-lib) at 8 and 15 threads
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 #   agent     (DIAGNOSE=1: the server's Triton compiles, GC pauses and sampled stacks, tests/gpu/diagnose)
@@ -300,8 +300,9 @@ step_phases() {  # issue 40: the clock under load, and where the served lane ker
   timeout 60 python3 -m glm53 bench cpu-lane --thread-list 15 --rows 1 --experts 1 --isa "${PHASES_ISA:-avx512vnni}" \
     --kernel int > "$OUT/phases-one.log" 2>&1
   stamp "phases, one expert a call rc=$? $(grep -A1 -E '^ +15 +1 ' "$OUT/phases-one.log" | tr -s ' ' | tr '\n' ';')"
-  if [ -n "${PHASES_BASE:-}" ]; then  # PHASES_BASE=<commit>: that commit's kernel build timed beside this one's
-    rm -rf /tmp/phbase && mkdir -p /tmp/phbase && git archive "$PHASES_BASE" glm53 setup.py pyproject.toml store | tar -x -C /tmp/phbase \
+  if [ -n "${PHASES_BASE:-}" ]; then  # PHASES_BASE=<kernel.cpp>: this tree built with that kernel.cpp, timed beside it
+    rm -rf /tmp/phbase && mkdir -p /tmp/phbase && cp -r glm53 setup.py pyproject.toml store /tmp/phbase/ \
+      && cp "$PHASES_BASE" /tmp/phbase/glm53/cpu_lane/kernel.cpp && rm -f /tmp/phbase/glm53/cpu_lane/_expert_kernel*.so \
       && (cd /tmp/phbase && python3 setup.py -q build_ext --inplace > /dev/null 2>&1)
     for e in 1 4; do
       timeout 90 python3 -m glm53 bench cpu-lane --thread-list 8,15 --rows 1 --experts $e --repeats 9 --isa "${PHASES_ISA:-avx512vnni}" \
