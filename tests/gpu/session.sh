@@ -389,10 +389,11 @@ step_serveconc() {  # issue 26: decode tok/s at 1, 2, 4, 8 concurrent streams th
 }
 step_fairness() {
   [ -d /tmp/fx ] || python3 -m glm53 fixture --kind exl3 --out /tmp/fx > "$OUT/fx.log" 2>&1
-  GLM53_MODE=exact GLM53_MAX_CONCURRENCY=2 GLM53_CONTEXT=${FAIR_CONTEXT:-32768} timeout "${FAIR_LIMIT:-400}" python3 -m glm53 bench \
-    fairness --model /tmp/fx --unbounded 2 --rounds 3 --log-dir "$OUT/fair" --json "$OUT/fair-exl3.json" \
-    > "$OUT/fair.log" 2>&1
-  stamp "fairness rc=$? $(tail -4 "$OUT/fair.log" | tr '\n' ';')"
+  local n=${FAIR_UNBOUNDED:-2}  # unbounded replies beside the short request, on FAIR_SLOTS (default 2) decode slots
+  GLM53_MODE=exact GLM53_MAX_CONCURRENCY=${FAIR_SLOTS:-2} GLM53_CONTEXT=${FAIR_CONTEXT:-32768} timeout "${FAIR_LIMIT:-400}" \
+    python3 -m glm53 bench fairness --model /tmp/fx --unbounded "$n" --rounds 3 --log-dir "$OUT/fair-$n" \
+    --json "$OUT/fair-exl3-$n.json" > "$OUT/fair-$n.log" 2>&1
+  stamp "fairness ($n unbounded, ${FAIR_SLOTS:-2} slots) rc=$? $(tail -4 "$OUT/fair-$n.log" | tr '\n' ';')"
 }
 step_imageprobe() {  # issue 36's GPU half: can this machine build the image's CUDA stage? (tools, namespaces, network)
   {
