@@ -178,15 +178,38 @@ def test_tiny_image_exact_bit_identical_to_stock(tmp_path, exl3):
           f"vs stock; picks {exact['stats']['picks']}")
 
 
+def screenshot_stock_and_exact(path, slots: int, what: str, inspect=None) -> None:
+    """The screenshot's greedy text in stock and in exact mode at `slots` VRAM slots a layer, bit-identical, and its
+    time to the first token in each, printed. inspect(tower, tokenizer, shot, weight bytes), before the runs, checks
+    and prints more."""
+    _, tokenizer, tower, weights = load_tower(path)
+    shot = picture(*SCREENSHOT, seed=3)
+    try:
+        if inspect is not None:
+            inspect(tower, tokenizer, shot, weights)
+        mme, _, _ = encode_peak(tower, tokenizer, shot)
+        ids = image_prompt(mme, 200)
+        stock = greedy_with_image(path, ids, mme, STEPS, ttft_image=shot, tokenizer=tokenizer, tower=tower)
+        exact = greedy_with_image(path, ids, mme, STEPS, slots=slots, ttft_image=shot, tokenizer=tokenizer,
+                                  tower=tower)
+    finally:
+        tower.unload()
+    assert_same(stock, exact, STEPS)
+    print(f"\n{what} with the screenshot ({len(ids)} prompt tokens): {STEPS} greedy tokens bit-identical, exact "
+          f"({slots} slots/layer) vs stock; picks {exact['stats']['picks']}")
+    print(f"TTFT for the screenshot, {what} (encode + prefill to the first token; first run, then warm): stock "
+          + ", ".join(f"{t:.3f} s" for t in stock["ttft"]) + f"; exact {slots} slots/layer "
+          + ", ".join(f"{t:.3f} s" for t in exact["ttft"]))
+
+
 def test_glm53_width_image_exact_bit_identical_vram_and_ttft(tmp_path, exl3):
     """Real width, two MoE layers, the real tower's dims (bf16 random weights); the figures for docs/results.md."""
     from glm53.planning import plan as P
     from glm53.planning.shape import from_checkpoint
 
     path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4, vision=True)
-    _, tokenizer, tower, weights = load_tower(path)
-    shot = picture(*SCREENSHOT, seed=3)
-    try:
+
+    def tower_vram(tower, tokenizer, shot, weights):
         check_counts(tower, tokenizer, vision.read_vision_spec(path))
         encode_peak(tower, tokenizer, shot)  # compiles the tower's kernels for this shape
         mme, peak, encode_s = encode_peak(tower, tokenizer, shot)
@@ -197,17 +220,8 @@ def test_glm53_width_image_exact_bit_identical_vram_and_ttft(tmp_path, exl3):
               f"({mme.mm_length} tokens) peaks {peak / 2**30:.3f} GiB above the weights, in {encode_s * 1e3:.0f} ms; "
               f"the plan counts {planned / 2**30:.3f} GiB ({why})")
         assert mme.mm_length == vision.image_tokens(SCREENSHOT[1], SCREENSHOT[0], vision.read_vision_spec(path))
-        ids = image_prompt(mme, 200)
-        stock = greedy_with_image(path, ids, mme, STEPS, ttft_image=shot, tokenizer=tokenizer, tower=tower)
-        exact = greedy_with_image(path, ids, mme, STEPS, slots=16, ttft_image=shot, tokenizer=tokenizer, tower=tower)
-    finally:
-        tower.unload()
-    assert_same(stock, exact, STEPS)
-    print(f"glm53 width x2 MoE layers with the screenshot ({len(ids)} prompt tokens): {STEPS} greedy tokens "
-          f"bit-identical, exact (16 slots/layer) vs stock; picks {exact['stats']['picks']}")
-    print("TTFT for the screenshot (encode + prefill to the first token; first run, then warm): stock "
-          + ", ".join(f"{t:.3f} s" for t in stock["ttft"]) + "; exact 16 slots/layer "
-          + ", ".join(f"{t:.3f} s" for t in exact["ttft"]))
+
+    screenshot_stock_and_exact(path, 16, "glm53 width x2 MoE layers", tower_vram)
 
 
 def test_full_depth_image_exact_bit_identical_and_ttft(tmp_path, exl3):
@@ -217,21 +231,7 @@ def test_full_depth_image_exact_bit_identical_and_ttft(tmp_path, exl3):
     from glm53.fixture.exl3 import FULL_DEPTH
 
     path = write_exl3_checkpoint(tmp_path / "depth", shape="glm53", experts=8, shards=8, vision=True, **FULL_DEPTH)
-    _, tokenizer, tower, _ = load_tower(path)
-    shot = picture(*SCREENSHOT, seed=3)
-    try:
-        mme, _, _ = encode_peak(tower, tokenizer, shot)
-        ids = image_prompt(mme, 200)
-        stock = greedy_with_image(path, ids, mme, STEPS, ttft_image=shot, tokenizer=tokenizer, tower=tower)
-        exact = greedy_with_image(path, ids, mme, STEPS, slots=4, ttft_image=shot, tokenizer=tokenizer, tower=tower)
-    finally:
-        tower.unload()
-    assert_same(stock, exact, STEPS)
-    print(f"\nglm53 full depth (45 layers, 8 experts a layer) with the screenshot ({len(ids)} prompt tokens): {STEPS} "
-          f"greedy tokens bit-identical, exact (4 slots/layer) vs stock; picks {exact['stats']['picks']}")
-    print("TTFT for the screenshot at full depth (encode + prefill to the first token; first run, then warm): stock "
-          + ", ".join(f"{t:.3f} s" for t in stock["ttft"]) + "; exact 4 slots/layer "
-          + ", ".join(f"{t:.3f} s" for t in exact["ttft"]))
+    screenshot_stock_and_exact(path, 4, "glm53 full depth (45 layers, 8 experts a layer)")
 
 
 def test_engine_takes_an_image_and_answers_as_stock(tmp_path, exl3):
