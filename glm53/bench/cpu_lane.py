@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -42,6 +43,9 @@ def register_bench(bench_sub: Any) -> None:
                                                               "path); the exact one is timed beside an integer one")
     p.add_argument("--ghz", type=float, help="clock for the cycles-per-weight column (default: /proc/cpuinfo's)")
     p.add_argument("--no-pin", action="store_true", help="do not pin worker threads to cores")
+    p.add_argument("--gap-us", type=int, default=0, help="idle microseconds before each timed call, as decode "
+                   "calls the lane once a MoE layer step (default 0: back to back)")
+    p.add_argument("--spin-us", type=int, help="how long idle workers spin before they sleep (default: the lane's)")
     p.add_argument("--hidden", type=int, default=4096, help="expert geometry (default GLM-5.3-Flash: 4096)")
     p.add_argument("--intermediate", type=int, default=2048, help="(default 2048)")
     p.add_argument("--bits", type=int, default=3, help="EXL3 K of the trellis (default 3)")
@@ -104,6 +108,8 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     weights = 3 * geo.hidden * geo.intermediate
     results, ram = [], {}
     log(f"kernel: {kernel} on {isa}" + (", the exact kernel beside it" if with_exact else "")
+        + (f"; {args.gap_us} us idle before each call" if args.gap_us else "")
+        + (f"; workers spin {args.spin_us} us before sleeping" if args.spin_us is not None else "")
         + f"; ms per expert: medians of {args.repeats}; c/w: thread-cycles per weight at "
         + (f"{ghz:.2f} GHz" if ghz else "an unknown clock"))
     head = f"{'threads':>7} {'rows':>4} {'ms/expert':>9} {'c/w':>5} {'expert GB/s':>11} {'RAM GB/s':>8} {'ratio':>6}"
@@ -124,14 +130,15 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
     for t in threads:
         ram[t] = ram_read_bandwidth(threads=t)
         with contextlib.ExitStack() as stack:
-            kerns = {"": stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, kernel=kernel))}
+            spin = {} if args.spin_us is None else {"spin_us": args.spin_us}
+            kerns = {"": stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, kernel=kernel, **spin))}
             if with_exact:
-                kerns["exact"] = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, kernel="exact"))
+                kerns["exact"] = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, kernel="exact", **spin))
             base_kernel = None
             if base_lib is not None:  # an older build: the kernel timed here if it has it, else its exact one
                 base_kernel = kernel if K.kernel_supported(isa, kernel, base_lib) else "exact"
                 kerns["baseline"] = stack.enter_context(K.CpuKernel(t, cpus(t), isa=isa, lib=base_lib,
-                                                                    kernel=base_kernel))
+                                                                    kernel=base_kernel, **spin))
             for k in kerns.values():
                 time_step(k, geo, pool.take(1), (1,), rng)
             for r in rows_list:
@@ -140,6 +147,8 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
                 profiles = []
                 for _ in range(args.repeats):
                     for name, k in kerns.items():
+                        if args.gap_us:
+                            time.sleep(args.gap_us * 1e-6)
                         secs[name].append(time_step(k, geo, pool.take(args.experts), rows, rng) / args.experts)
                         if name == "":
                             profiles.append(k.profile())
@@ -177,7 +186,7 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
         f"bandwidth ({host_ram / 1e9:.1f} GB/s)")
     return {"cpu": _cpu_model(), "isa": isa, "kernel": kernel, "ghz": ghz, "isa_seconds": cal.isa_seconds,
             "isa_kernels": cal.isa_kernels, "expert_bytes": geo.nbytes,
-            "experts_per_step": args.experts, "results": results,
+            "experts_per_step": args.experts, "gap_us": args.gap_us, "spin_us": args.spin_us, "results": results,
             "ram_bytes_per_s": {str(k): v for k, v in ram.items()}, "host_ram_bytes_per_s": host_ram,
             "best_ratio": best["expert_bytes_per_s"] / host_ram, "cost_us": {k: v * 1e6 for k, v in cost.__dict__.items()},
             "baseline_lib": args.baseline_lib}
