@@ -5,8 +5,8 @@
 // no torch headers, builds with any C++17 compiler at `pip install`, and is tested on the CPU against the numpy
 // reference decoder. One call runs a list of experts (one layer step's CPU picks) with T pinned threads:
 //   per expert: prep (gate/up input transforms) | gate+up GEMV | mid (output transforms, SwiGLU, down input
-//   transform) | down GEMV | out (output transform); a barrier between phases, work units shared out by an atomic
-//   counter within each. Each output column is summed by one thread in a fixed order, so results do not depend
+//   transform) | down GEMV | out (output transform); between phases a wait until the units the next phase reads
+//   are done, work units shared out by an atomic counter within each. Each output column is summed by one thread in a fixed order, so results do not depend
 //   on the thread count or on which thread took which unit.
 #include <linux/futex.h>
 #include <pthread.h>
@@ -253,10 +253,10 @@ struct Shape {
     size_t counters;           // this job's first counter in Pool::counters_
 };
 
-// A job's counters: three work-unit dispensers, then per 128-column block of the intermediate the gate/up units
+// A job's counters: three work-unit dispensers, the prep and gate/up units finished, then per 128-column block of the intermediate the gate/up units
 // still to finish before its mid step, per 128-column block of the output the down units still to finish before its
 // output transform, and the output blocks still to finish before the job is done.
-enum { kCtrPrep, kCtrGateUp, kCtrDown, kCtrOutDone, kCtrBlocks };
+enum { kCtrPrep, kCtrGateUp, kCtrDown, kCtrPrepDone, kCtrGateUpDone, kCtrOutDone, kCtrBlocks };
 
 int check_linear(const Glm53Linear& l, const char* name, int in, int out) {
     if (!l.trellis || !l.suh || !l.svh) return fail(-2, std::string(name) + ": null pointer");
@@ -282,9 +282,9 @@ int chunk_for(int cols_total, int threads, int rows) {
 // The pool
 
 // Where a worker's time goes in one call (nanoseconds, summed over the call's experts): from the caller's start to
-// the worker's, then each phase's own work and each barrier's wait. `glm53 bench cpu-lane` prints them: the clock
+// the worker's, then each phase's own work and each wait between phases. `glm53 bench cpu-lane` prints them: the clock
 // reads cost ~25 ns each, 7 a worker per expert, against the hundreds of microseconds an expert takes.
-enum Phase { kPhWake, kPhPrep, kPhWait1, kPhGateUp, kPhWait2, kPhDown, kPhFinal, kPhases };
+enum Phase { kPhWake, kPhPrep, kPhWait1, kPhGateUp, kPhWait2, kPhDown, kPhases };
 
 inline int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -296,6 +296,7 @@ class Pool {
 public:
     Pool(int threads, const int32_t* cpus, int ncpus, int spin_us)
         : n_(threads), spin_us_(std::max(0, spin_us)), workers_(threads) {
+        finished_.store((uint32_t)threads);  // no call running
         cpus_.assign(cpus, cpus + std::max(0, ncpus));
         threads_.reserve(threads);
         for (int i = 0; i < threads; ++i) threads_.emplace_back(&Pool::loop, this, i);
@@ -316,7 +317,9 @@ public:
             volatile int32_t* done) {
         std::lock_guard<std::mutex> one_call(call_m_);
         static const volatile int32_t never = 0;
-        call_.jobs = jobs;
+        drain();
+        call_.job_copy.assign(jobs, jobs + njobs);  // a late worker of this call reads the pool's copy, not the caller's
+        call_.jobs = call_.job_copy.data();
         call_.njobs = njobs;
         call_.ops = ops;
         call_.integer = integer;
@@ -385,21 +388,23 @@ public:
             return fail(-4, "out of memory for the kernel's scratch buffers");
         }
         finished_.store(0, std::memory_order_relaxed);
+        left_.store(0, std::memory_order_relaxed);
+        complete_.store(0, std::memory_order_relaxed);
         call_t0_ = now_ns();
         // Workers about to sleep count themselves in sleepers_ and check gen_ again; the caller bumps gen_ and then
         // checks sleepers_: both seq_cst, so a worker either sees the new call or gets woken.
         gen_.fetch_add(1, std::memory_order_seq_cst);
         if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(gen_, INT_MAX);
-        for (uint32_t f; (f = finished_.load(std::memory_order_acquire)) != (uint32_t)n_;) {
+        // The call returns once its last output is written (or, cancelled, once every worker has stopped): a worker
+        // that wakes late finds no work left and leaves on its own, and the next call waits for it (drain).
+        while (!complete_.load(std::memory_order_acquire)) {
             caller_waits_.store(1, std::memory_order_seq_cst);
-            if (finished_.load(std::memory_order_seq_cst) == f) futex_wait(finished_, f);
+            if (!complete_.load(std::memory_order_seq_cst)) futex_wait(complete_, 0);
             caller_waits_.store(0, std::memory_order_relaxed);
         }
         const int64_t t1 = now_ns();
-        int64_t last = call_t0_;
-        for (const Worker& w : workers_) last = std::max(last, w.finish_ns);
         call_ns_ = t1 - call_t0_;
-        return_ns_ = t1 - last;
+        return_ns_ = t1 - complete_ns_.load(std::memory_order_relaxed);
         return *call_.cancel ? 1 : 0;
     }
 
@@ -407,6 +412,7 @@ public:
     // kPhases values per worker}. Returns how many values that is (written only if cap allows).
     int profile(int64_t* out, int cap) {
         std::lock_guard<std::mutex> one_call(call_m_);
+        drain();
         const int need = 3 + n_ * kPhases;
         if (!out || cap < need) return need;
         out[0] = call_ns_;
@@ -420,9 +426,7 @@ public:
 private:
     struct Worker {
         Buf acc, wbuf;
-        int sense = 0;
         int64_t phase_ns[kPhases] = {};  // the last call's (Phase)
-        int64_t finish_ns = 0;
     };
     struct Call {
         const Glm53Job* jobs = nullptr;
@@ -432,6 +436,7 @@ private:
         const volatile int32_t* cancel = nullptr;
         volatile int32_t* done = nullptr;
         std::vector<Shape> shapes;
+        std::vector<Glm53Job> job_copy;
     };
 
     void loop(int tid) {
@@ -459,42 +464,57 @@ private:
             if (stop_.load(std::memory_order_acquire)) return;
             seen = gen_.load(std::memory_order_acquire);
             execute(tid);
-            workers_[tid].finish_ns = now_ns();  // published by the release below
-            if (finished_.fetch_add(1, std::memory_order_seq_cst) + 1 == (uint32_t)n_ &&
-                caller_waits_.load(std::memory_order_seq_cst))
-                futex_wake(finished_, 1);
+            if (left_.fetch_add(1, std::memory_order_acq_rel) + 1 == n_) complete();  // a cancelled call ends here
+            finished_.fetch_add(1, std::memory_order_release);  // from here on this worker touches nothing of the call
         }
     }
 
-    void barrier(int tid) {
-        Worker& w = workers_[tid];
-        w.sense ^= 1;
-        if (bar_count_.fetch_add(1, std::memory_order_acq_rel) == n_ - 1) {
-            bar_count_.store(0, std::memory_order_relaxed);
-            bar_sense_.store(w.sense, std::memory_order_release);
-            return;
-        }
-        for (long spins = 0; bar_sense_.load(std::memory_order_acquire) != w.sense; ++spins) {
+    // The call's outputs are all written, or every worker has left it: let the caller return.
+    void complete() {
+        complete_ns_.store(now_ns(), std::memory_order_relaxed);
+        complete_.store(1, std::memory_order_seq_cst);
+        if (caller_waits_.load(std::memory_order_seq_cst)) futex_wake(complete_, 1);
+    }
+
+    // Until every worker has left the previous call (they leave soon after its outputs are done), nothing it reads
+    // may change.
+    void drain() {
+        for (long spins = 0; finished_.load(std::memory_order_acquire) != (uint32_t)n_; ++spins) {
             if (spins < 20000)
                 cpu_relax();
             else
-                std::this_thread::yield();  // more threads than free cores: let the others reach the barrier
+                std::this_thread::yield();
         }
     }
 
+    // Spin until done() holds or the call is cancelled (a cancelled call's units stop counting).
     template <class F>
-    void share(std::atomic<int>& counter, int units, F&& work) {
+    void wait_until(F&& done) {
+        for (long spins = 0; !done() && !*call_.cancel; ++spins) {
+            if (spins < 20000)
+                cpu_relax();
+            else
+                std::this_thread::yield();  // more threads than free cores: let the others finish their units
+        }
+    }
+
+    // Units from `counter` until none are left; each finished one counts in `finished` (if given).
+    template <class F>
+    void share(std::atomic<int>& counter, int units, std::atomic<int>* finished, F&& work) {
         for (int u; (u = counter.fetch_add(1, std::memory_order_relaxed)) < units;) {
             if (*call_.cancel) return;
             work(u);
+            if (finished) finished->fetch_add(1, std::memory_order_release);
         }
     }
 
-    // Two barriers per expert: after the input transforms (every gate/up unit reads all of them) and after the
-    // mid steps (every down unit reads all of the intermediate). The mid step of a 128-block and the output
-    // transform of a 128-block run on whichever thread finishes the block's last GEMV unit (a counter per block),
-    // and the next expert's input transforms follow the output transforms without a barrier (they touch other
-    // buffers). Fewer barriers, fewer places where one descheduled thread stops all the others.
+    // Two waits per expert, each for units done rather than for threads arriving, so a worker that wakes late or
+    // is descheduled holds up only the units it took: before the gate/up units, the input transforms (every
+    // gate/up unit reads all of them) and the previous expert's down units and output transforms (this expert's
+    // mid steps and down units overwrite what they read); before the down units, the gate/up units with their mid
+    // steps (every down unit reads all of the intermediate). The mid step of a 128-block and the output transform of
+    // a 128-block run on whichever thread finishes the block's last GEMV unit (a counter per block), and the next
+    // expert's input transforms follow at once (they write buffers no unit still running reads).
     void execute(int tid) {
         const Call& c = call_;
         const IsaOps& ops = *c.ops;
@@ -509,6 +529,7 @@ private:
             ph[phase] += now - t;
             t = now;
         };
+        const std::atomic<int>* prev_out = nullptr;  // the previous expert's output blocks still to finish
         for (int j = 0; j < c.njobs; ++j) {
             const Glm53Job& job = c.jobs[j];
             const Shape& s = c.shapes[j];
@@ -518,7 +539,8 @@ private:
             const int h = s.hidden, in = s.inter, r = s.rows, hb = h / kHad;
             const Glm53Linear* gu[2] = {&job.gate, &job.up};
 
-            share(ctr[kCtrPrep], 2 * r * hb, [&](int u) {
+            const int nprep = 2 * r * hb, ngu = 2 * s.nchunk_gu;
+            share(ctr[kCtrPrep], nprep, &ctr[kCtrPrepDone], [&](int u) {
                 const int lin = u / (r * hb), row = u / hb % r, b = u % hb;
                 float* xv = xv_[lin].p + ((size_t)row * (h / 16) + 8 * b) * (c.integer ? kXq : 32);
                 if (c.integer)
@@ -528,9 +550,12 @@ private:
                     ops.prep_block(job.x + (size_t)row * h + kHad * b, gu[lin]->suh + kHad * b, xv);
             });
             lap(kPhPrep);
-            barrier(tid);
+            wait_until([&] {
+                return ctr[kCtrPrepDone].load(std::memory_order_acquire) == nprep &&
+                       (!prev_out || prev_out->load(std::memory_order_acquire) == 0);
+            });
             lap(kPhWait1);
-            share(ctr[kCtrGateUp], 2 * s.nchunk_gu, [&](int u) {
+            share(ctr[kCtrGateUp], ngu, &ctr[kCtrGateUpDone], [&](int u) {
                 const int lin = u / s.nchunk_gu, tn0 = u % s.nchunk_gu * s.chunk_gu;
                 const int tn1 = std::min(in / 16, tn0 + s.chunk_gu);
                 gemv(*gu[lin], tab, xv_[lin].p, qs_[lin].p, r, tn0, tn1, w, raw_[lin].p, in);
@@ -550,9 +575,9 @@ private:
                         }
             });
             lap(kPhGateUp);
-            barrier(tid);
+            wait_until([&] { return ctr[kCtrGateUpDone].load(std::memory_order_acquire) == ngu; });
             lap(kPhWait2);
-            share(ctr[kCtrDown], s.nchunk_d, [&](int u) {
+            share(ctr[kCtrDown], s.nchunk_d, nullptr, [&](int u) {
                 const int tn0 = u * s.chunk_d, tn1 = std::min(h / 16, tn0 + s.chunk_d);
                 gemv(job.down, tab, xv_[2].p, qs_[2].p, r, tn0, tn1, w, yraw_.p, h);
                 for (int b = tn0 / 8; b * 8 < tn1; ++b) {
@@ -563,16 +588,14 @@ private:
                     }
                     // Done only if no unit of the job was skipped: cancellation only ever goes 0 -> 1, and a
                     // skipped unit never counts down, so then this is not reached for every block.
-                    if (ctr[kCtrOutDone].fetch_sub(1, std::memory_order_acq_rel) == 1 && c.done && !*c.cancel)
-                        __atomic_store_n(&c.done[j], 1, __ATOMIC_RELEASE);
+                    if (ctr[kCtrOutDone].fetch_sub(1, std::memory_order_acq_rel) != 1 || *c.cancel) continue;
+                    if (c.done) __atomic_store_n(&c.done[j], 1, __ATOMIC_RELEASE);
+                    if (j == c.njobs - 1) complete();  // every earlier expert finished before this one's mid steps
                 }
             });
             lap(kPhDown);
-            // No barrier: the next expert's input transforms write buffers this one no longer reads, and its
-            // first barrier comes before anything overwrites the intermediate or the raw outputs.
+            prev_out = &ctr[kCtrOutDone];
         }
-        barrier(tid);  // the call ends when every unit has finished
-        lap(kPhFinal);
     }
 
     void gemv(const Glm53Linear& l, const Tables& tab, const float* xv, const float* qs, int rows, int tn0, int tn1,
@@ -609,7 +632,10 @@ private:
     std::atomic<uint32_t> gen_{0};     // the call's number (a futex word: idle workers sleep on it)
     std::atomic<int> sleepers_{0};     // workers asleep or about to sleep on gen_
     std::atomic<bool> stop_{false};
-    std::atomic<uint32_t> finished_{0};  // workers done with the call (a futex word: the caller sleeps on it)
+    std::atomic<int> left_{0};           // workers out of the call's work
+    std::atomic<uint32_t> finished_{0};  // workers done with the last call (n_ when none is running)
+    std::atomic<uint32_t> complete_{0};  // the call's outputs are written (a futex word: the caller sleeps on it)
+    std::atomic<int64_t> complete_ns_{0};
     std::atomic<int> caller_waits_{0};
 
     std::mutex call_m_;  // one call at a time
@@ -618,8 +644,6 @@ private:
     std::vector<std::atomic<int>> counters_;
     Buf xv_[3], raw_[2], yraw_, qs_[3];  // qs_: the integer kernel's block scales (gate, up, down)
 
-    alignas(64) std::atomic<int> bar_count_{0};
-    alignas(64) std::atomic<int> bar_sense_{0};
 };
 
 }  // namespace

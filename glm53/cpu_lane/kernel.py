@@ -272,7 +272,7 @@ def _as_rows(x: Any, hidden: int) -> np.ndarray:
 # The pool
 
 
-PHASES = ("wake", "prep", "wait1", "gate_up", "wait2", "down", "final")
+PHASES = ("wake", "prep", "wait1", "gate_up", "wait2", "down")
 
 
 @dataclass(frozen=True)
@@ -280,8 +280,9 @@ class CallProfile:
     """One kernel call's time in seconds: the wall time from the caller's start to its return, the caller's own
     wake-up after the last worker finished, and per worker (rows) the seconds of each phase in PHASES, summed over
     the call's experts: wake (the call's start to the worker's), each phase's work (prep: input transforms;
-    gate_up: the gate and up GEMVs with the mid steps; down: the down GEMV with the output transforms) and each
-    barrier's wait (wait1, wait2, final)."""
+    gate_up: the gate and up GEMVs with the mid steps; down: the down GEMV with the output transforms) and the
+    waits between them (wait1: for the input transforms and the previous expert's outputs; wait2: for the gate/up
+    units)."""
     wall: float
     caller_wake: float
     per_thread: np.ndarray

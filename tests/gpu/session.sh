@@ -62,7 +62,8 @@
 #   phases    issue 40: tests/gpu/clock_probe.c (the clock under integer and AVX-512 load at 1..16 threads), then
 #             glm53 bench cpu-lane's per-phase profile of the integer kernel (PHASES_ISA, default avx512vnni) at
 #             PHASES_THREADS (default 1,4,8,15), 4 experts a call and 1; PHASES_BASE=<a kernel.cpp>: the tree
-#             built with it, paired against this one (--baseline-lib) at 8 and 15 threads
+#             built with it, paired against this one (--baseline-lib) at 8 and 15 threads, 1 and 4 experts a call,
+#             and 1 a call after 1 ms idle (decode's cadence: the workers asleep)
 #   lane      glm53 bench cpu-lane over 1..16 threads: on 2026-11-30 the lane took 667 us per one-row expert with
 #             8 threads against 867 us with the 2-core dev machine's 2; find where its scaling stops
 #   agent     (DIAGNOSE=1: the server's Triton compiles, GC pauses and sampled stacks, tests/gpu/diagnose)
@@ -304,10 +305,12 @@ step_phases() {  # issue 40: the clock under load, and where the served lane ker
     rm -rf /tmp/phbase && mkdir -p /tmp/phbase && cp -r glm53 setup.py pyproject.toml store /tmp/phbase/ \
       && cp "$PHASES_BASE" /tmp/phbase/glm53/cpu_lane/kernel.cpp && rm -f /tmp/phbase/glm53/cpu_lane/_expert_kernel*.so \
       && (cd /tmp/phbase && python3 setup.py -q build_ext --inplace > /dev/null 2>&1)
-    for e in 1 4; do
-      timeout 90 python3 -m glm53 bench cpu-lane --thread-list 8,15 --rows 1 --experts $e --repeats 9 --isa "${PHASES_ISA:-avx512vnni}" \
-        --kernel int --baseline-lib "$(ls /tmp/phbase/glm53/cpu_lane/_expert_kernel*.so)" > "$OUT/phases-base-$e.log" 2>&1
-      stamp "phases vs $PHASES_BASE, $e experts a call rc=$? $(grep -E '^ +(8|15) +1 ' "$OUT/phases-base-$e.log" | tr -s ' ' | tr '\n' ';')"
+    for eg in 1:0 4:0 1:1000; do  # experts a call : idle us before each (1000: decode's cadence, workers asleep)
+      local e=${eg%:*} g=${eg#*:}
+      timeout 90 python3 -m glm53 bench cpu-lane --thread-list 8,15 --rows 1 --experts "$e" --gap-us "$g" --repeats 9 \
+        --isa "${PHASES_ISA:-avx512vnni}" --kernel int --baseline-lib "$(ls /tmp/phbase/glm53/cpu_lane/_expert_kernel*.so)" \
+        > "$OUT/phases-base-$e-$g.log" 2>&1
+      stamp "phases vs $PHASES_BASE, $e experts a call, gap $g us rc=$? $(grep -E '^ +(8|15) +1 ' "$OUT/phases-base-$e-$g.log" | tr -s ' ' | tr '\n' ';')"
     done
   fi
 }
