@@ -195,10 +195,10 @@ def run_bench(args: argparse.Namespace, log=print) -> dict:
 def _phases(profiles: list, experts: int) -> dict[str, float]:
     """The median-wall call's profile per expert in microseconds: each phase's mean over threads, the slowest
     thread's gate_up + down (the parallel work's critical path), the caller's wake-up and the wall time."""
-    p = sorted(profiles, key=lambda q: q.wall)[len(profiles) // 2]
-    out = {k: v * 1e6 / experts for k, v in p.mean().items()}
     from glm53.cpu_lane.kernel import PHASES
 
+    p = sorted(profiles, key=lambda q: q.wall)[len(profiles) // 2]
+    out = {k: v * 1e6 / experts for k, v in p.mean().items()}
     work = p.per_thread[:, [PHASES.index("gate_up"), PHASES.index("down")]].sum(axis=1)
     out["work_max"] = float(work.max()) * 1e6 / experts
     out["caller_wake"] = p.caller_wake * 1e6 / experts

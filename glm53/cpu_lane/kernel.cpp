@@ -6,8 +6,8 @@
 // reference decoder. One call runs a list of experts (one layer step's CPU picks) with T pinned threads:
 //   per expert: prep (gate/up input transforms) | gate+up GEMV | mid (output transforms, SwiGLU, down input
 //   transform) | down GEMV | out (output transform); between phases a wait until the units the next phase reads
-//   are done, work units shared out by an atomic counter within each. Each output column is summed by one thread in a fixed order, so results do not depend
-//   on the thread count or on which thread took which unit.
+//   are done, work units shared out by an atomic counter within each. Each output column is summed by one thread
+//   in a fixed order, so results do not depend on the thread count or on which thread took which unit.
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -253,9 +253,10 @@ struct Shape {
     size_t counters;           // this job's first counter in Pool::counters_
 };
 
-// A job's counters: three work-unit dispensers, the prep and gate/up units finished, then per 128-column block of the intermediate the gate/up units
-// still to finish before its mid step, per 128-column block of the output the down units still to finish before its
-// output transform, and the output blocks still to finish before the job is done.
+// A job's counters: three work-unit dispensers, the prep and gate/up units finished, then per 128-column block of
+// the intermediate the gate/up units still to finish before its mid step, per 128-column block of the output the
+// down units still to finish before its output transform, and the output blocks still to finish before the job is
+// done.
 enum { kCtrPrep, kCtrGateUp, kCtrDown, kCtrPrepDone, kCtrGateUpDone, kCtrOutDone, kCtrBlocks };
 
 int check_linear(const Glm53Linear& l, const char* name, int in, int out) {
@@ -282,8 +283,8 @@ int chunk_for(int cols_total, int threads, int rows) {
 // The pool
 
 // Where a worker's time goes in one call (nanoseconds, summed over the call's experts): from the caller's start to
-// the worker's, then each phase's own work and each wait between phases. `glm53 bench cpu-lane` prints them: the clock
-// reads cost ~25 ns each, 7 a worker per expert, against the hundreds of microseconds an expert takes.
+// the worker's, then each phase's own work and each wait between phases. `glm53 bench cpu-lane` prints them: the
+// clock reads cost ~25 ns each, 5 a worker per expert, against the hundreds of microseconds an expert takes.
 enum Phase { kPhWake, kPhPrep, kPhWait1, kPhGateUp, kPhWait2, kPhDown, kPhases };
 
 inline int64_t now_ns() {
@@ -318,8 +319,7 @@ public:
         std::lock_guard<std::mutex> one_call(call_m_);
         static const volatile int32_t never = 0;
         drain();
-        call_.job_copy.assign(jobs, jobs + njobs);  // a late worker of this call reads the pool's copy, not the caller's
-        call_.jobs = call_.job_copy.data();
+        call_.jobs.assign(jobs, jobs + njobs);  // a late worker of this call reads the pool's copy, not the caller's
         call_.njobs = njobs;
         call_.ops = ops;
         call_.integer = integer;
@@ -408,7 +408,7 @@ public:
         return *call_.cancel ? 1 : 0;
     }
 
-    // The last call's profile: {wall ns, ns from the last worker's finish to the caller's return, kPhases, then
+    // The last call's profile: {wall ns, ns from its outputs' completion to the caller's return, kPhases, then
     // kPhases values per worker}. Returns how many values that is (written only if cap allows).
     int profile(int64_t* out, int cap) {
         std::lock_guard<std::mutex> one_call(call_m_);
@@ -429,14 +429,13 @@ private:
         int64_t phase_ns[kPhases] = {};  // the last call's (Phase)
     };
     struct Call {
-        const Glm53Job* jobs = nullptr;
+        std::vector<Glm53Job> jobs;
         int njobs = 0;
         const IsaOps* ops = nullptr;
         bool integer = false;  // the integer kernel (GLM53_KERNEL_INT)
         const volatile int32_t* cancel = nullptr;
         volatile int32_t* done = nullptr;
         std::vector<Shape> shapes;
-        std::vector<Glm53Job> job_copy;
     };
 
     void loop(int tid) {
@@ -479,18 +478,18 @@ private:
     // Until every worker has left the previous call (they leave soon after its outputs are done), nothing it reads
     // may change.
     void drain() {
-        for (long spins = 0; finished_.load(std::memory_order_acquire) != (uint32_t)n_; ++spins) {
-            if (spins < 20000)
-                cpu_relax();
-            else
-                std::this_thread::yield();
-        }
+        spin_until([&] { return finished_.load(std::memory_order_acquire) == (uint32_t)n_; });
     }
 
     // Spin until done() holds or the call is cancelled (a cancelled call's units stop counting).
     template <class F>
     void wait_until(F&& done) {
-        for (long spins = 0; !done() && !*call_.cancel; ++spins) {
+        spin_until([&] { return done() || *call_.cancel; });
+    }
+
+    template <class F>
+    static void spin_until(F&& done) {
+        for (long spins = 0; !done(); ++spins) {
             if (spins < 20000)
                 cpu_relax();
             else

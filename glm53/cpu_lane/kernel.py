@@ -278,7 +278,7 @@ PHASES = ("wake", "prep", "wait1", "gate_up", "wait2", "down")
 @dataclass(frozen=True)
 class CallProfile:
     """One kernel call's time in seconds: the wall time from the caller's start to its return, the caller's own
-    wake-up after the last worker finished, and per worker (rows) the seconds of each phase in PHASES, summed over
+    wake-up after the call's last output was written, and per worker (rows) the seconds of each phase in PHASES, summed over
     the call's experts: wake (the call's start to the worker's), each phase's work (prep: input transforms;
     gate_up: the gate and up GEMVs with the mid steps; down: the down GEMV with the output transforms) and the
     waits between them (wait1: for the input transforms and the previous expert's outputs; wait2: for the gate/up
