@@ -1,6 +1,6 @@
 """The speed forecast (glm53.planning.forecast) checked against a bench decode run: each mode forecast from the
 terms this run measured (stock's step, the link's rate, the mode's share of picks served from VRAM / RAM, the
-lane's calibrated cost) and the plan's constants (host time per MoE layer, the lane's offer), next to the rate the
+lane's calibrated cost) and the plan's constants (host time per MoE layer, the lane's offer and its slow-down inside decode), next to the rate the
 mode reached. What the ratio tests is the cost model's structure; the plan's own forecast differs only in where
 its terms come from (host facts and published popularity instead of this run)."""
 
@@ -28,6 +28,7 @@ def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes
         link_GBps=_measured(link_Bps / 1e9, "GB/s", "the link's rate (paced where emulated)"),
         lane_ms=_measured(lane_ms, "ms", "the lane's calibrated one-row expert") if lane_ms else None,
         lane_offer_ms=F.Term(F.LANE_OFFER_MS, "ms", F.LANE_OFFER_SOURCE) if lane_ms else None,
+        lane_decode=F.lane_decode_term() if lane_ms else None,
         ram_rate=ram_rate, store_GBps=_measured(store_Bps / 1e9, "GB/s", "the store's raw reads") if store_Bps else None)
 
 

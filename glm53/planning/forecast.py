@@ -14,8 +14,10 @@ One decoded token (one sequence, a short history) takes
                 exact: misses x expert bytes / link rate
                 fast:  the CPU lane planner's split of the misses between the lane and the link, which run at
                        once so the layer waits for the slower (glm53.cpu_lane.planner's decode rule, `lane_split`),
-                       plus the host's share of offering the lane; and only where the lane judge would keep it
-                       (glm53.step.lane_judge: layer steps at least MARGIN faster with it), else as exact
+                       the lane priced at what it takes inside decode (its idle cost x lane_decode: the planner
+                       refits from live timings, so it splits at that cost too), plus the host's share of offering
+                       the lane; and only where the lane judge would keep it (glm53.step.lane_judge: layer steps at
+                       least MARGIN faster with it), else as exact
 
 Every term is a `Term`: its value and where it came from (a host fact, a measurement in docs/results.md, saved
 routing statistics, or an assumption), so a forecast that is off says which term to measure.
@@ -47,12 +49,18 @@ HOST_SOURCE = ("the tiered step's host time, 186-211 us per MoE layer step on th
 STOCK_FLOOR_MS_PER_LAYER = 1000 / 66.5 / 45
 STOCK_FLOOR_SOURCE = ("exllamav3's floor: stock 66.5 tok/s at full depth on the H200 machine, 15.0 ms over 45 "
                       "layers (docs/results.md)")
-# What offering the CPU lane costs a layer step that gives it experts, on the host with the GPU waiting (the step's
-# input rows out, the combine's wait for the partial, its upload): the planner does not price it, the judge sees it
-# (docs/results.md: fast against exact with the lane on).
-LANE_OFFER_MS = 0.25
-LANE_OFFER_SOURCE = ("fast at 0.862 of exact's 1.53 ms layer steps with the lane on at 3.9% of picks "
-                     "(docs/results.md)")
+# What offering the CPU lane costs a layer step that gives it experts, beyond the lane's own time: the host blocks
+# in the combine until the lane's partial is back, so the GPU drains and then waits for the host to upload the partial
+# and launch the next layer (in exact those launches queue behind the copies). The planner does not price it; the
+# judge sees it.
+LANE_OFFER_MS = 0.67
+LANE_OFFER_SOURCE = ("the judge's 1.078 (layer steps offering the lane against not) at 25 GB/s with the lane at 0.73 ms "
+                     "a job in decode, 2 of a layer's 5.0 misses on it (docs/results.md, twenty-seventh session)")
+# The lane's kernel inside decode against its idle (calibrated) time: its threads share the cores' clock and caches
+# with the host thread that feeds the GPU, the copy threads and torch's pool.
+LANE_IN_DECODE = 1.47
+LANE_IN_DECODE_SOURCE = ("0.73 ms a job inside decode against the calibrated 0.497 ms idle, 15 pinned threads with the "
+                         "host's threads off their cores (docs/results.md, twenty-seventh session; 1.3-4.0x unpinned)")
 # The served (integer) lane kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon, per ISA:
 # (threads, ms) at 15 threads, and AVX-512 VNNI's 2.926 ms on one thread for the thread scaling (docs/results.md,
 # `bench cpu-lane --kernel int`, twenty-seventh session).
@@ -104,18 +112,25 @@ class Terms:
     link_GBps: Term           # host -> device copies
     lane_ms: Term | None = None       # one one-row expert on the CPU lane (None: no lane on this host)
     lane_offer_ms: Term | None = None  # the host's share of a layer step that gives the lane experts
+    lane_decode: Term | None = None   # the lane's time inside decode over its idle lane_ms (None: 1)
     ram_rate: Term | None = None      # nvme modes: share of picks VRAM or RAM serves (the rest: the store)
     store_GBps: Term | None = None    # nvme modes: the store's read rate
 
     def named(self) -> dict[str, Term]:
-        names = ("hit_rate", "gpu_step_ms", "host_ms", "link_GBps", "lane_ms", "lane_offer_ms", "ram_rate",
-                 "store_GBps")
+        names = ("hit_rate", "gpu_step_ms", "host_ms", "link_GBps", "lane_ms", "lane_offer_ms", "lane_decode",
+                 "ram_rate", "store_GBps")
         return {n: t for n in names if (t := getattr(self, n)) is not None}
 
     @property
     def misses(self) -> float:
         """Misses per MoE layer per token."""
         return self.top_k * (1 - self.hit_rate.value)
+
+    @property
+    def lane_decode_ms(self) -> float:
+        """One one-row expert on the lane inside decode."""
+        assert self.lane_ms is not None
+        return self.lane_ms.value * (1.0 if self.lane_decode is None else self.lane_decode.value)
 
     @property
     def link_ms(self) -> float:
@@ -210,7 +225,7 @@ def mode_forecast(mode: str, t: Terms) -> ModeForecast:
         return ModeForecast(mode, sum(parts.values()), parts, L * misses, L * store)
     if t.lane_ms is None or t.lane_offer_ms is None:
         raise ValueError(f"{mode} needs the lane's terms (lane_ms, lane_offer_ms)")
-    on, k = lane_layer(misses, t.lane_ms.value, t.link_ms, t.lane_offer_ms.value)
+    on, k = lane_layer(misses, t.lane_decode_ms, t.link_ms, t.lane_offer_ms.value)
     base = gpu / L + t.host_ms.value + store_ms  # the judge times whole layer steps
     ratio = (base + on) / (base + link)
     share = k / t.top_k
@@ -301,6 +316,10 @@ def lane_estimate(isa: str, threads: int) -> Term:
                              "measured thread scaling; a faster core is faster, and start-up calibrates it")
 
 
+def lane_decode_term() -> Term:
+    return Term(LANE_IN_DECODE, "x its idle time", LANE_IN_DECODE_SOURCE)
+
+
 def popularity(counts: np.ndarray | None, slots: Sequence[int], experts_per_layer: int, top_k: int,
                ram_rows: int = 0) -> tuple[float, float, str]:
     """(share of picks VRAM serves, share VRAM or RAM serves, source). With saved routing statistics each layer's
@@ -348,6 +367,7 @@ def plan_forecast(*, gpu: Any, cpu: Any, lane_ok: bool, lane_threads: int, shape
         link_GBps=link_term(gpu),
         lane_ms=lane_estimate(isa, lane_threads) if isa else None,
         lane_offer_ms=Term(LANE_OFFER_MS, "ms per layer step", LANE_OFFER_SOURCE) if isa else None,
+        lane_decode=lane_decode_term() if isa else None,
         ram_rate=Term(served, "of picks", f"{sum(slots)} VRAM slots and {pinned} RAM rows; {why}")
         if nvme else None,
         store_GBps=Term(STORE_GBPS_ASSUMED, "GB/s", "assumed: a PCIe 4.0 NVMe drive (`glm53 bench store` "
