@@ -659,7 +659,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             fit = getattr(runners[mode].tiered.stepper, "fit", None)
             result["modes"][mode]["forecast"] = checked(mode, result["modes"][mode], run_terms(
                 result["modes"][mode], moe_layers=shape.moe_layers, top_k=shape.top_k, expert_bytes=shape.expert_bytes,
-                stock_tok_s=stock_tok, link_Bps=rate, lane_ms=fit.model().cpu_expert(1) * 1e3 if fit else None,
+                stock_tok_s=stock_tok, link_Bps=rate, lane_ms=fit.start_model().cpu_expert(1) * 1e3 if fit else None,
                 store_Bps=disk_rate if mode.startswith("nvme") else None))
         if cards > 1:
             result["split"] = split_result(rows, modes, cards, slots, split_slots)

@@ -26,7 +26,7 @@ def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes
         gpu_step_ms=_measured(1000 / stock_tok_s, "ms", "stock's decode step"),
         host_ms=F.Term(F.HOST_MS_PER_MOE_LAYER, "ms", F.HOST_SOURCE),
         link_GBps=_measured(link_Bps / 1e9, "GB/s", "the link's rate (paced where emulated)"),
-        lane_ms=_measured(lane_ms, "ms", "the lane's calibrated one-row expert") if lane_ms else None,
+        lane_ms=_measured(lane_ms, "ms", "the lane's one-row expert as start-up calibrated it (idle)") if lane_ms else None,
         lane_offer_ms=F.Term(F.LANE_OFFER_MS, "ms", F.LANE_OFFER_SOURCE) if lane_ms else None,
         lane_decode=F.lane_decode_term() if lane_ms else None,
         ram_rate=ram_rate, store_GBps=_measured(store_Bps / 1e9, "GB/s", "the store's raw reads") if store_Bps else None)

@@ -340,6 +340,10 @@ class LiveFit:
     def live_samples(self) -> int:
         return len(self._cpu) + len(self._pcie)
 
+    def start_model(self) -> CostModel:
+        """The start-up calibration alone: the lane's idle cost, before decode's live timings move it."""
+        return calibrate(self.base_cpu, self.base_pcie, self.threads)
+
     def model(self) -> CostModel:
         if self._model is None or self._pending >= self.refit_every:
             cpu = list(self.base_cpu) + list(self._cpu)

@@ -199,6 +199,7 @@ def test_live_refit_follows_a_slower_host():
     assert before == pytest.approx(truth.expert(1, 8), rel=1e-6)
     assert after == pytest.approx(slow.expert(1, 8), rel=0.1)
     assert fit.live_samples == 200
+    assert fit.start_model().cpu_expert(1) == pytest.approx(before, rel=1e-9)  # the idle cost the forecast starts from
 
 
 def test_the_fit_is_close_where_the_planner_prices_decode_steps():
