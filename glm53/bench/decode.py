@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import shutil
 import sys
@@ -143,6 +144,13 @@ def own_bound_beside(rows: list[dict], mode: str, h2d_Bps: float) -> dict:
     mean = (lambda v: sum(v) / len(v)) if ratios else (lambda v: float("nan"))
     return {"over_own_bound": _median(ratios), "over_lanes_in_series": _median(series),
             "bound_beside_tok_s": mean(bounds), "disk_GBps_beside": mean(disks) / 1e9}
+
+
+def _disk_beside(mode: dict, start_Bps: float | None) -> float | None:
+    """The store's raw rate for a mode's forecast: measured beside its windows where it was (a virtual disk drifts
+    within a run), else at the start."""
+    beside = mode.get("disk_GBps_beside")
+    return beside * 1e9 if beside is not None and math.isfinite(beside) and beside > 0 else start_Bps
 
 
 def prefill_store(rows: list[dict], mode: str) -> dict:
@@ -660,7 +668,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             result["modes"][mode]["forecast"] = checked(mode, result["modes"][mode], run_terms(
                 result["modes"][mode], moe_layers=shape.moe_layers, top_k=shape.top_k, expert_bytes=shape.expert_bytes,
                 stock_tok_s=stock_tok, link_Bps=rate, lane_ms=fit.start_model().cpu_expert(1) * 1e3 if fit else None,
-                store_Bps=disk_rate if mode.startswith("nvme") else None))
+                store_Bps=_disk_beside(result["modes"][mode], disk_rate) if mode.startswith("nvme") else None))
         if cards > 1:
             result["split"] = split_result(rows, modes, cards, slots, split_slots)
             for mode in modes:

@@ -134,6 +134,12 @@ def test_own_bound_uses_the_disk_rate_beside_each_window():
     assert B.own_bound_beside(rows, "nvme-exact", 1e9)["over_own_bound"] != 0.0  # nan: no windows
 
 
+def test_the_nvme_forecast_takes_the_disk_rate_beside_the_windows():
+    assert B._disk_beside({"disk_GBps_beside": 0.75}, 2e9) == 0.75e9  # the disk slowed during the run
+    assert B._disk_beside({"disk_GBps_beside": float("nan")}, 2e9) == 2e9  # no window measured it: the start's
+    assert B._disk_beside({}, None) is None
+
+
 def test_prefill_is_judged_by_the_disk_time_its_store_bytes_take():
     # Window 0: 1 GB from the store at 2 GB/s is 0.5 s of disk time, the prefill took 1 s: 0.5 of the bound.
     # Window 1: 0.9 GB at 1 GB/s over a 1 s prefill: 0.9. Window 2 read nothing from the store: no ratio.
