@@ -13,9 +13,9 @@ benchmark from a git worktree of REV in the same run, so the ratio compares like
 `--baseline-driver this` runs this version's benchmark there instead of REV's own (REV's code, this driver).
 
 `--nvme` measures the nvme modes' path instead (glm53.bench.host_step_nvme): a record store packed for the run,
-the RAM tier as its cache, and the next layer's lookahead after every step, as the GPU engine runs them. With
-`--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped disk and GPU
-(host_step_nvme.emulate).
+the RAM tier as its cache, and the next layer's lookahead after each step the stepper runs it for, as the GPU engine
+runs them. With `--disk-ms-per-record` / `--gpu-ms-per-layer` it then also decodes against an emulated rate-capped
+disk and GPU (host_step_nvme.emulate).
 """
 
 from __future__ import annotations
@@ -343,7 +343,8 @@ def report(doc: dict, base: dict | None, note: str | None, log=print) -> None:
         f"warm-up; Zipf {o['zipf']}, locality {o['locality']}")
     if "nvme" in doc:
         n = doc["nvme"]
-        log(f"nvme: RAM tier {n['ram_share']} of all experts, record store of tiny experts, {n['store_threads']} "
+        tier = "the whole tier" if n["ram_share"] >= 1 else f"{n['ram_share']} of all experts"
+        log(f"nvme: RAM tier {tier}, record store of tiny experts, {n['store_threads']} "
             f"reader threads, lookahead guesses at recall {n['recall']}; per layer step: resolve + ahead + after "
             "launch, less the time blocked on store reads")
     for run in doc["runs"]:
@@ -407,7 +408,8 @@ def register_bench(bench_sub: Any) -> None:
                    help="the nvme modes' path: a record store packed for the run (tiny experts), the RAM tier as its "
                         "cache, the next layer's lookahead after each step; time blocked on reads is not counted")
     p.add_argument("--ram-share", type=float, default=dn.ram_share,
-                   help=f"--nvme: RAM tier records as a share of all experts (default {dn.ram_share})")
+                   help=f"--nvme: RAM tier records as a share of all experts (default {dn.ram_share}); 1.0: every "
+                        "expert outside VRAM plus the rows the plan adds, all warmed (nothing read from the store)")
     p.add_argument("--recall", type=float, default=dn.recall,
                    help=f"--nvme: share of the next layer's picks the lookahead guesses (default {dn.recall})")
     p.add_argument("--store-threads", type=int, default=dn.store_threads,

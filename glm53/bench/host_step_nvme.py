@@ -6,8 +6,9 @@ is what this measures. It packs a record store from a synthetic
 expert checkpoint with the real model's counts where the bookkeeping scales with them (288 experts per layer,
 top-k 8, 32 VRAM slots per layer, a RAM tier of ~0.47 of all experts as a 55 GiB cap gives the real model) but tiny
 experts, opens an NvmeTier on it and replays decode steps through `MoeStepper.resolve()` followed by the next
-layer's `ahead()` (the router lookahead the GPU engine runs in the nvme modes), guessing with a noisy copy of the
-next layer's real picks at the GPU engine's lookahead recall.
+layer's `ahead()` (the router lookahead the GPU engine runs in the nvme modes, where `MoeStepper.wants_ahead` says it
+pays), guessing with a noisy copy of the next layer's real picks at the GPU engine's lookahead recall.
+`ram_share` 1.0 is the whole RAM tier (`whole_ram`), every expert warmed: the case where nothing is read.
 
 Copies are CPU copies whose tickets stay in flight until the next layer step begins, as the GPU's do (the engine
 synchronises its stream before each step): with the plain CPU copier every ticket is done at issue, and the paths
@@ -51,7 +52,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class HostStepNvmeOptions:
-    ram_share: float = 0.47  # RAM tier records as a share of all experts (55 GiB of the real model's 117 GiB)
+    # RAM tier records as a share of all experts (55 GiB of the real model's 117 GiB); 1.0: the whole tier (whole_ram)
+    ram_share: float = 0.47
     recall: float = 0.575  # mean share of a row's real picks the GPU engine's lookahead guesses
     store_threads: int = 4  # the store reader's threads (the plan's default)
 
@@ -149,7 +151,8 @@ def build(opts: Any, nopts: HostStepNvmeOptions, store: Path, bsz: int,
 
     total = opts.layers * opts.experts
     vram = [opts.slots] * opts.layers
-    ram = max(opts.experts + 1, min(total - sum(vram), round(nopts.ram_share * total)))
+    whole = nopts.ram_share >= 1.0
+    ram = whole_ram(opts) if whole else max(opts.experts + 1, min(total - sum(vram), round(nopts.ram_share * total)))
     n = (opts.warmup + opts.steps) * bsz
     traces = [zipf_trace(n, opts.experts, opts.top_k, exponent=opts.zipf, locality=opts.locality,
                          seed=opts.seed * 1000 + li).reshape(-1, bsz, opts.top_k) for li in range(opts.layers)]
@@ -161,12 +164,23 @@ def build(opts: Any, nopts: HostStepNvmeOptions, store: Path, bsz: int,
                          **({} if prefetch_at_once is None else {"prefetch_at_once": prefetch_at_once}))
     tier = NvmeTier(reader, opts.experts, vram, ram, copier=copier, staging_slots=opts.staging, pin=False)
     try:
-        tier.warm(counts)
+        # The whole tier starts with every expert (a tier that has served a while has read each once): none the
+        # warm-up did not pick is left to be read in the timed steps.
+        tier.warm(np.maximum(counts, 0.5) if whole else counts)
         stepper = MoeStepper(tier.tiers, vram, opts.staging, nvme=tier)
     except BaseException:
         tier.close()
         raise
     return NvmeRig(tier, stepper, copier, traces, guessed)
+
+
+def whole_ram(opts: Any) -> int:
+    """The RAM tier the plan sizes when the cap holds every expert outside VRAM (glm53.planning.plan): those, the
+    admissions' spare rows and the rows each decode step keeps free, so that nothing is read from the store once
+    warm (a tier of exactly the outside experts keeps dropping ones it reads again)."""
+    from glm53.planning.spec import FREE_RAM_SLOTS, RAM_SPARE_OF_TOP_K
+
+    return opts.layers * (opts.experts - opts.slots) + RAM_SPARE_OF_TOP_K * opts.top_k + FREE_RAM_SLOTS
 
 
 def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = None, gpu_s: float = 0.0) -> None:
@@ -183,6 +197,9 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
     # The engine queues the lookahead's reads inside resolve(), behind the step's own; an earlier commit's stepper
     # (--baseline) takes them after it.
     inside = "read_ahead" in inspect.signature(stepper.resolve).parameters
+    # The engine asks whether to guess the next layer at all before running its router; an earlier commit's stepper
+    # guesses at every step.
+    wants = getattr(stepper, "wants_ahead", None)
     spent = stepper.host_seconds
     last = len(rig.traces) - 1
     during_resolve = [False]
@@ -202,12 +219,13 @@ def replay(rig: NvmeRig, steps: range, times: dict[str, list[float]] | None = No
 
             during_resolve[0] = True
             t0 = clock()
-            if inside and li < last:
+            guess = li < last and (wants is None or wants(li + 1))
+            if inside and guess:
                 step = stepper.resolve(li, trace[t], decode=True, read_ahead=read_ahead)
             else:
                 step = stepper.resolve(li, trace[t], decode=True)
                 during_resolve[0] = False  # an older stepper's lookahead, called after resolve() returned
-                if li < last:
+                if guess and not inside:
                     read_ahead(step.cpu)
             t2 = clock()
             during_resolve[0] = False  # a stepper may start the reads ahead after launch (no store read to wait for)

@@ -21,7 +21,8 @@ How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
   the picks it computes get a masked slot id (exact zeros on the GPU) and the seam returns a pending ticket; the
   instance's `cpu_split_combine`, called after the GPU kernels are queued, adds the lane's partial.
 - With lookahead on, each decode step also queues the next MoE layer's router on this step's input, so the
-  next layer's likely experts start moving (nvme reads, admissions) while this layer computes.
+  next layer's likely experts start moving (nvme reads, admissions) while this layer computes; in the nvme modes
+  only for the layers whose experts the store still serves (MoeStepper.wants_ahead).
 - `_split_saved` holds the original lists, so stock `cpu_unload()` (called by `unload()`) restores the module.
 
 Why this is bit-identical to stock exllamav3 with every expert in VRAM: the stock kernels run on the same
@@ -402,7 +403,8 @@ class TieredMoE:
         lane = decode and stepper.lane_in_use()
         # The next layer's router runs on this layer's input: only where both are on one card.
         ahead = li + 1 < len(self.layers) and self.link_devices[self.link_of[li]] == self.link_devices[self.link_of[li + 1]]
-        predict = decode and self.lookahead and ahead
+        # nvme modes: only while guessing the next layer pays (the stepper's AheadGate), asked last, once a step.
+        predict = decode and self.lookahead and ahead and stepper.wants_ahead(li + 1)
         t0 = time.perf_counter()
         stream = compute_stream(selected.device.index) if selected.is_cuda else None  # CPU: copies are done
         host = layer.ids_host[:n]

@@ -3,6 +3,7 @@
   stepper     MoeStepper: one decode step and one prefill step over the tiers, and what runs after launch
   slots       router ids -> slot ids (cache, staging, masked for the CPU lane); a step's Resolution
   lookahead   the next layer's router run ahead (predict_topk), its recall (RecallMeter) and live precision
+  ahead_gate  AheadGate: per layer, whether the lookahead runs (nvme modes: only while the store works for it)
   lane_judge  whether offering decode steps to the CPU lane makes them faster, judged from their wall time
   timing      StepTimer: the one hook through which a step's host time is measured and charged
 

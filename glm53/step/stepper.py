@@ -15,7 +15,9 @@ decide who computes each miss (lane), move the misses' bytes (copies), translate
   lookahead: the adapter may hand in the next layer's router run on this layer's input; its picks are read or
   admitted one layer ahead (reads and copies overlap this layer's experts and the next layer's attention), and
   how many of them the next layer really picks is counted (recall). In the nvme modes a guess is read only at
-  ranks right often enough for the store's load (see guess_floor).
+  ranks right often enough for the store's load (see guess_floor), and a layer is guessed for only while the store
+  works for it (glm53.step.ahead_gate: the caller asks `wants_ahead`); a step none of whose experts is in the store
+  puts nothing in flight and settles only the guesses read ahead for it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from glm53.planning.spec import FREE_RAM_SLOTS
+from glm53.step.ahead_gate import AheadGate
 from glm53.step.lane_judge import LaneJudge
 from glm53.step.lookahead import Guesses, LazySets
 from glm53.step.slots import NO_SLOTS, Resolution, StepError, decode_slots, translate
@@ -92,6 +95,7 @@ class MoeStepper:
         self.num_experts = tiers.num_experts
         self._near = Guesses()
         self.lookahead = self._near.meter
+        self.ahead_gate = AheadGate()  # nvme modes: which layers the lookahead runs for (wants_ahead)
         self.last_assignment: Any = None
         self.lane_judge = LaneJudge() if lane_judge is None else lane_judge
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
@@ -111,6 +115,14 @@ class MoeStepper:
     def lane_in_use(self) -> bool:
         """Whether the next decode step offers misses to the CPU lane (attached, alive, and offered by the judge)."""
         return self.lane is not None and self.lane.alive and self.lane_judge.offer()
+
+    def wants_ahead(self, li: int) -> bool:
+        """Whether the caller guesses layer li's picks for its coming decode step (the next layer's router run ahead,
+        then `ahead`). All-RAM modes: always (the guess admits ahead). nvme modes: while the guesses for the layer
+        start store reads or its steps read from the store, and now and then to probe (AheadGate); with every
+        expert the layer picks in RAM or VRAM the router run and its bookkeeping would only delay the GPU. Asked
+        once per decode step of the layer before it."""
+        return self.nvme is None or self.ahead_gate.wants(li)
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -232,29 +244,41 @@ class MoeStepper:
             self.timer.phase("plan_reads")
             p.codes = self.tiers.where[p.li][p.uniq].tolist()
             return [], None
+        where = self.tiers.where[p.li]
+        codes = where[p.uniq].tolist()
+        STORE = self._store_code
+        from_store = max(codes, default=0) >= STORE  # STORE or FROM_STORE: the step reads from the store
+        self.ahead_gate.stepped(p.li, from_store)
+        if not from_store:
+            return self._no_store_reads(p, codes, read_ahead)
         self.tiers.demand_reads(p.li, p.uniq, True)
-        ahead_later = self._queue_read_ahead(p, read_ahead)
+        if read_ahead is not None:
+            # The next layers' reads go in behind this step's (demand reads overtake prefetch in the reader's queue):
+            # a record read takes several layers' GPU time, and waiting for this step's reads first would leave the
+            # disk with one read at a time.
+            read_ahead(p.uniq_l)
         # Nothing here waits for the store, and a move landing never makes an expert STORE or FROM_STORE: one look
         # at the states once the moves have settled names the store misses and, below, the hits.
         self._settle(p)
-        p.codes = self.tiers.where[p.li][p.uniq].tolist()
-        STORE = self._store_code
+        p.codes = where[p.uniq].tolist()
         reading = [e for e, c in zip(p.uniq_l, p.codes, strict=True) if c >= STORE]  # STORE or FROM_STORE
         p.from_store.update(reading)
         self.timer.phase("plan_reads")
-        return reading, ahead_later
+        return reading, None
 
-    def _queue_read_ahead(self, p: _Picks, read_ahead: ReadAhead | None) -> ReadAhead | None:
-        """The next layers' reads go in behind this step's (demand reads overtake prefetch in the reader's queue): a
-        record read takes several layers' GPU time, and waiting for this step's reads first would leave the disk
-        with one read at a time. A step with no store read to wait for starts them after launch instead, while the
-        GPU runs its kernels (returned, for after_launch)."""
-        if read_ahead is None:
-            return None
-        if max(self.tiers.where[p.li][p.uniq].tolist(), default=self._vram_code) < self._store_code:
-            return read_ahead
-        read_ahead(p.uniq_l)
-        return None
+    def _no_store_reads(self, p: _Picks, codes: list[int],
+                        read_ahead: ReadAhead | None) -> tuple[list[int], ReadAhead | None]:
+        """A step none of whose experts is in the store: no read to put in flight (demand would issue none), only
+        the guesses read ahead for the layer settled. Its moves settle into VRAM or RAM, never the store, so it
+        reads nothing; the next layers' reads wait for after launch, while the GPU runs the step's kernels."""
+        if self.nvme is not None:
+            self.nvme.settle_guesses(p.li, p.uniq_l, codes, True)
+        else:  # a store source of the tiers' own (tests): as it was
+            self.tiers.demand_reads(p.li, p.uniq, True)
+        self._settle(p)
+        p.codes = self.tiers.where[p.li][p.uniq].tolist()
+        self.timer.phase("plan_reads")
+        return [], read_ahead
 
     def _prefill_reads(self, p: _Picks, next_guess: Sequence[int] | None) -> None:
         """Every store miss of the chunk read into RAM, the host waiting; the next layer's reads started first."""
@@ -475,7 +499,10 @@ class MoeStepper:
         load = self.nvme.load()
         self.guess_floor = load / (1.0 + load) if 1.0 + load > 0 else 0.0
         protect = {li - 1: list(busy)} if li > 0 and len(busy) else None
-        return self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
+        started = self.nvme.prefetch([(li, e) for e in self._likely(predicted)], protect=protect)
+        if started:
+            self.ahead_gate.guess_read(li)
+        return started
 
     def _admit_ahead(self, li: int, predicted: np.ndarray) -> int:
         """all-RAM: the guessed RAM experts the policy wants admitted into VRAM (when admitting)."""
@@ -510,6 +537,7 @@ class MoeStepper:
                      "copied_before_store_wait": self.copied_before_store_wait,
                      "lent_out": self.lent_out,
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
+                                   "gate": self.ahead_gate.snapshot() if self.nvme is not None else None,
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
                                    "guess_floor": round(self.guess_floor, 3),
                                    "guess_saving": (round(self.nvme.guess_saving(), 3) if self.nvme is not None

@@ -209,6 +209,11 @@ class NvmeTier:
                     r.demanded, r.since = True, now
                     self._promote(r)
 
+    def settle_guesses(self, layer: int, experts: list[int], codes: list[int], decode: bool = True) -> None:
+        """A step of `layer` none of whose `experts` (tier states `codes`) is in the store: what `demand` does for
+        it, which is only settling the guesses read ahead for the layer (it has no read to issue)."""
+        self.guesses.settle(layer, experts, codes, decode)
+
     def wait(self, layer: int, expert: int, protect: np.ndarray | None = None) -> None:
         """Block until the expert is readable in RAM (reading it if it is only in the store). Raises StoreError
         naming the store and the record when its read fails or stays stalled after the retries."""

@@ -393,6 +393,69 @@ def test_nvme_exact_is_bit_identical_to_stock(ck, store):
         tiered.close()
 
 
+def test_nvme_lookahead_stops_while_every_expert_is_in_ram_and_resumes_when_the_store_is_needed(ck, store):
+    """nvme-exact with a RAM tier that holds every expert outside VRAM (as the plan sizes it when the cap allows),
+    warmed with all of them: no step reads from the store, so once a window of steps found no store work the next
+    layer's router no longer runs ahead. When a layer's experts are dropped to the store (as a squeeze of the RAM
+    tier would), its steps read again and its lookahead comes back (and reads ahead), while the layer whose
+    experts stayed in RAM stays without. Every output stays bit-identical to stock."""
+    from glm53.planning.spec import FREE_RAM_SLOTS, RAM_SPARE_OF_TOP_K
+    from glm53.step.ahead_gate import AheadGate
+    from glm53.tiers import Where
+
+    stock = stock_model(ck)
+    slots = [2, 2, 2]
+    whole = 3 * NUM_EXPERTS - sum(slots) + RAM_SPARE_OF_TOP_K * TOP_K + FREE_RAM_SLOTS
+    model, tiered = tiered_model(ck, slots=slots, lookahead=True, counts=np.ones((3, NUM_EXPERTS)),
+                                 nvme_open=nvme_opener(store, ck, whole, "nvme-exact", slots))
+    window = 6
+    # No probes within the test (their rules are tests/step/test_ahead_gate.py's): only store work turns it on.
+    tiered.stepper.ahead_gate = AheadGate(window=window, first_probe=1000, max_probe=1000)
+    guessed: list[int] = []
+    real_predict = tiered._predict_next
+
+    def predict_next(li, y, out):
+        guessed.append(li)
+        return real_predict(li, y, out)
+
+    tiered._predict_next = predict_next
+    try:
+        tiers = tiered.tiers
+        assert not (tiers.where == Where.STORE).any(), "warmed with every expert"
+
+        def run(tokens: int, seed: int) -> list[int]:
+            guessed.clear()
+            drive(stock, model, [1] * tokens, seed, bit_identical, tiered)
+            return list(guessed)
+
+        first = run(window + 4, 21)
+        assert first == [1, 2] * window, "the router ran ahead for the first window only"
+        snap = tiered.snapshot()
+        assert snap["picks"]["nvme"] == 0 and snap["lookahead"]["prefetched"] == 0
+        assert snap["lookahead"]["gate"]["off_layers"] == [1, 2]
+        assert run(12, 22) == []
+        steps = snap["lookahead"]["steps"]
+        assert tiered.snapshot()["lookahead"]["steps"] == steps, "a step with no guess was scored"
+
+        for e in np.flatnonzero(tiers.where[2] == Where.RAM).tolist():  # layer 2's RAM experts back to the store
+            tiers.drop_ram(2, e)
+        again = run(12, 23)
+        snap = tiered.snapshot()
+        assert 2 in again and 1 not in again, "only the layer whose experts left RAM is guessed for again"
+        assert snap["picks"]["nvme"] > 0 and snap["lookahead"]["prefetched"] > 0, "its guesses read ahead"
+        assert snap["lookahead"]["steps"] == steps + again.count(2), "only the steps guessed for are scored"
+        tiered.nvme.check_invariants()
+
+        for e in np.flatnonzero(tiers.where[2] >= Where.STORE).tolist():  # the rest of layer 2 read back
+            tiers.fetch_to_ram(2, e)
+        assert run(window + 6, 24).count(2) <= window
+        assert run(6, 25) == [], "stopped again once the store had nothing more to give"
+        tiered.nvme.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
+
+
 def test_nvme_exact_borrowing_cache_slots_is_bit_identical(ck, store):
     """nvme-exact with staging of TOP_K rows of its own: a borrowed slot's expert is written back to RAM, which
     drops its weakest expert for it (never one the borrowing step picked), and the layers stay bit-identical."""

@@ -602,6 +602,42 @@ def test_a_step_with_no_store_read_starts_its_reads_ahead_after_launch_and_makes
         tier.check_invariants()
 
 
+def test_a_step_with_nothing_in_the_store_queues_no_read_but_settles_the_guesses_read_ahead_for_it(packed):
+    """A decode step none of whose experts is in the store has no read to put in flight: the tier's demand is not
+    asked, yet the guesses read ahead for its layer are settled as demand settles them (hits counted, guards
+    released). A step that does need the store still goes through demand."""
+    import time
+
+    with small_nvme_tier(packed) as tier:
+        tier.warm(None)
+        t = tier.tiers
+        stepper = MoeStepper(t, [2, 2], 16, nvme=tier)
+        guess = [4, 5, 6, 7]
+        assert all(t.where[1, e] == Where.STORE for e in guess + [8])
+        assert stepper.ahead(1, np.array([guess])) == 4
+        deadline = time.monotonic() + 10
+        while any(t.where[1, e] != Where.RAM for e in guess) and time.monotonic() < deadline:
+            tier.poll()
+            time.sleep(0.001)
+        demanded = []
+        real_demand = tier.demand
+
+        def demand(layer, experts, decode=True):
+            demanded.append((layer, sorted(np.asarray(experts).tolist())))
+            return real_demand(layer, experts, decode)
+
+        tier.demand = demand
+        stepper.resolve(1, np.array([guess]), True)
+        stepper.after_launch()
+        assert demanded == []
+        assert t.stats.snapshot()["prefetch"]["hits"] == 4 and not tier.guesses.outstanding
+        assert not t.ram_guard[1].any()
+        tier.check_invariants()
+        stepper.resolve(1, np.array([[4, 8]]), True)
+        assert demanded == [(1, [4, 8])] and t.where[1, 8] == Where.RAM
+        tier.check_invariants()
+
+
 def test_nvme_prefill_reads_the_next_layer_ahead(packed):
     from glm53.tiers.nvme_open import open_nvme_tier
 
