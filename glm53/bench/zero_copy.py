@@ -26,11 +26,12 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from glm53.exl3.handoff import mapped_host
 
 PROJECTIONS = ("gate", "up", "down")
 PARTS = ("trellis", "suh", "svh")
@@ -39,7 +40,6 @@ MAX_TOP_K = 8  # GLM-5.3-Flash's (and the fixture's) experts per token
 ATTR_UNIFIED_ADDRESSING = 41  # cudaDevAttrUnifiedAddressing
 ATTR_HOST_POINTER_FOR_REGISTERED = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 L2_FLUSH_BYTES = 256 << 20
-REGISTER_PORTABLE_MAPPED = 0x03  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -276,11 +276,8 @@ def host_rows(torch: Any, ext: Any, shape: tuple[int, int], pinned_empty: Callab
     except RuntimeError as exc:
         why = str(exc).splitlines()[0]
     del host  # its registration goes with it (pinned_empty's finalizer)
-    host = torch.empty(shape, dtype=torch.uint8)
-    ptr, nbytes = host.data_ptr(), host.numel()
-    ext.cuda_host_register(ptr, nbytes, REGISTER_PORTABLE_MAPPED)
-    weakref.finalize(host, ext.cuda_host_unregister, ptr)
-    return host, int(ext.cuda_host_get_device_pointer(ptr)), f"cudaHostRegister portable|mapped (flags 0: {why})"
+    host, alias = mapped_host(torch, ext, shape[0] * shape[1])
+    return host.view(shape), alias, f"cudaHostRegister portable|mapped (flags 0: {why})"
 
 
 class _ZeroCopyLayer:

@@ -235,7 +235,10 @@ class Runtime:
 
     def step(self) -> list[Event]:
         """One generator iteration (a batch of decode steps, or a prompt chunk), its results as events."""
-        return [ev for ev in map(event_of, self.generator.iterate()) if ev is not None]
+        results = self.generator.iterate()
+        if self.tiered is not None:  # a CPU-lane partial that failed spoiled this iteration: fail, emit nothing
+            self.tiered.check_handoff()
+        return [ev for ev in map(event_of, results) if ev is not None]
 
     def cancel(self, job: Any) -> None:
         self.generator.cancel(job)
@@ -271,6 +274,8 @@ class Runtime:
         while self.generator.num_remaining_jobs():
             if on_step is None:
                 self.generator.iterate()
+                if self.tiered is not None:
+                    self.tiered.check_handoff()
             else:
                 on_step(self.step())
 

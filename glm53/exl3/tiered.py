@@ -159,6 +159,7 @@ class TieredMoE:
         self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="glm53-expert-read")
         self.step_time = {"sync": 0.0}
         self.steps = 0
+        self.handoffs: dict[Any, Any] = {}  # device -> glm53.exl3.handoff.StreamHandOff, made at a lane step's combine
 
     # ---- set-up -------------------------------------------------------------------------------------------
 
@@ -309,7 +310,7 @@ class TieredMoE:
             m._split_perm = None
             m._split_saved = layer.saved
             m.cpu_split_submit = _seam(self, li)
-            m.cpu_split_combine = _combine(m, self.stepper)
+            m.cpu_split_combine = _combine(m, self)
             m.cpu_split_first = m.num_local_experts
             rows = MAX_BSZN
             layer.x_host = torch.empty((rows, hidden), dtype=torch.half, pin_memory=self.pin)
@@ -444,6 +445,21 @@ class TieredMoE:
         self.steps += 1
         return None, ((LANE_TAG, resolved.ticket, bsz) if resolved.ticket is not None else None)
 
+    def handoff(self, like: Any) -> Any:
+        """The stream-ordered lane hand-off of `like`'s device (made on first use)."""
+        h = self.handoffs.get(like.device)
+        if h is None:
+            from glm53.exl3.handoff import StreamHandOff
+            from glm53.exl3.stock import ext
+
+            h = self.handoffs[like.device] = StreamHandOff(like.device, like.shape[-1], ext())
+        return h
+
+    def check_handoff(self) -> None:
+        """Raise what a lane hand-off met since the last check (glm53.exl3.handoff: after every iteration)."""
+        for h in self.handoffs.values():
+            h.check()
+
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
         (pinned): glm53.step.lookahead.predict_topk, GLM's selection rule (sigmoid scores plus the selection
@@ -514,6 +530,8 @@ class TieredMoE:
         if self.stepper is not None:
             doc.update(self.stepper.snapshot())
             doc["host_seconds"].update({k: round(v, 4) for k, v in self.step_time.items()})
+            if "cpu_lane" in doc:  # lane partials added in stream order (glm53.exl3.handoff)
+                doc["cpu_lane"]["stream_handoffs"] = sum(h.handed for h in self.handoffs.values())
         if len(self.tiers.links) > 1:
             doc["devices"] = self.device_snapshot(doc)
         if self.nvme is not None:
@@ -569,6 +587,9 @@ class TieredMoE:
                 (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last) = layer.saved
                 m.cpu_split_first = None
             layer.slot_linears = None
+        for handoff in self.handoffs.values():  # before the lane: a resolver may be waiting on its ticket
+            handoff.close()
+        self.handoffs = {}
         if self.stepper is not None and self.stepper.lane is not None:
             self.stepper.lane.close()
         if self.tiers is not None:
@@ -653,21 +674,23 @@ def _seam(tiered: TieredMoE, li: int) -> Callable[..., tuple[None, Any]]:
     return cpu_split_submit
 
 
-def _combine(module: Any, stepper: Any) -> Callable[..., Any]:
+def _combine(module: Any, tiered: TieredMoE) -> Callable[..., Any]:
     """The module's combine with the CPU lane's partial added: exllamav3 calls it after it queued the GPU expert
-    kernels, so the host does the step's deferred bookkeeping (MoeStepper.after_launch) and waits for the lane
-    while the GPU works; the partial lands before the post norms."""
+    kernels, so the host does the step's deferred bookkeeping (MoeStepper.after_launch) while the GPU works. On CUDA
+    the partial is added in stream order (glm53.exl3.handoff): the host does not wait for the lane here. On a CPU
+    device (the fake exllamav3 in the tests) the host waits for it; the partial lands before the post norms."""
     stock = module.cpu_split_combine
 
     def cpu_split_combine(final_hidden_states: Any, cpu_partial: Any, cpu_pending: Any, shape: Any) -> Any:
         import torch
 
-        stepper.after_launch()
+        tiered.stepper.after_launch()
         if isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG:
             _, ticket, rows = cpu_pending
+            if final_hidden_states.is_cuda:
+                return tiered.handoff(final_hidden_states).enqueue(final_hidden_states, ticket, rows, shape)
             partial = torch.from_numpy(ticket.partial(rows)).to(final_hidden_states.device)
             return final_hidden_states + partial.view(shape).to(final_hidden_states.dtype)
         return stock(final_hidden_states, cpu_partial, cpu_pending, shape)
 
     return cpu_split_combine
-
