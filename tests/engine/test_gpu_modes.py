@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 
 import pytest
-from forced_lane import force_lane
+from forced_lane import force_lane, late_lane
 from specs import spec_for
 from test_gpu_engine import assert_bit_identical, greedy_runs, prompts_for
 
@@ -45,7 +45,8 @@ def nvme_open(store, model_dir, ram_records: int, mode: str, slots: int):
     return open_
 
 
-def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None, forced_lane=False) -> tuple[list, dict]:
+def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None, forced_lane=False,
+                  late_s=0.0) -> tuple[list, dict]:
     """Logits of one forward per token window (no cache: each window is a fresh sequence of WINDOW rows)."""
     import torch
     from exllamav3 import Config, Model
@@ -67,6 +68,8 @@ def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None, 
                 tiered.start_lane(lane_threads)
             if forced_lane:
                 force_lane(tiered)
+            if late_s:
+                late_lane(tiered, late_s)
         out = []
         with torch.inference_mode():
             for w in windows:
@@ -146,6 +149,25 @@ def test_glm53_width_lane_on_every_cold_pick(tmp_path, exl3):
     assert lane["recomputed_jobs"] <= 0.02 * max(1, lane["jobs"]), "late lane jobs recomputed: the panel is flattered"
     assert lane["picks"] >= 0.9 * cold, f"the lane did not take the cold picks: {picks}"
     _near_exact("glm53 x2, the lane on every cold pick", stock, forced, stats, kl_max=2e-3)
+
+
+def test_glm53_width_late_lane_recomputed_behind_the_stream_handoff(tmp_path, exl3):
+    # The lane's partial is added in stream order (glm53.exl3.handoff): the engine thread queues the next layer while
+    # the resolver waits for the ticket. Here every lane step is late, so the resolver recomputes its jobs exactly on
+    # its side stream (after the step's kernels, into the layer's last staging row) and only then releases the GPU.
+    path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4,
+                                 router_skew=(0.11, 0.40))
+    windows = windows_for(150000, 24)
+    stock, _ = paired_logits(path, windows)
+    late, stats = paired_logits(path, windows, slots=32, lane_threads=8, forced_lane=True, late_s=0.15)
+    lane = stats["cpu_lane"]
+    kl, top1, n = kl_top1(stock, late)
+    print(f"\nlate lane: {n} positions, mean KL {kl:.2e}, top-1 {top1:.4f}; {lane['stream_handoffs']} hand-offs, "
+          f"{lane['deadline_misses']} deadlines missed, {lane['recomputed_jobs']} jobs recomputed, {lane['jobs']} on "
+          "the lane")
+    assert lane["stream_handoffs"] >= 2 * len(windows) and lane["deadline_misses"] > 0
+    assert lane["recomputed_jobs"] > 0 and lane["alive"], lane
+    assert kl <= 1e-4 and top1 >= 0.99, f"KL {kl:.2e}, top-1 {top1:.4f}"
 
 
 def test_tiny_nvme_exact_bit_identical(tmp_path, exl3):

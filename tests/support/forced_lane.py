@@ -35,3 +35,17 @@ def force_lane(tiered: Any) -> None:
     stepper = tiered.stepper
     stepper.fit = PcieOutFit(stepper.fit)
     stepper.lane_judge = AlwaysOffer()
+
+
+def late_lane(tiered: Any, seconds: float) -> None:
+    """Every lane step starts `seconds` late (past any deadline the planner sets): its jobs are recomputed exactly."""
+    import time
+
+    lane = tiered.stepper.lane
+    compute = lane._compute
+
+    def slow(jobs, outs, done, cancel):
+        time.sleep(seconds)
+        compute(jobs, outs, done, cancel)
+
+    lane._compute = slow
