@@ -1,7 +1,7 @@
 """Whether offering decode steps to the CPU lane makes them faster, judged from the steps' own wall time.
 
 The planner's cost model prices a lane job by its kernel time, but offering the lane also costs every step a
-host-side share (the step's input rows cross with the ids, the combine waits for the partial and uploads it);
+host-side share (the step's input rows cross with the ids, the GPU waits for the partial and copies it in);
 on a host whose PCIe outruns its CPU the lane's picks buy less than that (docs/results.md). So the lane is judged
 by outcome: during a trial, windows of decode layer steps
 alternate between offering the lane and not, and it stays on only if the steps with it were faster, by the
