@@ -33,14 +33,22 @@ RING = 2         # partial buffers in turn: a buffer is written again two hand-o
 REGISTER_PORTABLE_MAPPED = 0x03  # cudaHostRegisterPortable | cudaHostRegisterMapped
 
 
+PAGE = 4096
+
+
 def mapped_host(torch: Any, ext: Any, nbytes: int) -> tuple[Any, int]:
     """(uint8 host tensor of nbytes, its device alias): pages registered portable and mapped, as exllamav3's CPU
-    hand-off registers its shared region, so a stream memory operation can wait on a word in them."""
-    host = torch.zeros(nbytes, dtype=torch.uint8)
-    ptr = host.data_ptr()
-    ext.cuda_host_register(ptr, nbytes, REGISTER_PORTABLE_MAPPED)
-    weakref.finalize(host, ext.cuda_host_unregister, ptr)
-    return host, int(ext.cuda_host_get_device_pointer(ptr))
+    hand-off registers its shared region, so a stream memory operation can wait on a word in them. Whole pages of
+    their own: a page is registered once, and a small buffer would share its page with the heap's other bytes."""
+    span = -(-nbytes // PAGE) * PAGE
+    whole = torch.zeros(span + PAGE, dtype=torch.uint8)
+    start = -whole.data_ptr() % PAGE
+    pages = whole[start:start + span]
+    ptr = pages.data_ptr()
+    ext.cuda_host_register(ptr, span, REGISTER_PORTABLE_MAPPED)
+    weakref.finalize(whole, ext.cuda_host_unregister, ptr)
+    pages.keep = whole  # the registered pages live as long as their view
+    return pages[:nbytes], int(ext.cuda_host_get_device_pointer(ptr))
 
 
 class LaneHandOffError(RuntimeError):
@@ -107,10 +115,14 @@ class StreamHandOff:
         return final + dev.view(shape).to(final.dtype)
 
     def check(self) -> None:
-        """Raise the error a resolver met since the last check (the steps it spoiled are in the iteration just run)."""
+        """Raise the error a resolver met since the last check (the steps it spoiled are in the iteration just run),
+        or a flag wait the spin-kernel fallback gave up on (it then let the GPU run on without the partial)."""
         err, self.error = self.error, None
         if err is not None:
             raise LaneHandOffError(f"the CPU lane's partial could not be made: {err!r}") from err
+        if self._flags[RING * FLAG_WORDS]:
+            self._flags[RING * FLAG_WORDS] = 0
+            raise LaneHandOffError("the GPU gave up waiting for the CPU lane's partial (30 s): a step ran without it")
 
     def close(self) -> None:
         if self._thread.is_alive():

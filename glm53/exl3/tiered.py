@@ -446,19 +446,27 @@ class TieredMoE:
         return None, ((LANE_TAG, resolved.ticket, bsz) if resolved.ticket is not None else None)
 
     def handoff(self, like: Any) -> Any:
-        """The stream-ordered lane hand-off of `like`'s device (made on first use)."""
-        h = self.handoffs.get(like.device)
-        if h is None:
-            from glm53.exl3.handoff import StreamHandOff
-            from glm53.exl3.stock import ext
+        """The stream-ordered lane hand-off of `like`'s device (made on first use), or None where it cannot be made
+        (the lane's partial is then waited for on the host, as on a CPU device)."""
+        if like.device in self.handoffs:
+            return self.handoffs[like.device]
+        from glm53.exl3.handoff import StreamHandOff
+        from glm53.exl3.stock import ext
 
-            h = self.handoffs[like.device] = StreamHandOff(like.device, like.shape[-1], ext())
+        try:
+            h = StreamHandOff(like.device, like.shape[-1], ext())
+        except Exception as exc:  # a driver without mapped registration: slower, still right
+            log.warning("CPU lane: no stream-ordered hand-off on %s (%r); the host waits for the lane's partial",
+                        like.device, exc)
+            h = None
+        self.handoffs[like.device] = h
         return h
 
     def check_handoff(self) -> None:
         """Raise what a lane hand-off met since the last check (glm53.exl3.handoff: after every iteration)."""
         for h in self.handoffs.values():
-            h.check()
+            if h is not None:
+                h.check()
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
@@ -531,7 +539,7 @@ class TieredMoE:
             doc.update(self.stepper.snapshot())
             doc["host_seconds"].update({k: round(v, 4) for k, v in self.step_time.items()})
             if "cpu_lane" in doc:  # lane partials added in stream order (glm53.exl3.handoff)
-                doc["cpu_lane"]["stream_handoffs"] = sum(h.handed for h in self.handoffs.values())
+                doc["cpu_lane"]["stream_handoffs"] = sum(h.handed for h in self.handoffs.values() if h is not None)
         if len(self.tiers.links) > 1:
             doc["devices"] = self.device_snapshot(doc)
         if self.nvme is not None:
@@ -588,7 +596,8 @@ class TieredMoE:
                 m.cpu_split_first = None
             layer.slot_linears = None
         for handoff in self.handoffs.values():  # before the lane: a resolver may be waiting on its ticket
-            handoff.close()
+            if handoff is not None:
+                handoff.close()
         self.handoffs = {}
         if self.stepper is not None and self.stepper.lane is not None:
             self.stepper.lane.close()
@@ -687,8 +696,9 @@ def _combine(module: Any, tiered: TieredMoE) -> Callable[..., Any]:
         tiered.stepper.after_launch()
         if isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG:
             _, ticket, rows = cpu_pending
-            if final_hidden_states.is_cuda:
-                return tiered.handoff(final_hidden_states).enqueue(final_hidden_states, ticket, rows, shape)
+            handoff = tiered.handoff(final_hidden_states) if final_hidden_states.is_cuda else None
+            if handoff is not None:
+                return handoff.enqueue(final_hidden_states, ticket, rows, shape)
             partial = torch.from_numpy(ticket.partial(rows)).to(final_hidden_states.device)
             return final_hidden_states + partial.view(shape).to(final_hidden_states.dtype)
         return stock(final_hidden_states, cpu_partial, cpu_pending, shape)

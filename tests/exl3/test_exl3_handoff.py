@@ -88,3 +88,11 @@ def test_a_failed_partial_releases_the_device_and_fails_the_check_once(handoff, 
 def test_close_ends_the_resolver(handoff):
     handoff.close()
     assert not handoff._thread.is_alive()
+
+
+def test_a_wait_the_gpu_gave_up_on_fails_the_check(handoff):
+    """The spin-kernel fallback writes the abort word after 30 s and lets the GPU run on without the partial."""
+    handoff._flags[2 * 16] = 1
+    with pytest.raises(LaneHandOffError, match="gave up waiting"):
+        handoff.check()
+    handoff.check()
