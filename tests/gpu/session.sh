@@ -88,6 +88,8 @@
 #             generated), exact, 2 decode slots, a 5-token request alone and beside 2 replies without max_tokens
 #             (needs .device-cache/extra for uvicorn, see tests/gpu/stage_extras.sh; the first start compiles ~170 s;
 #             FAIR_CONTEXT, default 32768: at 2,048 the H100 ends each unbounded reply in 3 s, before the rest stream)
+#   handoff   issue 39's stream-ordered CPU-lane hand-off (glm53/exl3/handoff.py): every lane step late, its jobs
+#             recomputed by the resolver on its side stream (HANDOFF_K: other tests of tests/engine/test_gpu_modes.py)
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
 #             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity. Needs no CPU-lane build:
@@ -412,6 +414,10 @@ step_imageprobe() {  # issue 36's GPU half: can this machine build the image's C
     timeout 10 python3 -c "import urllib.request; urllib.request.urlopen('http://archive.ubuntu.com/ubuntu/', timeout=5)" 2>&1 | tail -1
   } > "$OUT/imageprobe.log" 2>&1
   stamp "imageprobe: $(tr '\n' ';' < "$OUT/imageprobe.log" | cut -c1-900)"
+}
+step_handoff() {  # issue 39's stream-ordered lane hand-off: late lane jobs recomputed behind it, then the lane panel
+  gpu_pytest handoff "${HANDOFF_LIMIT:-300}" tests/engine/test_gpu_modes.py -k "${HANDOFF_K:-late_lane}"
+  stamp "handoff: $(grep -E 'late lane|lane kernel|positions|passed|failed' "$OUT/handoff.log" | tr '\n' ';' | cut -c1-900)"
 }
 step_zerocopy() {
   timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \
