@@ -276,8 +276,8 @@ def host_rows(torch: Any, ext: Any, shape: tuple[int, int], pinned_empty: Callab
     except RuntimeError as exc:
         why = str(exc).splitlines()[0]
     del host  # its registration goes with it (pinned_empty's finalizer)
-    host, alias = mapped_host(torch, ext, shape[0] * shape[1])
-    return host.view(shape), alias, f"cudaHostRegister portable|mapped (flags 0: {why})"
+    host, alias = mapped_host(torch, ext, shape)
+    return host, alias, f"cudaHostRegister portable|mapped (flags 0: {why})"
 
 
 class _ZeroCopyLayer:

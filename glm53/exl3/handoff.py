@@ -17,6 +17,7 @@ raises it, so the request fails loudly and its tokens are never emitted.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import weakref
@@ -36,19 +37,21 @@ REGISTER_PORTABLE_MAPPED = 0x03  # cudaHostRegisterPortable | cudaHostRegisterMa
 PAGE = 4096
 
 
-def mapped_host(torch: Any, ext: Any, nbytes: int) -> tuple[Any, int]:
-    """(uint8 host tensor of nbytes, its device alias): pages registered portable and mapped, as exllamav3's CPU
+def mapped_host(torch: Any, ext: Any, shape: tuple[int, ...]) -> tuple[Any, int]:
+    """(uint8 host tensor of `shape`, its device alias): pages registered portable and mapped, as exllamav3's CPU
     hand-off registers its shared region, so a stream memory operation can wait on a word in them. Whole pages of
-    their own: a page is registered once, and a small buffer would share its page with the heap's other bytes."""
+    their own: a page is registered once, and a small buffer would share its page with the heap's other bytes. The
+    registration lasts as long as the returned tensor object (not merely its storage): keep that object."""
+    nbytes = math.prod(shape)
     span = -(-nbytes // PAGE) * PAGE
     whole = torch.zeros(span + PAGE, dtype=torch.uint8)
     start = -whole.data_ptr() % PAGE
-    pages = whole[start:start + span]
-    ptr = pages.data_ptr()
+    ptr = whole.data_ptr() + start
     ext.cuda_host_register(ptr, span, REGISTER_PORTABLE_MAPPED)
-    weakref.finalize(whole, ext.cuda_host_unregister, ptr)
-    pages.keep = whole  # the registered pages live as long as their view
-    return pages[:nbytes], int(ext.cuda_host_get_device_pointer(ptr))
+    host = whole[start:start + nbytes].view(shape)
+    host.whole = whole
+    weakref.finalize(host, ext.cuda_host_unregister, ptr)
+    return host, int(ext.cuda_host_get_device_pointer(ptr))
 
 
 class LaneHandOffError(RuntimeError):
@@ -81,7 +84,7 @@ class StreamHandOff:
         self.cuda = Cuda() if cuda is None else cuda
         self.index = self.device.index if self.device.index is not None else self.cuda.current_device()
         words = (RING + 1) * FLAG_WORDS  # the last line: the abort word the spin-kernel fallback may write
-        self._flag_mem, flag_dev = mapped_host(torch, ext, words * 4)
+        self._flag_mem, flag_dev = mapped_host(torch, ext, (words * 4,))
         self._flags = self._flag_mem.numpy().view(np.uint32)
         self._flag_dev = [flag_dev + 4 * FLAG_WORDS * s for s in range(RING)]
         self._abort_dev = flag_dev + 4 * FLAG_WORDS * RING

@@ -5,6 +5,7 @@ check instead of hanging or passing a wrong step."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -37,6 +38,7 @@ class Ticket:
 def handoff():
     cuda, ext = Cuda(), Ext()
     h = StreamHandOff("cpu", HIDDEN, ext, cuda=cuda)
+    gc.collect()  # whatever the hand-off does not hold on to is gone: its registered pages must not be
     yield h
     h.close()
 
@@ -96,3 +98,14 @@ def test_a_wait_the_gpu_gave_up_on_fails_the_check(handoff):
     with pytest.raises(LaneHandOffError, match="gave up waiting"):
         handoff.check()
     handoff.check()
+
+
+def test_the_registration_lasts_as_long_as_the_hand_off():
+    ext = Ext()
+    h = StreamHandOff("cpu", HIDDEN, ext, cuda=Cuda())
+    gc.collect()
+    assert len(ext.registered) == 1 and all(n % 4096 == 0 for n in ext.registered.values())
+    h.close()
+    del h
+    gc.collect()
+    assert ext.registered == {}

@@ -64,18 +64,25 @@ class Ext:
     def __init__(self, timeout_s: float = 10.0):
         self.timeout_s = timeout_s
         self.waits = 0
+        self.registered: dict[int, int] = {}  # start -> bytes: the device may read only these
 
     def cuda_host_register(self, ptr: int, nbytes: int, flags: int) -> None:
-        pass
+        assert ptr not in self.registered, "a page registered twice"
+        self.registered[ptr] = nbytes
 
     def cuda_host_unregister(self, ptr: int) -> None:
-        pass
+        del self.registered[ptr]
+
+    def mapped(self, addr: int) -> bool:
+        return any(p <= addr < p + n for p, n in self.registered.items())
 
     def cuda_host_get_device_pointer(self, ptr: int) -> int:
         return ptr  # unified addressing: the device alias of a mapped host page is its host address
 
     def exl3_moe_flag_wait(self, flag: int, value: int, abort_flag: int) -> None:
         self.waits += 1
+        if not (self.mapped(flag) and self.mapped(abort_flag)):  # on the GPU: an illegal address
+            raise RuntimeError(f"flag wait on {flag:#x}: not in registered host memory")
         word = ctypes.c_uint32.from_address(flag)
         end = time.monotonic() + self.timeout_s
         while ((word.value - value) & 0xFFFFFFFF) >= 0x80000000:  # CUDA's cyclic GEQ: (int32)(*flag - value) >= 0
