@@ -137,19 +137,25 @@ class StreamHandOff:
     def _resolve_all(self) -> None:
         torch, cuda = self.torch, self.cuda
         cuda.set_device(self.index)
-        while (item := self._queue.get()) is not None:
-            ticket, rows, slot, seq, experts_done, copied = item
-            out = self._host[slot, :rows]
+        with torch.inference_mode():  # the engine made the buffers in inference mode, which is per thread
+            while (item := self._queue.get()) is not None:
+                self._resolve(*item)
+
+    def _resolve(self, ticket: Any, rows: int, slot: int, seq: int, experts_done: Any, copied: Any) -> None:
+        """One step's partial into its buffer, then its flag, whatever happens: the GPU waits for that flag."""
+        out = self._host[slot, :rows]
+        try:
+            if copied is not None:
+                copied.synchronize()  # the GPU has read this buffer's last partial
+            with self.cuda.stream(self._side):
+                self._side.wait_event(experts_done)
+                out.copy_(self.torch.from_numpy(ticket.partial(rows)))
+        except BaseException as exc:  # the engine raises it at its check; the step's output must not pass as right
+            log.exception("CPU lane hand-off: the partial for layer %s failed", getattr(ticket, "layer", "?"))
+            self.error = self.error or exc
             try:
-                if copied is not None:
-                    copied.synchronize()  # the GPU has read this buffer's last partial
-                with cuda.stream(self._side):
-                    self._side.wait_event(experts_done)
-                    out.copy_(torch.from_numpy(ticket.partial(rows)))
-            except BaseException as exc:  # the GPU must still be released; the engine raises at its check
-                log.exception("CPU lane hand-off: the partial for layer %s failed", getattr(ticket, "layer", "?"))
-                self.error = self.error or exc
-                if copied is not None:
-                    copied.synchronize()
                 out.fill_(float("nan"))
+            except BaseException:  # the device is gone too: the check still fails the iteration
+                log.exception("CPU lane hand-off: could not mark the failed partial")
+        finally:
             self._flags[slot * FLAG_WORDS] = seq & 0xFFFFFFFF  # after the partial: x86 stores stay in order

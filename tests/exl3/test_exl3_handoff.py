@@ -37,7 +37,8 @@ class Ticket:
 @pytest.fixture
 def handoff():
     cuda, ext = Cuda(), Ext()
-    h = StreamHandOff("cpu", HIDDEN, ext, cuda=cuda)
+    with torch.inference_mode():  # as the engine makes it, at its first lane step: views keep no base, and the
+        h = StreamHandOff("cpu", HIDDEN, ext, cuda=cuda)  # buffers are inference tensors
     gc.collect()  # whatever the hand-off does not hold on to is gone: its registered pages must not be
     yield h
     h.close()
@@ -47,6 +48,7 @@ def expect(rows: int, value: float, base: torch.Tensor) -> torch.Tensor:
     return base + (value + torch.arange(rows, dtype=torch.float32)[:, None]).to(base.dtype)
 
 
+@torch.inference_mode()  # as the engine thread runs
 def test_each_step_gets_its_own_late_partial_through_the_ring(handoff):
     for step in range(7):  # more steps than buffers: each buffer is written again after its copy ran
         rows = 1 + step % 3
@@ -57,6 +59,7 @@ def test_each_step_gets_its_own_late_partial_through_the_ring(handoff):
     handoff.check()  # nothing failed
 
 
+@torch.inference_mode()  # as the engine thread runs
 def test_the_engine_thread_does_not_run_the_ticket(handoff):
     """The resolver thread waits for the ticket, on the side stream, after the step's kernels: a recompute there
     streams into a staging row only once this step's kernels are done with it."""
@@ -75,6 +78,7 @@ def test_the_engine_thread_does_not_run_the_ticket(handoff):
     assert len(handoff._side.waited) == 1  # the event recorded behind the step's expert kernels
 
 
+@torch.inference_mode()  # as the engine thread runs
 def test_a_failed_partial_releases_the_device_and_fails_the_check_once(handoff, caplog):
     final = torch.zeros((2, HIDDEN))
     got = handoff.enqueue(final, Ticket(5.0, fail=True), 2, final.shape)
@@ -102,7 +106,8 @@ def test_a_wait_the_gpu_gave_up_on_fails_the_check(handoff):
 
 def test_the_registration_lasts_as_long_as_the_hand_off():
     ext = Ext()
-    h = StreamHandOff("cpu", HIDDEN, ext, cuda=Cuda())
+    with torch.inference_mode():
+        h = StreamHandOff("cpu", HIDDEN, ext, cuda=Cuda())
     gc.collect()
     assert len(ext.registered) == 1 and all(n % 4096 == 0 for n in ext.registered.values())
     h.close()
