@@ -55,8 +55,7 @@ STOCK_FLOOR_SOURCE = ("exllamav3's floor: stock 66.5 tok/s at full depth on the 
 # cores with the host's. The planner does not price it; the judge sees it.
 LANE_OFFER_MS = 0.40
 LANE_OFFER_SOURCE = ("fitted to fast at 1.058x exact (paired) at 25 GB/s, the lane at 0.71 ms a job in decode and 27% "
-                     "of picks on it, the judge keeping it (docs/results.md, twenty-ninth session); with the host "
-                     "blocking on the lane it was 0.67 ms")
+                     "of picks on it, the judge keeping it (docs/results.md, twenty-ninth session)")
 # The lane's kernel inside decode against its idle (calibrated) time: its threads share the cores' clock and caches
 # with the host thread that feeds the GPU, the copy threads and torch's pool.
 LANE_IN_DECODE = 1.47
