@@ -587,6 +587,10 @@ class TieredMoE:
     def close(self) -> None:
         """Restore the modules (if unload() has not already) and drop the arenas. Also after install() alone (a
         model.load() or populate() that failed): the seam is not open then, so unload() would not restore them."""
+        for handoff in self.handoffs.values():  # first: a resolver may still be recomputing on the slot Linears
+            if handoff is not None:
+                handoff.close()
+        self.handoffs = {}
         for layer in self.layers:
             m = layer.module
             m.__dict__.pop("cpu_split_submit", None)
@@ -595,10 +599,6 @@ class TieredMoE:
                 (m.gates, m.ups, m.downs, m.modules, m.num_local_experts, m.routing_first, m.routing_last) = layer.saved
                 m.cpu_split_first = None
             layer.slot_linears = None
-        for handoff in self.handoffs.values():  # before the lane: a resolver may be waiting on its ticket
-            if handoff is not None:
-                handoff.close()
-        self.handoffs = {}
         if self.stepper is not None and self.stepper.lane is not None:
             self.stepper.lane.close()
         if self.tiers is not None:
