@@ -272,12 +272,9 @@ class Runtime:
                         stop_conditions=[]) for ids in prompts]
         self.generator.enqueue(jobs)
         while self.generator.num_remaining_jobs():
-            if on_step is None:
-                self.generator.iterate()
-                if self.tiered is not None:
-                    self.tiered.check_handoff()
-            else:
-                on_step(self.step())
+            events = self.step()
+            if on_step is not None:
+                on_step(events)
 
     # --- reports ------------------------------------------------------------------------------------------
     def kv_stats(self) -> dict:

@@ -462,11 +462,13 @@ class TieredMoE:
         self.handoffs[like.device] = h
         return h
 
+    def _made_handoffs(self) -> list[Any]:
+        return [h for h in self.handoffs.values() if h is not None]
+
     def check_handoff(self) -> None:
         """Raise what a lane hand-off met since the last check (glm53.exl3.handoff: after every iteration)."""
-        for h in self.handoffs.values():
-            if h is not None:
-                h.check()
+        for h in self._made_handoffs():
+            h.check()
 
     def _predict_next(self, li: int, y: Any, out: Any) -> bool:
         """Enqueue layer li's router on this step's input y (rows, hidden) and a copy of its top-k ids into `out`
@@ -539,7 +541,7 @@ class TieredMoE:
             doc.update(self.stepper.snapshot())
             doc["host_seconds"].update({k: round(v, 4) for k, v in self.step_time.items()})
             if "cpu_lane" in doc:  # lane partials added in stream order (glm53.exl3.handoff)
-                doc["cpu_lane"]["stream_handoffs"] = sum(h.handed for h in self.handoffs.values() if h is not None)
+                doc["cpu_lane"]["stream_handoffs"] = sum(h.handed for h in self._made_handoffs())
         if len(self.tiers.links) > 1:
             doc["devices"] = self.device_snapshot(doc)
         if self.nvme is not None:
@@ -587,9 +589,8 @@ class TieredMoE:
     def close(self) -> None:
         """Restore the modules (if unload() has not already) and drop the arenas. Also after install() alone (a
         model.load() or populate() that failed): the seam is not open then, so unload() would not restore them."""
-        for handoff in self.handoffs.values():  # first: a resolver may still be recomputing on the slot Linears
-            if handoff is not None:
-                handoff.close()
+        for handoff in self._made_handoffs():  # first: a resolver may still be recomputing on the slot Linears
+            handoff.close()
         self.handoffs = {}
         for layer in self.layers:
             m = layer.module

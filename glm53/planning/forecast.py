@@ -55,12 +55,12 @@ STOCK_FLOOR_SOURCE = ("exllamav3's floor: stock 66.5 tok/s at full depth on the 
 # cores with the host's. The planner does not price it; the judge sees it.
 LANE_OFFER_MS = 0.40
 LANE_OFFER_SOURCE = ("fitted to fast at 1.058x exact (paired) at 25 GB/s, the lane at 0.71 ms a job in decode and 27% "
-                     "of picks on it, the judge keeping it (docs/results.md, twenty-ninth session)")
+                     "of picks on it, the judge keeping it (docs/results.md)")
 # The lane's kernel inside decode against its idle (calibrated) time: its threads share the cores' clock and caches
 # with the host thread that feeds the GPU, the copy threads and torch's pool.
 LANE_IN_DECODE = 1.47
 LANE_IN_DECODE_SOURCE = ("0.73 ms a job inside decode against the calibrated 0.497 ms idle, 15 pinned threads with the "
-                         "host's threads off their cores (docs/results.md, twenty-seventh session; 1.3-4.0x unpinned)")
+                         "host's threads off their cores (docs/results.md)")
 # The served (integer) lane kernel per one-row 9 MiB expert on the GPU machine's 16-core 2.1 GHz Xeon, per ISA:
 # (threads, ms) at 15 threads, and AVX-512 VNNI's 2.926 ms on one thread for the thread scaling (docs/results.md,
 # `bench cpu-lane --kernel int`, twenty-seventh session).
