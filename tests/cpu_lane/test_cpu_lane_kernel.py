@@ -8,6 +8,7 @@ to float64 maths as a GPU-like fp16 computation of the same expert (exl3ref.expe
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -353,16 +354,19 @@ def test_each_call_reports_where_its_time_went():
     xs = [np.random.default_rng(r).standard_normal((r, 512)).astype(np.float32) for r in (1, 3)]
     with K.CpuKernel(2) as kern:
         assert kern.profile().wall == 0.0  # no call yet
+        t0 = time.perf_counter()
         kern.run([K.ExpertCall(s[0], x, np.empty_like(x)) for s, x in zip(slots, xs, strict=True)], layout)
         prof = kern.profile()
+        t1 = time.perf_counter()
     assert prof.per_thread.shape == (2, len(K.PHASES)) and (prof.per_thread >= 0).all()
     mean = prof.mean()
     assert mean["gate_up"] > 0 and mean["down"] > 0 and mean["prep"] > 0
-    # Every unit is done before the call returns, so each worker's work lies inside the call (a worker that woke late
-    # and found no work left may leave after it).
+    # Each worker's work starts inside the call and ends before profile() returns (it waits for every worker to
+    # leave the call); a worker may end its last phase after the call returned (the one that completes it, or one
+    # descheduled on a loaded host), so the call's own wall time is no bound.
     work = prof.per_thread[:, [K.PHASES.index(p) for p in ("prep", "gate_up", "down")]].sum(axis=1)
-    assert (work <= prof.wall + 1e-4).all()
-    assert 0 <= prof.caller_wake <= prof.wall
+    assert (work <= t1 - t0).all()
+    assert 0 <= prof.caller_wake <= prof.wall <= t1 - t0
 
 
 def test_calls_back_to_back_on_more_threads_than_cores_stay_exact():
