@@ -419,6 +419,12 @@ step_handoff() {  # issue 39's stream-ordered lane hand-off: late lane jobs reco
   gpu_pytest handoff "${HANDOFF_LIMIT:-300}" tests/engine/test_gpu_modes.py -k "${HANDOFF_K:-late_lane}"
   stamp "handoff: $(grep -E 'late lane|lane kernel|positions|passed|failed' "$OUT/handoff.log" | tr '\n' ';' | cut -c1-900)"
 }
+step_gate() {  # issue 39: nvme-exact beside exact with every expert in RAM (no store reads: the lookahead gated off)
+  timeout "${GATE_LIMIT:-300}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 2 \
+    --warmup-tokens 64 --work /tmp --keep --modes exact,nvme-exact --ram-fraction 1.0 --emulate rtx3090-gen4 \
+    --json "$OUT/bench-gate.json" > "$OUT/bench-gate.log" 2>&1
+  stamp "gate rc=$? $(tail -12 "$OUT/bench-gate.log" | tr '\n' ';' | cut -c1-900)"
+}
 step_zerocopy() {
   timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \
     > "$OUT/bench-zero-copy.log" 2>&1
