@@ -110,6 +110,13 @@ gpu_pytest() {  # name, limit (s), pytest args...
   stamp "$name rc=$rc"
   return $rc
 }
+# Triton compiles exllamav3's fla kernels and attention shapes on first use (minutes on a fresh machine): one cache for
+# every step, seeded from .device-cache/triton.tar.xz (a previous call's $OUT/triton.tar.xz) and packed again at the end.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache} TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
+if [ -f .device-cache/triton.tar.xz ] && [ ! -d "$TRITON_CACHE_DIR" ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xJf .device-cache/triton.tar.xz -C "$TRITON_CACHE_DIR"
+  stamp "triton cache seeded: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files"
+fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >> "$OUT/summary.log" 2>&1
 if [ -d .device-cache/extra ] && ! python3 -c "import fastapi" 2>/dev/null; then
   pip install -q --no-index --no-deps --target /tmp/site-extra .device-cache/extra/*.whl >> "$OUT/summary.log" 2>&1
@@ -438,3 +445,7 @@ for step in ${STEPS//,/ }; do
     stamp "unknown step $step (known: $(declare -F | sed -n 's/^declare -f step_//p' | tr '\n' ' '))"
   fi
 done
+if [ -d "$TRITON_CACHE_DIR" ]; then
+  tar -cJf "$OUT/triton.tar.xz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  stamp "triton cache packed: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files, $(du -k "$OUT/triton.tar.xz" | cut -f1) KiB"
+fi
