@@ -13,6 +13,10 @@ Failure semantics (never drop an expert's contribution, never a silent wrong tok
   worker's finished outputs are not trusted) and later steps go to the exact path (`alive` is False, so the
   planner assigns the lane nothing);
 - a worker that does not stop within `grace` seconds of a cancelled deadline is treated as dead the same way.
+A ticket the GPU already waits on (glm53.exl3.handoff: `partial(..., recompute=False)`) cannot be recomputed, since
+the device work a recompute queues could wait behind that very wait: a late lane is waited for instead, up to `stall`
+seconds past its deadline, and a job the lane did not finish (a failed, disabled or stalled worker) raises
+LaneUnfinished, which fails that step loudly.
 The caller must keep every job's slot bytes in place until its ticket resolves: only settled RAM-resident experts
 are given to the lane, and the tier machinery neither frees nor rewrites the RAM slots of a step's picks.
 """
@@ -41,6 +45,13 @@ log = logging.getLogger("glm53.cpu_lane")
 DEADLINE_FACTOR = 4.0
 DEADLINE_FLOOR_S = 0.02
 GRACE_S = 1.0
+# How long past its deadline a ticket the GPU waits on is still waited for before its worker counts as stalled: a
+# lane job takes milliseconds, so this only ends a worker that has stopped.
+STALL_S = 10.0
+
+
+class LaneUnfinished(RuntimeError):
+    """Jobs the lane did not finish, on a ticket that may not be recomputed (the GPU waits on it)."""
 
 
 @dataclass
@@ -113,17 +124,23 @@ class LaneTicket:
     def ready(self) -> bool:
         return self._finished.is_set()
 
-    def outputs(self) -> dict[int, np.ndarray]:
-        """expert -> (rows, hidden) float32 output, for every job of the step."""
+    def needs_recompute(self) -> bool:
+        """Whether the lane has already left some job to the exact path (it failed, or was disabled at submit)."""
+        return self.ready() and (self.error is not None or self.deadline_missed or not self.done.all())
+
+    def outputs(self, recompute: bool = True) -> dict[int, np.ndarray]:
+        """expert -> (rows, hidden) float32 output, for every job of the step. recompute=False: the GPU waits on this
+        ticket, so nothing goes to the exact path: a late lane is waited for (up to the lane's `stall` past the
+        deadline) and a job it did not finish raises LaneUnfinished."""
         with self._resolve_lock:
             if self._results is None:
-                self._results = self._resolve()
+                self._results = self._resolve(recompute)
             return self._results
 
-    def partial(self, tokens: int) -> np.ndarray:
+    def partial(self, tokens: int, recompute: bool = True) -> np.ndarray:
         """sum over jobs of weight * output, scattered to the jobs' token rows: (tokens, hidden) float32."""
         out = np.zeros((tokens, self.lane.geometry.hidden), np.float32)
-        results = self.outputs()
+        results = self.outputs(recompute)
         for job in self.jobs:
             if job.token_rows is None or job.weights is None:
                 raise ValueError(f"job for expert {job.expert} has no token_rows/weights: partial() needs both")
@@ -131,12 +148,15 @@ class LaneTicket:
             out[np.asarray(job.token_rows)] += w * results[job.expert]
         return out
 
-    def _resolve(self) -> dict[int, np.ndarray]:
+    def _resolve(self, recompute: bool) -> dict[int, np.ndarray]:
         lane = self.lane
         t0 = time.perf_counter()
         finished = self._finished.wait(max(0.0, self.deadline_at - t0))
         if not finished:
             self.deadline_missed = True
+            if not recompute:  # the GPU waits on this ticket: a late lane is still the fastest way to its partial
+                finished = self._finished.wait(lane.stall)
+        if not finished:
             self.cancel[0] = 1  # the kernel stops at its next work unit
             finished = self._finished.wait(lane.grace)
             if not finished:
@@ -152,6 +172,11 @@ class LaneTicket:
                 results[job.expert] = self.outs[j]
                 cpu_picks += job.rows
                 continue
+            if not recompute:
+                lane._account(self, cpu_picks, 0, waited, 0.0)
+                why = self.error or lane.disabled_reason or f"still running {waited:.1f} s after submit"
+                raise LaneUnfinished(f"layer {self.layer}: the CPU lane did not finish expert {job.expert} ({why}), "
+                                     "and the GPU waiting on it rules out recomputing it")
             y = np.asarray(_to_numpy(self._recompute(job)), np.float32)
             if y.shape != job.x.shape:
                 raise ValueError(f"recompute for expert {job.expert} returned {y.shape}, expected {job.x.shape}")
@@ -218,8 +243,8 @@ class CpuLane:
 
     def __init__(self, layout: Any, threads: int, *, cpus: Sequence[int] | None = None, isa: str | None = None,
                  stats: Any = None, swiglu_limit: float = SWIGLU_LIMIT, compute: Compute | None = None,
-                 fit: LiveFit | None = None, grace: float = GRACE_S, name: str = "glm53-cpu-lane",
-                 codebook: str = "mul1", kernel: str | None = None):
+                 fit: LiveFit | None = None, grace: float = GRACE_S, stall: float = STALL_S,
+                 name: str = "glm53-cpu-lane", codebook: str = "mul1", kernel: str | None = None):
         """stats: a glm53.tiers.TierStats (picks by lane, time waited), or None. compute: replaces the kernel (tests
         inject slow or failing ones). fit: a LiveFit fed with every clean step's timing, so the planner's model
         follows the host. isa: calibrate.calibrate_cpu's choice (default: the widest path); kernel: "int" or
@@ -241,6 +266,7 @@ class CpuLane:
         self.stats = stats
         self.fit = fit
         self.grace = grace
+        self.stall = stall
         self.counters = LaneCounters()
         self.disabled_reason: str | None = None
         self._compute = compute

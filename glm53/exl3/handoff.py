@@ -5,13 +5,18 @@ done, and only then launch the next layer; exllamav3's decode step is launch-bou
 those launches after every such step. Instead the combine queues on the compute stream a wait for a flag word in
 mapped host memory (exllamav3's `exl3_moe_flag_wait`: a stream memory operation, or a one-thread spin kernel where
 the driver has none), the partial's copy from a pinned buffer and the add, and returns: the host goes on launching
-the next layer while the lane computes. A resolver thread waits for the lane's ticket as the combine used to (its
-deadline, and the exact recompute of late jobs on a side stream ordered after the step's expert kernels), writes
-the partial, then the flag.
+the next layer while the lane computes. A resolver thread waits for the lane's ticket, writes the partial, then the
+flag.
 
-The engine thread still meets the lane at the next router's synchronisation. A resolver that fails writes the flag
-anyway (the GPU must not wait forever) and keeps the error; `check()`, called after every generator iteration,
-raises it, so the request fails loudly and its tokens are never emitted.
+The resolver queues no device work, ever: while the compute stream waits on a flag, work queued on the device from
+any stream may wait behind it (streams share the GPU's hardware queues), and a recompute's copy that waits for the
+flag its own thread must write never runs. So a late lane is waited for rather than recomputed
+(glm53.cpu_lane.lane: `recompute=False`),
+and a ticket the lane has already left to the exact path is resolved on the engine thread before anything waits
+(the combine checks `needs_recompute`). A lane that fails or stalls with the GPU waiting fails the step: the resolver
+writes NaN and the flag anyway (the GPU must not wait forever) and keeps the error; `check()`, called after every
+generator iteration, raises it, so the request fails loudly and its tokens are never emitted. The lane is disabled
+by then, so later steps take the exact path.
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def mapped_host(torch: Any, ext: Any, shape: tuple[int, ...]) -> tuple[Any, int]
 
 
 class LaneHandOffError(RuntimeError):
-    """The lane's partial for a step could not be made (its recompute failed): that step's output is wrong."""
+    """The lane's partial for a step could not be made (the lane failed or stalled): that step's output is wrong."""
 
 
 class Cuda:
@@ -64,7 +69,7 @@ class Cuda:
     def __init__(self) -> None:
         import torch
 
-        self.Event, self.Stream, self.stream = torch.cuda.Event, torch.cuda.Stream, torch.cuda.stream
+        self.Event = torch.cuda.Event
         self.set_device, self.current_device = torch.cuda.set_device, torch.cuda.current_device
         self.pin = True
 
@@ -91,7 +96,6 @@ class StreamHandOff:
         self._host = torch.empty((RING, MAX_BSZN, hidden), dtype=torch.float32, pin_memory=self.cuda.pin)
         self._dev = torch.empty((RING, MAX_BSZN, hidden), dtype=torch.float32, device=self.device)
         self._copied: list[Any] = [None] * RING  # the event after each buffer's last copy to the device
-        self._side = self.cuda.Stream(self.device)
         self._seq = 0
         self.error: BaseException | None = None
         self.handed = 0
@@ -103,11 +107,9 @@ class StreamHandOff:
         """final + the lane's partial for `rows` token rows, in stream order: returns at once."""
         cuda = self.cuda
         cur = cuda.current_stream(self.index)
-        experts_done = cuda.Event()
-        experts_done.record(cur)  # a recompute streams into a staging row this step's kernels may still read
         self._seq += 1
         seq, slot = self._seq, self._seq % RING
-        self._queue.put((ticket, rows, slot, seq, experts_done, self._copied[slot]))
+        self._queue.put((ticket, rows, slot, seq, self._copied[slot]))
         self.ext.exl3_moe_flag_wait(self._flag_dev[slot], seq, self._abort_dev)
         dev = self._dev[slot, :rows]
         dev.copy_(self._host[slot, :rows], non_blocking=True)
@@ -141,15 +143,13 @@ class StreamHandOff:
             while (item := self._queue.get()) is not None:
                 self._resolve(*item)
 
-    def _resolve(self, ticket: Any, rows: int, slot: int, seq: int, experts_done: Any, copied: Any) -> None:
+    def _resolve(self, ticket: Any, rows: int, slot: int, seq: int, copied: Any) -> None:
         """One step's partial into its buffer, then its flag, whatever happens: the GPU waits for that flag."""
         out = self._host[slot, :rows]
         try:
             if copied is not None:
-                copied.synchronize()  # the GPU has read this buffer's last partial
-            with self.cuda.stream(self._side):
-                self._side.wait_event(experts_done)
-                out.copy_(self.torch.from_numpy(ticket.partial(rows)))
+                copied.synchronize()  # the GPU has read this buffer's last partial (a copy queued before any wait)
+            out.copy_(self.torch.from_numpy(ticket.partial(rows, recompute=False)))
         except BaseException as exc:  # the engine raises it at its check; the step's output must not pass as right
             log.exception("CPU lane hand-off: the partial for layer %s failed", getattr(ticket, "layer", "?"))
             self.error = self.error or exc

@@ -589,7 +589,7 @@ class TieredMoE:
     def close(self) -> None:
         """Restore the modules (if unload() has not already) and drop the arenas. Also after install() alone (a
         model.load() or populate() that failed): the seam is not open then, so unload() would not restore them."""
-        for handoff in self._made_handoffs():  # first: a resolver may still be recomputing on the slot Linears
+        for handoff in self._made_handoffs():  # first: a resolver may still wait on the lane
             handoff.close()
         self.handoffs = {}
         for layer in self.layers:
@@ -687,8 +687,10 @@ def _seam(tiered: TieredMoE, li: int) -> Callable[..., tuple[None, Any]]:
 def _combine(module: Any, tiered: TieredMoE) -> Callable[..., Any]:
     """The module's combine with the CPU lane's partial added: exllamav3 calls it after it queued the GPU expert
     kernels, so the host does the step's deferred bookkeeping (MoeStepper.after_launch) while the GPU works. On CUDA
-    the partial is added in stream order (glm53.exl3.handoff): the host does not wait for the lane here. On a CPU
-    device (the fake exllamav3 in the tests) the host waits for it; the partial lands before the post norms."""
+    the partial is added in stream order (glm53.exl3.handoff): the host does not wait for the lane here. A ticket the
+    lane has already left to the exact path is recomputed here instead, on this thread, before anything on the GPU
+    waits (a recompute behind a flag wait could wait for that flag). On a CPU device (the fake exllamav3 in the
+    tests) the host waits for the lane; the partial lands before the post norms."""
     stock = module.cpu_split_combine
 
     def cpu_split_combine(final_hidden_states: Any, cpu_partial: Any, cpu_pending: Any, shape: Any) -> Any:
@@ -697,7 +699,8 @@ def _combine(module: Any, tiered: TieredMoE) -> Callable[..., Any]:
         tiered.stepper.after_launch()
         if isinstance(cpu_pending, tuple) and len(cpu_pending) == 3 and cpu_pending[0] == LANE_TAG:
             _, ticket, rows = cpu_pending
-            handoff = tiered.handoff(final_hidden_states) if final_hidden_states.is_cuda else None
+            stream_order = final_hidden_states.is_cuda and not ticket.needs_recompute()
+            handoff = tiered.handoff(final_hidden_states) if stream_order else None
             if handoff is not None:
                 return handoff.enqueue(final_hidden_states, ticket, rows, shape)
             partial = torch.from_numpy(ticket.partial(rows)).to(final_hidden_states.device)

@@ -16,7 +16,7 @@ from step_layer import step_layer
 
 from glm53 import exl3ref as R
 from glm53.cpu_lane import kernel as K
-from glm53.cpu_lane.lane import CpuLane, LaneJob, assignment_json
+from glm53.cpu_lane.lane import CpuLane, LaneJob, LaneUnfinished, assignment_json
 from glm53.cpu_lane.planner import CostModel, CpuCost, CpuSample, LiveFit, PcieCost, PcieSample
 from glm53.step.stepper import MoeStepper
 from glm53.tiers import ExpertTiers, TierStats, Where, direct_moe, exl3_expert_layout
@@ -223,6 +223,31 @@ def test_a_failing_worker_disables_the_lane_and_results_stay_right(experts, capl
         check_outputs(experts, later, lane.submit(0, later, exact_path(experts, calls), deadline=5.0).outputs())
         snap = lane.snapshot()
     assert snap["failures"] == 1 and snap["fallback_jobs"] == 1 and snap["recomputed_jobs"] == 3 and snap["jobs"] == 0
+
+
+def test_a_ticket_says_when_it_needs_the_exact_path_and_the_gpu_waiting_on_it_rules_that_out(experts):
+    calls: list[int] = []
+    release = threading.Event()
+
+    def held(jobs, outs, done, cancel):
+        release.wait(5)
+        raise RuntimeError("pool gone")
+
+    with CpuLane(LAYOUT, threads=1) as lane:
+        clean = lane.submit(0, jobs_for(experts, [1]), exact_path(experts, calls), deadline=30.0)
+        clean.outputs(recompute=False)
+        assert not clean.needs_recompute()
+    with CpuLane(LAYOUT, threads=1, compute=held) as lane:
+        pending = lane.submit(0, jobs_for(experts, [2]), exact_path(experts, calls), deadline=30.0)
+        assert not pending.needs_recompute()  # still the lane's: the GPU may wait on it
+        release.set()
+        assert pending._finished.wait(5) and pending.needs_recompute()
+        with pytest.raises(LaneUnfinished, match="expert 2 .*pool gone"):
+            pending.outputs(recompute=False)
+        disabled = lane.submit(0, jobs_for(experts, [3]), exact_path(experts, calls), deadline=30.0)
+        assert disabled.needs_recompute()  # the combine resolves it before anything waits
+        check_outputs(experts, jobs_for(experts, [3]), disabled.outputs())
+    assert calls == [3]
 
 
 def test_a_dead_lane_sends_the_step_over_pcie(experts):

@@ -13,10 +13,11 @@ from __future__ import annotations
 import gc
 
 import pytest
-from forced_lane import force_lane, late_lane
+from forced_lane import failing_lane, force_lane, late_lane
 from specs import spec_for
 from test_gpu_engine import assert_bit_identical, greedy_runs, prompts_for
 
+from glm53.exl3.handoff import LaneHandOffError
 from glm53.fixture.exl3 import write_exl3_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -46,8 +47,10 @@ def nvme_open(store, model_dir, ram_records: int, mode: str, slots: int):
 
 
 def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None, forced_lane=False,
-                  late_s=0.0) -> tuple[list, dict]:
-    """Logits of one forward per token window (no cache: each window is a fresh sequence of WINDOW rows)."""
+                  late_s=0.0, fail_after=None) -> tuple[list, dict]:
+    """Logits of one forward per token window (no cache: each window is a fresh sequence of WINDOW rows). fail_after:
+    the lane's worker fails at its step after that many; the hand-off check after each forward is in the stats
+    (`handoff_errors`: the windows whose forward it failed)."""
     import torch
     from exllamav3 import Config, Model
 
@@ -70,14 +73,21 @@ def paired_logits(model_dir, windows, slots=None, lane_threads=None, nvme=None, 
                 force_lane(tiered)
             if late_s:
                 late_lane(tiered, late_s)
-        out = []
+            if fail_after is not None:
+                failing_lane(tiered, fail_after)
+        out, failed = [], []
         with torch.inference_mode():
-            for w in windows:
+            for i, w in enumerate(windows):
                 ids = torch.tensor([w], dtype=torch.long)
                 logits = model.forward(ids, {"attn_mode": "flash_attn_nc"})
                 out.append(logits[0].float().cpu())
+                if tiered is not None:
+                    try:
+                        tiered.check_handoff()
+                    except LaneHandOffError:
+                        failed.append(i)
         stats = tiered.snapshot() if tiered is not None else {}
-        return out, stats
+        return out, {**stats, "handoff_errors": failed}
     finally:
         model.unload()
         if tiered is not None:
@@ -151,12 +161,16 @@ def test_glm53_width_lane_on_every_cold_pick(tmp_path, exl3):
     _near_exact("glm53 x2, the lane on every cold pick", stock, forced, stats, kl_max=2e-3)
 
 
-def test_glm53_width_late_lane_recomputed_behind_the_stream_handoff(tmp_path, exl3):
-    # The lane's partial is added in stream order (glm53.exl3.handoff): the engine thread queues the next layer while
-    # the resolver waits for the ticket. Here every lane step is late, so the resolver recomputes its jobs exactly on
-    # its side stream (after the step's kernels, into the layer's last staging row) and only then releases the GPU.
-    path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4,
+def glm53_width(tmp_path):
+    return write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4,
                                  router_skew=(0.11, 0.40))
+
+
+def test_glm53_width_late_lane_waited_for_behind_the_stream_handoff(tmp_path, exl3):
+    # The lane's partial is added in stream order (glm53.exl3.handoff): the engine thread queues the next layer while
+    # the resolver waits for the ticket. Here every lane step is past its deadline; with the GPU already waiting on
+    # the step's flag nothing may be recomputed on it, so the resolver waits for the lane and then releases the GPU.
+    path = glm53_width(tmp_path)
     windows = windows_for(150000, 24)
     stock, _ = paired_logits(path, windows)
     late, stats = paired_logits(path, windows, slots=32, lane_threads=8, forced_lane=True, late_s=0.15)
@@ -166,8 +180,24 @@ def test_glm53_width_late_lane_recomputed_behind_the_stream_handoff(tmp_path, ex
           f"{lane['deadline_misses']} deadlines missed, {lane['recomputed_jobs']} jobs recomputed, {lane['jobs']} on "
           "the lane")
     assert lane["stream_handoffs"] >= 2 * len(windows) and lane["deadline_misses"] > 0
-    assert lane["recomputed_jobs"] > 0 and lane["alive"], lane
+    assert lane["recomputed_jobs"] == 0 and lane["alive"] and stats["handoff_errors"] == [], lane
     assert kl <= 1e-4 and top1 >= 0.99, f"KL {kl:.2e}, top-1 {top1:.4f}"
+
+
+def test_glm53_width_failed_lane_fails_its_forward_behind_the_stream_handoff(tmp_path, exl3):
+    # The lane's worker dies at its third step while the GPU waits on that step's flag: the resolver writes NaN and
+    # the flag, the check after that forward fails it, the lane is disabled, and every later window is stock's again.
+    path = glm53_width(tmp_path)
+    windows = windows_for(150000, 8)
+    stock, _ = paired_logits(path, windows)
+    got, stats = paired_logits(path, windows, slots=32, lane_threads=8, forced_lane=True, fail_after=2)
+    failed = stats["handoff_errors"]
+    later = [i for i in range(len(windows)) if i > failed[0]] if failed else []
+    kl, top1, _ = kl_top1([stock[i] for i in later], [got[i] for i in later]) if later else (float("nan"), 0.0, 0)
+    print(f"\nfailed lane: forwards failed {failed}, lane alive {stats['cpu_lane']['alive']}; after it KL {kl:.2e}, "
+          f"top-1 {top1:.4f}")
+    assert len(failed) == 1 and not stats["cpu_lane"]["alive"] and later
+    assert kl <= 1e-4 and top1 >= 0.99
 
 
 def test_tiny_nvme_exact_bit_identical(tmp_path, exl3):

@@ -1,7 +1,9 @@
 """The stream-ordered CPU-lane hand-off (glm53.exl3.handoff) on a CPU stand-in for CUDA (tests/support/fake_handoff.py):
 the combine returns final + the lane's partial without the engine thread waiting on the ticket, a late partial is
 still the one added, buffers are reused in turn, and a partial that fails releases the device and fails the next
-check instead of hanging or passing a wrong step."""
+check instead of hanging or passing a wrong step. With the real lane: a late lane is waited for and nothing is
+recomputed while the device waits (device work would queue behind the wait), and a failed or stalled lane fails
+the step loudly."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import pytest
 import torch
 from fake_handoff import Cuda, Ext
 
+from glm53.cpu_lane.lane import CpuLane, LaneJob
 from glm53.exl3.handoff import LaneHandOffError, StreamHandOff
+from glm53.tiers import exl3_expert_layout
 
 HIDDEN = 64
 
@@ -22,12 +26,12 @@ HIDDEN = 64
 class Ticket:
     """A lane ticket whose partial arrives after `delay` seconds (or raises)."""
 
-    def __init__(self, value: float, delay: float = 0.0, fail: bool = False, cuda: Cuda | None = None):
-        self.layer, self.value, self.delay, self.fail, self.cuda = 3, value, delay, fail, cuda
-        self.stream = None
+    def __init__(self, value: float, delay: float = 0.0, fail: bool = False):
+        self.layer, self.value, self.delay, self.fail = 3, value, delay, fail
+        self.recompute: bool | None = None
 
-    def partial(self, rows: int) -> np.ndarray:
-        self.stream = self.cuda.active() if self.cuda is not None else None
+    def partial(self, rows: int, recompute: bool = True) -> np.ndarray:
+        self.recompute = recompute
         time.sleep(self.delay)
         if self.fail:
             raise RuntimeError("recompute failed")
@@ -61,21 +65,19 @@ def test_each_step_gets_its_own_late_partial_through_the_ring(handoff):
 
 @torch.inference_mode()  # as the engine thread runs
 def test_the_engine_thread_does_not_run_the_ticket(handoff):
-    """The resolver thread waits for the ticket, on the side stream, after the step's kernels: a recompute there
-    streams into a staging row only once this step's kernels are done with it."""
-    ticket = Ticket(1.0, cuda=handoff.cuda)
+    """The resolver thread waits for the ticket, and asks it for a partial without recomputing anything."""
+    ticket = Ticket(1.0)
     final = torch.zeros((1, HIDDEN))
     seen: list[str] = []
     orig = ticket.partial
 
-    def partial(rows: int) -> np.ndarray:
+    def partial(rows: int, recompute: bool = True) -> np.ndarray:
         seen.append(threading.current_thread().name)
-        return orig(rows)
+        return orig(rows, recompute)
 
     ticket.partial = partial
     handoff.enqueue(final, ticket, 1, final.shape)
-    assert seen == ["glm53-lane-handoff"] and ticket.stream is handoff._side
-    assert len(handoff._side.waited) == 1  # the event recorded behind the step's expert kernels
+    assert seen == ["glm53-lane-handoff"] and ticket.recompute is False
 
 
 @torch.inference_mode()  # as the engine thread runs
@@ -114,3 +116,92 @@ def test_the_registration_lasts_as_long_as_the_hand_off():
     del h
     gc.collect()
     assert ext.registered == {}
+
+
+# ---- the real lane behind the hand-off: nothing is recomputed while the device waits --------------------------------
+
+LANE_HIDDEN = 256
+LAYOUT = exl3_expert_layout(LANE_HIDDEN, 128, 3)
+WEIGHTS = np.array([1.0, 0.5], np.float32)
+
+
+@pytest.fixture
+def wide():
+    cuda, ext = Cuda(), Ext()
+    with torch.inference_mode():
+        h = StreamHandOff("cpu", LANE_HIDDEN, ext, cuda=cuda)
+    yield h
+    h.close()
+
+
+def lane_step(lane: CpuLane, ext: Ext, deadline: float = 0.01):
+    """One step of one expert on two rows, whose exact-path recompute is device work."""
+
+    def recompute(job: LaneJob) -> np.ndarray:
+        ext.device_work()
+        return np.full_like(job.x, -1.0)
+
+    x = np.ones((2, LANE_HIDDEN), np.float32)
+    job = LaneJob(5, np.zeros(LAYOUT.nbytes, np.uint8), x, token_rows=np.array([0, 1]), weights=WEIGHTS)
+    return lane.submit(3, [job], recompute, deadline=deadline)
+
+
+def late(value: float, delay: float):
+    def compute(jobs, outs, done, cancel):
+        end = time.monotonic() + delay  # past the deadline: a slow pool, not a dead one
+        while time.monotonic() < end:
+            if cancel[0]:  # as the kernel does: it stops at its next unit, the job left undone
+                return
+            time.sleep(0.001)
+        outs[0][:] = value
+        done[0] = 1
+
+    return compute
+
+
+@torch.inference_mode()
+def test_a_late_lane_is_waited_for_and_nothing_is_recomputed_while_the_device_waits(wide):
+    with CpuLane(LAYOUT, threads=1, compute=late(3.0, 0.15)) as lane:
+        final = torch.zeros((2, LANE_HIDDEN))
+        got = wide.enqueue(final, lane_step(lane, wide.ext), 2, final.shape)
+        wide.check()
+        snap = lane.snapshot()
+    assert torch.equal(got, (3.0 * torch.from_numpy(WEIGHTS))[:, None].expand(2, LANE_HIDDEN))
+    assert wide.ext.device_works == 0 and snap["recomputed_jobs"] == 0 and snap["deadline_misses"] == 1
+    assert snap["alive"]
+
+
+@torch.inference_mode()
+def test_a_lane_that_fails_while_the_device_waits_fails_the_step_and_is_disabled(wide, caplog):
+    def broken(jobs, outs, done, cancel):
+        time.sleep(0.05)
+        raise RuntimeError("pool gone")
+
+    with CpuLane(LAYOUT, threads=1, compute=broken) as lane:
+        final = torch.zeros((2, LANE_HIDDEN))
+        got = wide.enqueue(final, lane_step(lane, wide.ext, deadline=5.0), 2, final.shape)
+        assert torch.isnan(got).all()
+        with pytest.raises(LaneHandOffError, match="did not finish expert 5.*pool gone"):
+            wide.check()
+        assert not lane.alive and wide.ext.device_works == 0
+
+
+@torch.inference_mode()
+def test_a_stalled_lane_fails_the_step_instead_of_holding_the_device_forever(wide):
+    release = threading.Event()
+
+    def stuck(jobs, outs, done, cancel):
+        release.wait(10)  # ignores the cancel
+
+    lane = CpuLane(LAYOUT, threads=1, compute=stuck, grace=0.05, stall=0.05)
+    try:
+        final = torch.zeros((2, LANE_HIDDEN))
+        t0 = time.monotonic()
+        got = wide.enqueue(final, lane_step(lane, wide.ext), 2, final.shape)
+        assert time.monotonic() - t0 < 2.0 and torch.isnan(got).all()
+        with pytest.raises(LaneHandOffError, match="did not stop"):
+            wide.check()
+        assert not lane.alive and wide.ext.device_works == 0
+    finally:
+        release.set()
+        lane.close()

@@ -88,8 +88,12 @@
 #             generated), exact, 2 decode slots, a 5-token request alone and beside 2 replies without max_tokens
 #             (needs .device-cache/extra for uvicorn, see tests/gpu/stage_extras.sh; the first start compiles ~170 s;
 #             FAIR_CONTEXT, default 32768: at 2,048 the H100 ends each unbounded reply in 3 s, before the rest stream)
-#   handoff   issue 39's stream-ordered CPU-lane hand-off (glm53/exl3/handoff.py): every lane step late, its jobs
-#             recomputed by the resolver on its side stream (HANDOFF_K: other tests of tests/engine/test_gpu_modes.py)
+#   handoff   issue 39's stream-ordered CPU-lane hand-off (glm53/exl3/handoff.py): every lane step late and waited for
+#             behind the GPU's flag wait (nothing recomputed), and a lane that dies with the GPU waiting (its forward
+#             fails, later ones are stock's); HANDOFF_DUMP: seconds before pytest dumps every thread's stack (a hang);
+#             HANDOFF_K: other tests of tests/engine/test_gpu_modes.py
+#   gate      issue 39: bench decode, exact beside nvme-exact with every expert in RAM (no store reads: the nvme
+#             lookahead gated off), under the consumer-box preset; GATE_LIMIT
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
 #             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity. Needs no CPU-lane build:
@@ -423,7 +427,8 @@ step_imageprobe() {  # issue 36's GPU half: can this machine build the image's C
   stamp "imageprobe: $(tr '\n' ';' < "$OUT/imageprobe.log" | cut -c1-900)"
 }
 step_handoff() {  # issue 39's stream-ordered lane hand-off: late lane jobs recomputed behind it, then the lane panel
-  gpu_pytest handoff "${HANDOFF_LIMIT:-300}" tests/engine/test_gpu_modes.py -k "${HANDOFF_K:-late_lane}"
+  gpu_pytest handoff "${HANDOFF_LIMIT:-300}" -o faulthandler_timeout="${HANDOFF_DUMP:-150}" tests/engine/test_gpu_modes.py \
+    -k "${HANDOFF_K:-late_lane or failed_lane}"
   stamp "handoff: $(grep -E 'late lane|lane kernel|positions|passed|failed' "$OUT/handoff.log" | tr '\n' ';' | cut -c1-900)"
 }
 step_gate() {  # issue 39: nvme-exact beside exact with every expert in RAM (no store reads: the lookahead gated off)

@@ -1,13 +1,15 @@
 """A CPU stand-in for the CUDA side of glm53.exl3.handoff: the device is the host, every queued operation runs when it
 is issued, and exllamav3's stream wait on a flag word (`exl3_moe_flag_wait`) blocks the calling thread until the word
 reaches its value, as the compute stream would block. So the partial copied after the wait is exactly what the GPU
-would read, and a hand-off that wrote its flag before its partial reads stale bytes here too."""
+would read, and a hand-off that wrote its flag before its partial reads stale bytes here too.
+
+`Ext.device_work()` stands for any work queued on the device (a copy, a kernel, on whatever stream): while a flag wait
+is pending it waits behind it, as work on the GPU may (streams share its hardware queues), and gives up with a
+TimeoutError instead of hanging a test."""
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import threading
 import time
 
 
@@ -19,34 +21,12 @@ class Event:
         pass
 
 
-class Stream:
-    def __init__(self, device=None):
-        self.waited: list[Event] = []
-
-    def wait_event(self, event: Event) -> None:
-        self.waited.append(event)
-
-
 class Cuda:
     pin = False
 
     def __init__(self) -> None:
-        self.local = threading.local()
-        self.Event, self.Stream = Event, Stream
-        self.compute = Stream()
-
-    @contextlib.contextmanager
-    def stream(self, s: Stream):
-        prev = getattr(self.local, "stream", None)
-        self.local.stream = s
-        try:
-            yield
-        finally:
-            self.local.stream = prev
-
-    def active(self) -> Stream | None:
-        """The stream the calling thread has set (None: the compute stream)."""
-        return getattr(self.local, "stream", None)
+        self.Event = Event
+        self.compute = object()
 
     def set_device(self, index: int) -> None:
         pass
@@ -54,7 +34,7 @@ class Cuda:
     def current_device(self) -> int:
         return 0
 
-    def current_stream(self, index: int) -> Stream:
+    def current_stream(self, index: int) -> object:
         return self.compute
 
 
@@ -64,6 +44,8 @@ class Ext:
     def __init__(self, timeout_s: float = 10.0):
         self.timeout_s = timeout_s
         self.waits = 0
+        self.pending = 0  # flag waits the device is blocked in
+        self.device_works = 0
         self.registered: dict[int, int] = {}  # start -> bytes: the device may read only these
 
     def cuda_host_register(self, ptr: int, nbytes: int, flags: int) -> None:
@@ -85,8 +67,21 @@ class Ext:
             raise RuntimeError(f"flag wait on {flag:#x}: not in registered host memory")
         word = ctypes.c_uint32.from_address(flag)
         end = time.monotonic() + self.timeout_s
-        while ((word.value - value) & 0xFFFFFFFF) >= 0x80000000:  # CUDA's cyclic GEQ: (int32)(*flag - value) >= 0
+        self.pending += 1
+        try:
+            while ((word.value - value) & 0xFFFFFFFF) >= 0x80000000:  # CUDA's cyclic GEQ: (int32)(*flag - value) >= 0
+                if time.monotonic() > end:
+                    ctypes.c_uint32.from_address(abort_flag).value = 1
+                    raise TimeoutError(f"flag wait for {value} timed out at {word.value}")
+                time.sleep(0.0002)
+        finally:
+            self.pending -= 1
+
+    def device_work(self, timeout_s: float = 2.0) -> None:
+        """Work queued on the device: it runs once no flag wait is pending (or raises after `timeout_s`)."""
+        self.device_works += 1
+        end = time.monotonic() + timeout_s
+        while self.pending:
             if time.monotonic() > end:
-                ctypes.c_uint32.from_address(abort_flag).value = 1
-                raise TimeoutError(f"flag wait for {value} timed out at {word.value}")
+                raise TimeoutError("device work queued behind a pending flag wait never ran")
             time.sleep(0.0002)

@@ -38,7 +38,8 @@ def force_lane(tiered: Any) -> None:
 
 
 def late_lane(tiered: Any, seconds: float) -> None:
-    """Every lane step starts `seconds` late (past any deadline the planner sets): its jobs are recomputed exactly."""
+    """Every lane step starts `seconds` late (past any deadline the planner sets): a step the GPU waits on is waited
+    for; one the host resolves has its jobs recomputed exactly."""
     import time
 
     lane = tiered.stepper.lane
@@ -49,3 +50,22 @@ def late_lane(tiered: Any, seconds: float) -> None:
         compute(jobs, outs, done, cancel)
 
     lane._compute = slow
+
+
+def failing_lane(tiered: Any, after: int) -> None:
+    """The lane's worker computes `after` steps, then raises (a dead pool) a moment into the next, so that the GPU
+    is already waiting on that step's partial: the lane is disabled at that step."""
+    import time
+
+    lane = tiered.stepper.lane
+    compute = lane._compute
+    calls = [0]
+
+    def dying(jobs, outs, done, cancel):
+        calls[0] += 1
+        if calls[0] > after:
+            time.sleep(0.2)
+            raise RuntimeError("the lane's pool died")
+        compute(jobs, outs, done, cancel)
+
+    lane._compute = dying
