@@ -346,8 +346,11 @@ class CpuLane:
                 return
             if self.disabled_reason is not None:
                 ticket.error = RuntimeError(f"CPU lane disabled: {self.disabled_reason}")
-            elif time.perf_counter() >= ticket.deadline_at or ticket.cancel[0]:
-                ticket.deadline_missed = True  # expired in the queue behind a slow step: all of it is recomputed
+            elif ticket.cancel[0]:
+                # Cancelled in the queue behind a slow step: all of it is recomputed. A ticket merely past its deadline
+                # is still computed: the GPU may be waiting on it (recompute=False), and a consumer that is not
+                # cancels it at once.
+                ticket.deadline_missed = True
             else:
                 t0 = time.perf_counter()
                 try:

@@ -205,3 +205,18 @@ def test_a_stalled_lane_fails_the_step_instead_of_holding_the_device_forever(wid
     finally:
         release.set()
         lane.close()
+
+
+@torch.inference_mode()
+def test_a_step_queued_past_its_deadline_is_still_computed_for_the_waiting_device(wide):
+    # The lane's thread is descheduled (here: busy with the step before) until this step's deadline has passed: the
+    # worker still computes it, since the device waits for it and nothing can recompute it there.
+    with CpuLane(LAYOUT, threads=1, compute=late(2.0, 0.1)) as lane:
+        first = lane.submit(3, [LaneJob(1, np.zeros(LAYOUT.nbytes, np.uint8), np.ones((2, LANE_HIDDEN), np.float32),
+                                        token_rows=np.array([0, 1]), weights=WEIGHTS)], lambda job: None, deadline=5.0)
+        final = torch.zeros((2, LANE_HIDDEN))
+        got = wide.enqueue(final, lane_step(lane, wide.ext, deadline=0.01), 2, final.shape)
+        wide.check()
+        first.outputs()
+    assert torch.equal(got, (2.0 * torch.from_numpy(WEIGHTS))[:, None].expand(2, LANE_HIDDEN))
+    assert wide.ext.device_works == 0
