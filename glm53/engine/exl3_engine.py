@@ -462,6 +462,7 @@ class Exl3Engine(WorkerEngine):
             torch.cuda.empty_cache()
         try:
             self.runtime.clear()
+            self.runtime.forget_pages()
         except Exception:  # the generator may be wedged by the failure; the next request will tell
             log.exception("exllamav3 engine: clearing the queue after a failure failed")
 

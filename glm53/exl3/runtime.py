@@ -247,6 +247,13 @@ class Runtime:
         """Drop every job (after a failed step, and at shutdown)."""
         self.generator.clear_queue()
 
+    def forget_pages(self) -> None:
+        """After a failed step, with every job dropped: no page is reused as a prompt's prefix again. The failed
+        forward may have written wrong keys and values (a spoiled lane partial, an expert that could not be read)
+        into a page it completed, and a retried request would resume from that page. exllamav3 gives every page a
+        fresh hash, so nothing matches it, and a recurrent checkpoint needs its chain of pages to resume."""
+        self.generator.pagetable.reset_page_table()
+
     def waiting(self) -> set[int]:
         """id() of the jobs exllamav3 holds back: no free pages for their next segment."""
         return set(map(id, self.generator.pending_jobs))

@@ -1350,6 +1350,11 @@ class PageTable:
     def num_unreferenced_pages(self) -> int:
         return self.max_pages - sum(job.pages for job in self.generator.active_jobs)
 
+    def reset_page_table(self) -> None:
+        """Every page a fresh hash: no cached prefix is found again."""
+        if self.generator.page_hashes is not None:
+            self.generator.page_hashes.clear()
+
 
 class Generator:
     """Pending and active jobs; iterate(): start jobs (up to max_batch_size), one prefill chunk per job still
