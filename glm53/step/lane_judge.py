@@ -14,6 +14,10 @@ those than its partner would decide the verdict); pairs alternate which window c
 so a steady trend, such as a cache still warming, cancels; an interval far longer than the steps so far is a
 pause between requests, not a step, and is not charged.
 
+A lane that keeps finishing past its deadlines (LATE_STREAK steps in a row: its cores taken by other work, say) is
+set aside at once rather than at the next trial: where the GPU waits on the lane in stream order a late step is
+waited for, so a slowed lane would slow every step until then.
+
 Pure bookkeeping on a clock: glm53.step.stepper.MoeStepper calls `started(decode)` as each layer step begins and
 `done(picks, cpu, end_of_token)` once a decode step's lane decision is made; `offer()` says whether the next
 decode step offers the lane."""
@@ -32,6 +36,7 @@ PAIRS = 4            # lane-on / lane-off window pairs per trial
 MARGIN = 0.02        # the lane is kept only if it makes a layer step at least this much faster
 MIN_SHARE = 0.005    # ... and the planner gave it at least this share of the on-windows' picks
 REJUDGE = 256        # windows between the end of one trial and the start of the next
+LATE_STREAK = 4      # lane steps in a row past their deadlines that set the lane aside until the next trial
 IDLE_GAP_S = 0.5     # a longer interval between two decode steps is a pause between requests, not a step ...
 IDLE_FACTOR = 50     # ... and so is one over this many times the typical step (with a floor of IDLE_FLOOR_S)
 IDLE_FLOOR_S = 0.02
@@ -46,6 +51,8 @@ class LaneJudge:
         self.kept: bool | None = None        # the last trial's verdict (None before the first ends)
         self.last_ratio: float | None = None  # median lane-on / lane-off step time of the last trial
         self.last_share: float | None = None  # the lane's share of the on-windows' picks in the last trial
+        self.late_streak = 0                  # lane steps in a row past their deadlines
+        self.set_aside_late = 0               # times a late streak set the lane aside
         self._typical: float | None = None    # a running mean of charged intervals (for the pause test)
         self._start_trial()
 
@@ -98,6 +105,21 @@ class LaneJudge:
         if self._window_index == 2 * self.pairs:
             self._verdict()
 
+    def lane_step(self, late: bool) -> None:
+        """A lane step resolved, past its deadline or not: LATE_STREAK late ones in a row set the lane aside until
+        the next trial (ending one under way), counted from now."""
+        self.late_streak = self.late_streak + 1 if late else 0
+        if self.late_streak < LATE_STREAK or not (self.in_trial or self.kept):
+            return
+        log.warning("CPU lane set aside: %d lane steps in a row finished past their deadlines (its cores are busy "
+                    "or slow); decode runs as the exact mode does (tried again later)", self.late_streak)
+        self.set_aside_late += 1
+        self.late_streak = 0
+        self.kept = False
+        self.in_trial = False
+        self._steps = 0
+        self._last = None
+
     def _verdict(self) -> None:
         ratios = []
         for p in range(self.pairs):
@@ -128,4 +150,5 @@ class LaneJudge:
     def snapshot(self) -> dict:
         return {"in_trial": self.in_trial, "offer": self.offer(), "trials": self.trials, "kept": self.kept,
                 "ratio_on_over_off": None if self.last_ratio is None else round(self.last_ratio, 4),
-                "cpu_share": None if self.last_share is None else round(self.last_share, 4)}
+                "cpu_share": None if self.last_share is None else round(self.last_share, 4),
+                "set_aside_late": self.set_aside_late}

@@ -98,6 +98,7 @@ class MoeStepper:
         self.ahead_gate = AheadGate()  # nvme modes: which layers the lookahead runs for (wants_ahead)
         self.last_assignment: Any = None
         self.lane_judge = LaneJudge() if lane_judge is None else lane_judge
+        self._last_ticket: Any = None  # the last lane step's ticket, for the judge's late streak
         self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
         self.lent_out = 0  # experts that left VRAM because a step borrowed their cache slot as staging
         self.copied_before_store_wait = 0  # RAM misses sent over PCIe while the step's store reads finished
@@ -165,6 +166,7 @@ class MoeStepper:
         resolved = Resolution(slots=NO_SLOTS)
         pcie = misses
         if self.lane is not None:  # fast / nvme: the planner's split of the misses, and the judge told of it
+            self._judge_last_ticket()
             resolved.cpu, n_cpu = self._plan_lane(li, p.ids, misses)
             self.lane_judge.done(p.ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
             on_cpu = set(resolved.cpu)
@@ -174,7 +176,7 @@ class MoeStepper:
         self._count_picks(li, p.picks, hits, p.from_store, resolved.cpu)
         if resolved.cpu:
             reading = self._land_for_lane(p, reading, resolved.cpu)
-            resolved.ticket = self._submit_lane(li, p.ids, x, weights, resolved.cpu)
+            resolved.ticket = self._last_ticket = self._submit_lane(li, p.ids, x, weights, resolved.cpu)
         self.timer.phase(None)
         last = self._stream_decode(p, resolved, reading)
         self._charge_copies(p, resolved.staged, hits)
@@ -381,6 +383,13 @@ class MoeStepper:
             tiers.hold(li, staged, last)
 
     # ---- the CPU lane's share -----------------------------------------------------------------------------------
+
+    def _judge_last_ticket(self) -> None:
+        """Tell the judge whether the last lane step finished past its deadline (resolved by now: its partial was
+        added before this step's router ran)."""
+        t, self._last_ticket = self._last_ticket, None
+        if t is not None and t.ready():
+            self.lane_judge.lane_step(late=t.deadline_missed)
 
     def _plan_lane(self, li: int, ids: np.ndarray, misses: list[int]) -> tuple[list[int], int]:
         """The misses the CPU lane computes this step (the planner's split), and their picks."""

@@ -271,6 +271,30 @@ def test_a_dead_lane_sends_the_step_over_pcie(experts):
         assert not lane.alive
 
 
+def test_a_lane_late_step_after_step_is_set_aside_by_the_step_and_results_stay_right(experts):
+    tiers = build_tiers(experts, staging=NUM_EXPERTS + 1)
+    rng = np.random.default_rng(9)
+    kern = K.CpuKernel(1)
+
+    def slow(jobs, outs, done, cancel):  # every step past its deadline (the floor, 20 ms): its cores are taken
+        time.sleep(0.03)
+        kern.run([K.ExpertCall(j.slot, j.x, o) for j, o in zip(jobs, outs, strict=True)], LAYOUT, done=done)
+
+    with CpuLane(LAYOUT, threads=1, compute=slow) as lane:
+        stepper = lane_stepper(tiers, experts, lane, MODEL)
+        given = []
+        for _ in range(8):
+            ids, w = route(rng, 3)
+            x = torch.from_numpy(rng.standard_normal((3, HIDDEN))).float()
+            want = direct_moe(x, ids, w, lambda e: experts[0, e], reference_forward)
+            y, st = step_layer(tiers, stepper, 0, x, ids, w, reference_forward)
+            assert rel_err(y, want) < LANE_TOL
+            given.append(bool(st.cpu))
+        assert lane.alive and stepper.lane_judge.set_aside_late == 1
+        assert given[:4] == [True] * 4 and not any(given[5:]), given
+    kern.close()
+
+
 def test_a_worker_that_ignores_the_cancel_is_declared_dead(experts, caplog):
     release = threading.Event()
 

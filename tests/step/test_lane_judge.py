@@ -88,3 +88,27 @@ def test_a_pause_far_longer_than_the_steps_so_far_is_not_charged():
     now[0] += 0.2  # under IDLE_GAP_S, but 200 steps' worth
     drive(judge, now, 6, 1e-3, 1e-3)
     assert judge.trials == 1 and judge.last_ratio == pytest.approx(1.0)
+
+
+def test_a_lane_late_step_after_step_is_set_aside_at_once_and_tried_again_later():
+    now = [0.0]
+    judge = LaneJudge(clock=lambda: now[0], window=4, pairs=1, rejudge=3)
+    drive(judge, now, 8, 0.5e-3, 1e-3)
+    assert judge.kept is True
+    for late in (True, True, False, True, True, True):  # a step on time breaks a streak
+        judge.lane_step(late)
+    assert judge.offer() and judge.set_aside_late == 0
+    judge.lane_step(True)  # the fourth late step in a row
+    assert judge.kept is False and not judge.offer() and judge.set_aside_late == 1
+    assert judge.snapshot()["set_aside_late"] == 1
+    offered = drive(judge, now, 12, 0.5e-3, 1e-3)  # the rejudge countdown runs from the streak, then a trial
+    assert offered == [False] * 12 and judge.in_trial
+
+
+def test_a_late_streak_ends_a_trial_under_way():
+    now = [0.0]
+    judge = LaneJudge(clock=lambda: now[0], window=4, pairs=2)
+    drive(judge, now, 2, 0.5e-3, 1e-3)
+    for _ in range(4):
+        judge.lane_step(True)
+    assert not judge.in_trial and judge.kept is False and judge.trials == 0
