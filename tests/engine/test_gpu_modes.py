@@ -161,25 +161,28 @@ def test_glm53_width_lane_on_every_cold_pick(tmp_path, exl3):
     _near_exact("glm53 x2, the lane on every cold pick", stock, forced, stats, kl_max=2e-3)
 
 
-def glm53_width(tmp_path):
-    return write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4,
+def forced_lane_run(tmp_path, n: int, **kw) -> tuple[list, list, dict]:
+    """Stock's logits and those with the lane on every cold pick (kw: late_s or fail_after) on n windows of a
+    2-MoE-layer full-width checkpoint."""
+    path = write_exl3_checkpoint(tmp_path / "glm53", shape="glm53", moe_layers=2, mtp_layers=0, shards=4,
                                  router_skew=(0.11, 0.40))
+    windows = windows_for(150000, n)
+    stock, _ = paired_logits(path, windows)
+    got, stats = paired_logits(path, windows, slots=32, lane_threads=8, forced_lane=True, **kw)
+    return stock, got, stats
 
 
 def test_glm53_width_late_lane_waited_for_behind_the_stream_handoff(tmp_path, exl3):
     # The lane's partial is added in stream order (glm53.exl3.handoff): the engine thread queues the next layer while
     # the resolver waits for the ticket. Here every lane step is past its deadline; with the GPU already waiting on
     # the step's flag nothing may be recomputed on it, so the resolver waits for the lane and then releases the GPU.
-    path = glm53_width(tmp_path)
-    windows = windows_for(150000, 24)
-    stock, _ = paired_logits(path, windows)
-    late, stats = paired_logits(path, windows, slots=32, lane_threads=8, forced_lane=True, late_s=0.15)
+    stock, late, stats = forced_lane_run(tmp_path, 24, late_s=0.15)
     lane = stats["cpu_lane"]
     kl, top1, n = kl_top1(stock, late)
     print(f"\nlate lane: {n} positions, mean KL {kl:.2e}, top-1 {top1:.4f}; {lane['stream_handoffs']} hand-offs, "
           f"{lane['deadline_misses']} deadlines missed, {lane['recomputed_jobs']} jobs recomputed, {lane['jobs']} on "
           "the lane")
-    assert lane["stream_handoffs"] >= 2 * len(windows) and lane["deadline_misses"] > 0
+    assert lane["stream_handoffs"] >= 2 * len(late) and lane["deadline_misses"] > 0
     assert lane["recomputed_jobs"] == 0 and lane["alive"] and stats["handoff_errors"] == [], lane
     assert kl <= 1e-4 and top1 >= 0.99, f"KL {kl:.2e}, top-1 {top1:.4f}"
 
@@ -187,12 +190,9 @@ def test_glm53_width_late_lane_waited_for_behind_the_stream_handoff(tmp_path, ex
 def test_glm53_width_failed_lane_fails_its_forward_behind_the_stream_handoff(tmp_path, exl3):
     # The lane's worker dies at its third step while the GPU waits on that step's flag: the resolver writes NaN and
     # the flag, the check after that forward fails it, the lane is disabled, and every later window is stock's again.
-    path = glm53_width(tmp_path)
-    windows = windows_for(150000, 8)
-    stock, _ = paired_logits(path, windows)
-    got, stats = paired_logits(path, windows, slots=32, lane_threads=8, forced_lane=True, fail_after=2)
+    stock, got, stats = forced_lane_run(tmp_path, 8, fail_after=2)
     failed = stats["handoff_errors"]
-    later = [i for i in range(len(windows)) if i > failed[0]] if failed else []
+    later = [i for i in range(len(got)) if i > failed[0]] if failed else []
     kl, top1, _ = kl_top1([stock[i] for i in later], [got[i] for i in later]) if later else (float("nan"), 0.0, 0)
     print(f"\nfailed lane: forwards failed {failed}, lane alive {stats['cpu_lane']['alive']}; after it KL {kl:.2e}, "
           f"top-1 {top1:.4f}")
