@@ -734,6 +734,9 @@ def report(res: dict, moe_layers: int | None) -> str:
     ]
     for mode, m in res["modes"].items():
         recall = "-" if m["lookahead_recall"] != m["lookahead_recall"] else f"{m['lookahead_recall']:.2f}"
+        outside = ((m.get("tiers") or {}).get("lookahead") or {}).get("outside_precision")
+        if outside and recall != "-":  # what a prestage of a row's first guesses outside VRAM would have had right
+            recall += " (outside VRAM by order: " + ", ".join(f"{p:.2f}" for p in outside[:3]) + ")"
         paired = m.get("paired_over_exact", float("nan"))  # nan == nan is False: not measured
         lines.append(f"  {mode:<37}: {m['decode_tok_s']:8.1f} tok/s decode, {m['prefill_tok_s']:8.1f} tok/s prefill; "
                      f"x stock {m['over_stock']:.3f}, x bound {m['over_bound']:.3f}"

@@ -139,16 +139,23 @@ class Guesses:
     def __init__(self) -> None:
         self.meter = RecallMeter()
         self.pending: dict[int, np.ndarray] = {}  # layer -> the (rows, k) ids guessed for its next step
+        self.outside: dict[int, list[list[bool]]] = {}  # layer -> which of those were outside VRAM when guessed
         self.hits: list[int] = []  # plain ints: updated per guess on the per-step path
         self.total: list[int] = []
         self.precision: list[float] = []  # (hits + 1) / (total + 2) per rank, refreshed when the counts change
+        # The same for the guesses outside VRAM, by their order among those in a row: what a prestage of a row's
+        # first few outside guesses would have had right (docs/decode-step-design.md, item 3).
+        self.outside_hits: list[int] = []
+        self.outside_total: list[int] = []
 
     def score(self, li: int, ids: np.ndarray, decode: bool) -> None:
         """Score layer li's pending guess against its real picks `ids` (rows, top_k)."""
-        pred = self.pending.pop(li, None)
+        pred, outside = self.pending.pop(li, None), self.outside.pop(li, None)
         if pred is None or not decode or pred.shape[0] != ids.shape[0]:
             return  # no guess, or not for this step's rows (another batch shape came between)
         guesses, reals = pred.tolist(), ids.tolist()
+        if outside is not None:
+            self._score_outside(guesses, reals, outside)
         hits, total = self.hits, self.total
         k = len(guesses[0]) if guesses else 0
         if len(total) < k:
@@ -178,6 +185,24 @@ class Guesses:
             picked |= real_set
         self.meter.add(li, row_hits, picks, len(picked & guessed), len(picked))
         self.precision = [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
+
+    def _score_outside(self, guesses: list[list[int]], reals: list[list[int]], outside: list[list[bool]]) -> None:
+        hits, total = self.outside_hits, self.outside_total
+        for guess, real, out in zip(guesses, reals, outside, strict=True):
+            real_set, j = set(real), 0
+            for e, o in zip(guess, out, strict=True):
+                if not o:
+                    continue
+                if j == len(total):
+                    hits.append(0)
+                    total.append(0)
+                total[j] += 1
+                hits[j] += e in real_set
+                j += 1
+
+    def outside_precision(self) -> list[float]:
+        """Per order among a row's guesses outside VRAM (first first): the share the real picks contained."""
+        return [h / t for h, t in zip(self.outside_hits, self.outside_total, strict=True) if t]
 
     def likely(self, predicted: np.ndarray, floor: float) -> list[int]:
         """The predicted experts guessed at a rank right more often than `floor` (live precision; a rank not yet

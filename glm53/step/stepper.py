@@ -497,6 +497,7 @@ class MoeStepper:
             return 0
         predicted = np.array(predicted, np.int64, ndmin=2)  # a copy: the caller's buffer is reused
         self._near.pending[li] = predicted
+        self._near.outside[li] = (self.tiers.where[li][predicted] != self._vram_code).tolist()
         started = self._read_ahead(li, predicted, busy) if self.nvme is not None else self._admit_ahead(li, predicted)
         self.prefetched += started
         return started
@@ -548,6 +549,7 @@ class MoeStepper:
                      "lookahead": {**self.lookahead.snapshot(), "prefetched": self.prefetched,
                                    "gate": self.ahead_gate.snapshot() if self.nvme is not None else None,
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
+                                   "outside_precision": [round(p, 3) for p in self._near.outside_precision()],
                                    "guess_floor": round(self.guess_floor, 3),
                                    "guess_saving": (round(self.nvme.guess_saving(), 3) if self.nvme is not None
                                                     else None)}}

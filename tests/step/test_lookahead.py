@@ -125,3 +125,18 @@ def test_the_stepper_scores_its_guesses_as_the_recall_meter_counts_them() -> Non
     assert guesses.meter.snapshot() == meter.snapshot()
     assert (guesses.hits, guesses.total) == (hits, total)
     assert guesses.precision == [(h + 1) / (t + 2) for h, t in zip(hits, total, strict=True)]
+
+
+def test_the_guesses_outside_vram_are_scored_by_their_order_in_the_row() -> None:
+    """What a prestage of a row's first outside-VRAM guesses would have had right: guesses inside VRAM are skipped,
+    the rest counted by their order among the row's outside ones."""
+    guesses = Guesses()
+    guesses.pending[2] = np.array([[5, 1, 7, 3], [2, 6, 4, 0]])
+    guesses.outside[2] = [[False, True, True, False], [True, True, False, True]]
+    guesses.score(2, np.array([[5, 7, 9], [0, 6, 8]]), True)
+    # row 0: outside 1 (miss), 7 (hit); row 1: outside 2 (miss), 6 (hit), 0 (hit)
+    assert (guesses.outside_hits, guesses.outside_total) == ([0, 2, 1], [2, 2, 1])
+    assert guesses.outside_precision() == [0.0, 1.0, 1.0]
+    guesses.pending[2], guesses.outside[2] = np.array([[1, 2]]), [[True, False]]
+    guesses.score(2, np.array([[1, 3]]), False)  # a prompt step: not scored, and its guess is gone
+    assert guesses.outside_total == [2, 2, 1] and 2 not in guesses.outside
