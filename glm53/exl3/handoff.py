@@ -10,13 +10,12 @@ flag.
 
 The resolver queues no device work, ever: while the compute stream waits on a flag, work queued on the device from
 any stream may wait behind it (streams share the GPU's hardware queues), and a recompute's copy that waits for the
-flag its own thread must write never runs. So a late lane is waited for rather than recomputed
-(glm53.cpu_lane.lane: `recompute=False`),
-and a ticket the lane has already left to the exact path is resolved on the engine thread before anything waits
-(the combine checks `needs_recompute`). A lane that fails or stalls with the GPU waiting fails the step: the resolver
-writes NaN and the flag anyway (the GPU must not wait forever) and keeps the error; `check()`, called after every
-generator iteration, raises it, so the request fails loudly and its tokens are never emitted. The lane is disabled
-by then, so later steps take the exact path.
+flag its own thread must write never runs. So a late lane is waited for rather than recomputed (glm53.cpu_lane.lane:
+`recompute=False`), and a ticket the lane has already left to the exact path is resolved on the engine thread
+before anything waits (the combine checks `needs_recompute`). A lane that fails or stalls with the GPU waiting fails
+the step: the resolver writes NaN and the flag anyway (the GPU must not wait forever) and keeps the error; `check()`,
+called after every generator iteration, raises it, so the request fails loudly and its tokens are never emitted.
+The lane is disabled by then, so later steps take the exact path.
 """
 
 from __future__ import annotations
