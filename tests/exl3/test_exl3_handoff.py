@@ -20,7 +20,7 @@ from glm53.cpu_lane.lane import CpuLane, LaneJob
 from glm53.exl3.handoff import LaneHandOffError, StreamHandOff
 from glm53.tiers import exl3_expert_layout
 
-HIDDEN = 64
+HIDDEN = 256  # the lane layout's below, so one hand-off serves the stand-in tickets and the real lane
 
 
 class Ticket:
@@ -120,18 +120,8 @@ def test_the_registration_lasts_as_long_as_the_hand_off():
 
 # ---- the real lane behind the hand-off: nothing is recomputed while the device waits --------------------------------
 
-LANE_HIDDEN = 256
-LAYOUT = exl3_expert_layout(LANE_HIDDEN, 128, 3)
+LAYOUT = exl3_expert_layout(HIDDEN, 128, 3)
 WEIGHTS = np.array([1.0, 0.5], np.float32)
-
-
-@pytest.fixture
-def wide():
-    cuda, ext = Cuda(), Ext()
-    with torch.inference_mode():
-        h = StreamHandOff("cpu", LANE_HIDDEN, ext, cuda=cuda)
-    yield h
-    h.close()
 
 
 def lane_step(lane: CpuLane, ext: Ext, deadline: float = 0.01):
@@ -141,7 +131,7 @@ def lane_step(lane: CpuLane, ext: Ext, deadline: float = 0.01):
         ext.device_work()
         return np.full_like(job.x, -1.0)
 
-    x = np.ones((2, LANE_HIDDEN), np.float32)
+    x = np.ones((2, HIDDEN), np.float32)
     job = LaneJob(5, np.zeros(LAYOUT.nbytes, np.uint8), x, token_rows=np.array([0, 1]), weights=WEIGHTS)
     return lane.submit(3, [job], recompute, deadline=deadline)
 
@@ -160,34 +150,34 @@ def late(value: float, delay: float):
 
 
 @torch.inference_mode()
-def test_a_late_lane_is_waited_for_and_nothing_is_recomputed_while_the_device_waits(wide):
+def test_a_late_lane_is_waited_for_and_nothing_is_recomputed_while_the_device_waits(handoff):
     with CpuLane(LAYOUT, threads=1, compute=late(3.0, 0.15)) as lane:
-        final = torch.zeros((2, LANE_HIDDEN))
-        got = wide.enqueue(final, lane_step(lane, wide.ext), 2, final.shape)
-        wide.check()
+        final = torch.zeros((2, HIDDEN))
+        got = handoff.enqueue(final, lane_step(lane, handoff.ext), 2, final.shape)
+        handoff.check()
         snap = lane.snapshot()
-    assert torch.equal(got, (3.0 * torch.from_numpy(WEIGHTS))[:, None].expand(2, LANE_HIDDEN))
-    assert wide.ext.device_works == 0 and snap["recomputed_jobs"] == 0 and snap["deadline_misses"] == 1
+    assert torch.equal(got, (3.0 * torch.from_numpy(WEIGHTS))[:, None].expand(2, HIDDEN))
+    assert handoff.ext.device_works == 0 and snap["recomputed_jobs"] == 0 and snap["deadline_misses"] == 1
     assert snap["alive"]
 
 
 @torch.inference_mode()
-def test_a_lane_that_fails_while_the_device_waits_fails_the_step_and_is_disabled(wide, caplog):
+def test_a_lane_that_fails_while_the_device_waits_fails_the_step_and_is_disabled(handoff, caplog):
     def broken(jobs, outs, done, cancel):
         time.sleep(0.05)
         raise RuntimeError("pool gone")
 
     with CpuLane(LAYOUT, threads=1, compute=broken) as lane:
-        final = torch.zeros((2, LANE_HIDDEN))
-        got = wide.enqueue(final, lane_step(lane, wide.ext, deadline=5.0), 2, final.shape)
+        final = torch.zeros((2, HIDDEN))
+        got = handoff.enqueue(final, lane_step(lane, handoff.ext, deadline=5.0), 2, final.shape)
         assert torch.isnan(got).all()
         with pytest.raises(LaneHandOffError, match="did not finish expert 5.*pool gone"):
-            wide.check()
-        assert not lane.alive and wide.ext.device_works == 0
+            handoff.check()
+        assert not lane.alive and handoff.ext.device_works == 0
 
 
 @torch.inference_mode()
-def test_a_stalled_lane_fails_the_step_instead_of_holding_the_device_forever(wide):
+def test_a_stalled_lane_fails_the_step_instead_of_holding_the_device_forever(handoff):
     release = threading.Event()
 
     def stuck(jobs, outs, done, cancel):
@@ -195,28 +185,28 @@ def test_a_stalled_lane_fails_the_step_instead_of_holding_the_device_forever(wid
 
     lane = CpuLane(LAYOUT, threads=1, compute=stuck, grace=0.05, stall=0.05)
     try:
-        final = torch.zeros((2, LANE_HIDDEN))
+        final = torch.zeros((2, HIDDEN))
         t0 = time.monotonic()
-        got = wide.enqueue(final, lane_step(lane, wide.ext), 2, final.shape)
+        got = handoff.enqueue(final, lane_step(lane, handoff.ext), 2, final.shape)
         assert time.monotonic() - t0 < 2.0 and torch.isnan(got).all()
         with pytest.raises(LaneHandOffError, match="did not stop"):
-            wide.check()
-        assert not lane.alive and wide.ext.device_works == 0
+            handoff.check()
+        assert not lane.alive and handoff.ext.device_works == 0
     finally:
         release.set()
         lane.close()
 
 
 @torch.inference_mode()
-def test_a_step_queued_past_its_deadline_is_still_computed_for_the_waiting_device(wide):
+def test_a_step_queued_past_its_deadline_is_still_computed_for_the_waiting_device(handoff):
     # The lane's thread is descheduled (here: busy with the step before) until this step's deadline has passed: the
     # worker still computes it, since the device waits for it and nothing can recompute it there.
     with CpuLane(LAYOUT, threads=1, compute=late(2.0, 0.1)) as lane:
-        first = lane.submit(3, [LaneJob(1, np.zeros(LAYOUT.nbytes, np.uint8), np.ones((2, LANE_HIDDEN), np.float32),
+        first = lane.submit(3, [LaneJob(1, np.zeros(LAYOUT.nbytes, np.uint8), np.ones((2, HIDDEN), np.float32),
                                         token_rows=np.array([0, 1]), weights=WEIGHTS)], lambda job: None, deadline=5.0)
-        final = torch.zeros((2, LANE_HIDDEN))
-        got = wide.enqueue(final, lane_step(lane, wide.ext, deadline=0.01), 2, final.shape)
-        wide.check()
+        final = torch.zeros((2, HIDDEN))
+        got = handoff.enqueue(final, lane_step(lane, handoff.ext, deadline=0.01), 2, final.shape)
+        handoff.check()
         first.outputs()
-    assert torch.equal(got, (2.0 * torch.from_numpy(WEIGHTS))[:, None].expand(2, LANE_HIDDEN))
-    assert wide.ext.device_works == 0
+    assert torch.equal(got, (2.0 * torch.from_numpy(WEIGHTS))[:, None].expand(2, HIDDEN))
+    assert handoff.ext.device_works == 0
