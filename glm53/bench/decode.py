@@ -693,7 +693,13 @@ def misses_per_token(rows: list[dict]) -> float:
 
 
 def _judged(m: dict) -> str:
-    """The CPU lane's verdict in a mode that has one: whether decode steps offering it were faster."""
+    """The CPU lane's or the prestage's verdict in a mode that has one: whether decode steps with it were faster."""
+    pre = (((m.get("tiers") or {}).get("lookahead") or {}).get("prestage"))
+    if pre:
+        judge, ratio = pre["judge"], pre["judge"]["ratio_on_over_off"]
+        verdict = "on trial" if judge["kept"] is None else "kept" if judge["kept"] else "set aside"
+        return (f"; prestage {verdict} (steps with it took {'-' if ratio is None else f'{ratio:.3f}'} of the others; "
+                f"{pre['used']} of {pre['staged']} copied ahead read by their step)")
     judge = (m.get("tiers") or {}).get("cpu_lane", {}).get("judge")
     if not judge:
         return ""

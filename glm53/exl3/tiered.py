@@ -21,8 +21,9 @@ How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
   the picks it computes get a masked slot id (exact zeros on the GPU) and the seam returns a pending ticket; the
   instance's `cpu_split_combine`, called after the GPU kernels are queued, adds the lane's partial.
 - With lookahead on, each decode step also queues the next MoE layer's router on this step's input, so the
-  next layer's likely experts start moving (nvme reads, admissions) while this layer computes; in the nvme modes
-  only for the layers whose experts the store still serves (MoeStepper.wants_ahead).
+  next layer's likely experts start moving (nvme reads; exact: a few copied into reserved staging rows) while this
+  layer computes; in the nvme modes only for the layers whose experts the store still serves, in exact only while
+  the prestage's judge finds steps faster (MoeStepper.wants_ahead).
 - `_split_saved` holds the original lists, so stock `cpu_unload()` (called by `unload()`) restores the module.
 
 Why this is bit-identical to stock exllamav3 with every expert in VRAM: the stock kernels run on the same
@@ -52,6 +53,7 @@ from glm53.exl3.contract import MAX_BSZN
 from glm53.exl3.placement import decoder_layer, moe_modules
 from glm53.exl3.tensors import SafetensorsIndex
 from glm53.planning.spec import EngineSpec, staging_for
+from glm53.step.prestage import Prestage
 from glm53.step.stepper import MoeStepper
 
 log = logging.getLogger("glm53.engine")
@@ -126,8 +128,9 @@ class TieredMoE:
         statistics (num_moe_layers, num_experts) to warm the VRAM cache and the policies. admit=False: misses are
         only streamed. nvme_open() -> NvmeTier: the nvme modes (glm53.tiers.nvme_open.open_nvme_tier with
         warm=False, bound to the store and the spec). lookahead: run the next MoE layer's router on each decode step's
-        input and start the store reads of its predicted experts one layer ahead (default: in the nvme modes;
-        elsewhere it would only admit ahead, over the PCIe link decode is already bound by). A decode step's copies
+        input where the stepper wants its guess (MoeStepper.wants_ahead): the nvme modes start the store reads of the
+        predicted experts one layer ahead, exact prestages a few of them into staging rows reserved for it where the
+        dedicated rows leave room (glm53.step.prestage); default on. A decode step's copies
         are waited for by the GPU, not the host, and its admissions are decided and copied (device to device, from
         staging) once its kernels are queued (glm53.step)."""
         import torch
@@ -150,7 +153,7 @@ class TieredMoE:
         self.link_devices, self.link_of = _links(spec, mods)
         self.layout = self._layout()
         self.nvme_open = nvme_open
-        self.lookahead = nvme_open is not None if lookahead is None else lookahead
+        self.lookahead = True if lookahead is None else lookahead
         self.tiers: Any = None
         self.nvme: Any = None
         self.stepper: MoeStepper | None = None
@@ -296,8 +299,11 @@ class TieredMoE:
             self.nvme.warm(self.counts)
         else:
             self.tiers.populate(load, self.counts)
+        prestage = None
+        if self.lookahead and self.nvme is None and Prestage.room(self.spec.dedicated_staging, self.top_k):
+            prestage = Prestage(self.spec.dedicated_staging, self.top_k)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
-                                  admit=self.admit, nvme=self.nvme)
+                                  admit=self.admit, nvme=self.nvme, prestage=prestage)
         hidden = self.layers[0].module.hidden_size
         for li, layer in enumerate(self.layers):
             m = layer.module

@@ -1,109 +1,34 @@
-"""Whether offering decode steps to the CPU lane makes them faster, judged from the steps' own wall time.
+"""Whether offering decode steps to the CPU lane makes them faster: a paired judge (glm53.step.paired_judge).
 
 The planner's cost model prices a lane job by its kernel time, but offering the lane also costs every step a
-host-side share (the step's input rows cross with the ids, the GPU waits for the partial and copies it in);
-on a host whose PCIe outruns its CPU the lane's picks buy less than that (docs/results.md). So the lane is judged
-by outcome: during a trial, windows of decode layer steps
-alternate between offering the lane and not, and it stays on only if the steps with it were faster, by the
-median of the paired windows' ratios. Ties go to the exact path. A decided lane is re-tried after REJUDGE
-windows, since the batch mix (rows per expert) moves the balance.
-
-What keeps the comparison fair: a window ends only at a token's end (a step is timed up to the next one, so the
-last MoE layer's step also carries the token's head, sampling and dense layers: a window holding one more of
-those than its partner would decide the verdict); pairs alternate which window comes first (on-off, off-on, ...)
-so a steady trend, such as a cache still warming, cancels; an interval far longer than the steps so far is a
-pause between requests, not a step, and is not charged.
+host-side share (the step's input rows cross with the ids, the GPU waits for the partial and adds it); on a host
+whose PCIe outruns its CPU the lane's picks buy less than that (docs/results.md). So the lane is judged by outcome:
+paired windows of decode layer steps with and without it, the picks it served being those the planner gave it.
 
 A lane that keeps finishing past its deadlines (LATE_STREAK steps in a row: its cores taken by other work, say) is
 set aside at once rather than at the next trial: where the GPU waits on the lane in stream order a late step is
-waited for, so a slowed lane would slow every step until then.
-
-Pure bookkeeping on a clock: glm53.step.stepper.MoeStepper calls `started(decode)` as each layer step begins and
-`done(picks, cpu, end_of_token)` once a decode step's lane decision is made; `offer()` says whether the next
-decode step offers the lane."""
+waited for, so a slowed lane would slow every step until then."""
 
 from __future__ import annotations
 
 import logging
-import statistics
-import time
-from collections.abc import Callable
+
+from glm53.step.paired_judge import IDLE_GAP_S, MARGIN, MIN_SHARE, PairedJudge
+
+__all__ = ["IDLE_GAP_S", "LATE_STREAK", "MARGIN", "MIN_SHARE", "LaneJudge"]
 
 log = logging.getLogger(__name__)
 
-WINDOW = 64          # decode layer steps per window at least (then up to the token's end)
-PAIRS = 4            # lane-on / lane-off window pairs per trial
-MARGIN = 0.02        # the lane is kept only if it makes a layer step at least this much faster
-MIN_SHARE = 0.005    # ... and the planner gave it at least this share of the on-windows' picks
-REJUDGE = 256        # windows between the end of one trial and the start of the next
 LATE_STREAK = 4      # lane steps in a row past their deadlines that set the lane aside until the next trial
-IDLE_GAP_S = 0.5     # a longer interval between two decode steps is a pause between requests, not a step ...
-IDLE_FACTOR = 50     # ... and so is one over this many times the typical step (with a floor of IDLE_FLOOR_S)
-IDLE_FLOOR_S = 0.02
 
 
-class LaneJudge:
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, window: int = WINDOW, pairs: int = PAIRS,
-                 rejudge: int = REJUDGE):
-        self.clock = clock
-        self.window, self.pairs, self.rejudge = int(window), int(pairs), int(rejudge)
-        self.trials = 0
-        self.kept: bool | None = None        # the last trial's verdict (None before the first ends)
-        self.last_ratio: float | None = None  # median lane-on / lane-off step time of the last trial
-        self.last_share: float | None = None  # the lane's share of the on-windows' picks in the last trial
-        self.late_streak = 0                  # lane steps in a row past their deadlines
-        self.set_aside_late = 0               # times a late streak set the lane aside
-        self._typical: float | None = None    # a running mean of charged intervals (for the pause test)
-        self._start_trial()
+class LaneJudge(PairedJudge):
+    what = "CPU lane"
 
-    def _start_trial(self) -> None:
-        self.in_trial = True
-        self._arm = True             # pair p offers the lane in its first window when p is even, else its second
-        self._steps = 0              # decode steps done in the current window
-        self._window_index = 0       # windows 2p and 2p + 1 form pair p
-        self._time = [0.0] * (2 * self.pairs)
-        self._count = [0] * (2 * self.pairs)
-        self._picks = self._cpu = 0
-        self._last: tuple[float, int] | None = None  # (start, window index) of the previous decode step
-
-    def offer(self) -> bool:
-        """Whether the next decode step offers the lane its misses."""
-        return self._arm if self.in_trial else bool(self.kept)
-
-    def started(self, decode: bool) -> None:
-        """A layer step begins: the previous decode step's interval is charged to its window."""
-        now = self.clock()
-        last, self._last = self._last, None
-        if last is not None and decode:
-            dt = now - last[0]
-            limit = IDLE_GAP_S if self._typical is None else \
-                min(IDLE_GAP_S, max(IDLE_FLOOR_S, IDLE_FACTOR * self._typical))
-            if dt <= limit:
-                self._time[last[1]] += dt
-                self._count[last[1]] += 1
-                self._typical = dt if self._typical is None else 0.95 * self._typical + 0.05 * dt
-        if decode and self.in_trial:
-            self._last = (now, self._window_index)
-
-    def done(self, picks: int, cpu: int, end_of_token: bool = True) -> None:
-        """A decode step's lane decision is made (picks: the step's picks; cpu: those given to the lane;
-        end_of_token: this was the last MoE layer's step, where windows may end)."""
-        self._steps += 1
-        if not self.in_trial:
-            if self._steps >= self.rejudge * self.window and end_of_token:
-                self._start_trial()
-            return
-        if self._arm:
-            self._picks += picks
-            self._cpu += cpu
-        if self._steps < self.window or not end_of_token:
-            return
-        self._steps = 0
-        self._window_index += 1
-        pair, second = divmod(self._window_index, 2)
-        self._arm = (pair % 2 == 0) != bool(second)
-        if self._window_index == 2 * self.pairs:
-            self._verdict()
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.late_streak = 0     # lane steps in a row past their deadlines
+        self.set_aside_late = 0  # times a late streak set the lane aside
 
     def lane_step(self, late: bool) -> None:
         """A lane step resolved, past its deadline or not: LATE_STREAK late ones in a row set the lane aside until
@@ -115,40 +40,20 @@ class LaneJudge:
                     "or slow); decode runs as the exact mode does (tried again later)", self.late_streak)
         self.set_aside_late += 1
         self.late_streak = 0
-        self.kept = False
-        self.in_trial = False
-        self._steps = 0
-        self._last = None
+        self.set_aside()
 
-    def _verdict(self) -> None:
-        ratios = []
-        for p in range(self.pairs):
-            on, off = (2 * p, 2 * p + 1) if p % 2 == 0 else (2 * p + 1, 2 * p)
-            t_on, t_off, n_on, n_off = self._time[on], self._time[off], self._count[on], self._count[off]
-            if n_on and n_off and t_off > 0:
-                ratios.append((t_on / n_on) / (t_off / n_off))
-        self.last_ratio = statistics.median(ratios) if ratios else None
-        self.last_share = self._cpu / self._picks if self._picks else 0.0
-        kept = (self.last_ratio is not None and self.last_ratio < 1 - MARGIN and self.last_share >= MIN_SHARE)
-        if kept != self.kept:
-            ratio = "no timed pairs" if self.last_ratio is None else f"{self.last_ratio:.3f}"
-            if kept:
-                log.info("CPU lane on: decode layer steps offering it took %s of the time of those without "
-                         "(median of %d paired windows); it had %.1f%% of their picks", ratio, self.pairs,
-                         100 * self.last_share)
-            else:
-                log.info("CPU lane set aside: decode layer steps offering it took %s of the time of those without "
-                         "(median of %d paired windows) with %.1f%% of their picks: PCIe serves this host's misses "
-                         "at least as fast; decode runs as the exact mode does (tried again later)", ratio,
-                         self.pairs, 100 * self.last_share)
-        self.kept = kept
-        self.trials += 1
-        self.in_trial = False
-        self._steps = 0
-        self._last = None
+    def _announce(self, kept: bool, ratio: str) -> None:
+        share = 100 * (self.last_share or 0.0)
+        if kept:
+            log.info("CPU lane on: decode layer steps offering it took %s of the time of those without "
+                     "(median of %d paired windows); it had %.1f%% of their picks", ratio, self.pairs, share)
+        else:
+            log.info("CPU lane set aside: decode layer steps offering it took %s of the time of those without "
+                     "(median of %d paired windows) with %.1f%% of their picks: PCIe serves this host's misses "
+                     "at least as fast; decode runs as the exact mode does (tried again later)", ratio, self.pairs,
+                     share)
 
     def snapshot(self) -> dict:
-        return {"in_trial": self.in_trial, "offer": self.offer(), "trials": self.trials, "kept": self.kept,
-                "ratio_on_over_off": None if self.last_ratio is None else round(self.last_ratio, 4),
-                "cpu_share": None if self.last_share is None else round(self.last_share, 4),
-                "set_aside_late": self.set_aside_late}
+        doc = super().snapshot()
+        doc["cpu_share"] = doc.pop("share")
+        return {**doc, "set_aside_late": self.set_aside_late}

@@ -12,9 +12,10 @@ decide who computes each miss (lane), move the misses' bytes (copies), translate
   then waited for one by one, so their reads overlap each other.
   fast / nvme: the planner (glm53.cpu_lane.planner) splits each decode step's RAM-resident misses between the
   CPU lane and PCIe; exact / nvme-exact send every miss over PCIe.
-  lookahead: the adapter may hand in the next layer's router run on this layer's input; its picks are read or
-  admitted one layer ahead (reads and copies overlap this layer's experts and the next layer's attention), and
-  how many of them the next layer really picks is counted (recall). In the nvme modes a guess is read only at
+  lookahead: the adapter may hand in the next layer's router run on this layer's input; its picks are read (nvme
+  modes) or a few of them copied into staging (exact: glm53.step.prestage) one layer ahead, so reads and copies
+  overlap this layer's experts and the next layer's attention, and how many of them the next layer really picks is
+  counted (recall). In the nvme modes a guess is read only at
   ranks right often enough for the store's load (see guess_floor), and a layer is guessed for only while the store
   works for it (glm53.step.ahead_gate: the caller asks `wants_ahead`); a step none of whose experts is in the store
   puts nothing in flight and settles only the guesses read ahead for it.
@@ -34,6 +35,7 @@ from glm53.planning.spec import FREE_RAM_SLOTS
 from glm53.step.ahead_gate import AheadGate
 from glm53.step.lane_judge import LaneJudge
 from glm53.step.lookahead import Guesses, LazySets
+from glm53.step.prestage import Prestage
 from glm53.step.slots import NO_SLOTS, Resolution, StepError, decode_slots, translate
 from glm53.step.timing import StepTimer
 
@@ -66,7 +68,8 @@ class MoeStepper:
 
     def __init__(self, tiers: Any, cache_slots: Sequence[int], staging_slots: int, *, admit: bool = True,
                  lane: Any = None, fit: Any = None, recompute: Recompute | None = None, nvme: Any = None,
-                 lane_judge: LaneJudge | None = None, timer: StepTimer | None = None):
+                 lane_judge: LaneJudge | None = None, timer: StepTimer | None = None,
+                 prestage: Prestage | None = None):
         """tiers: glm53.tiers.ExpertTiers (nvme modes: the NvmeTier's). cache_slots: S per layer. lane: a
         glm53.cpu_lane.CpuLane (fast / nvme modes) with `fit`, the planner's LiveFit, and `recompute`. nvme: the
         NvmeTier, for prefetch.
@@ -77,7 +80,9 @@ class MoeStepper:
         from are then only the start-up ones.
         lane_judge: a glm53.step.lane_judge.LaneJudge (default: a new one on the wall clock), which decides from
         paired windows of decode steps whether offering the lane makes them faster. timer: the StepTimer the
-        steps' host time goes through (default: a new one on the wall clock)."""
+        steps' host time goes through (default: a new one on the wall clock). prestage: a glm53.step.prestage.Prestage
+        (all-RAM modes without a lane): the caller's guesses for the next layer (`ahead`) copy a few of its likely
+        misses into reserved staging rows while the link would idle, as long as its judge finds steps faster."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
@@ -98,8 +103,9 @@ class MoeStepper:
         self.ahead_gate = AheadGate()  # nvme modes: which layers the lookahead runs for (wants_ahead)
         self.last_assignment: Any = None
         self.lane_judge = LaneJudge() if lane_judge is None else lane_judge
+        self.prestage = prestage
         self._last_ticket: Any = None  # the last lane step's ticket, for the judge's late streak
-        self.prefetched = 0  # reads (nvme) or admissions (all-RAM) started from a prediction
+        self.prefetched = 0  # reads (nvme) or prestage copies (all-RAM) started from a prediction
         self.lent_out = 0  # experts that left VRAM because a step borrowed their cache slot as staging
         self.copied_before_store_wait = 0  # RAM misses sent over PCIe while the step's store reads finished
         # nvme modes: a guess is read ahead only at ranks whose precision p beats the floor load / (1 + load), the
@@ -122,8 +128,14 @@ class MoeStepper:
         then `ahead`). All-RAM modes: always (the guess admits ahead). nvme modes: while the guesses for the layer
         start store reads or its steps read from the store, and now and then to probe (AheadGate); with every
         expert the layer picks in RAM or VRAM the router run and its bookkeeping would only delay the GPU. Asked
-        once per decode step of the layer before it."""
-        return self.nvme is None or self.ahead_gate.wants(li)
+        once per decode step of the layer before it. All-RAM modes: while the prestage's judge offers it (never
+        beside the CPU lane, whose judge times the same steps)."""
+        if self.nvme is not None:
+            return self.ahead_gate.wants(li)
+        return self._prestaging() and self.prestage.judge.offer()
+
+    def _prestaging(self) -> bool:
+        return self.prestage is not None and self.lane is None
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -161,6 +173,7 @@ class MoeStepper:
         """A decode step: every PCIe miss streams through staging, the GPU (not the host) waits for the copies, and
         the policy's learning and admissions wait for after_launch."""
         p = self._begin(li, ids, decode=True)
+        ahead_rows, ahead_ticket = self._take_prestaged(p, decode=True)
         reading, ahead_later = self._decode_reads(p, read_ahead)
         hits, misses = self._split_hits(p)
         resolved = Resolution(slots=NO_SLOTS)
@@ -171,7 +184,10 @@ class MoeStepper:
             self.lane_judge.done(p.ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
             on_cpu = set(resolved.cpu)
             pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
-        resolved.staged = list(pcie)
+        pre = {e: ahead_rows[e] for e in pcie if e in ahead_rows} if ahead_rows else {}
+        resolved.staged = [e for e in pcie if e not in pre] if pre else list(pcie)
+        if self._prestaging():
+            self._judge_prestage(p, pre)
         self._make_room(p, resolved.staged)
         self._count_picks(li, p.picks, hits, p.from_store, resolved.cpu)
         if resolved.cpu:
@@ -179,13 +195,15 @@ class MoeStepper:
             resolved.ticket = self._last_ticket = self._submit_lane(li, p.ids, x, weights, resolved.cpu)
         self.timer.phase(None)
         last = self._stream_decode(p, resolved, reading)
+        if last is None and pre:  # only prestaged misses: the GPU waits for their copies (else the last covers them)
+            last = ahead_ticket
         self._charge_copies(p, resolved.staged, hits)
-        self._deferred = (li, p.ids, p.uniq, pcie, resolved.staged, ahead_later, p.uniq_l)
+        self._deferred = (li, p.ids, p.uniq, pcie, resolved.staged, ahead_later, p.uniq_l, pre)
         if last is not None:  # the GPU waits for the copies, the host goes on
             self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", self._order_after, li, resolved.staged, last))
         self.timer.phase("plan_copies")
         resolved.slots = decode_slots(p.ids, p.picks, p.uniq, self.tiers.vram[li].slot_of, resolved.staged,
-                                      self.cache_slots[li], resolved.cpu, self.masked_id(li))
+                                      self.cache_slots[li], resolved.cpu, self.masked_id(li), prestaged=pre)
         self.timer.end()
         return resolved
 
@@ -193,6 +211,7 @@ class MoeStepper:
         """A prefill step: every picked expert is staged in ascending id order (residents copied on the device), the
         host waits for the copies, and nothing is learned or admitted."""
         p = self._begin(li, ids, decode=False)
+        self._take_prestaged(p, decode=False)  # a chunk's staging may use every row: any guess copied ahead is void
         self._count_lookahead(li, p.ids, False)
         self._prefill_reads(p, next_guess)
         hits, _ = self._split_hits(p)
@@ -221,6 +240,8 @@ class MoeStepper:
         tiers.give_back_lent()  # the last step's kernels are queued: a copy into its borrowed slots now waits for them
         if self.lane is not None:
             self.lane_judge.started(decode)
+        elif self.prestage is not None:
+            self.prestage.judge.started(decode)
         if self.nvme is not None:
             self.nvme.mark_step(li if decode else None)
         tiers.poll()
@@ -453,21 +474,24 @@ class MoeStepper:
         if d is None:
             return
         t0 = self.timer.clock()
-        li, ids, uniq, pcie, staged, read_ahead, busy = d
+        li, ids, uniq, pcie, staged, read_ahead, busy, pre = d
         if read_ahead is not None:  # the next layer's reads, held back by a step with no store read to wait for
             read_ahead(busy)  # first: every microsecond before it delays the disk
         self._count_lookahead(li, ids, True)
         self.tiers.observe(li, ids)
         if self.admit and staged:
-            self._admit_streamed(li, uniq, pcie, staged)
+            self._admit_streamed(li, uniq, pcie, staged, pre)
         if self.nvme is not None and self.tiers.ram.free_count() < FREE_RAM_SLOTS:
             self._keep_ram_free(li, busy)
         self.timer.since("after_launch", t0)
 
-    def _admit_streamed(self, li: int, uniq: np.ndarray, pcie: list[int], staged: list[int]) -> None:
-        """The policy admits the streamed misses it wants, each copied on the device from its staging row."""
+    def _admit_streamed(self, li: int, uniq: np.ndarray, pcie: list[int], staged: list[int],
+                        pre: dict[int, int]) -> None:
+        """The policy admits the streamed (or prestaged) misses it wants, each copied on the device from its staging
+        row."""
         tiers = self.tiers
         row = {e: i for i, e in enumerate(staged)}
+        row.update(pre)
         # Still in RAM: in the nvme modes the lookahead's store reads may have dropped one since (the tiers move an
         # expert into VRAM only from RAM).
         where, ram = tiers.where[li], self._ram_code
@@ -489,16 +513,16 @@ class MoeStepper:
 
     def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = ()) -> int:
         """Layer li, the one after the layer stepping now, is predicted to pick `predicted` (ids, any shape): read its
-        store-only experts into RAM (nvme modes), or admit its RAM experts the policy wants (all-RAM modes, when
-        admitting), so their bytes move while the GPU is still busy with the layer before. busy: experts of the
-        layer stepping now that must stay (the CPU lane's; all of the step's when called from inside resolve),
-        never dropped for a prefetch. Returns the reads or admissions started."""
+        store-only experts into RAM (nvme modes), or prestage a few of its RAM experts into staging (all-RAM modes
+        with a prestage), so their bytes move while the GPU is still busy with the layer before. busy: experts of
+        the layer stepping now that must stay (the CPU lane's; all of the step's when called from inside resolve),
+        never dropped for a prefetch. Returns the reads or copies started."""
         if not 0 <= li < len(self.cache_slots):
             return 0
         predicted = np.array(predicted, np.int64, ndmin=2)  # a copy: the caller's buffer is reused
         self._near.pending[li] = predicted
         self._near.outside[li] = (self.tiers.where[li][predicted] != self._vram_code).tolist()
-        started = self._read_ahead(li, predicted, busy) if self.nvme is not None else self._admit_ahead(li, predicted)
+        started = self._read_ahead(li, predicted, busy) if self.nvme is not None else self._prestage(li, predicted)
         self.prefetched += started
         return started
 
@@ -514,17 +538,38 @@ class MoeStepper:
             self.ahead_gate.guess_read(li)
         return started
 
-    def _admit_ahead(self, li: int, predicted: np.ndarray) -> int:
-        """all-RAM: the guessed RAM experts the policy wants admitted into VRAM (when admitting)."""
-        tiers = self.tiers
-        uniq_l = sorted(set(predicted.ravel().tolist()))
-        uniq = np.array(uniq_l, np.int64)
-        tiers.poll()
-        codes = tiers.where[li][uniq].tolist()
-        ram = [e for e, c in zip(uniq_l, codes, strict=True) if c == self._ram_code]
-        if ram and self.admit:
-            return len(tiers.try_admit(li, np.array(ram, np.int64), uniq))
-        return 0
+    def _prestage(self, li: int, predicted: np.ndarray) -> int:
+        """all-RAM: the best-ranked guessed experts outside VRAM copied into layer li's reserved staging rows, right
+        behind the stepping layer's own copies (glm53.step.prestage). A step whose demand would reach the reserved
+        rows copies nothing ahead."""
+        pre = self.prestage
+        if not self._prestaging() or not pre.fits(predicted.shape[0]):
+            return 0
+        where, ram = self.tiers.where[li], self._ram_code
+        picked: list[int] = []
+        for e in self._near.likely(predicted, 0.0):
+            if where[e] == ram:
+                picked.append(e)
+                if len(picked) == pre.per_parity:
+                    break
+        if not picked:
+            return 0
+        rows = pre.rows_of(li)[: len(picked)]
+        pre.put(li, predicted.shape[0], picked, self._copy_staged(li, picked, rows))
+        self.tiers.stats.add_bytes("ram_to_staging", len(picked) * self.tiers.layout.nbytes)
+        return len(picked)
+
+    def _take_prestaged(self, p: _Picks, decode: bool) -> tuple[dict[int, int], Any]:
+        """The experts copied ahead for this step (expert -> staging row) and their copy ticket."""
+        if self.prestage is None:
+            return {}, None
+        return self.prestage.take(p.li, decode, p.ids.shape[0])
+
+    def _judge_prestage(self, p: _Picks, pre: dict[int, int]) -> None:
+        """The prestage's judge told of the step's picks served by experts copied ahead."""
+        served = sum(e in pre for e in p.picks) if pre else 0
+        self.prestage.used += len(pre)
+        self.prestage.judge.done(p.ids.size, served, end_of_token=p.li == len(self.cache_slots) - 1)
 
     def rank_precision(self) -> list[float]:
         """Per guess rank (best first): (hits + 1) / (guesses + 2), the share of guesses the real picks contained."""
@@ -551,6 +596,7 @@ class MoeStepper:
                                    "rank_precision": [round(p, 3) for p in self.rank_precision()],
                                    "outside_precision": [round(p, 3) for p in self._near.outside_precision()],
                                    "guess_floor": round(self.guess_floor, 3),
+                                   "prestage": self.prestage.snapshot() if self.prestage is not None else None,
                                    "guess_saving": (round(self.nvme.guess_saving(), 3) if self.nvme is not None
                                                     else None)}}
         if self.lane is not None:

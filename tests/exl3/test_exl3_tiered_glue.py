@@ -243,7 +243,9 @@ def test_exact_mode_borrowing_cache_slots_for_staging_is_bit_identical(ck):
         tiered.close()
 
 
-def test_lookahead_runs_and_reports_its_recall(ck):
+def test_lookahead_prestages_bit_identically_and_reports_its_recall(ck):
+    """Exact: each decode step's guess for the next layer copies a few of its misses ahead into reserved staging
+    rows, read from there by the step they were made for; tokens stay stock's."""
     stock = stock_model(ck)
     model, tiered = tiered_model(ck, lookahead=True)
     try:
@@ -252,10 +254,11 @@ def test_lookahead_runs_and_reports_its_recall(ck):
         la = snap["lookahead"]
         assert tiered.lookahead, "lookahead switched itself off"
         assert la["steps"] > 0 and la["picks"] > 0 and 0.0 <= la["recall"] <= 1.0
-        assert 0.0 <= la["expert_recall"] <= 1.0 and la["prefetched"] > 0, "no admission started from a prediction"
+        assert 0.0 <= la["expert_recall"] <= 1.0 and la["prefetched"] > 0, "no prestage started from a prediction"
+        assert la["prestage"]["used"] > 0, "no step read an expert copied ahead"
         assert set(la["layers"]) == {1, 2}  # layer 0 is never predicted
         print(f"\nlookahead recall {la['recall']:.3f} (expert recall {la['expert_recall']:.3f}) over {la['steps']} "
-              f"steps, {la['prefetched']} admissions started from predictions")
+              f"steps, {la['prefetched']} experts prestaged, {la['prestage']['used']} read by their step")
     finally:
         model.unload()
         tiered.close()

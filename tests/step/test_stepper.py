@@ -1,6 +1,7 @@
 """The host side of a layer step (glm53.step.stepper) on CPU tiers, with exllamav3's expert kernels emulated:
 every pick's slot id must point at its own expert's bytes, the CPU lane's picks are masked and its partial makes
-up the difference, store misses are read before use, and the next-layer lookahead moves and scores predictions."""
+up the difference, store misses are read before use, and the next-layer lookahead moves (reads, prestages) and
+scores predictions."""
 
 from __future__ import annotations
 
@@ -176,28 +177,78 @@ def test_more_misses_than_staging_slots_is_refused():
         stepper.resolve(0, np.array([[0, 1, 2, 3], [4, 5, 6, 7]]), decode=True)
 
 
-def test_lookahead_admits_predictions_and_scores_them():
-    tiers, _ = _byte_tiers(slots=(4, 4))
-    stepper = MoeStepper(tiers, [4, 4], 16)
-    for e in np.flatnonzero(tiers.vram[1].resident())[:2]:
-        tiers.evict(1, int(e))  # two free slots in layer 1
-    tiers.settle_all()
-    cold = [e for e in range(16) if tiers.where[1, e] == Where.RAM and e not in (0, 1)][:3]
-    assert stepper.ahead(1, np.array([cold]), busy=[]) == 2  # the free slots take two of the predictions
-    tiers.settle_all()
-    assert sum(tiers.where[1, e] == Where.VRAM for e in cold) == 2
-    stepper.resolve(1, np.array([[cold[0], cold[1], 15, 14]]), decode=True)
-    assert stepper.snapshot()["lookahead"]["steps"] == 0  # scored after launch, off the kernels' path
-    stepper.after_launch()
+def _guess(rng, real: np.ndarray, right: float) -> np.ndarray:
+    """A guess of the next step's picks: each real pick kept with probability `right`, else a random other id."""
+    out = real.copy()
+    for r in range(out.shape[0]):
+        for k in range(out.shape[1]):
+            if rng.random() >= right:
+                others = [e for e in range(16) if e not in out[r]]
+                out[r, k] = rng.choice(others)
+    return out
+
+
+def test_prestage_copies_guesses_ahead_into_rows_no_running_step_reads():
+    """Exact with a prestage: each decode step guesses the next layer's picks and copies up to two of its misses
+    into that layer's parity rows; the next step reads those from there instead of copying them. The copy stream
+    is run to its end before every check (the worst case: it raced past the kernels), so a prestage into a row the
+    stepping layer reads shows in the bytes. A prefill chunk between voids the guess."""
+    from glm53.step.prestage import Prestage
+
+    copier = GpuLikeCopier()
+    tiers, fill = _byte_tiers(num_layers=3, slots=(3, 2, 2), copier=copier)
+    pre = Prestage(dedicated_rows=16, top_k=4)  # demand rows 0-11, even layers' rows 12-13, odd layers' 14-15
+    stepper = MoeStepper(tiers, [3, 2, 2], 16, prestage=pre)
+    rng = np.random.default_rng(5)
+    want = torch.empty(tiers.layout.nbytes, dtype=torch.uint8)
+
+    def picks(rows):
+        return np.stack([rng.choice(16, 4, replace=False) for _ in range(rows)])
+
+    nxt = picks(1)
+    saved = 0
+    for n in range(300):
+        li = n % 3
+        ids, decode = nxt, n not in (100, 202)
+        if not decode:
+            ids = picks(12)  # a prompt chunk: its staging may use every row
+        nxt = picks(1 if n % 7 else 3)
+        pending = pre._pending[2] if pre._pending and pre._pending[0] == li else {}
+        step = stepper.resolve(li, ids, decode)
+        if decode:
+            assert not set(pending) & set(step.staged), "a prestaged miss was copied again"
+        if decode and li < 2 and nxt.shape[0] == ids.shape[0]:
+            stepper.ahead(li + 1, _guess(rng, nxt, 0.6))
+        copier.run_to(len(copier.queue) - 1)
+        for e, s in zip(ids.ravel().tolist(), step.slots.ravel().tolist(), strict=True):
+            fill(li, e, want)
+            assert torch.equal(slot_bytes(tiers, stepper, li, s), want), f"step {n}: expert {e} -> slot {s}"
+            saved += decode and s - stepper.cache_slots[li] in (12, 13, 14, 15)
+        stepper.after_launch()
+        tiers.check_invariants()
+    snap = stepper.snapshot()["lookahead"]["prestage"]
+    assert snap["staged"] > 0 and snap["used"] > 0 and snap["dropped"] > 0, snap
+    assert saved >= snap["used"] > 0, "the prestaged experts a step picked are read from their reserved rows"
     la = stepper.snapshot()["lookahead"]
-    assert la["steps"] == 1 and la["picks"] == 4 and la["hits"] == 2 and la["recall"] == 0.5
-    assert la["expert_recall"] == 0.5 and la["prefetched"] == 2
-    stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # no prediction for this step: not scored
-    stepper.ahead(1, np.array([[0, 1], [2, 3]]))
-    stepper.resolve(1, np.array([[0, 1, 2, 3]]), decode=True)  # a guess for 2 rows, a step of 1: not scored
-    stepper.after_launch()
-    assert stepper.lookahead.snapshot()["steps"] == 1
-    assert stepper.ahead(2, np.array([[0]])) == 0  # past the last layer: nothing to do
+    assert la["steps"] > 0 and la["prefetched"] == snap["staged"]
+
+
+def test_prestage_takes_only_the_step_it_was_made_for():
+    from glm53.step.prestage import Prestage
+
+    assert not Prestage.room(8, 8) and Prestage.room(12, 8)
+    with pytest.raises(ValueError, match="no room"):
+        Prestage(8, 8)
+    pre = Prestage(dedicated_rows=24, top_k=8)
+    assert pre.rows_of(0) == [20, 21] and pre.rows_of(1) == [22, 23] and pre.rows_of(4) == [20, 21]
+    assert pre.fits(2) and not pre.fits(3)
+    pre.put(3, 1, [7, 9, 11], "ticket")  # more guesses than rows: the first two
+    assert pre.take(3, True, 1) == ({7: 22, 9: 23}, "ticket")
+    assert pre.take(3, True, 1) == ({}, None), "taken once"
+    for layer, decode, rows in [(4, True, 1), (3, False, 1), (3, True, 2), (3, True, 3)]:
+        pre.put(3, 1, [7], "t")
+        assert pre.take(layer, decode, rows) == ({}, None)
+    assert pre.snapshot()["staged"] == 6 and pre.dropped == 4
 
 
 # ---- fast mode: the CPU lane at the seam -----------------------------------------------------------------------
