@@ -233,6 +233,31 @@ def test_prestage_copies_guesses_ahead_into_rows_no_running_step_reads():
     assert la["steps"] > 0 and la["prefetched"] == snap["staged"]
 
 
+def test_exact_guesses_ahead_only_while_the_prestage_judge_offers_it():
+    """All-RAM modes run the next layer's router only for the prestage, in the windows its judge gives it; the
+    judge times every decode step, and a verdict against it stops the guesses."""
+    from glm53.step.prestage import Prestage, PrestageJudge
+
+    tiers, _ = _byte_tiers(num_layers=2, slots=(3, 2))
+    assert not MoeStepper(tiers, [3, 2], 16).wants_ahead(1), "no prestage: no router run ahead"
+    now = [0.0]
+    pre = Prestage(16, 4, judge=PrestageJudge(clock=lambda: now[0], window=2, pairs=1))
+    stepper = MoeStepper(tiers, [3, 2], 16, prestage=pre)
+    rng = np.random.default_rng(2)
+    offered = []
+    for n in range(12):
+        li = n % 2
+        if li == 0:
+            offered.append(stepper.wants_ahead(1))
+        stepper.resolve(li, rng.choice(16, (1, 4), replace=False), decode=True)
+        if li == 0 and offered[-1]:
+            stepper.ahead(1, rng.choice(16, (1, 4), replace=False))
+        stepper.after_launch()
+        now[0] += 2e-3 if offered[-1] else 1e-3  # steps with the prestage are slower here
+    assert offered[:2] == [True, False] and pre.judge.trials == 1 and pre.judge.kept is False
+    assert offered[2:] == [False] * 4 and pre.judge.last_ratio == pytest.approx(2.0)
+
+
 def test_prestage_takes_only_the_step_it_was_made_for():
     from glm53.step.prestage import Prestage
 
