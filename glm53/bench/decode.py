@@ -366,14 +366,20 @@ class _Runner:
         return out
 
     def judged(self, prompt: list[int], tokens: int, limit: int) -> int | None:
-        """Decodes `tokens` at a time until the CPU lane's judge has ruled, at most `limit` tokens; returns the tokens
-        it took (None: no lane here). A lane trial offers the lane to half its windows whatever the verdict, and it
-        recurs only every REJUDGE windows, so windows timed inside the first one measure the trial, not the mode."""
+        """Decodes `tokens` at a time until the CPU lane's judge and then the prestage's have ruled, at most `limit`
+        tokens; returns the tokens it took (None: no judge here). A trial gives the option half its windows whatever
+        the verdict, and it recurs only every REJUDGE windows, so windows timed inside the first one measure the
+        trial, not the mode."""
         stepper = self.tiered.stepper if self.tiered is not None else None
-        if stepper is None or stepper.lane is None:
+        if stepper is None or (stepper.lane is None and stepper.prestage is None):
             return None
+
+        def in_trial() -> bool:
+            return (stepper.lane is not None and stepper.lane_judge.in_trial) or \
+                (stepper.prestage is not None and stepper.prestage.judge.in_trial)
+
         spent = 0
-        while stepper.lane_judge.in_trial and spent < limit:
+        while in_trial() and spent < limit:
             self.run(prompt, tokens, seed=spent)
             spent += tokens
         return spent
@@ -542,9 +548,13 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             r.run(prompt, warmup_tokens if r.tiered is not None else 16, seed=0)
             judged = r.judged(prompt, max(16, warmup_tokens), JUDGE_LIMIT_TOKENS)
             if judged is not None:
-                judge = r.tiered.stepper.lane_judge
-                verdict = "still in its trial" if judge.in_trial else ("kept" if judge.kept else "set aside")
-                log(f"{name}: the CPU lane's judge ruled after {judged} more warm-up tokens: {verdict}")
+                stepper = r.tiered.stepper
+                judges = [(what, j) for what, j in (("CPU lane", stepper.lane_judge if stepper.lane else None),
+                                                    ("prestage", stepper.prestage.judge if stepper.prestage else None))
+                          if j is not None]
+                verdicts = ", ".join(f"{what} {'still in its trial' if j.in_trial else 'kept' if j.kept else 'set aside'}"
+                                     for what, j in judges)
+                log(f"{name}: the judges ruled after {judged} more warm-up tokens: {verdicts}")
         rows: list[dict] = []
         for w in range(windows):
             # A virtual disk's rate drifts within a run, so each nvme window's bound uses the disk's raw rate measured just before and just after it.
@@ -695,11 +705,16 @@ def misses_per_token(rows: list[dict]) -> float:
 def _judged(m: dict) -> str:
     """The CPU lane's or the prestage's verdict in a mode that has one: whether decode steps with it were faster."""
     pre = (((m.get("tiers") or {}).get("lookahead") or {}).get("prestage"))
+    out = ""
     if pre:
         judge, ratio = pre["judge"], pre["judge"]["ratio_on_over_off"]
         verdict = "on trial" if judge["kept"] is None else "kept" if judge["kept"] else "set aside"
-        return (f"; prestage {verdict} (steps with it took {'-' if ratio is None else f'{ratio:.3f}'} of the others; "
-                f"{pre['used']} of {pre['staged']} copied ahead read by their step)")
+        out = (f"; prestage {verdict} (steps with it took {'-' if ratio is None else f'{ratio:.3f}'} of the others; "
+               f"{pre['used']} of {pre['staged']} copied ahead read by their step)")
+    return _lane_judged(m) + out
+
+
+def _lane_judged(m: dict) -> str:
     judge = (m.get("tiers") or {}).get("cpu_lane", {}).get("judge")
     if not judge:
         return ""

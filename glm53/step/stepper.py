@@ -81,8 +81,9 @@ class MoeStepper:
         lane_judge: a glm53.step.lane_judge.LaneJudge (default: a new one on the wall clock), which decides from
         paired windows of decode steps whether offering the lane makes them faster. timer: the StepTimer the
         steps' host time goes through (default: a new one on the wall clock). prestage: a glm53.step.prestage.Prestage
-        (all-RAM modes without a lane): the caller's guesses for the next layer (`ahead`) copy a few of its likely
-        misses into reserved staging rows while the link would idle, as long as its judge finds steps faster."""
+        (all-RAM modes): the caller's guesses for the next layer (`ahead`) copy a few of its likely misses into
+        reserved staging rows while the link would idle, as long as its judge finds steps faster (beside a lane,
+        between the lane judge's trials)."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
@@ -128,14 +129,17 @@ class MoeStepper:
         then `ahead`). All-RAM modes: always (the guess admits ahead). nvme modes: while the guesses for the layer
         start store reads or its steps read from the store, and now and then to probe (AheadGate); with every
         expert the layer picks in RAM or VRAM the router run and its bookkeeping would only delay the GPU. Asked
-        once per decode step of the layer before it. All-RAM modes: while the prestage's judge offers it (never
-        beside the CPU lane, whose judge times the same steps)."""
+        once per decode step of the layer before it. All-RAM modes: while the prestage runs and its judge offers
+        it."""
         if self.nvme is not None:
             return self.ahead_gate.wants(li)
         return self._prestaging() and self.prestage.judge.offer()
 
     def _prestaging(self) -> bool:
-        return self.prestage is not None and self.lane is None
+        """Whether the prestage runs now: beside a CPU lane only once the lane's judge has decided, so the two
+        judges never time the same steps (a lane trial pauses it)."""
+        lane = self.lane
+        return self.prestage is not None and (lane is None or not lane.alive or not self.lane_judge.in_trial)
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -177,15 +181,16 @@ class MoeStepper:
         reading, ahead_later = self._decode_reads(p, read_ahead)
         hits, misses = self._split_hits(p)
         resolved = Resolution(slots=NO_SLOTS)
-        pcie = misses
+        # The misses copied ahead are on the GPU already: neither copied again nor offered to the lane.
+        pre = {e: ahead_rows[e] for e in misses if e in ahead_rows} if ahead_rows else {}
+        pcie = [e for e in misses if e not in pre] if pre else misses
         if self.lane is not None:  # fast / nvme: the planner's split of the misses, and the judge told of it
             self._judge_last_ticket()
-            resolved.cpu, n_cpu = self._plan_lane(li, p.ids, misses)
+            resolved.cpu, n_cpu = self._plan_lane(li, p.ids, pcie)
             self.lane_judge.done(p.ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
             on_cpu = set(resolved.cpu)
-            pcie = [e for e in misses if e not in on_cpu] if on_cpu else misses
-        pre = {e: ahead_rows[e] for e in pcie if e in ahead_rows} if ahead_rows else {}
-        resolved.staged = [e for e in pcie if e not in pre] if pre else list(pcie)
+            pcie = [e for e in pcie if e not in on_cpu] if on_cpu else pcie
+        resolved.staged = list(pcie)
         if self._prestaging():
             self._judge_prestage(p, pre)
         self._make_room(p, resolved.staged)
@@ -198,7 +203,7 @@ class MoeStepper:
         if last is None and pre:  # only prestaged misses: the GPU waits for their copies (else the last covers them)
             last = ahead_ticket
         self._charge_copies(p, resolved.staged, hits)
-        self._deferred = (li, p.ids, p.uniq, pcie, resolved.staged, ahead_later, p.uniq_l, pre)
+        self._deferred = (li, p.ids, p.uniq, pcie + list(pre), resolved.staged, ahead_later, p.uniq_l, pre)
         if last is not None:  # the GPU waits for the copies, the host goes on
             self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", self._order_after, li, resolved.staged, last))
         self.timer.phase("plan_copies")
@@ -240,7 +245,7 @@ class MoeStepper:
         tiers.give_back_lent()  # the last step's kernels are queued: a copy into its borrowed slots now waits for them
         if self.lane is not None:
             self.lane_judge.started(decode)
-        elif self.prestage is not None:
+        if self._prestaging():
             self.prestage.judge.started(decode)
         if self.nvme is not None:
             self.nvme.mark_step(li if decode else None)

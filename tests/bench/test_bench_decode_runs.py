@@ -206,7 +206,7 @@ def _lane_runner(window: int) -> tuple[B._Runner, list[int]]:
     now = [0.0]
     judge = LaneJudge(clock=lambda: now[0], window=window, pairs=2)
     runner = B._Runner.__new__(B._Runner)
-    runner.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=object(), lane_judge=judge))
+    runner.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=object(), lane_judge=judge, prestage=None))
     calls: list[int] = []
 
     def run(prompt, tokens, seed):
@@ -230,6 +230,28 @@ def test_a_lane_mode_warms_up_until_its_judge_rules():
     assert runner.judged([1], 12, limit=1000) == 0  # ruled already: nothing more
 
 
+def test_an_exact_runner_warms_up_until_the_prestage_judge_rules():
+    from glm53.step.prestage import Prestage, PrestageJudge
+
+    now = [0.0]
+    pre = Prestage(24, 8, judge=PrestageJudge(clock=lambda: now[0], window=8, pairs=2))
+    runner = B._Runner.__new__(B._Runner)
+    runner.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=None, prestage=pre))
+    calls: list[int] = []
+
+    def run(prompt, tokens, seed):
+        calls.append(tokens)
+        for _ in range(tokens):
+            pre.judge.started(True)
+            now[0] += 0.002 if pre.judge.offer() else 0.001  # the prestage makes steps slower: set aside
+            pre.judge.done(8, 2)
+        return {}
+
+    runner.run = run
+    assert runner.judged([1], 12, limit=1000) == 36 and calls == [12, 12, 12]
+    assert not pre.judge.in_trial and pre.judge.kept is False
+
+
 def test_the_judge_warm_up_stops_at_its_limit_and_a_runner_without_a_lane_skips_it():
     runner, calls = _lane_runner(window=100)
     assert runner.judged([1], 16, limit=40) == 48 and calls == [16, 16, 16]
@@ -237,5 +259,5 @@ def test_the_judge_warm_up_stops_at_its_limit_and_a_runner_without_a_lane_skips_
     plain = B._Runner.__new__(B._Runner)
     plain.tiered = None
     assert plain.judged([1], 16, limit=40) is None
-    plain.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=None))
+    plain.tiered = types.SimpleNamespace(stepper=types.SimpleNamespace(lane=None, prestage=None))
     assert plain.judged([1], 16, limit=40) is None

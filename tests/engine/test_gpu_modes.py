@@ -176,6 +176,7 @@ def test_glm53_width_late_lane_waited_for_behind_the_stream_handoff(tmp_path, ex
     # The lane's partial is added in stream order (glm53.exl3.handoff): the engine thread queues the next layer while
     # the resolver waits for the ticket. Here every lane step is past its deadline; with the GPU already waiting on
     # the step's flag nothing may be recomputed on it, so the resolver waits for the lane and then releases the GPU.
+    # The logits are then the lane's own: as near stock as the lane panel's (every cold pick on the lane, on time).
     stock, late, stats = forced_lane_run(tmp_path, 24, late_s=0.15)
     lane = stats["cpu_lane"]
     kl, top1, n = kl_top1(stock, late)
@@ -184,7 +185,7 @@ def test_glm53_width_late_lane_waited_for_behind_the_stream_handoff(tmp_path, ex
           "the lane")
     assert lane["stream_handoffs"] >= 2 * len(late) and lane["deadline_misses"] > 0
     assert lane["recomputed_jobs"] == 0 and lane["alive"] and stats["handoff_errors"] == [], lane
-    assert kl <= 1e-4 and top1 >= 0.99, f"KL {kl:.2e}, top-1 {top1:.4f}"
+    assert kl <= 2e-3 and top1 >= 0.99, f"KL {kl:.2e}, top-1 {top1:.4f}"
 
 
 def test_glm53_width_failed_lane_fails_its_forward_behind_the_stream_handoff(tmp_path, exl3):

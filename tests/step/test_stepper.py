@@ -399,6 +399,50 @@ def test_the_lane_stays_on_only_if_steps_offering_it_are_faster(lane_step_s, kep
         assert doc["judge"]["ratio_on_over_off"] == pytest.approx(lane_step_s / 1e-3)
 
 
+def test_beside_the_lane_the_prestage_runs_between_lane_trials_and_its_experts_skip_the_lane():
+    """Fast mode with a prestage: no guess ahead while the lane's judge times its windows (the two judges never time
+    the same steps); once the lane is decided the prestage runs, and a miss copied ahead is neither offered to the
+    lane nor copied again. Every step's output stays the reference's."""
+    from glm53.step.lane_judge import LaneJudge
+    from glm53.step.prestage import Prestage
+
+    experts = make_experts(4)
+    tiers = exl3_tiers(experts, vram=3)
+    recompute, _ = recompute_with(experts)
+    now = [0.0]
+    judge = LaneJudge(clock=lambda: now[0], window=4, pairs=1)
+    pre = Prestage(NUM_EXPERTS + 1, TOP_K)  # 13 rows: demand in rows 0-8, steps of up to 2 token rows
+    rng = np.random.default_rng(9)
+
+    def picks():
+        return np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(2)])
+
+    with CpuLane(LAYOUT, threads=2, stats=tiers.stats) as lane:
+        stepper = MoeStepper(tiers, [3] * NUM_LAYERS, NUM_EXPERTS + 1, lane=lane, fit=lane_fit(), recompute=recompute,
+                             lane_judge=judge, prestage=pre)
+        nxt, guessed = picks(), []
+        for step in range(40):
+            li = step % NUM_LAYERS
+            ids, nxt = nxt, picks()
+            on = stepper.lane_in_use()
+            in_trial = judge.in_trial
+            guess = li + 1 < NUM_LAYERS and stepper.wants_ahead(li + 1)
+            pending = set(pre._pending[2]) if pre._pending and pre._pending[0] == li else set()
+            x = torch.from_numpy(rng.standard_normal((2, HIDDEN))).float()
+            w = torch.from_numpy(rng.random((2, TOP_K))).float()
+            y, st = emulate_layer(tiers, stepper, li, x, ids, w, with_lane=on)
+            assert rel_err(y, direct(experts, li, x, ids, w)) < LANE_TOL, f"step {step}"
+            assert not pending & (set(st.cpu) | set(st.staged)), "a miss copied ahead went to the lane or the link"
+            if guess:
+                stepper.ahead(li + 1, nxt)  # a perfect guess
+            guessed.append((in_trial, guess))
+            stepper.after_launch()
+            now[0] += 0.8e-3 if on else 1e-3  # the lane pays: kept
+    assert not any(g for t, g in guessed if t) and guessed[0][0], "no guess during the lane's trial"
+    assert judge.kept and any(g for t, g in guessed if not t)
+    assert pre.used > 0 and tiers.stats.snapshot()["picks"]["cpu"] > 0
+
+
 def test_a_failing_lane_is_recomputed_then_bypassed():
     experts = make_experts(6)
     tiers = exl3_tiers(experts, vram=2)

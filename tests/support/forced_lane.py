@@ -35,6 +35,7 @@ def force_lane(tiered: Any) -> None:
     stepper = tiered.stepper
     stepper.fit = PcieOutFit(stepper.fit)
     stepper.lane_judge = AlwaysOffer()
+    stepper.prestage = None  # a miss copied ahead would skip the lane
 
 
 def late_lane(tiered: Any, seconds: float) -> None:
