@@ -126,11 +126,10 @@ class MoeStepper:
 
     def wants_ahead(self, li: int) -> bool:
         """Whether the caller guesses layer li's picks for its coming decode step (the next layer's router run ahead,
-        then `ahead`). All-RAM modes: always (the guess admits ahead). nvme modes: while the guesses for the layer
-        start store reads or its steps read from the store, and now and then to probe (AheadGate); with every
-        expert the layer picks in RAM or VRAM the router run and its bookkeeping would only delay the GPU. Asked
-        once per decode step of the layer before it. All-RAM modes: while the prestage runs and its judge offers
-        it."""
+        then `ahead`). nvme modes: while the guesses for the layer start store reads or its steps read from the
+        store, and now and then to probe (AheadGate); with every expert the layer picks in RAM or VRAM the router
+        run and its bookkeeping would only delay the GPU. All-RAM modes: while the prestage runs and its judge
+        offers it. Asked once per decode step of the layer before it."""
         if self.nvme is not None:
             return self.ahead_gate.wants(li)
         return self._prestaging() and self.prestage.judge.offer()
