@@ -21,9 +21,9 @@ How a layer is shrunk (before `model.load()`), for each `BlockSparseMLP`:
   the picks it computes get a masked slot id (exact zeros on the GPU) and the seam returns a pending ticket; the
   instance's `cpu_split_combine`, called after the GPU kernels are queued, adds the lane's partial.
 - With lookahead on, each decode step also queues the next MoE layer's router on this step's input, so the
-  next layer's likely experts start moving (nvme reads; exact: a few copied into reserved staging rows) while this
-  layer computes; in the nvme modes only for the layers whose experts the store still serves, in exact only while
-  the prestage's judge finds steps faster (MoeStepper.wants_ahead).
+  next layer's likely experts start moving (nvme: store reads; every mode: a few RAM-resident ones copied into
+  reserved staging rows) while this layer computes: the store reads only for the layers whose experts the store
+  still serves, the copies only while the prestage's judge finds steps faster (MoeStepper.wants_ahead).
 - `_split_saved` holds the original lists, so stock `cpu_unload()` (called by `unload()`) restores the module.
 
 Why this is bit-identical to stock exllamav3 with every expert in VRAM: the stock kernels run on the same
@@ -129,8 +129,8 @@ class TieredMoE:
         only streamed. nvme_open() -> NvmeTier: the nvme modes (glm53.tiers.nvme_open.open_nvme_tier with
         warm=False, bound to the store and the spec). lookahead: run the next MoE layer's router on each decode step's
         input where the stepper wants its guess (MoeStepper.wants_ahead): the nvme modes start the store reads of the
-        predicted experts one layer ahead, exact prestages a few of them into staging rows reserved for it where the
-        dedicated rows leave room (glm53.step.prestage); default on. A decode step's copies
+        predicted experts one layer ahead, and a few of them in RAM are prestaged into staging rows reserved for it
+        where the dedicated rows leave room (glm53.step.prestage); default on. A decode step's copies
         are waited for by the GPU, not the host, and its admissions are decided and copied (device to device, from
         staging) once its kernels are queued (glm53.step)."""
         import torch
@@ -300,7 +300,7 @@ class TieredMoE:
         else:
             self.tiers.populate(load, self.counts)
         prestage = None
-        if self.lookahead and self.nvme is None and Prestage.room(self.spec.dedicated_staging, self.top_k):
+        if self.lookahead and Prestage.room(self.spec.dedicated_staging, self.top_k):
             prestage = Prestage(self.spec.dedicated_staging, self.top_k)
         self.stepper = MoeStepper(self.tiers, [layer.slots for layer in self.layers], self.staging_slots,
                                   admit=self.admit, nvme=self.nvme, prestage=prestage)

@@ -12,13 +12,15 @@ decide who computes each miss (lane), move the misses' bytes (copies), translate
   then waited for one by one, so their reads overlap each other.
   fast / nvme: the planner (glm53.cpu_lane.planner) splits each decode step's RAM-resident misses between the
   CPU lane and PCIe; exact / nvme-exact send every miss over PCIe.
-  lookahead: the adapter may hand in the next layer's router run on this layer's input; its picks are read (nvme
-  modes) or a few of them copied into staging (exact: glm53.step.prestage) one layer ahead, so reads and copies
-  overlap this layer's experts and the next layer's attention, and how many of them the next layer really picks is
-  counted (recall). In the nvme modes a guess is read only at
-  ranks right often enough for the store's load (see guess_floor), and a layer is guessed for only while the store
-  works for it (glm53.step.ahead_gate: the caller asks `wants_ahead`); a step none of whose experts is in the store
-  puts nothing in flight and settles only the guesses read ahead for it.
+  lookahead: the adapter may hand in the next layer's router run on this layer's input; its store-only picks are
+  read (nvme modes) and a few of its RAM-resident ones copied into staging (glm53.step.prestage) one layer ahead,
+  so reads and copies overlap this layer's experts and the next layer's attention, and how many of them the next
+  layer really picks is counted (recall). In the nvme modes a guess is read only at ranks right often enough for
+  the store's load (see guess_floor); a layer is guessed for while the store works for it
+  (glm53.step.ahead_gate) or the prestage's judge offers it (the caller asks `wants_ahead`); a step none of whose
+  experts is in the store puts nothing in flight and settles only the guesses read ahead for it. The prestage's
+  copies always go onto the copy stream behind the step's own: a guess made while a step's store reads are queued
+  is copied once the step's copies are.
 """
 
 from __future__ import annotations
@@ -80,8 +82,8 @@ class MoeStepper:
         from are then only the start-up ones.
         lane_judge: a glm53.step.lane_judge.LaneJudge (default: a new one on the wall clock), which decides from
         paired windows of decode steps whether offering the lane makes them faster. timer: the StepTimer the
-        steps' host time goes through (default: a new one on the wall clock). prestage: a glm53.step.prestage.Prestage
-        (all-RAM modes): the caller's guesses for the next layer (`ahead`) copy a few of its likely misses into
+        steps' host time goes through (default: a new one on the wall clock). prestage: a glm53.step.prestage.Prestage:
+        the caller's guesses for the next layer (`ahead`) copy a few of its likely RAM-resident misses into
         reserved staging rows while the link would idle, as long as its judge finds steps faster (beside a lane,
         between the lane judge's trials)."""
         if lane is not None and (fit is None or recompute is None):
@@ -105,6 +107,8 @@ class MoeStepper:
         self.last_assignment: Any = None
         self.lane_judge = LaneJudge() if lane_judge is None else lane_judge
         self.prestage = prestage
+        self._defer_prestage = False  # a guess made now is copied once the stepping layer's copies are queued
+        self._queued_prestage: tuple[int, np.ndarray] | None = None
         self._last_ticket: Any = None  # the last lane step's ticket, for the judge's late streak
         self.prefetched = 0  # reads (nvme) or prestage copies (all-RAM) started from a prediction
         self.lent_out = 0  # experts that left VRAM because a step borrowed their cache slot as staging
@@ -128,11 +132,10 @@ class MoeStepper:
         """Whether the caller guesses layer li's picks for its coming decode step (the next layer's router run ahead,
         then `ahead`). nvme modes: while the guesses for the layer start store reads or its steps read from the
         store, and now and then to probe (AheadGate); with every expert the layer picks in RAM or VRAM the router
-        run and its bookkeeping would only delay the GPU. All-RAM modes: while the prestage runs and its judge
+        run and its bookkeeping would only delay the GPU. Every mode: also while the prestage runs and its judge
         offers it. Asked once per decode step of the layer before it."""
-        if self.nvme is not None:
-            return self.ahead_gate.wants(li)
-        return self._prestaging() and self.prestage.judge.offer()
+        store = self.nvme is not None and self.ahead_gate.wants(li)  # asked every time: it counts skipped steps
+        return store or (self._prestaging() and self.prestage.judge.offer())
 
     def _prestaging(self) -> bool:
         """Whether the prestage runs now: beside a CPU lane only once the lane's judge has decided, so the two
@@ -205,6 +208,9 @@ class MoeStepper:
         self._deferred = (li, p.ids, p.uniq, pcie + list(pre), resolved.staged, ahead_later, p.uniq_l, pre)
         if last is not None:  # the GPU waits for the copies, the host goes on
             self.tiers.stats.add_wait("pcie", self.timer.wait("copy_wait", self._order_after, li, resolved.staged, last))
+        queued, self._queued_prestage = self._queued_prestage, None
+        if queued is not None:  # the guess made while the step's store reads were queued: behind the step's copies
+            self.prefetched += self._prestage(*queued)
         self.timer.phase("plan_copies")
         resolved.slots = decode_slots(p.ids, p.picks, p.uniq, self.tiers.vram[li].slot_of, resolved.staged,
                                       self.cache_slots[li], resolved.cpu, self.masked_id(li), prestaged=pre)
@@ -240,6 +246,7 @@ class MoeStepper:
         if self._deferred is not None:  # the caller never ran it (no combine hook): now, before this step
             self.after_launch()
         self.timer.begin()
+        self._queued_prestage = None  # a failed step's guess copies nothing
         tiers = self.tiers
         tiers.give_back_lent()  # the last step's kernels are queued: a copy into its borrowed slots now waits for them
         if self.lane is not None:
@@ -282,8 +289,12 @@ class MoeStepper:
         if read_ahead is not None:
             # The next layers' reads go in behind this step's (demand reads overtake prefetch in the reader's queue):
             # a record read takes several layers' GPU time, and waiting for this step's reads first would leave the
-            # disk with one read at a time.
-            read_ahead(p.uniq_l)
+            # disk with one read at a time. A prestage copy would go ahead of this step's own: it waits for them.
+            self._defer_prestage = True
+            try:
+                read_ahead(p.uniq_l)
+            finally:
+                self._defer_prestage = False
         # Nothing here waits for the store, and a move landing never makes an expert STORE or FROM_STORE: one look
         # at the states once the moves have settled names the store misses and, below, the hits.
         self._settle(p)
@@ -517,16 +528,21 @@ class MoeStepper:
 
     def ahead(self, li: int, predicted: np.ndarray, busy: Sequence[int] = ()) -> int:
         """Layer li, the one after the layer stepping now, is predicted to pick `predicted` (ids, any shape): read its
-        store-only experts into RAM (nvme modes), or prestage a few of its RAM experts into staging (all-RAM modes
-        with a prestage), so their bytes move while the GPU is still busy with the layer before. busy: experts of
-        the layer stepping now that must stay (the CPU lane's; all of the step's when called from inside resolve),
-        never dropped for a prefetch. Returns the reads or copies started."""
+        store-only experts into RAM (nvme modes) and prestage a few of its RAM experts into staging (with a
+        prestage that runs now), so their bytes move while the GPU is still busy with the layer before. busy:
+        experts of the layer stepping now that must stay (the CPU lane's; all of the step's when called from inside
+        resolve), never dropped for a prefetch. Returns the reads or copies started (a prestage queued behind the
+        stepping layer's copies counts when it starts)."""
         if not 0 <= li < len(self.cache_slots):
             return 0
         predicted = np.array(predicted, np.int64, ndmin=2)  # a copy: the caller's buffer is reused
         self._near.pending[li] = predicted
         self._near.outside[li] = (self.tiers.where[li][predicted] != self._vram_code).tolist()
-        started = self._read_ahead(li, predicted, busy) if self.nvme is not None else self._prestage(li, predicted)
+        started = self._read_ahead(li, predicted, busy) if self.nvme is not None else 0
+        if self._defer_prestage:
+            self._queued_prestage = (li, predicted)
+        else:
+            started += self._prestage(li, predicted)
         self.prefetched += started
         return started
 
@@ -543,9 +559,9 @@ class MoeStepper:
         return started
 
     def _prestage(self, li: int, predicted: np.ndarray) -> int:
-        """all-RAM: the best-ranked guessed experts outside VRAM copied into layer li's reserved staging rows, right
-        behind the stepping layer's own copies (glm53.step.prestage). A step whose demand would reach the reserved
-        rows copies nothing ahead."""
+        """The best-ranked guessed experts in RAM copied into layer li's reserved staging rows, right behind the
+        stepping layer's own copies (glm53.step.prestage); nvme modes: held in RAM until their copy lands. A step
+        whose demand would reach the reserved rows copies nothing ahead."""
         pre = self.prestage
         if not self._prestaging() or not pre.fits(predicted.shape[0]):
             return 0
@@ -559,7 +575,10 @@ class MoeStepper:
         if not picked:
             return 0
         rows = pre.rows_of(li)[: len(picked)]
-        pre.put(li, predicted.shape[0], picked, self._copy_staged(li, picked, rows))
+        ticket = self._copy_staged(li, picked, rows)
+        pre.put(li, predicted.shape[0], picked, ticket)
+        if not self.tiers.keep_all:  # a store read must not take a RAM slot the copy still reads
+            self.tiers.hold(li, picked, ticket)
         self.tiers.stats.add_bytes("ram_to_staging", len(picked) * self.tiers.layout.nbytes)
         return len(picked)
 

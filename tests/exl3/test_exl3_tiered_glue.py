@@ -264,6 +264,28 @@ def test_lookahead_prestages_bit_identically_and_reports_its_recall(ck):
         tiered.close()
 
 
+def test_nvme_exact_prestages_from_ram_with_no_store_reads_bit_identically(ck, store):
+    """nvme-exact with every expert outside VRAM in RAM: the store's lookahead gate stops, yet the prestage still
+    copies the next layer's likely misses ahead from RAM in the windows its judge gives it; tokens stay stock's."""
+    from glm53.planning.spec import FREE_RAM_SLOTS, RAM_SPARE_OF_TOP_K
+
+    stock = stock_model(ck)
+    slots = [2, 2, 2]
+    whole = 3 * NUM_EXPERTS - sum(slots) + RAM_SPARE_OF_TOP_K * TOP_K + FREE_RAM_SLOTS
+    model, tiered = tiered_model(ck, slots=slots, lookahead=True, counts=np.ones((3, NUM_EXPERTS)),
+                                 nvme_open=nvme_opener(store, ck, whole, "nvme-exact", slots))
+    try:
+        drive(stock, model, schedule(2, 60, prefill_every=20), 4, bit_identical, tiered)
+        snap = tiered.snapshot()
+        la = snap["lookahead"]
+        assert snap["picks"]["nvme"] == 0 and la["gate"]["off_layers"] == [1, 2], "the store's gate stopped"
+        assert la["prestage"]["staged"] > 0 and la["prestage"]["used"] > 0, la["prestage"]
+        tiered.nvme.check_invariants()
+    finally:
+        model.unload()
+        tiered.close()
+
+
 # ---- fast: the CPU lane at the seam ---------------------------------------------------------------------------
 
 
@@ -412,8 +434,10 @@ def test_nvme_lookahead_stops_while_every_expert_is_in_ram_and_resumes_when_the_
     model, tiered = tiered_model(ck, slots=slots, lookahead=True, counts=np.ones((3, NUM_EXPERTS)),
                                  nvme_open=nvme_opener(store, ck, whole, "nvme-exact", slots))
     window = 6
-    # No probes within the test (their rules are tests/step/test_ahead_gate.py's): only store work turns it on.
+    # No probes within the test (their rules are tests/step/test_ahead_gate.py's): only store work turns it on. No
+    # prestage: its judge's windows would run the router for their own sake (the next test).
     tiered.stepper.ahead_gate = AheadGate(window=window, first_probe=1000, max_probe=1000)
+    tiered.stepper.prestage = None
     guessed: list[int] = []
     real_predict = tiered._predict_next
 

@@ -95,7 +95,8 @@
 #   gate      issue 39: bench decode, exact beside nvme-exact with every expert in RAM (no store reads: the nvme
 #             lookahead gated off), under the consumer-box preset; GATE_LIMIT
 #   prestage  issue 39 item 3: bench decode --baseline PRESTAGE_BASE (default f9d725d, unpacked in .baseline and
-#             carried), exact under the consumer-box preset, PAIRS paired windows (default 2); PRESTAGE_LIMIT
+#             carried), PRESTAGE_MODES (default exact) under the consumer-box preset, PAIRS paired windows (default 2);
+#             PRESTAGE_LIMIT
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
 #             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity. Needs no CPU-lane build:
@@ -443,7 +444,7 @@ step_prestage() {  # issue 39 item 3: exact with the prestage against PRESTAGE_B
   # windows under the consumer-box preset (needs PRESTAGE_BASE unpacked in .baseline, carried)
   timeout "${PRESTAGE_LIMIT:-420}" python3 -u -m glm53 bench decode --baseline "${PRESTAGE_BASE:-f9d725d}" \
     --baseline-tree .baseline --baseline-windows "${PAIRS:-2}" --moe-layers 8 --tokens 96 --windows 1 \
-    --warmup-tokens 64 --work /tmp --keep --modes exact --emulate rtx3090-gen4 \
+    --warmup-tokens 64 --work /tmp --keep --modes "${PRESTAGE_MODES:-exact}" --emulate rtx3090-gen4 \
     --json "$OUT/bench-prestage.json" > "$OUT/bench-prestage.log" 2>&1
   stamp "prestage rc=$? $(grep -E 'x stock|exact|over|median' "$OUT/bench-prestage.log" | tail -8 | tr '\n' ';' | cut -c1-900)"
 }

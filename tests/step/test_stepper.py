@@ -893,3 +893,56 @@ def test_a_ram_tier_holding_the_rest_reads_nothing_once_warm_only_with_the_spare
         steady = decode(100)
         tier.check_invariants()
     assert (steady == 0) == (spare == FREE_RAM_SLOTS + 2 * 4), f"{steady} store reads in 100 warm steps, {spare} spare"
+
+
+def test_nvme_prestage_copies_behind_the_steps_own_and_holds_its_ram_sources(tmp_path):
+    """nvme-exact with a prestage: a guess made while the step's store reads are queued (inside resolve) is copied
+    only once the step's own copies are queued, so it never delays them on the copy stream; a guess made after
+    launch (a step with nothing to read) is copied then. While a prestage copy is in flight its RAM sources are
+    held (a store read may not take their slots), and every pick reads its own record's bytes with the copy stream
+    run to its end before each check."""
+    from store.reader import StoreReader
+
+    from glm53.step.prestage import Prestage
+    from glm53.tiers.nvme import NvmeTier
+
+    ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
+    copier = GpuLikeCopier()
+    with NvmeTier(StoreReader(store, threads=2, verify=True, allow_buffered=True), 16, [2, 2, 2], 30,
+                  layers=[1, 2, 3], copier=copier, staging_slots=16) as tier:
+        tier.warm(None)
+        t = tier.tiers
+        pre = Prestage(dedicated_rows=16, top_k=4)  # demand rows 0-11, reserved rows 12-15
+        stepper = MoeStepper(t, [2, 2, 2], 16, nvme=tier, prestage=pre)
+        reserved = {t.staging_slot(r, 0).data_ptr() for r in range(12, 16)}
+        rng = np.random.default_rng(8)
+        nxt = rng.choice(16, (1, 4), replace=False)
+        inside = after = 0
+        for n in range(240):
+            li = n % 3
+            ids, nxt = nxt, rng.choice(16, (1, 4), replace=False)
+            guess = _guess(rng, nxt, 0.7)
+            called = []
+
+            def read_ahead(busy, li=li, guess=guess):  # what TieredMoE.step's closure does
+                called.append(stepper.ahead(li + 1, guess, busy=busy))
+
+            q0, staged0 = len(copier.queue), pre.staged
+            step = stepper.resolve(li, ids, True, read_ahead=read_ahead if li < 2 else None)
+            queued = [copier.queue[i][0].data_ptr() in reserved for i in range(q0, len(copier.queue))]
+            assert queued == sorted(queued), f"step {n}: a prestage copy went ahead of the step's own"
+            inside += (pre.staged - staged0) if called else 0
+            if pre._pending is not None and not pre._pending[3].done():
+                assert all(t._held.reads(li + 1, e) for e in pre._pending[2]), "a prestage source is not held"
+            staged1 = pre.staged
+            stepper.after_launch()
+            after += pre.staged - staged1
+            copier.run_to(len(copier.queue) - 1)
+            for e, s in zip(ids.ravel().tolist(), step.slots.ravel().tolist(), strict=True):
+                want = record(store, tier.store_layers[li], e)
+                got = slot_bytes(t, stepper, li, s).numpy().tobytes()
+                assert got[: len(want)] == want, f"step {n}: expert {e} -> slot {s} holds other bytes"
+            tier.check_invariants()
+        snap = stepper.snapshot()["lookahead"]["prestage"]
+        assert inside > 0 and after > 0, (inside, after)
+        assert snap["used"] > 0 and snap["staged"] == inside + after, snap
