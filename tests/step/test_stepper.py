@@ -901,10 +901,9 @@ def test_nvme_prestage_copies_behind_the_steps_own_and_holds_its_ram_sources(tmp
     launch (a step with nothing to read) is copied then. While a prestage copy is in flight its RAM sources are
     held (a store read may not take their slots), and every pick reads its own record's bytes with the copy stream
     run to its end before each check."""
-    from store.reader import StoreReader
-
     from glm53.step.prestage import Prestage
     from glm53.tiers.nvme import NvmeTier
+    from store.reader import StoreReader
 
     ck, store = make_store(tmp_path, layers=4, experts=16)  # 3 MoE layers
     copier = GpuLikeCopier()
@@ -924,7 +923,7 @@ def test_nvme_prestage_copies_behind_the_steps_own_and_holds_its_ram_sources(tmp
             guess = _guess(rng, nxt, 0.7)
             called = []
 
-            def read_ahead(busy, li=li, guess=guess):  # what TieredMoE.step's closure does
+            def read_ahead(busy, li=li, guess=guess, called=called):  # what TieredMoE.step's closure does
                 called.append(stepper.ahead(li + 1, guess, busy=busy))
 
             q0, staged0 = len(copier.queue), pre.staged
