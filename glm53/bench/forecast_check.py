@@ -17,7 +17,8 @@ def _measured(value: float, unit: str, what: str) -> F.Term:
 
 def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes: int, stock_tok_s: float,
               link_Bps: float, lane_ms: float | None, store_Bps: float | None) -> F.Terms:
-    """A mode's Terms from one bench decode run (its result's mode entry)."""
+    """A mode's Terms from one bench decode run (its result's mode entry; the prestage's term where the mode ran
+    one)."""
     shares = mode["pick_shares"]
     ram_rate = _measured(1 - shares["nvme"], "", "picks not read from the store") if store_Bps else None
     return F.Terms(
@@ -29,7 +30,8 @@ def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes
         lane_ms=_measured(lane_ms, "ms", "the lane's one-row expert as start-up calibrated it (idle)") if lane_ms else None,
         lane_offer_ms=F.Term(F.LANE_OFFER_MS, "ms", F.LANE_OFFER_SOURCE) if lane_ms else None,
         lane_decode=F.lane_decode_term() if lane_ms else None,
-        ram_rate=ram_rate, store_GBps=_measured(store_Bps / 1e9, "GB/s", "the store's raw reads") if store_Bps else None)
+        ram_rate=ram_rate, store_GBps=_measured(store_Bps / 1e9, "GB/s", "the store's raw reads") if store_Bps else None,
+        prestage=F.prestage_term() if ((mode.get("tiers") or {}).get("lookahead") or {}).get("prestage") else None)
 
 
 def checked(mode_name: str, mode: dict[str, Any], terms: F.Terms) -> dict[str, Any]:

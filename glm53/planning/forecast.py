@@ -18,6 +18,10 @@ One decoded token (one sequence, a short history) takes
                        refits from live timings, so it splits at that cost too), plus the host's share of offering
                        the lane; and only where the lane judge would keep it (glm53.step.lane_judge: layer steps at
                        least MARGIN faster with it), else as exact
+              less, in every tiered mode whose plan leaves the prestage its rows, the misses the prestage
+              copied ahead while the link idled (glm53.step.prestage): its PER_PARITY copies a layer, as many as
+              fit in the layer's idle link time (gpu_step / moe_layers + host), of which the share PRESTAGE_SAVED
+              turned into demand copies saved; only where its judge would keep it (layer steps MARGIN faster)
 
 Every term is a `Term`: its value and where it came from (a host fact, a measurement in docs/results.md, saved
 routing statistics, or an assumption), so a forecast that is off says which term to measure.
@@ -66,6 +70,13 @@ LANE_IN_DECODE_SOURCE = ("0.73 ms a job inside decode against the calibrated 0.4
 # `bench cpu-lane --kernel int`, twenty-seventh session).
 LANE_MEASURED = {"avx512vnni": (15, 0.422), "avx512": (15, 0.488), "avx2vnni": (15, 0.447), "avx2": (15, 0.453)}
 LANE_SERIAL = (0.422 - 2.926 / 15) / (2.926 - 2.926 / 15)  # Amdahl's serial share of the 1 -> 15 thread scaling
+# The prestage (glm53.step.prestage; the decision package may not import it, a test keeps them equal): PER_PARITY
+# copies a layer into rows reserved at the top of the dedicated staging rows, so a plan needs top_k + 2 x PER_PARITY
+# of them. PRESTAGE_SAVED: the demand copies it saved a layer step over what fits in the layer's idle link time.
+PRESTAGE_PER_PARITY = 2
+PRESTAGE_SAVED = 0.47
+PRESTAGE_SOURCE = ("fitted to exact at 25 GB/s with the prestage against without (1.130x paired: 0.30 ms a layer "
+                   "step saved of 1.68 copies' idle link time, 0.78 of the copied experts read; docs/results.md)")
 LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
               "avx512": ("avx512f", "avx512dq", "avx512bw", "avx512vl"),
               "avx2vnni": ("avx2", "avx_vnni"), "avx2": ("avx2", "fma", "f16c")}  # widest first
@@ -115,10 +126,11 @@ class Terms:
     lane_decode: Term | None = None   # the lane's time inside decode over its idle lane_ms (None: 1)
     ram_rate: Term | None = None      # nvme modes: share of picks VRAM or RAM serves (the rest: the store)
     store_GBps: Term | None = None    # nvme modes: the store's read rate
+    prestage: Term | None = None      # the share of the idle link time's copies the prestage saves (None: no rows)
 
     def named(self) -> dict[str, Term]:
         names = ("hit_rate", "gpu_step_ms", "host_ms", "link_GBps", "lane_ms", "lane_offer_ms", "lane_decode",
-                 "ram_rate", "store_GBps")
+                 "ram_rate", "store_GBps", "prestage")
         return {n: t for n in names if (t := getattr(self, n)) is not None}
 
     @property
@@ -136,6 +148,18 @@ class Terms:
     def link_ms(self) -> float:
         """One expert over the link."""
         return self.expert_bytes / (self.link_GBps.value * 1e9) * 1e3
+
+    def prestaged(self, store_ms: float) -> float:
+        """Misses per MoE layer the prestage saves: its copies that fit in the layer's idle link time (the stock
+        step's share and the host's, and the store's wait: the link idles through them), times PRESTAGE_SAVED;
+        none where the judge would not keep it (layer steps at least MARGIN faster)."""
+        if self.prestage is None or self.misses <= 0:
+            return 0.0
+        idle = self.gpu_step_ms.value / self.moe_layers + self.host_ms.value + store_ms
+        fits = min(float(PRESTAGE_PER_PARITY), idle / self.link_ms, self.misses)
+        saved = self.prestage.value * fits
+        step = idle + self.misses * self.link_ms
+        return saved if saved * self.link_ms >= MARGIN * step else 0.0
 
 
 # ---------------------------------------------------------------- the cost model
@@ -184,6 +208,7 @@ class ModeForecast:
     store_reads_per_token: float = 0.0
     lane_per_token: float = 0.0       # misses the lane computes
     lane: str = ""                    # fast modes: whether the judge would keep the lane, and why
+    prestaged_per_token: float = 0.0  # misses the prestage copied ahead while the link idled
 
     @property
     def tok_s(self) -> float:
@@ -194,7 +219,8 @@ class ModeForecast:
                 "parts_ms": {k: round(v, 3) for k, v in self.parts_ms.items()},
                 "misses_per_token": round(self.misses_per_token, 1),
                 "store_reads_per_token": round(self.store_reads_per_token, 1),
-                "lane_per_token": round(self.lane_per_token, 1), "lane": self.lane}
+                "lane_per_token": round(self.lane_per_token, 1), "lane": self.lane,
+                "prestaged_per_token": round(self.prestaged_per_token, 1)}
 
     def line(self) -> str:
         parts = " + ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in self.parts_ms.items() if v)
@@ -203,6 +229,8 @@ class ModeForecast:
             text += f"; {self.misses_per_token:.0f} misses a token"
         if self.store_reads_per_token:
             text += f", {self.store_reads_per_token:.0f} of them read from the store"
+        if self.prestaged_per_token:
+            text += f", {self.prestaged_per_token:.0f} copied ahead while the link idled"
         return text + (f"; {self.lane}" if self.lane else "")
 
 
@@ -219,13 +247,14 @@ def mode_forecast(mode: str, t: Terms) -> ModeForecast:
             raise ValueError(f"{mode} needs ram_rate and store_GBps")
         store = t.top_k * (1 - t.ram_rate.value)
     store_ms = store * t.expert_bytes / (t.store_GBps.value * 1e9) * 1e3 if store else 0.0
-    link = misses * t.link_ms
+    ahead = t.prestaged(store_ms)
+    link = (misses - ahead) * t.link_ms
     parts = {"gpu_step": gpu, "host": L * t.host_ms.value, "store": L * store_ms, "experts": L * link}
     if mode in ("exact", "nvme-exact"):
-        return ModeForecast(mode, sum(parts.values()), parts, L * misses, L * store)
+        return ModeForecast(mode, sum(parts.values()), parts, L * misses, L * store, prestaged_per_token=L * ahead)
     if t.lane_ms is None or t.lane_offer_ms is None:
         raise ValueError(f"{mode} needs the lane's terms (lane_ms, lane_offer_ms)")
-    on, k = lane_layer(misses, t.lane_decode_ms, t.link_ms, t.lane_offer_ms.value)
+    on, k = lane_layer(misses - ahead, t.lane_decode_ms, t.link_ms, t.lane_offer_ms.value)
     base = gpu / L + t.host_ms.value + store_ms  # the judge times whole layer steps
     ratio = (base + on) / (base + link)
     share = k / t.top_k
@@ -237,7 +266,8 @@ def mode_forecast(mode: str, t: Terms) -> ModeForecast:
     else:
         lane = (f"lane set aside (runs as exact): layer steps offering it would take {ratio:.3f} of the time "
                 f"without it ({k:.1f} of {misses:.1f} misses a layer)")
-    return ModeForecast(mode, sum(parts.values()), parts, L * misses, L * store, L * k if kept else 0.0, lane)
+    return ModeForecast(mode, sum(parts.values()), parts, L * misses, L * store, L * k if kept else 0.0, lane,
+                        L * ahead)
 
 
 @dataclass(frozen=True)
@@ -316,6 +346,15 @@ def lane_estimate(isa: str, threads: int) -> Term:
                              "measured thread scaling; a faster core is faster, and start-up calibrates it")
 
 
+def prestage_room(dedicated_rows: int, top_k: int) -> bool:
+    """Whether a plan's dedicated staging rows leave the prestage its reserved rows beside one row's demand."""
+    return dedicated_rows - 2 * PRESTAGE_PER_PARITY >= top_k
+
+
+def prestage_term() -> Term:
+    return Term(PRESTAGE_SAVED, "of the idle link time's copies", PRESTAGE_SOURCE)
+
+
 def lane_decode_term() -> Term:
     return Term(LANE_IN_DECODE, "x its idle time", LANE_IN_DECODE_SOURCE)
 
@@ -372,6 +411,7 @@ def plan_forecast(*, gpu: Any, cpu: Any, lane_ok: bool, lane_threads: int, shape
         if nvme else None,
         store_GBps=Term(STORE_GBPS_ASSUMED, "GB/s", "assumed: a PCIe 4.0 NVMe drive (`glm53 bench store` "
                                                      "measures this store)") if nvme else None,
+        prestage=prestage_term() if not stock and prestage_room(spec.dedicated_staging, k) else None,
     )
     if stock:
         modes: tuple[str, ...] = ("stock",)
