@@ -286,8 +286,8 @@ class _Runner:
         self.tiered = spec = None
         if slots is not None:
             spec = bench_spec(model_dir, mode, slots, cache_tokens, cpu_threads, store_tier, cards)
-            self.tiered = TieredMoE(self.model, model_dir, spec, nvme_open=store_tier.opener(model_dir, spec)
-                                    if spec.nvme else None)
+            self.tiered = TieredMoE(self.model, model_dir, spec, counts=ram_holds_all(model_dir, spec),
+                                    nvme_open=store_tier.opener(model_dir, spec) if spec.nvme else None)
             self.tiered.install()
         rt.tiered = self.tiered
         unplace = place_layers(self.model, spec) if spec is not None else (lambda: None)
@@ -405,6 +405,21 @@ class StoreTier:
         from glm53.tiers.nvme_open import open_nvme_tier
 
         return lambda: open_nvme_tier(self.store, model_dir, spec, warm=False)
+
+
+def ram_holds_all(model_dir: Path, spec: Any) -> Any:
+    """nvme modes whose RAM tier has rows for every expert outside VRAM: routing counts that warm it with all of
+    them, as a server warms its RAM from saved statistics and the all-RAM modes load it (the bench has no saved
+    statistics, and a cold RAM tier would read each expert from the store on its first pick); else None."""
+    import numpy as np
+
+    from glm53.planning.shape import from_checkpoint
+
+    if not spec.nvme:
+        return None
+    layers, per_layer = len(spec.vram_slots), from_checkpoint(model_dir).experts_per_layer
+    outside = layers * per_layer - sum(spec.vram_slots)
+    return np.ones((layers, per_layer)) if spec.ram_slots >= outside else None
 
 
 def bench_spec(model_dir: Path, mode: str, slots: int, cache_tokens: int, cpu_threads: int | None,
