@@ -109,6 +109,7 @@ class MoeStepper:
         self.prestage = prestage
         self._defer_prestage = False  # a guess made now is copied once the stepping layer's copies are queued
         self._queued_prestage: tuple[int, np.ndarray] | None = None
+        self._prestage_timed = False  # the prestage's judge times the step under way
         self._last_ticket: Any = None  # the last lane step's ticket, for the judge's late streak
         self.prefetched = 0  # reads (nvme) or prestage copies (all-RAM) started from a prediction
         self.lent_out = 0  # experts that left VRAM because a step borrowed their cache slot as staging
@@ -137,11 +138,20 @@ class MoeStepper:
         store = self.nvme is not None and self.ahead_gate.wants(li)  # asked every time: it counts skipped steps
         return store or (self._prestaging() and self.prestage.judge.offer())
 
-    def _prestaging(self) -> bool:
-        """Whether the prestage runs now: beside a CPU lane only once the lane's judge has decided, so the two
-        judges never time the same steps (a lane trial pauses it)."""
+    def _prestage_judged(self) -> bool:
+        """Whether the prestage's judge times this step: beside a CPU lane only outside the lane judge's trials, so
+        the two judges never time the same steps (a lane trial pauses the prestage's)."""
         lane = self.lane
         return self.prestage is not None and (lane is None or not lane.alive or not self.lane_judge.in_trial)
+
+    def _prestaging(self) -> bool:
+        """Whether the prestage may run now: wherever its judge times the steps, and through a lane trial where
+        its judge has kept it, so the lane is judged against the step it would otherwise be (a prestage still on
+        trial stays off there)."""
+        if self._prestage_judged():
+            return True
+        judge = None if self.prestage is None else self.prestage.judge
+        return judge is not None and not judge.in_trial and bool(judge.kept)
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -193,8 +203,10 @@ class MoeStepper:
             on_cpu = set(resolved.cpu)
             pcie = [e for e in pcie if e not in on_cpu] if on_cpu else pcie
         resolved.staged = list(pcie)
-        if self._prestaging():
+        if self._prestage_timed:
             self._judge_prestage(p, pre)
+        elif pre:
+            self.prestage.used += len(pre)
         self._make_room(p, resolved.staged)
         self._count_picks(li, p.picks, hits, p.from_store, resolved.cpu)
         if resolved.cpu:
@@ -251,7 +263,8 @@ class MoeStepper:
         tiers.give_back_lent()  # the last step's kernels are queued: a copy into its borrowed slots now waits for them
         if self.lane is not None:
             self.lane_judge.started(decode)
-        if self._prestaging():
+        self._prestage_timed = self._prestage_judged()  # decided once a step: a lane verdict inside it waits
+        if self._prestage_timed:
             self.prestage.judge.started(decode)
         if self.nvme is not None:
             self.nvme.mark_step(li if decode else None)

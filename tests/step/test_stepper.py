@@ -443,6 +443,53 @@ def test_beside_the_lane_the_prestage_runs_between_lane_trials_and_its_experts_s
     assert pre.used > 0 and tiers.stats.snapshot()["picks"]["cpu"] > 0
 
 
+def test_a_kept_prestage_runs_through_the_lanes_later_trials_without_being_timed_there():
+    """Once the prestage's judge has kept it, a later trial of the lane's judge runs with it (the lane is judged
+    against the step it would otherwise be), while the prestage's own judge is not fed during that trial; a prestage
+    still on trial stays off through a lane trial."""
+    from glm53.step.lane_judge import LaneJudge
+    from glm53.step.prestage import Prestage, PrestageJudge
+
+    experts = make_experts(4)
+    tiers = exl3_tiers(experts, vram=3)
+    recompute, _ = recompute_with(experts)
+    now = [0.0]
+    lane_judge = LaneJudge(clock=lambda: now[0], window=4, pairs=1, rejudge=3)
+    pre = Prestage(NUM_EXPERTS + 1, TOP_K, judge=PrestageJudge(clock=lambda: now[0], window=4, pairs=1, rejudge=1000))
+    rng = np.random.default_rng(3)
+
+    def picks():
+        return np.stack([rng.choice(NUM_EXPERTS, TOP_K, replace=False) for _ in range(2)])
+
+    seen = []
+    with CpuLane(LAYOUT, threads=2, stats=tiers.stats) as lane:
+        stepper = MoeStepper(tiers, [3] * NUM_LAYERS, NUM_EXPERTS + 1, lane=lane, fit=lane_fit(), recompute=recompute,
+                             lane_judge=lane_judge, prestage=pre)
+        nxt = picks()
+        for step in range(240):
+            li = step % NUM_LAYERS
+            ids, nxt = nxt, picks()
+            on = stepper.lane_in_use()
+            state = (lane_judge.in_trial, pre.judge.in_trial, pre.judge.kept)
+            fed = (pre.judge._steps, pre.judge._window_index, pre.judge.trials)
+            guess = li + 1 < NUM_LAYERS and stepper.wants_ahead(li + 1)
+            x = torch.from_numpy(rng.standard_normal((2, HIDDEN))).float()
+            w = torch.from_numpy(rng.random((2, TOP_K))).float()
+            y, _ = emulate_layer(tiers, stepper, li, x, ids, w, with_lane=on)
+            assert rel_err(y, direct(experts, li, x, ids, w)) < LANE_TOL, f"step {step}"
+            if guess:
+                stepper.ahead(li + 1, nxt)  # a perfect guess
+            stepper.after_launch()
+            if state[0]:
+                assert (pre.judge._steps, pre.judge._window_index, pre.judge.trials) == fed, \
+                    "the prestage's judge was fed during a lane trial"
+            seen.append((*state, guess))
+            now[0] += 1e-3 - (0.2e-3 if on else 0.0) - (0.2e-3 if guess else 0.0)  # both pay: both kept
+    assert lane_judge.trials >= 2 and pre.judge.kept
+    assert any(lt and kept and not pt and g for lt, pt, kept, g in seen), "no prestage in a later lane trial"
+    assert not any(lt and (pt or not kept) and g for lt, pt, kept, g in seen), "an undecided prestage ran in a lane trial"
+
+
 def test_a_failing_lane_is_recomputed_then_bypassed():
     experts = make_experts(6)
     tiers = exl3_tiers(experts, vram=2)
