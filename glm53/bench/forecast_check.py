@@ -21,6 +21,9 @@ def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes
     one)."""
     shares = mode["pick_shares"]
     ram_rate = _measured(1 - shares["nvme"], "", "picks not read from the store") if store_Bps else None
+    demand_mib = shares["nvme"] * moe_layers * top_k * expert_bytes / 2**20  # a token's picks read from the store
+    extra = _measured(max(0.0, mode.get("store_MiB_per_token", 0.0) / demand_mib - 1), "of the store's demand reads",
+                      "the store's reads beyond the picks it served") if store_Bps and demand_mib > 0 else None
     return F.Terms(
         moe_layers=moe_layers, top_k=top_k, expert_bytes=expert_bytes,
         hit_rate=_measured(shares["vram_hit"], "", "picks VRAM served"),
@@ -31,6 +34,7 @@ def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes
         lane_offer_ms=F.Term(F.LANE_OFFER_MS, "ms", F.LANE_OFFER_SOURCE) if lane_ms else None,
         lane_decode=F.lane_decode_term() if lane_ms else None,
         ram_rate=ram_rate, store_GBps=_measured(store_Bps / 1e9, "GB/s", "the store's raw reads") if store_Bps else None,
+        store_extra=extra,
         prestage=F.prestage_term() if ((mode.get("tiers") or {}).get("lookahead") or {}).get("prestage") else None)
 
 

@@ -9,7 +9,8 @@ One decoded token (one sequence, a short history) takes
     gpu_step  exllamav3's stock step: every non-expert weight and the picks VRAM holds, the slower of its floor
               per decoder layer and the bytes it reads at the GPU's memory bandwidth (or a measured stock step)
     host      the tiered step's host time per MoE layer, which the GPU waits for (none in stock)
-    store     nvme modes: the layer's misses not in RAM, read from the store first at its read rate
+    store     nvme modes: the layer's misses not in RAM, read from the store first at its read rate, and the
+              lookahead's wrong guesses read beside them (a measured share of those reads)
     experts   the layer's misses, which its expert kernels wait for (the decode step is serialised per layer):
                 exact: misses x expert bytes / link rate
                 fast:  the CPU lane planner's split of the misses between the lane and the link, which run at
@@ -22,6 +23,8 @@ One decoded token (one sequence, a short history) takes
               copied ahead while the link idled (glm53.step.prestage): its PER_PARITY copies a layer, as many as
               fit in the layer's idle link time (gpu_step / moe_layers + host), of which the share PRESTAGE_SAVED
               turned into demand copies saved; only where its judge would keep it (layer steps MARGIN faster)
+              and the layer does not wait on the store longer than the link idles (its RAM misses then cross
+              during that wait, and the judge set the prestage aside where that was measured)
 
 Every term is a `Term`: its value and where it came from (a host fact, a measurement in docs/results.md, saved
 routing statistics, or an assumption), so a forecast that is off says which term to measure.
@@ -80,6 +83,10 @@ PRESTAGE_SOURCE = ("fitted to exact at 25 GB/s with the prestage against without
 LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
               "avx512": ("avx512f", "avx512dq", "avx512bw", "avx512vl"),
               "avx2vnni": ("avx2", "avx_vnni"), "avx2": ("avx2", "fma", "f16c")}  # widest first
+# nvme modes: what the lookahead's wrong guesses add to a token's store reads, as a share of the reads its picks need.
+GUESS_WASTE = 0.3
+GUESS_WASTE_SOURCE = ("the lookahead's reads beyond the picks served from the store: 0.26 and 0.29 of them at 50 GB/s "
+                      "with 32 VRAM slots and 25 GB/s with 64 (docs/results.md)")
 # The store's read rate when nothing measured it: a PCIe 4.0 NVMe drive (the emulated drive of docs/results.md).
 STORE_GBPS_ASSUMED = 6.0
 PCIE_GBPS_UNKNOWN = 12.6   # PCIe 3 x16 at 80%: the slowest link a 24 GB card is found on (as the plan assumes)
@@ -127,10 +134,11 @@ class Terms:
     ram_rate: Term | None = None      # nvme modes: share of picks VRAM or RAM serves (the rest: the store)
     store_GBps: Term | None = None    # nvme modes: the store's read rate
     prestage: Term | None = None      # the share of the idle link time's copies the prestage saves (None: no rows)
+    store_extra: Term | None = None   # nvme modes: wrong guesses' reads as a share of the picks' store reads
 
     def named(self) -> dict[str, Term]:
         names = ("hit_rate", "gpu_step_ms", "host_ms", "link_GBps", "lane_ms", "lane_offer_ms", "lane_decode",
-                 "ram_rate", "store_GBps", "prestage")
+                 "ram_rate", "store_GBps", "prestage", "store_extra")
         return {n: t for n in names if (t := getattr(self, n)) is not None}
 
     @property
@@ -151,11 +159,14 @@ class Terms:
 
     def prestaged(self, store_ms: float) -> float:
         """Misses per MoE layer the prestage saves: its copies that fit in the layer's idle link time (the stock
-        step's share and the host's, and the store's wait: the link idles through them), times PRESTAGE_SAVED;
-        none where the judge would not keep it (layer steps at least MARGIN faster)."""
+        step's share and the host's), times PRESTAGE_SAVED; none where the layer waits on the store longer than
+        that (its RAM misses cross during the wait) or the judge would not keep it (layer steps at least MARGIN
+        faster)."""
         if self.prestage is None or self.misses <= 0:
             return 0.0
-        idle = self.gpu_step_ms.value / self.moe_layers + self.host_ms.value + store_ms
+        idle = self.gpu_step_ms.value / self.moe_layers + self.host_ms.value
+        if store_ms >= idle:
+            return 0.0
         fits = min(float(PRESTAGE_PER_PARITY), idle / self.link_ms, self.misses)
         saved = self.prestage.value * fits
         step = idle + self.misses * self.link_ms
@@ -246,7 +257,8 @@ def mode_forecast(mode: str, t: Terms) -> ModeForecast:
         if t.ram_rate is None or t.store_GBps is None:
             raise ValueError(f"{mode} needs ram_rate and store_GBps")
         store = t.top_k * (1 - t.ram_rate.value)
-    store_ms = store * t.expert_bytes / (t.store_GBps.value * 1e9) * 1e3 if store else 0.0
+    waste = 1.0 + (t.store_extra.value if t.store_extra is not None else 0.0)
+    store_ms = store * waste * t.expert_bytes / (t.store_GBps.value * 1e9) * 1e3 if store else 0.0
     ahead = t.prestaged(store_ms)
     link = (misses - ahead) * t.link_ms
     parts = {"gpu_step": gpu, "host": L * t.host_ms.value, "store": L * store_ms, "experts": L * link}
@@ -411,6 +423,7 @@ def plan_forecast(*, gpu: Any, cpu: Any, lane_ok: bool, lane_threads: int, shape
         if nvme else None,
         store_GBps=Term(STORE_GBPS_ASSUMED, "GB/s", "assumed: a PCIe 4.0 NVMe drive (`glm53 bench store` "
                                                      "measures this store)") if nvme else None,
+        store_extra=Term(GUESS_WASTE, "of the store's demand reads", GUESS_WASTE_SOURCE) if nvme else None,
         prestage=prestage_term() if not stock and prestage_room(spec.dedicated_staging, k) else None,
     )
     if stock:
