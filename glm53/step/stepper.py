@@ -110,6 +110,7 @@ class MoeStepper:
         self._defer_prestage = False  # a guess made now is copied once the stepping layer's copies are queued
         self._queued_prestage: tuple[int, np.ndarray] | None = None
         self._prestage_timed = False  # the prestage's judge times the step under way
+        self._lane_timed = False  # the lane's judge times it (not while the lane waits for the prestage's verdict)
         self._last_ticket: Any = None  # the last lane step's ticket, for the judge's late streak
         self.prefetched = 0  # reads (nvme) or prestage copies (all-RAM) started from a prediction
         self.lent_out = 0  # experts that left VRAM because a step borrowed their cache slot as staging
@@ -127,7 +128,12 @@ class MoeStepper:
 
     def lane_in_use(self) -> bool:
         """Whether the next decode step offers misses to the CPU lane (attached, alive, and offered by the judge)."""
-        return self.lane is not None and self.lane.alive and self.lane_judge.offer()
+        return self.lane is not None and self.lane.alive and not self._lane_waits() and self.lane_judge.offer()
+
+    def _lane_waits(self) -> bool:
+        """The lane waits, unjudged, for the prestage's first verdict: the lane is then judged against the step it
+        would otherwise be (with the prestage where that pays), and the prestage against the plain step."""
+        return self.prestage is not None and self.prestage.judge.trials == 0
 
     def wants_ahead(self, li: int) -> bool:
         """Whether the caller guesses layer li's picks for its coming decode step (the next layer's router run ahead,
@@ -142,7 +148,8 @@ class MoeStepper:
         """Whether the prestage's judge times this step: beside a CPU lane only outside the lane judge's trials, so
         the two judges never time the same steps (a lane trial pauses the prestage's)."""
         lane = self.lane
-        return self.prestage is not None and (lane is None or not lane.alive or not self.lane_judge.in_trial)
+        return self.prestage is not None and (lane is None or not lane.alive or self._lane_waits()
+                                              or not self.lane_judge.in_trial)
 
     def _prestaging(self) -> bool:
         """Whether the prestage may run now: wherever its judge times the steps, and through a lane trial where
@@ -196,7 +203,7 @@ class MoeStepper:
         # The misses copied ahead are on the GPU already: neither copied again nor offered to the lane.
         pre = {e: ahead_rows[e] for e in misses if e in ahead_rows} if ahead_rows else {}
         pcie = [e for e in misses if e not in pre] if pre else misses
-        if self.lane is not None:  # fast / nvme: the planner's split of the misses, and the judge told of it
+        if self._lane_timed:  # fast / nvme: the planner's split of the misses, and the judge told of it
             self._judge_last_ticket()
             resolved.cpu, n_cpu = self._plan_lane(li, p.ids, pcie)
             self.lane_judge.done(p.ids.size, n_cpu, end_of_token=li == len(self.cache_slots) - 1)
@@ -261,7 +268,8 @@ class MoeStepper:
         self._queued_prestage = None  # a failed step's guess copies nothing
         tiers = self.tiers
         tiers.give_back_lent()  # the last step's kernels are queued: a copy into its borrowed slots now waits for them
-        if self.lane is not None:
+        self._lane_timed = self.lane is not None and not self._lane_waits()
+        if self._lane_timed:
             self.lane_judge.started(decode)
         self._prestage_timed = self._prestage_judged()  # decided once a step: a lane verdict inside it waits
         if self._prestage_timed:

@@ -289,6 +289,15 @@ def test_nvme_exact_prestages_from_ram_with_no_store_reads_bit_identically(ck, s
 # ---- fast: the CPU lane at the seam ---------------------------------------------------------------------------
 
 
+def quick_prestage_verdict(tiered) -> None:
+    """The lane waits for the prestage's first verdict: a judge of one pair of two-step windows gives it within a
+    token or two, so a short drive still offers the lane."""
+    from glm53.step.prestage import PrestageJudge
+
+    assert tiered.stepper.prestage is not None
+    tiered.stepper.prestage.judge = PrestageJudge(window=2, pairs=1)
+
+
 def test_fast_mode_lane_takes_picks_masked_and_added_back(ck):
     from glm53.cpu_lane.lane import CpuLane
 
@@ -299,6 +308,7 @@ def test_fast_mode_lane_takes_picks_masked_and_added_back(ck):
     try:
         lane = generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats, codebook=tiered.codebook))
         tiered.enable_lane(lane, lane_fit())
+        quick_prestage_verdict(tiered)
         drive(stock, model, schedule(3, 32), 3, near(LANE_TOL), tiered)
         assert tiered.staging_slots == NUM_EXPERTS + 1 and model.moe()[0].experts_cfg.min_expert == 0
         snap = tiered.snapshot()
@@ -542,6 +552,7 @@ def test_nvme_mode_with_the_lane(ck, store):
         assert tiered.tiers.ram.in_use() == 0
         assert len(tiered.measure_pcie(repeats=1)) == 3
         tiered.enable_lane(generous(CpuLane(tiered.layout, threads=2, stats=tiered.tiers.stats)), lane_fit())
+        quick_prestage_verdict(tiered)
         drive(stock, model, schedule(9, 24), 9, near(LANE_TOL), tiered)
         snap = tiered.snapshot()
         assert snap["mode"] == "nvme" and snap["picks"]["cpu"] > 0 and snap["picks"]["nvme"] > 0

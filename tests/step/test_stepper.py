@@ -399,19 +399,21 @@ def test_the_lane_stays_on_only_if_steps_offering_it_are_faster(lane_step_s, kep
         assert doc["judge"]["ratio_on_over_off"] == pytest.approx(lane_step_s / 1e-3)
 
 
-def test_beside_the_lane_the_prestage_runs_between_lane_trials_and_its_experts_skip_the_lane():
-    """Fast mode with a prestage: no guess ahead while the lane's judge times its windows (the two judges never time
-    the same steps); once the lane is decided the prestage runs, and a miss copied ahead is neither offered to the
-    lane nor copied again. Every step's output stays the reference's."""
+def test_beside_the_lane_the_prestage_is_judged_first_and_its_experts_skip_the_lane():
+    """Fast mode with a prestage: the prestage's first trial runs before the lane is offered (the lane's judge is not
+    fed meanwhile), so the lane is then judged against the step with the prestage it kept; no guess is timed by both
+    judges; a miss copied ahead is neither offered to the lane nor copied again. Every step's output stays the
+    reference's."""
     from glm53.step.lane_judge import LaneJudge
-    from glm53.step.prestage import Prestage
+    from glm53.step.prestage import Prestage, PrestageJudge
 
     experts = make_experts(4)
     tiers = exl3_tiers(experts, vram=3)
     recompute, _ = recompute_with(experts)
     now = [0.0]
     judge = LaneJudge(clock=lambda: now[0], window=4, pairs=1)
-    pre = Prestage(NUM_EXPERTS + 1, TOP_K)  # 13 rows: demand in rows 0-8, steps of up to 2 token rows
+    # 13 rows: demand in rows 0-8, steps of up to 2 token rows
+    pre = Prestage(NUM_EXPERTS + 1, TOP_K, judge=PrestageJudge(clock=lambda: now[0], window=4, pairs=1))
     rng = np.random.default_rng(9)
 
     def picks():
@@ -420,12 +422,12 @@ def test_beside_the_lane_the_prestage_runs_between_lane_trials_and_its_experts_s
     with CpuLane(LAYOUT, threads=2, stats=tiers.stats) as lane:
         stepper = MoeStepper(tiers, [3] * NUM_LAYERS, NUM_EXPERTS + 1, lane=lane, fit=lane_fit(), recompute=recompute,
                              lane_judge=judge, prestage=pre)
-        nxt, guessed = picks(), []
-        for step in range(40):
+        nxt, seen = picks(), []
+        for step in range(80):
             li = step % NUM_LAYERS
             ids, nxt = nxt, picks()
             on = stepper.lane_in_use()
-            in_trial = judge.in_trial
+            state = (pre.judge.trials, judge.in_trial, judge._steps, judge.trials)
             guess = li + 1 < NUM_LAYERS and stepper.wants_ahead(li + 1)
             pending = set(pre._pending[2]) if pre._pending and pre._pending[0] == li else set()
             x = torch.from_numpy(rng.standard_normal((2, HIDDEN))).float()
@@ -435,18 +437,22 @@ def test_beside_the_lane_the_prestage_runs_between_lane_trials_and_its_experts_s
             assert not pending & (set(st.cpu) | set(st.staged)), "a miss copied ahead went to the lane or the link"
             if guess:
                 stepper.ahead(li + 1, nxt)  # a perfect guess
-            guessed.append((in_trial, guess))
+            if state[0] == 0:
+                assert not on and (judge._steps, judge.trials) == state[2:], "the lane ran before the prestage's verdict"
+            seen.append((state[0], state[1], on, guess))
             stepper.after_launch()
-            now[0] += 0.8e-3 if on else 1e-3  # the lane pays: kept
-    assert not any(g for t, g in guessed if t) and guessed[0][0], "no guess during the lane's trial"
-    assert judge.kept and any(g for t, g in guessed if not t)
+            now[0] += 1e-3 - (0.2e-3 if on else 0.0) - (0.1e-3 if guess else 0.0)  # both pay: both kept
+    assert pre.judge.trials >= 1 and pre.judge.kept and judge.kept
+    assert any(t == 0 and g for t, _, _, g in seen), "the prestage's first trial guessed"
+    assert any(t >= 1 and lt and on for t, lt, on, _ in seen), "the lane's trial came after it"
+    assert any(t >= 1 and lt and g for t, lt, _, g in seen), "the kept prestage ran through the lane's trial"
     assert pre.used > 0 and tiers.stats.snapshot()["picks"]["cpu"] > 0
 
 
 def test_a_kept_prestage_runs_through_the_lanes_later_trials_without_being_timed_there():
-    """Once the prestage's judge has kept it, a later trial of the lane's judge runs with it (the lane is judged
-    against the step it would otherwise be), while the prestage's own judge is not fed during that trial; a prestage
-    still on trial stays off through a lane trial."""
+    """Once the prestage's judge has kept it, a trial of the lane's judge runs with it (the lane is judged against the
+    step it would otherwise be), while the prestage's own judge is not fed during that trial; a prestage on a later
+    trial of its own stays off through a lane trial."""
     from glm53.step.lane_judge import LaneJudge
     from glm53.step.prestage import Prestage, PrestageJudge
 
@@ -470,7 +476,7 @@ def test_a_kept_prestage_runs_through_the_lanes_later_trials_without_being_timed
             li = step % NUM_LAYERS
             ids, nxt = nxt, picks()
             on = stepper.lane_in_use()
-            state = (lane_judge.in_trial, pre.judge.in_trial, pre.judge.kept)
+            state = (lane_judge.in_trial and pre.judge.trials > 0, pre.judge.in_trial, pre.judge.kept)  # a lane trial
             fed = (pre.judge._steps, pre.judge._window_index, pre.judge.trials)
             guess = li + 1 < NUM_LAYERS and stepper.wants_ahead(li + 1)
             x = torch.from_numpy(rng.standard_normal((2, HIDDEN))).float()
