@@ -84,8 +84,8 @@ class MoeStepper:
         paired windows of decode steps whether offering the lane makes them faster. timer: the StepTimer the
         steps' host time goes through (default: a new one on the wall clock). prestage: a glm53.step.prestage.Prestage:
         the caller's guesses for the next layer (`ahead`) copy a few of its likely RAM-resident misses into
-        reserved staging rows while the link would idle, as long as its judge finds steps faster (beside a lane,
-        between the lane judge's trials)."""
+        reserved staging rows while the link would idle, as long as its judge finds steps faster (beside a lane it
+        is judged first, the lane waiting, then between the lane judge's trials)."""
         if lane is not None and (fit is None or recompute is None):
             raise ValueError("a CPU lane needs the planner's cost model (fit) and the exact-path recompute")
         self.tiers = tiers
