@@ -157,8 +157,8 @@ class MoeStepper:
         trial stays off there)."""
         if self._prestage_judged():
             return True
-        judge = None if self.prestage is None else self.prestage.judge
-        return judge is not None and not judge.in_trial and bool(judge.kept)
+        pre = self.prestage
+        return pre is not None and not pre.judge.in_trial and bool(pre.judge.kept)
 
     def masked_id(self, li: int) -> int:
         """The slot id exllamav3's kernels ignore for layer li: the first one past its S + P slots."""
@@ -210,10 +210,10 @@ class MoeStepper:
             on_cpu = set(resolved.cpu)
             pcie = [e for e in pcie if e not in on_cpu] if on_cpu else pcie
         resolved.staged = list(pcie)
+        if pre:
+            self.prestage.used += len(pre)
         if self._prestage_timed:
             self._judge_prestage(p, pre)
-        elif pre:
-            self.prestage.used += len(pre)
         self._make_room(p, resolved.staged)
         self._count_picks(li, p.picks, hits, p.from_store, resolved.cpu)
         if resolved.cpu:
@@ -612,7 +612,6 @@ class MoeStepper:
     def _judge_prestage(self, p: _Picks, pre: dict[int, int]) -> None:
         """The prestage's judge told of the step's picks served by experts copied ahead."""
         served = sum(e in pre for e in p.picks) if pre else 0
-        self.prestage.used += len(pre)
         self.prestage.judge.done(p.ids.size, served, end_of_token=p.li == len(self.cache_slots) - 1)
 
     def rank_precision(self) -> list[float]:
