@@ -244,6 +244,11 @@ def test_each_term_moves_the_forecast_the_right_way():
     # exact by hand: gpu step + layers x (host + misses x bytes / link)
     by_hand = 1000 / 298.0 + 8 * (0.1985 + 8 * (1 - 0.391) * EXPERT / 24.45e9 * 1e3)
     assert 1000 / base == pytest.approx(by_hand)
+    # The admissions' write-backs cross the link in series with the misses; a layer's store wait hides them.
+    back = exact(write_backs=term(0.25))
+    assert 1000 / back - 1000 / base == pytest.approx(8 * 8 * (1 - 0.391) * 0.25 * EXPERT / 24.45e9 * 1e3)
+    slow_store = replace(t, write_backs=term(0.25), ram_rate=term(0.5), store_GBps=term(2.0))
+    assert F.forecast(slow_store, ("nvme-exact",)).modes["nvme-exact"].parts_ms["write_back"] == 0.0
 
 
 def test_nvme_adds_the_store_reads_for_misses_not_in_ram():
@@ -291,6 +296,7 @@ def test_the_reference_box_gets_a_forecast_for_fast_and_exact(tmp_path):
     assert 5 < exact["tok_s"] <= fast["tok_s"] < 30
     assert exact["misses_per_token"] == pytest.approx(336 * 0.6, rel=0.02)  # the issue's ~200-215
     assert terms["prestage"]["value"] == F.PRESTAGE_SAVED and exact["prestaged_per_token"] > 0
+    assert terms["write_backs"]["value"] == F.WRITE_BACKS_PER_MISS and exact["parts_ms"]["write_back"] > 0
     assert sum(exact["parts_ms"].values()) == pytest.approx(exact["ms_per_token"], abs=0.01)
     json.dumps(fc)
 

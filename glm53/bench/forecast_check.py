@@ -1,8 +1,9 @@
 """The speed forecast (glm53.planning.forecast) checked against a bench decode run: each mode forecast from the
 terms this run measured (stock's step, the link's rate, the mode's share of picks served from VRAM / RAM, the
-lane's calibrated cost) and the plan's constants (host time per MoE layer, the lane's offer and its slow-down inside decode), next to the rate the
-mode reached. What the ratio tests is the cost model's structure; the plan's own forecast differs only in where
-its terms come from (host facts and published popularity instead of this run)."""
+lane's calibrated cost, the admissions' write-backs, the share of the prestage's copies read) and the plan's
+constants (host time per MoE layer, the lane's offer and its slow-down inside decode), next to the rate the mode
+reached. What the ratio tests is the cost model's structure; the plan's own forecast differs only in where its terms
+come from (host facts and published popularity instead of this run)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def _measured(value: float, unit: str, what: str) -> F.Term:
 def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes: int, stock_tok_s: float,
               link_Bps: float, lane_ms: float | None, store_Bps: float | None) -> F.Terms:
     """A mode's Terms from one bench decode run (its result's mode entry; the prestage's term where the mode ran
-    one)."""
+    one through the windows)."""
     shares = mode["pick_shares"]
     ram_rate = _measured(1 - shares["nvme"], "", "picks not read from the store") if store_Bps else None
     demand_mib = shares["nvme"] * moe_layers * top_k * expert_bytes / 2**20  # a token's picks read from the store
@@ -34,8 +35,25 @@ def run_terms(mode: dict[str, Any], *, moe_layers: int, top_k: int, expert_bytes
         lane_offer_ms=F.Term(F.LANE_OFFER_MS, "ms", F.LANE_OFFER_SOURCE) if lane_ms else None,
         lane_decode=F.lane_decode_term() if lane_ms else None,
         ram_rate=ram_rate, store_GBps=_measured(store_Bps / 1e9, "GB/s", "the store's raw reads") if store_Bps else None,
-        store_extra=extra,
-        prestage=F.prestage_term() if ((mode.get("tiers") or {}).get("lookahead") or {}).get("prestage") else None)
+        store_extra=extra, write_backs=write_backs(mode, moe_layers * top_k, expert_bytes),
+        prestage=prestage_term(((mode.get("tiers") or {}).get("lookahead") or {}).get("prestage")))
+
+
+def write_backs(mode: dict[str, Any], picks: int, expert_bytes: int) -> F.Term | None:
+    """The run's write-backs (its device -> host MiB a token) per miss; none where the run did not report them."""
+    misses = picks * (1 - mode["pick_shares"]["vram_hit"])
+    if "d2h_MiB_per_token" not in mode or misses <= 0:
+        return None
+    return _measured(mode["d2h_MiB_per_token"] * 2**20 / expert_bytes / misses, "a miss",
+                     "the admissions' victims written back to RAM")
+
+
+def prestage_term(prestage: dict[str, Any] | None) -> F.Term | None:
+    """The prestage's term where it ran through the windows: none where the mode had none or its judge set it aside
+    (then it stops before the windows), its saving scaled to the share of its copies read by their step."""
+    if not prestage or (prestage.get("judge") or {}).get("kept") is False:
+        return None
+    return F.prestage_term(prestage["precision"] if prestage.get("staged") else None)
 
 
 def checked(mode_name: str, mode: dict[str, Any], terms: F.Terms) -> dict[str, Any]:

@@ -4,7 +4,7 @@ engine carries it to /stats beside the rate it measures.
 
 One decoded token (one sequence, a short history) takes
 
-    token = gpu_step + moe_layers x (host + store + experts)
+    token = gpu_step + moe_layers x (host + store + experts + write_back)
 
     gpu_step  exllamav3's stock step: every non-expert weight and the picks VRAM holds, the slower of its floor
               per decoder layer and the bytes it reads at the GPU's memory bandwidth (or a measured stock step)
@@ -25,6 +25,9 @@ One decoded token (one sequence, a short history) takes
               turned into demand copies saved; only where its judge would keep it (layer steps MARGIN faster)
               and the layer does not wait on the store longer than the link idles (its RAM misses then cross
               during that wait, and the judge set the prestage aside where that was measured)
+    write_back the admissions' victims copied back to RAM (an expert lives in one tier), on the same copy stream
+              as the misses and so in series with them: write-backs per miss x misses x expert bytes / link rate,
+              less what hides under the layer's store wait (the link idles then)
 
 Every term is a `Term`: its value and where it came from (a host fact, a measurement in docs/results.md, saved
 routing statistics, or an assumption), so a forecast that is off says which term to measure.
@@ -75,9 +78,11 @@ LANE_MEASURED = {"avx512vnni": (15, 0.422), "avx512": (15, 0.488), "avx2vnni": (
 LANE_SERIAL = (0.422 - 2.926 / 15) / (2.926 - 2.926 / 15)  # Amdahl's serial share of the 1 -> 15 thread scaling
 # The prestage (glm53.step.prestage; the decision package may not import it, a test keeps them equal): PER_PARITY
 # copies a layer into rows reserved at the top of the dedicated staging rows, so a plan needs top_k + 2 x PER_PARITY
-# of them. PRESTAGE_SAVED: the demand copies it saved a layer step over what fits in the layer's idle link time.
+# of them. PRESTAGE_SAVED: the demand copies it saved a layer step over what fits in the layer's idle link time, in
+# a run where PRESTAGE_READ of its copies were read by their step (a right copy saves PRESTAGE_SAVED / PRESTAGE_READ).
 PRESTAGE_PER_PARITY = 2
 PRESTAGE_SAVED = 0.47
+PRESTAGE_READ = 0.78
 PRESTAGE_SOURCE = ("fitted to exact at 25 GB/s with the prestage against without (1.130x paired: 0.30 ms a layer "
                    "step saved of 1.68 copies' idle link time, 0.78 of the copied experts read; docs/results.md)")
 LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512_vnni"),
@@ -87,6 +92,11 @@ LANE_FLAGS = {"avx512vnni": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx
 GUESS_WASTE = 0.3
 GUESS_WASTE_SOURCE = ("the lookahead's reads beyond the picks served from the store: 0.26 and 0.29 of them at 50 GB/s "
                       "with 32 VRAM slots and 25 GB/s with 64 (docs/results.md)")
+# The admissions' write-backs per miss (each admission into a full cache copies its victim back to RAM): measured at
+# 11% of the experts in VRAM, the real model's share on a 24 GB card; twice as many admissions at 22%.
+WRITE_BACKS_PER_MISS = 0.12
+WRITE_BACKS_SOURCE = ("measured: 0.12 write-backs a miss with 32 of a layer's 288 experts in VRAM, 0.23 with 64, the "
+                      "8-MoE-layer checkpoint under the preset (docs/results.md, thirty-third session)")
 # The store's read rate when nothing measured it: a PCIe 4.0 NVMe drive (the emulated drive of docs/results.md).
 STORE_GBPS_ASSUMED = 6.0
 PCIE_GBPS_UNKNOWN = 12.6   # PCIe 3 x16 at 80%: the slowest link a 24 GB card is found on (as the plan assumes)
@@ -135,10 +145,11 @@ class Terms:
     store_GBps: Term | None = None    # nvme modes: the store's read rate
     prestage: Term | None = None      # the share of the idle link time's copies the prestage saves (None: no rows)
     store_extra: Term | None = None   # nvme modes: wrong guesses' reads as a share of the picks' store reads
+    write_backs: Term | None = None   # the admissions' victims copied back over the link, per miss
 
     def named(self) -> dict[str, Term]:
         names = ("hit_rate", "gpu_step_ms", "host_ms", "link_GBps", "lane_ms", "lane_offer_ms", "lane_decode",
-                 "ram_rate", "store_GBps", "prestage", "store_extra")
+                 "ram_rate", "store_GBps", "prestage", "store_extra", "write_backs")
         return {n: t for n in names if (t := getattr(self, n)) is not None}
 
     @property
@@ -261,13 +272,15 @@ def mode_forecast(mode: str, t: Terms) -> ModeForecast:
     store_ms = store * waste * t.expert_bytes / (t.store_GBps.value * 1e9) * 1e3 if store else 0.0
     ahead = t.prestaged(store_ms)
     link = (misses - ahead) * t.link_ms
-    parts = {"gpu_step": gpu, "host": L * t.host_ms.value, "store": L * store_ms, "experts": L * link}
+    back = max(0.0, misses * t.write_backs.value * t.link_ms - store_ms) if t.write_backs is not None else 0.0
+    parts = {"gpu_step": gpu, "host": L * t.host_ms.value, "store": L * store_ms, "experts": L * link,
+             "write_back": L * back}
     if mode in ("exact", "nvme-exact"):
         return ModeForecast(mode, sum(parts.values()), parts, L * misses, L * store, prestaged_per_token=L * ahead)
     if t.lane_ms is None or t.lane_offer_ms is None:
         raise ValueError(f"{mode} needs the lane's terms (lane_ms, lane_offer_ms)")
     on, k = lane_layer(misses - ahead, t.lane_decode_ms, t.link_ms, t.lane_offer_ms.value)
-    base = gpu / L + t.host_ms.value + store_ms  # the judge times whole layer steps
+    base = gpu / L + t.host_ms.value + store_ms + back  # the judge times whole layer steps
     ratio = (base + on) / (base + link)
     share = k / t.top_k
     kept = ratio < 1 - MARGIN and share >= MIN_SHARE
@@ -363,8 +376,14 @@ def prestage_room(dedicated_rows: int, top_k: int) -> bool:
     return dedicated_rows - 2 * PRESTAGE_PER_PARITY >= top_k
 
 
-def prestage_term() -> Term:
-    return Term(PRESTAGE_SAVED, "of the idle link time's copies", PRESTAGE_SOURCE)
+def prestage_term(read: float | None = None) -> Term:
+    """The prestage's saving per copy that fits in the idle link time: the fitted run's, or scaled to `read`, the
+    share of its copies a run measured read by their step (fewer misses a layer: its guesses are right less often)."""
+    if read is None:
+        return Term(PRESTAGE_SAVED, "of the idle link time's copies", PRESTAGE_SOURCE)
+    return Term(PRESTAGE_SAVED * read / PRESTAGE_READ, "of the idle link time's copies",
+                f"measured in this run: {read:.2f} of its copies read by their step, against {PRESTAGE_READ} where "
+                f"{PRESTAGE_SAVED} was fitted")
 
 
 def lane_decode_term() -> Term:
@@ -425,6 +444,7 @@ def plan_forecast(*, gpu: Any, cpu: Any, lane_ok: bool, lane_threads: int, shape
                                                      "measures this store)") if nvme else None,
         store_extra=Term(GUESS_WASTE, "of the store's demand reads", GUESS_WASTE_SOURCE) if nvme else None,
         prestage=prestage_term() if not stock and prestage_room(spec.dedicated_staging, k) else None,
+        write_backs=None if stock else Term(WRITE_BACKS_PER_MISS, "a miss", WRITE_BACKS_SOURCE),
     )
     if stock:
         modes: tuple[str, ...] = ("stock",)

@@ -461,7 +461,7 @@ for step in ${STEPS//,/ }; do
     stamp "unknown step $step (known: $(declare -F | sed -n 's/^declare -f step_//p' | tr '\n' ' '))"
   fi
 done
-if [ -d "$TRITON_CACHE_DIR" ]; then
+if [ -d "$TRITON_CACHE_DIR" ] && [ "${TRITON_PACK:-1}" = 1 ]; then  # TRITON_PACK=0: no pack (~45 s) where the cache is current
   tar -cJf "$OUT/triton.tar.xz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
   stamp "triton cache packed: $(find "$TRITON_CACHE_DIR" -type f | wc -l) files, $(du -k "$OUT/triton.tar.xz" | cut -f1) KiB"
 fi
