@@ -122,7 +122,7 @@ def base_env(tmp_path):
     return env
 
 
-@pytest.mark.parametrize("rid", ["glm53-nvme-55g", "glm53-ram"])
+@pytest.mark.parametrize("rid", [pytest.param("glm53-nvme-55g", marks=pytest.mark.slow), "glm53-ram"])  # one in the unit suite
 def test_recipe_prepare_and_serve_pass_the_plugin_readiness_check(recipes, rid, exl3_model, hf_model_dir, tmp_path):
     r = by_id(recipes, rid)
     env = base_env(tmp_path)

@@ -38,7 +38,7 @@ def _requests(url: str) -> dict[str, tuple[str, dict]]:
     }
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])  # one in the unit suite
 def test_a_signal_ends_every_reply_with_its_final_event_and_exits(hf_model_dir: Path, tmp_path: Path, sig):
     port = _port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("GLM53_")}
