@@ -25,9 +25,9 @@ One decoded token (one sequence, a short history) takes
               turned into demand copies saved; only where its judge would keep it (layer steps MARGIN faster)
               and the layer does not wait on the store longer than the link idles (its RAM misses then cross
               during that wait, and the judge set the prestage aside where that was measured)
-    write_back the admissions' victims copied back to RAM (an expert lives in one tier), on the same copy stream
-              as the misses and so in series with them: write-backs per miss x misses x expert bytes / link rate,
-              less what hides under the layer's store wait (the link idles then)
+    write_back the admissions' victims copied back to RAM (an expert lives in one tier), priced in series with
+              the misses as the emulated runs measured it: write-backs per miss x misses x expert bytes / link
+              rate, less what hides under the layer's store wait
 
 Every term is a `Term`: its value and where it came from (a host fact, a measurement in docs/results.md, saved
 routing statistics, or an assumption), so a forecast that is off says which term to measure.
