@@ -40,6 +40,11 @@ MAX_TOP_K = 8  # GLM-5.3-Flash's (and the fixture's) experts per token
 ATTR_UNIFIED_ADDRESSING = 41  # cudaDevAttrUnifiedAddressing
 ATTR_HOST_POINTER_FOR_REGISTERED = 91  # cudaDevAttrCanUseHostPointerForRegisteredMem
 L2_FLUSH_BYTES = 256 << 20
+# The consumer-box emulation paces copies with a spinning kernel on the copy stream (glm53.bench.emulate.LinkPacer).
+# (iv) times stock's layer beside such a spin, each 2 ms (several layer calls): whether it holds the expert kernel
+# back, which would put the emulated copies that ought to overlap compute (write-backs, prestage) in series with it.
+SPIN_MS = 2.0
+SPIN_DELAYS = 1.05  # stock beside the spin over stock alone, above which the spin is said to delay the kernel
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -150,8 +155,14 @@ def render(result: dict) -> str:
     if done:
         wins = [r["k"] for r in done if r["zero_copy_over_memcpy"] is not None and r["zero_copy_over_memcpy"] < 1]
         head.append(f"zero-copy is faster than copy-then-compute at k = {wins or 'none'} of {[r['k'] for r in done]}")
+    beside = result.get("stock_beside_spin_ms")
+    if beside is not None:
+        ratio = beside / result["stock_ms"]
+        head.append(f"(iv) stock beside the emulation's pacing spin on another stream: {beside:.4f} ms a layer call "
+                    f"(x stock {ratio:.3f}): the spin {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
+                    "expert kernel")
     same = all(r["memcpy_same"] and r["zero_copy_same"] is not False for r in rows)
-    same = same and result.get("stock_repeat_same") is not False
+    same = same and result.get("stock_repeat_same") is not False and result.get("stock_beside_spin_same") is not False
     head.append(f"outputs bit-identical to stock in every run: {'yes' if same else 'NO'}")
     if result.get("note"):
         head.append(result["note"])
@@ -160,7 +171,7 @@ def render(result: dict) -> str:
 
 def all_identical(result: dict) -> bool:
     return (result.get("stock_repeat_same") is not False and result.get("repoint_effective") is not False
-            and all(r["memcpy_same"] and r["zero_copy_same"] is not False for r in result["rows"]))
+            and result.get("stock_beside_spin_same") is not False and all(r["memcpy_same"] and r["zero_copy_same"] is not False for r in result["rows"]))
 
 
 # ---- the command -------------------------------------------------------------------------------------------------
@@ -407,11 +418,26 @@ def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int,
         raise RuntimeError(f"{model_dir}: no BlockSparseMLP layer")
     log(f"loaded {model_dir} in {time.perf_counter() - t0:.1f} s; timing {mods[0].key}")
     with torch.inference_mode():  # exllamav3 loads under it: its tables are inference tensors, written only inside
-        return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial)
+        return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial, spin=pacer_spin(torch))
+
+
+def pacer_spin(torch: Any) -> Callable[[], None]:
+    """One LinkPacer-style spin (`torch.cuda._sleep`, SPIN_MS long) queued on a side stream of its own."""
+    from glm53.bench.emulate import sleep_cycles_per_s
+
+    cycles = max(1, int(SPIN_MS / 1e3 * sleep_cycles_per_s()))
+    side = torch.cuda.Stream()
+
+    def spin() -> None:
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(cycles)
+
+    return spin
 
 
 def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int, seed: int,
-             log: Callable[[str], None], partial: Callable[[dict], None]) -> dict:
+             log: Callable[[str], None], partial: Callable[[dict], None],
+             spin: Callable[[], None] | None = None) -> dict:
     L = _ZeroCopyLayer(torch, ext, m, ks, seed)
     dev = L.dev.index or 0
     result: dict = {
@@ -431,6 +457,14 @@ def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int
         result["stock_ms"] = device_ms(torch, L.call, reps, trials, L.flush)
         result["stock_repeat_same"] = bit_equal(torch, L.out(), ref)
         log(f"(i) stock: {result['stock_ms']:.4f} ms a layer call")
+        if spin is not None:  # (iv): a spin queued beside every call, so the side stream spins through them all
+            def flush_and_spin() -> None:
+                L.flush()
+                spin()
+
+            result["stock_beside_spin_ms"] = device_ms(torch, L.call, reps, trials, flush_and_spin)
+            result["stock_beside_spin_same"] = bit_equal(torch, L.out(), ref)
+            log(f"(iv) stock beside the pacer's spin: {result['stock_beside_spin_ms']:.4f} ms a layer call")
 
         # The tables are what the kernel reads: pointing every pick at the zeroed VRAM slots changes the output.
         L.repoint({j: L.stage_row(j) for j in range(L.top_k)})

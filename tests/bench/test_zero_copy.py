@@ -240,3 +240,16 @@ def test_host_rows_fall_back_to_mapped_registration():
 
     gc.collect()
     assert calls[-1] == ("unregister",)
+
+
+def test_stock_is_timed_beside_the_pacers_spin_and_the_verdict_names_a_delay(ext):
+    """(iv): a spin queued beside every timed call (the emulation's pacing kernel on a stream of its own)."""
+    m = _fake_layer()
+    spins = []
+    res = zc._measure(torch, ext, m, [1], reps=3, trials=2, seed=0, log=lambda s: None, partial=lambda r: None,
+                      spin=lambda: spins.append(1))
+    assert len(spins) == 3 * 2 and res["stock_beside_spin_same"] and zc.all_identical(res)
+    assert "the spin does not delay the expert kernel" in zc.render(res)  # the fake events time every call alike
+    slowed = {**res, "stock_beside_spin_ms": res["stock_ms"] * 1.2}
+    assert "(x stock 1.200): the spin delays the expert kernel" in zc.render(slowed)
+    assert not zc.all_identical({**res, "stock_beside_spin_same": False})

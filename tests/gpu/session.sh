@@ -99,7 +99,8 @@
 #             PRESTAGE_LIMIT
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
-#             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity. Needs no CPU-lane build:
+#             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity; (iv) stock beside the
+#             preset's pacing spin on another stream (does the emulation hold the expert kernel back?). No CPU-lane build:
 #             `python3 -u -m glm53 bench zero-copy --work /tmp --keep` alone is the whole step (~1 min warm)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -452,7 +453,7 @@ step_zerocopy() {
   timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \
     > "$OUT/bench-zero-copy.log" 2>&1
   local rc=$?
-  stamp "bench zero-copy rc=$rc $(grep -E '^ +[0-9]+ \||zero-copy is|bit-identical to stock' "$OUT/bench-zero-copy.log" | tr '\n' ';')"
+  stamp "bench zero-copy rc=$rc $(grep -E '^ +[0-9]+ \||zero-copy is|bit-identical to stock|^\(iv\)' "$OUT/bench-zero-copy.log" | tr '\n' ';')"
 }
 for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
