@@ -161,7 +161,7 @@ TERM_NAMES = {"hit_rate": "hit rate", "gpu_step_ms": "gpu step", "host_ms": "hos
 def _forecast_lines(fc: dict, width: int) -> list[str]:
     """The forecast section: each mode's decode tok/s and where its time goes, then each term with its source."""
     head = ("decode tok/s per mode on this host (glm53.planning.forecast): a token = gpu step + MoE layers x (host "
-            "+ store + experts), each term below with its source")
+            "+ store + experts + write back), each term below with its source")
     lines = textwrap.wrap(head, width, initial_indent=f"{'forecast':<14}", subsequent_indent=" " * 16)
     only = len(fc["modes"]) == 1
     for mode, m in fc["modes"].items():
