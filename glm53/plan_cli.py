@@ -155,7 +155,8 @@ def render(out: dict, facts: H.HostFacts) -> str:
 
 TERM_NAMES = {"hit_rate": "hit rate", "gpu_step_ms": "gpu step", "host_ms": "host", "link_GBps": "link",
               "lane_ms": "lane", "lane_offer_ms": "lane offer", "lane_decode": "lane in decode",
-              "ram_rate": "RAM hit rate", "store_GBps": "store"}
+              "ram_rate": "RAM hit rate", "store_GBps": "store", "store_extra": "store extra",
+              "write_backs": "write-backs"}
 
 
 def _forecast_lines(fc: dict, width: int) -> list[str]:
