@@ -556,10 +556,10 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             log(f"{name} ({split_slots} slots/layer over {cards} cards) loaded in {runners[name].load_s:.1f} s")
         paced = None
         if pacer is not None:  # the validation: expert-sized copies through a paced Copier deliver the target rate
-            from glm53.bench.emulate import LinkPacer, paced_rate
+            from glm53.bench.emulate import paced_rate
 
             layout = next(r.tiered.layout for r in runners.values() if r.tiered is not None)
-            paced = paced_rate(LinkPacer(rate, measured, pacer.cycles_per_s), layout.nbytes)
+            paced = paced_rate(pacer.fresh(), layout.nbytes)
             log(f"paced link: {paced / 1e9:.2f} GB/s over expert-sized copies ({layout.nbytes / 2**20:.1f} MiB each; "
                 f"target {rate / 1e9:.2f}, unpaced {measured / 1e9:.1f})")
         vocab = 150000
@@ -634,7 +634,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         result = {
             "h2d_GBps": rate / 1e9,
             "measured_h2d_GBps": measured / 1e9,
-            "emulation": {**emulation.__dict__, "paced_GBps": None if paced is None else paced / 1e9},
+            "emulation": {**emulation.__dict__, "paced_GBps": None if paced is None else paced / 1e9,
+                          "pacer": None if pacer is None else pacer.kind},
             "stock_decode_tok_s": stock_tok,
             "stock_prefill_tok_s": prompt_tokens / mean("stock", "prefill_s"),
             "bound_decode_tok_s": 1 / bound_s,
@@ -861,7 +862,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                      + ", ".join(f"{v:.1f}" for v in m["link_MiB_per_token_by_card"]) + f"; host ms/token: {host}")
     emu = res.get("emulation") or {}
     if emu.get("name", "none") != "none":
-        lines.append(f"  emulated host: {emu['name']}" + (f"; the link paced to {emu['link_GBps']:g} GB/s measured "
+        lines.append(f"  emulated host: {emu['name']}" + (f"; the link paced ({emu.get('pacer') or 'spin'}) to {emu['link_GBps']:g} GB/s measured "
                      f"{emu['paced_GBps']:.2f} GB/s over expert copies" if emu.get("paced_GBps") else "")
                      + f" (unpaced {res['measured_h2d_GBps']:.1f} GB/s); not emulated: this host's Python speed, "
                      "its DRAM channels and core count behind the lane")

@@ -161,6 +161,12 @@ def render(result: dict) -> str:
         head.append(f"(iv) stock beside the emulation's pacing spin on another stream: {beside:.4f} ms a layer call "
                     f"(x stock {ratio:.3f}): the spin {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
                     "expert kernel")
+    padded = result.get("stock_beside_pad_ms")
+    if padded is not None:
+        ratio = padded / result["stock_ms"]
+        head.append(f"(v) stock beside a padding copy on another stream: {padded:.4f} ms a layer call "
+                    f"(x stock {ratio:.3f}): the copy {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
+                    "expert kernel")
     head.append(f"outputs bit-identical to stock in every run: {'yes' if outputs_same(result) else 'NO'}")
     if result.get("note"):
         head.append(result["note"])
@@ -170,6 +176,7 @@ def render(result: dict) -> str:
 def outputs_same(result: dict) -> bool:
     """Every timed run's output bit-identical to stock's (a run not made counts as same)."""
     return (result.get("stock_repeat_same") is not False and result.get("stock_beside_spin_same") is not False
+            and result.get("stock_beside_pad_same") is not False
             and all(r["memcpy_same"] and r["zero_copy_same"] is not False for r in result["rows"]))
 
 
@@ -421,7 +428,8 @@ def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int,
         raise RuntimeError(f"{model_dir}: no BlockSparseMLP layer")
     log(f"loaded {model_dir} in {time.perf_counter() - t0:.1f} s; timing {mods[0].key}")
     with torch.inference_mode():  # exllamav3 loads under it: its tables are inference tensors, written only inside
-        return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial, spin=pacer_spin(torch))
+        return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial, spin=pacer_spin(torch),
+                        pad=pacer_pad(torch))
 
 
 def pacer_spin(torch: Any) -> Callable[[], None]:
@@ -438,9 +446,26 @@ def pacer_spin(torch: Any) -> Callable[[], None]:
     return spin
 
 
+def pacer_pad(torch: Any) -> Callable[[], None]:
+    """One PadPacer-style padding copy (pinned host -> device, about SPIN_MS long at this link's rate) queued on a
+    side stream of its own."""
+    from glm53.bench.emulate import h2d_rate
+
+    n = max(1 << 20, int(SPIN_MS / 1e3 * h2d_rate(64 << 20)))
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+
+    def pad() -> None:
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+
+    return pad
+
+
 def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int, seed: int,
              log: Callable[[str], None], partial: Callable[[dict], None],
-             spin: Callable[[], None] | None = None) -> dict:
+             spin: Callable[[], None] | None = None, pad: Callable[[], None] | None = None) -> dict:
     L = _ZeroCopyLayer(torch, ext, m, ks, seed)
     dev = L.dev.index or 0
     result: dict = {
@@ -468,6 +493,14 @@ def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int
             result["stock_beside_spin_ms"] = device_ms(torch, L.call, reps, trials, flush_and_spin)
             result["stock_beside_spin_same"] = bit_equal(torch, L.out(), ref)
             log(f"(iv) stock beside the pacer's spin: {result['stock_beside_spin_ms']:.4f} ms a layer call")
+        if pad is not None:  # (v): the same beside a padding copy, the pacer that needs no SM
+            def flush_and_pad() -> None:
+                L.flush()
+                pad()
+
+            result["stock_beside_pad_ms"] = device_ms(torch, L.call, reps, trials, flush_and_pad)
+            result["stock_beside_pad_same"] = bit_equal(torch, L.out(), ref)
+            log(f"(v) stock beside a padding copy: {result['stock_beside_pad_ms']:.4f} ms a layer call")
 
         # The tables are what the kernel reads: pointing every pick at the zeroed VRAM slots changes the output.
         L.repoint({j: L.stage_row(j) for j in range(L.top_k)})

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from glm53.bench import emulate
-from glm53.bench.emulate import Emulation, LinkPacer, pace_seconds
+from glm53.bench.emulate import Emulation, LinkPacer, PadPacer, pace_seconds
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -41,6 +41,30 @@ def test_the_pacer_sleeps_on_the_device_for_the_held_time(monkeypatch) -> None:
     assert pacer.paced_bytes == 2 * (9 << 20) and pacer.held_s == pytest.approx(2 * want)
     LinkPacer(60e9, 50e9, 1.5e9)(1 << 20)  # nothing to hold: no sleep queued
     assert len(slept) == 2
+
+
+def test_the_padding_pacer_moves_the_extra_bytes_in_the_copys_direction() -> None:
+    """At 25 of 75 GB/s each copied byte is followed by two more of padding, host to device after a fill and
+    device to host after a write-back; a batch larger than the buffer pads in several copies."""
+    import torch
+
+    pacer = PadPacer(25e9, 75e9, expert_bytes=1000, device="cpu", experts=2)
+    assert pacer.chunk == 4000
+    pacer.host_src.fill_(7)
+    pacer.dev.zero_()
+    pacer(1000)
+    assert int((pacer.dev == 7).sum()) == 2000
+    pacer.dev.fill_(3)
+    pacer(3000, to_device=False)  # 6,000 bytes of padding: two copies through the 4,000-byte buffer
+    assert bool((pacer.host_dst == 3).all())
+    assert pacer.paced_bytes == 4000 and pacer.held_s == pytest.approx(4000 * (1 / 25e9 - 1 / 75e9))
+    again = pacer.fresh()
+    assert (again.chunk, again.paced_bytes, again.kind) == (pacer.chunk, 0, "pad")
+    quiet = PadPacer(80e9, 75e9, expert_bytes=1000, device="cpu")
+    quiet.host_src.fill_(1)
+    quiet.dev.zero_()
+    quiet(1000)  # a target above the real link: nothing padded
+    assert int(quiet.dev.sum()) == 0 and isinstance(quiet.dev, torch.Tensor)
 
 
 def test_the_preset_and_the_flags_laid_over_it() -> None:
@@ -95,15 +119,17 @@ def test_a_baseline_window_carries_the_emulation_flags(tmp_path) -> None:
 
 
 @pytest.mark.gpu
-def test_paced_link_delivers_the_target_rate() -> None:
+@pytest.mark.parametrize("kind", ["spin", "pad"])
+def test_paced_link_delivers_the_target_rate(kind: str) -> None:
     """Expert-sized copies through a paced Copier arrive at the target rate (within 10%), unpaced at the real one."""
     from glm53.bench.emulate import h2d_rate
 
     nbytes = 9 << 20
     measured = h2d_rate(nbytes, repeats=21)
-    pacer = LinkPacer(25e9, measured, emulate.sleep_cycles_per_s())
+    pacer = (LinkPacer(25e9, measured, emulate.sleep_cycles_per_s()) if kind == "spin"
+             else PadPacer(25e9, measured, nbytes))
     got = emulate.paced_rate(pacer, nbytes, copies=64)
-    print(f"\npaced link: {got / 1e9:.2f} GB/s (target 25, unpaced expert copies {measured / 1e9:.1f} GB/s)")
+    print(f"\npaced link ({kind}): {got / 1e9:.2f} GB/s (target 25, unpaced expert copies {measured / 1e9:.1f} GB/s)")
     assert got == pytest.approx(25e9, rel=0.1)
 
 

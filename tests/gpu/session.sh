@@ -78,7 +78,8 @@
 #             tokens): per request TTFT, prompt tokens and cached share (tests/gpu/replay_clients.py)
 #   emu       issue 38: the paced link's rate (tests/bench/test_emulate.py, gpu), then glm53 bench decode --emulate
 #             rtx3090-gen4 (PCIe 4.0's 25 GB/s, 11% of the experts in VRAM, the lane on AVX2) on the 8-MoE-layer
-#             checkpoint, EMU_MODES (default exact,fast), 2 windows of 96 tokens
+#             checkpoint, EMU_MODES (default exact,fast), EMU_WINDOWS (default 2) windows of 96 tokens; EMU_PROFILE=MODE:
+#             one more window of MODE under cProfile (where the host's layer step goes)
 #   grid      issue 38's grid under the preset: GRID_RATES (default 12 25 50 GB/s) x GRID_SLOTS (default 32 64 VRAM
 #             slots a layer) x GRID_MODES (exact,fast,nvme-exact), one bench decode call a point (grid-R-S.json)
 #   emuserve  glm53 bench serve --emulate rtx3090-gen4 on the 8-MoE-layer checkpoint, exact: the launcher on CUDA
@@ -168,9 +169,9 @@ step_bench() {
 }
 step_emu() {  # issue 38: the paced link's own rate, then bench decode under the consumer-box preset (8 MoE layers)
   gpu_pytest emu-link 120 tests/bench/test_emulate.py
-  timeout "${EMU_BENCH_LIMIT:-480}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows 2 \
+  timeout "${EMU_BENCH_LIMIT:-480}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 96 --windows "${EMU_WINDOWS:-2}" \
     --warmup-tokens 64 --work /tmp --keep --modes "${EMU_MODES:-exact,fast}" --emulate rtx3090-gen4 \
-    --json "$OUT/bench-emu.json" > "$OUT/bench-emu.log" 2>&1
+    ${EMU_PROFILE:+--profile "$EMU_PROFILE"} --json "$OUT/bench-emu.json" > "$OUT/bench-emu.log" 2>&1
   stamp "emu rc=$?"
 }
 step_grid() {  # issue 38's grid: link R (GRID_RATES GB/s) x VRAM slots a layer (GRID_SLOTS of 288) x three modes, each
