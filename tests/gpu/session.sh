@@ -98,6 +98,8 @@
 #   prestage  issue 39 item 3: bench decode --baseline PRESTAGE_BASE (default f9d725d, unpacked in .baseline and
 #             carried), PRESTAGE_MODES (default exact) under the consumer-box preset, PAIRS paired windows (default 2);
 #             PRESTAGE_LIMIT
+#   pacers    the consumer-box emulation's pacers side by side (GLM53_EMULATE_PACER=spin, then pad) at one grid point:
+#             PACER_RATE (default 25) GB/s, PACER_SLOTS (default 64), PACER_MODES (default exact); PACER_LIMIT a run
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
 #             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity; (iv) stock beside the
@@ -450,11 +452,20 @@ step_prestage() {  # issue 39 item 3: exact with the prestage against PRESTAGE_B
     --json "$OUT/bench-prestage.json" > "$OUT/bench-prestage.log" 2>&1
   stamp "prestage rc=$? $(grep -E 'x stock|exact|over|median' "$OUT/bench-prestage.log" | tail -8 | tr '\n' ';' | cut -c1-900)"
 }
+step_pacers() {  # the emulation's two pacers at one grid point (PACER_RATE GB/s, PACER_SLOTS), PACER_MODES: does the
+  # spin's SM hold the run back against the padding copies' copy engine?
+  for kind in ${PACERS:-spin pad}; do
+    GLM53_EMULATE_PACER=$kind timeout "${PACER_LIMIT:-200}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 \
+      --windows 1 --warmup-tokens 32 --work /tmp --keep --modes "${PACER_MODES:-exact}" --emulate rtx3090-gen4 \
+      --link-GBps "${PACER_RATE:-25}" --slots "${PACER_SLOTS:-64}" --json "$OUT/pacer-$kind.json" > "$OUT/pacer-$kind.log" 2>&1
+    stamp "pacer $kind rc=$? $(grep -E 'paced link|^window ' "$OUT/pacer-$kind.log" | tail -6 | tr '\n' ';' | cut -c1-700)"
+  done
+}
 step_zerocopy() {
   timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \
     > "$OUT/bench-zero-copy.log" 2>&1
   local rc=$?
-  stamp "bench zero-copy rc=$rc $(grep -E '^ +[0-9]+ \||zero-copy is|bit-identical to stock|^\(iv\)' "$OUT/bench-zero-copy.log" | tr '\n' ';')"
+  stamp "bench zero-copy rc=$rc $(grep -E '^ +[0-9]+ \||zero-copy is|bit-identical to stock|^\(iv\)|^\(v\)' "$OUT/bench-zero-copy.log" | tr '\n' ';')"
 }
 for step in ${STEPS//,/ }; do
   if declare -F "step_$step" > /dev/null; then
