@@ -96,7 +96,8 @@ def add_arguments(p: argparse.ArgumentParser, threads: bool = False) -> None:
     if threads:
         p.add_argument("--cpu-threads", type=int, help="CPU-lane threads (default: the plan's)")
     p.add_argument("--link-GBps", type=float, metavar="R", help="pace host<->device expert copies to R GB/s "
-                   "(a device-side sleep after each copy on its copy stream)")
+                   "(a device-side sleep after each copy on its copy stream; GLM53_EMULATE_PACER=pad: padding copies "
+                   "on the copy engine instead)")
     p.add_argument("--lane-isa", metavar="ISA[,ISA]", help="the CPU lane's kernel paths to choose among (e.g. avx2)")
 
 
