@@ -77,6 +77,10 @@ def register_bench(bench_sub: Any) -> None:
     p.add_argument("--profile", metavar="MODE", help="after the windows, decode one more window of MODE under "
                    "cProfile and print where the host's time went (the top functions by own time); with --json, the "
                    "whole profile is saved beside it (.prof)")
+    p.add_argument("--host-delay-us", type=float, default=0, metavar="US",
+                   help="also run the first mode with US more host time in every layer step (a busy wait before its "
+                        "planning), windows paired with it: how much of each host microsecond reaches the token, "
+                        "which says what taking the host out of the step could save (default 0: not run)")
     p.add_argument("--baseline", metavar="REV",
                    help="also run REV's code (a git worktree of it) on the same checkpoint, windows alternating "
                         "between this code and REV's, each in its own process; reports this / REV decode tok/s per "
@@ -213,6 +217,33 @@ def paired_ratio(rows: list[dict], mode: str, ref: str) -> float:
         return float("nan")
     mid = len(ratios) // 2
     return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+
+
+def delay_planning(stepper: Any, us: float) -> None:
+    """Make every layer step of this stepper spend `us` more on the host, a busy wait before its planning, as a
+    slower host would (the probe of `host_probe`)."""
+    plan = stepper.resolve
+
+    def slower(*args: Any, **kwargs: Any) -> Any:
+        end = time.perf_counter() + us / 1e6
+        while time.perf_counter() < end:
+            pass
+        return plan(*args, **kwargs)
+
+    stepper.resolve = slower
+
+
+def host_probe(rows: list[dict], mode: str, probe: str, us: float, layer_steps: int) -> dict:
+    """What `us` more host time in each of a token's `layer_steps` did to the token, window by window against the
+    plain mode: the paired speed ratio and the share of the added host time that the token took longer by (1: every
+    host microsecond reaches the token, so the host is on the step's critical path; 0: it hides behind the device)."""
+    speed = {(x["name"], x["window"]): x["decode_tok_s"] for x in rows}
+    shares = sorted((1 / speed[(probe, w)] - 1 / speed[(mode, w)]) / (us * 1e-6 * layer_steps)
+                    for (name, w) in speed if name == probe and (mode, w) in speed)
+    mid = len(shares) // 2
+    share = float("nan") if not shares else shares[mid] if len(shares) % 2 else (shares[mid - 1] + shares[mid]) / 2
+    return {"mode": mode, "delay_us": us, "paired_over_plain": paired_ratio(rows, probe, mode),
+            "added_host_ms_per_token": us * layer_steps / 1e3, "critical_share": share}
 
 
 class _Releases:
@@ -510,7 +541,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
                  store: Path | None = None, ram_fraction: float = RAM_55G, profile: str | None = None,
                  profile_dump: Path | None = None,
                  warmup_tokens: int = 16, buffered_store: bool = False, emulated_disk_Bps: float | None = None,
-                 cards: int = 1, emulation: Emulation = Emulation()) -> dict:
+                 cards: int = 1, emulation: Emulation = Emulation(), host_delay_us: float = 0) -> dict:
     import torch
 
     measured = rate = h2d_rate()
@@ -554,6 +585,12 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             runners[name] = _Runner(model_dir, split_slots, cache_tokens, mode, cpu_threads, nvme_open, cards,
                                     pacer=pacer, lane_isas=emulation.lane_isas)
             log(f"{name} ({split_slots} slots/layer over {cards} cards) loaded in {runners[name].load_s:.1f} s")
+        probe = f"{modes[0]}+host{host_delay_us:g}us" if host_delay_us > 0 and modes else None
+        if probe is not None:
+            runners[probe] = _Runner(model_dir, slots, cache_tokens, modes[0], cpu_threads, nvme_open, pacer=pacer,
+                                     lane_isas=emulation.lane_isas)
+            delay_planning(runners[probe].tiered.stepper, host_delay_us)
+            log(f"{probe}: {modes[0]} with {host_delay_us:g} us more host time a layer step")
         paced = None
         if pacer is not None:  # the validation: expert-sized copies through a paced Copier deliver the target rate
             from glm53.bench.emulate import paced_rate
@@ -720,6 +757,8 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
             result.get("split", {}).get(m, {}).get("same_tokens_as_stock", True) for m in exact_like)
         if "fast" in modes and "exact" in modes:
             result["fast_over_exact"] = result["modes"]["fast"]["paired_over_exact"]
+        if probe is not None:
+            result["host_probe"] = host_probe(rows, modes[0], probe, host_delay_us, shape.moe_layers)
         return result
     finally:
         for r in runners.values():
@@ -801,6 +840,11 @@ def report(res: dict, moe_layers: int | None) -> str:
                  f"{res['bound_decode_tok_s']:8.1f} tok/s (exact target >= 0.85 of it)")
     if "fast_over_exact" in res:
         lines.append(f"  fast / exact: {res['fast_over_exact']:.3f}, median of paired windows (target >= 1.5)")
+    if res.get("host_probe"):
+        hp = res["host_probe"]
+        lines.append(f"  host on the critical path: {hp['mode']} with {hp['delay_us']:g} us more host a layer step "
+                     f"({hp['added_host_ms_per_token']:.2f} ms a token) decodes at x {hp['paired_over_plain']:.3f} "
+                     f"(paired); the token grew by {hp['critical_share']:.2f} of the added host time")
     from glm53.bench.forecast_check import line
 
     lines += [line(mode, m["forecast"]) for mode, m in res["modes"].items() if m.get("forecast")]
@@ -994,7 +1038,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
                                args.cpu_threads, store=store, ram_fraction=args.ram_fraction, profile=args.profile,
                                profile_dump=Path(args.json).with_suffix(".prof") if args.json else None,
                                warmup_tokens=args.warmup_tokens, buffered_store=buffered, emulated_disk_Bps=emulated,
-                               cards=args.devices, emulation=emulation)
+                               cards=args.devices, emulation=emulation, host_delay_us=args.host_delay_us)
     finally:
         if work is not None and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

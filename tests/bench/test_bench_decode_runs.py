@@ -269,3 +269,27 @@ def test_every_tiered_mode_starts_its_windows_after_as_many_warm_up_tokens():
     assert B.even_warmup({"exact": 32, "fast": 96, "nvme-exact": None}) == {"exact": 64, "nvme-exact": 96}
     assert B.even_warmup({"exact": 32, "fast": 32}) == {}
     assert B.even_warmup({"exact": None}) == {} and B.even_warmup({}) == {}
+
+
+def test_the_host_probe_says_how_much_added_host_time_reached_the_token():
+    """Two layer steps a token, 100 us more host each: a token 0.2 ms longer is all of it on the critical path, one
+    0.05 ms longer a quarter. The windows' shares are a median, as the paired ratios are."""
+    rows = [{"name": n, "window": w, "decode_tok_s": tok} for n, w, tok in [
+        ("exact", 0, 100.0), ("exact+host100us", 0, 1 / (0.01 + 0.0002)),
+        ("exact", 1, 100.0), ("exact+host100us", 1, 1 / (0.01 + 0.00005)),
+        ("exact", 2, 50.0), ("exact+host100us", 2, 1 / (0.02 + 0.0001)),
+        ("stock", 0, 300.0)]]
+    got = B.host_probe(rows, "exact", "exact+host100us", 100, layer_steps=2)
+    assert got["critical_share"] == pytest.approx(0.5)
+    assert got["added_host_ms_per_token"] == pytest.approx(0.2)
+    assert got["paired_over_plain"] == pytest.approx(0.01 / 0.01005)
+    assert math.isnan(B.host_probe(rows[-1:], "exact", "exact+host100us", 100, 2)["critical_share"])
+
+
+def test_the_delayed_stepper_spends_the_time_before_it_plans():
+    calls = []
+    stepper = types.SimpleNamespace(resolve=lambda *a, **k: calls.append((a, k)) or "slots")
+    B.delay_planning(stepper, 2000)
+    t0 = time.perf_counter()
+    assert stepper.resolve(3, ids=[1]) == "slots"
+    assert time.perf_counter() - t0 >= 0.002 and calls == [((3,), {"ids": [1]})]

@@ -44,7 +44,11 @@ def test_report_has_a_line_per_mode_and_the_targets():
                                                             "cpu_share": None}}}
     res["read_contention"] = {"alone_s": 100e-6, "reader_s": 250e-6, "reader_over_alone": 2.5, "copies": 5,
                               "reads": 4, "parts": 8}
+    res["host_probe"] = {"mode": "exact", "delay_us": 100.0, "paired_over_plain": 0.952,
+                         "added_host_ms_per_token": 0.8, "critical_share": 0.61}
     text = B.report(res, 8)
+    assert ("host on the critical path: exact with 100 us more host a layer step (0.80 ms a token) decodes at x 0.952 "
+            "(paired); the token grew by 0.61 of the added host time") in text
     emulated = B.report({**res, "store_reads": B._store_reads(False, 6e9), "record_ms_by_pieces": {}}, 8)
     assert ("store: raw emulated (one fixed-rate timeline over the store's real reads) 6.50 GB/s at the start; RAM "
             "tier 0.470 of the experts\n") in emulated

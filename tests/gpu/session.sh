@@ -100,6 +100,9 @@
 #             PRESTAGE_LIMIT
 #   pacers    the consumer-box emulation's pacers side by side (GLM53_EMULATE_PACER=spin, then pad) at one grid point:
 #             PACER_RATE (default 25) GB/s, PACER_SLOTS (default 64), PACER_MODES (default exact); PACER_LIMIT a run
+#   hostprobe issue 39 item 1: exact with HOSTPROBE_US (default 100) more host time a layer step beside itself under
+#             the preset (HOSTPROBE_RATE GB/s, default 25; HOSTPROBE_WINDOWS, default 3): what share of the host's
+#             time reaches the token, the most that taking the host out of the step could save
 #   zerocopy  issue 39's choice (docs/decode-step-design.md): glm53 bench zero-copy on a generated one-MoE-layer
 #             full-width checkpoint (5.5 GB in /tmp, kept): stock vs k misses read in place from pinned RAM vs k
 #             misses copied H2D first, k = 1, 2, 4, 8, ms per layer, GB/s, bit-identity; (iv) stock beside the
@@ -460,6 +463,14 @@ step_pacers() {  # the emulation's two pacers at one grid point (PACER_RATE GB/s
       --link-GBps "${PACER_RATE:-25}" --slots "${PACER_SLOTS:-64}" --json "$OUT/pacer-$kind.json" > "$OUT/pacer-$kind.log" 2>&1
     stamp "pacer $kind rc=$? $(grep -E 'paced link|^window ' "$OUT/pacer-$kind.log" | tail -6 | tr '\n' ';' | cut -c1-700)"
   done
+}
+step_hostprobe() {  # issue 39 item 1's ceiling: exact beside itself with HOSTPROBE_US (default 100) more host time a
+  # layer step, under the preset at HOSTPROBE_RATE GB/s (default 25): the share of host time that reaches the token
+  timeout "${HOSTPROBE_LIMIT:-300}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 --windows "${HOSTPROBE_WINDOWS:-3}" \
+    --warmup-tokens 32 --work /tmp --keep --modes "${HOSTPROBE_MODES:-exact}" --emulate rtx3090-gen4 \
+    --link-GBps "${HOSTPROBE_RATE:-25}" --host-delay-us "${HOSTPROBE_US:-100}" --json "$OUT/hostprobe.json" \
+    > "$OUT/hostprobe.log" 2>&1
+  stamp "hostprobe rc=$? $(grep -E '^window |critical path' "$OUT/hostprobe.log" | tail -7 | tr '\n' ';' | cut -c1-900)"
 }
 step_zerocopy() {
   timeout "${ZC_LIMIT:-300}" python3 -u -m glm53 bench zero-copy --work /tmp --keep --json "$OUT/bench-zero-copy.json" \
