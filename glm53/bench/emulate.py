@@ -188,7 +188,7 @@ class PadPacer:
         import torch
 
         self.target_Bps, self.measured_Bps, self.expert_bytes = target_Bps, measured_Bps, expert_bytes
-        self.device = device
+        self.device, self.experts = device, experts
         self.paced_bytes = 0
         self.held_s = 0.0
         self.ratio = max(0.0, measured_Bps / target_Bps - 1.0)
@@ -214,8 +214,10 @@ class PadPacer:
                 self.host_dst[:n].copy_(self.dev[:n], non_blocking=True)
 
     def fresh(self) -> PadPacer:
-        return PadPacer(self.target_Bps, self.measured_Bps, self.expert_bytes, self.device,
-                        experts=max(1, round(self.chunk / max(1.0, self.ratio * self.expert_bytes))))
+        return PadPacer(self.target_Bps, self.measured_Bps, self.expert_bytes, self.device, self.experts)
+
+
+PACERS = (LinkPacer.kind, PadPacer.kind)
 
 
 def sleep_cycles_per_s(device: Any = None, cycles: int = 50_000_000) -> float:
@@ -285,9 +287,12 @@ def link_pacer(emu: Emulation, expert_bytes: int,
         return None
     import os
 
+    kind = os.environ.get("GLM53_EMULATE_PACER", "spin")
+    if kind not in PACERS:
+        raise ValueError(f"GLM53_EMULATE_PACER={kind!r}: choose {' or '.join(PACERS)} (a spinning kernel, the default, "
+                         "or padding copies on the copy engine)")
     measured = h2d_rate(expert_bytes, repeats=21)
     target = min(emu.link_GBps * 1e9, measured)
-    kind = os.environ.get("GLM53_EMULATE_PACER", "spin")
     log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s; paced to {target / 1e9:.1f} ({kind})")
     if kind == "pad":
         return PadPacer(target, measured, expert_bytes)

@@ -60,6 +60,7 @@ def test_the_padding_pacer_moves_the_extra_bytes_in_the_copys_direction() -> Non
     assert pacer.paced_bytes == 4000 and pacer.held_s == pytest.approx(4000 * (1 / 25e9 - 1 / 75e9))
     again = pacer.fresh()
     assert (again.chunk, again.paced_bytes, again.kind) == (pacer.chunk, 0, "pad")
+    assert (again.experts, again.dev.numel()) == (2, 4000)
     quiet = PadPacer(80e9, 75e9, expert_bytes=1000, device="cpu")
     quiet.host_src.fill_(1)
     quiet.dev.zero_()
@@ -175,3 +176,10 @@ def test_bench_serve_starts_the_emulated_server(hf_model_dir, tmp_path, monkeypa
     assert "emulating rtx3090-gen4: this engine tiers no experts" in log and "glm53 ready" in log
     assert json.loads(out.read_text())["emulation"]["name"] == "rtx3090-gen4"
     assert "emulated host: rtx3090-gen4: link 25 GB/s" in capsys.readouterr().out
+
+
+def test_an_unknown_pacer_is_refused_before_anything_is_timed(monkeypatch) -> None:
+    monkeypatch.setenv("GLM53_EMULATE_PACER", "pads")
+    monkeypatch.setattr(emulate, "h2d_rate", lambda *a, **k: pytest.fail("timed before the pacer was checked"))
+    with pytest.raises(ValueError, match="GLM53_EMULATE_PACER='pads': choose spin or pad"):
+        emulate.link_pacer(Emulation(link_GBps=25.0), 9 << 20)
