@@ -45,6 +45,8 @@ L2_FLUSH_BYTES = 256 << 20
 # back, which would put the emulated copies that ought to overlap compute (write-backs, prestage) in series with it.
 SPIN_MS = 2.0
 SPIN_DELAYS = 1.05  # stock beside the spin over stock alone, above which the spin is said to delay the kernel
+# The pacers' work timed beside stock's layer: (name, case, what it is, what the verdict calls it).
+BESIDE = (("spin", "(iv)", "the emulation's pacing spin", "the spin"), ("pad", "(v)", "a padding copy", "the copy"))
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -155,18 +157,13 @@ def render(result: dict) -> str:
     if done:
         wins = [r["k"] for r in done if r["zero_copy_over_memcpy"] is not None and r["zero_copy_over_memcpy"] < 1]
         head.append(f"zero-copy is faster than copy-then-compute at k = {wins or 'none'} of {[r['k'] for r in done]}")
-    beside = result.get("stock_beside_spin_ms")
-    if beside is not None:
-        ratio = beside / result["stock_ms"]
-        head.append(f"(iv) stock beside the emulation's pacing spin on another stream: {beside:.4f} ms a layer call "
-                    f"(x stock {ratio:.3f}): the spin {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
-                    "expert kernel")
-    padded = result.get("stock_beside_pad_ms")
-    if padded is not None:
-        ratio = padded / result["stock_ms"]
-        head.append(f"(v) stock beside a padding copy on another stream: {padded:.4f} ms a layer call "
-                    f"(x stock {ratio:.3f}): the copy {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
-                    "expert kernel")
+    for name, case, what, it in BESIDE:
+        beside = result.get(f"stock_beside_{name}_ms")
+        if beside is not None:
+            ratio = beside / result["stock_ms"]
+            head.append(f"{case} stock beside {what} on another stream: {beside:.4f} ms a layer call "
+                        f"(x stock {ratio:.3f}): {it} {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
+                        "expert kernel")
     head.append(f"outputs bit-identical to stock in every run: {'yes' if outputs_same(result) else 'NO'}")
     if result.get("note"):
         head.append(result["note"])
@@ -175,8 +172,8 @@ def render(result: dict) -> str:
 
 def outputs_same(result: dict) -> bool:
     """Every timed run's output bit-identical to stock's (a run not made counts as same)."""
-    return (result.get("stock_repeat_same") is not False and result.get("stock_beside_spin_same") is not False
-            and result.get("stock_beside_pad_same") is not False
+    return (result.get("stock_repeat_same") is not False
+            and all(result.get(f"stock_beside_{name}_same") is not False for name, *_ in BESIDE)
             and all(r["memcpy_same"] and r["zero_copy_same"] is not False for r in result["rows"]))
 
 
@@ -485,22 +482,18 @@ def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int
         result["stock_ms"] = device_ms(torch, L.call, reps, trials, L.flush)
         result["stock_repeat_same"] = bit_equal(torch, L.out(), ref)
         log(f"(i) stock: {result['stock_ms']:.4f} ms a layer call")
-        if spin is not None:  # (iv): a spin queued beside every call, so the side stream spins through them all
-            def flush_and_spin() -> None:
-                L.flush()
-                spin()
+        # (iv), (v): each pacer's work queued beside every call, so its side stream runs through them all
+        for (name, case, what, _), work in zip(BESIDE, (spin, pad), strict=True):
+            if work is None:
+                continue
 
-            result["stock_beside_spin_ms"] = device_ms(torch, L.call, reps, trials, flush_and_spin)
-            result["stock_beside_spin_same"] = bit_equal(torch, L.out(), ref)
-            log(f"(iv) stock beside the pacer's spin: {result['stock_beside_spin_ms']:.4f} ms a layer call")
-        if pad is not None:  # (v): the same beside a padding copy, the pacer that needs no SM
-            def flush_and_pad() -> None:
+            def flush_and_queue(work: Callable[[], None] = work) -> None:
                 L.flush()
-                pad()
+                work()
 
-            result["stock_beside_pad_ms"] = device_ms(torch, L.call, reps, trials, flush_and_pad)
-            result["stock_beside_pad_same"] = bit_equal(torch, L.out(), ref)
-            log(f"(v) stock beside a padding copy: {result['stock_beside_pad_ms']:.4f} ms a layer call")
+            result[f"stock_beside_{name}_ms"] = device_ms(torch, L.call, reps, trials, flush_and_queue)
+            result[f"stock_beside_{name}_same"] = bit_equal(torch, L.out(), ref)
+            log(f"{case} stock beside {what}: {result[f'stock_beside_{name}_ms']:.4f} ms a layer call")
 
         # The tables are what the kernel reads: pointing every pick at the zeroed VRAM slots changes the output.
         L.repoint({j: L.stage_row(j) for j in range(L.top_k)})
