@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,7 @@ def register_bench(bench_sub: Any) -> None:
 
 
 MODES = ("exact", "fast", "nvme-exact", "nvme")
+LANE_MODES = ("fast", "nvme")  # the modes that run the CPU lane
 RAM_55G, RAM_16G = 0.47, 0.125  # RAM tier share of the real model's experts under a 55 / 16 GiB cap (bench nvme)
 
 
@@ -671,8 +672,7 @@ def bench_decode(model_dir: Path, slots: int, tokens: int, windows: int, prompt_
         result = {
             "h2d_GBps": rate / 1e9,
             "measured_h2d_GBps": measured / 1e9,
-            "emulation": {**emulation.__dict__, "paced_GBps": None if paced is None else paced / 1e9,
-                          "pacer": None if pacer is None else pacer.kind},
+            "emulation": {**emulation.__dict__, "paced_GBps": None if paced is None else paced / 1e9},
             "stock_decode_tok_s": stock_tok,
             "stock_prefill_tok_s": prompt_tokens / mean("stock", "prefill_s"),
             "bound_decode_tok_s": 1 / bound_s,
@@ -906,7 +906,7 @@ def report(res: dict, moe_layers: int | None) -> str:
                      + ", ".join(f"{v:.1f}" for v in m["link_MiB_per_token_by_card"]) + f"; host ms/token: {host}")
     emu = res.get("emulation") or {}
     if emu.get("name", "none") != "none":
-        lines.append(f"  emulated host: {emu['name']}" + (f"; the link paced ({emu.get('pacer') or 'spin'}) to {emu['link_GBps']:g} GB/s measured "
+        lines.append(f"  emulated host: {emu['name']}" + (f"; the link paced to {emu['link_GBps']:g} GB/s measured "
                      f"{emu['paced_GBps']:.2f} GB/s over expert copies" if emu.get("paced_GBps") else "")
                      + f" (unpaced {res['measured_h2d_GBps']:.1f} GB/s); not emulated: this host's Python speed, "
                      "its DRAM channels and core count behind the lane")
@@ -937,6 +937,12 @@ def emulation_problem(gbps: float, modes: Sequence[str]) -> str | None:
     return problem()
 
 
+def emulation_for(emulation: Emulation, modes: Sequence[str]) -> Emulation:
+    """The emulation as these modes run it: without the lane's kernel paths where none of them runs the lane, so an
+    exact-only run needs no lane build."""
+    return emulation if any(m in LANE_MODES for m in modes) else replace(emulation, lane_isas=None)
+
+
 def cmd_bench_decode(args: argparse.Namespace) -> int:
     if args.baseline:  # this process only orchestrates: each window runs in its own (decode_baseline)
         from glm53.bench.decode_baseline import cmd_bench_decode_baseline
@@ -964,6 +970,19 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"glm53: --skew wants two fractions like 0.11,0.40, got {args.skew!r}", file=sys.stderr)
         return 2
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
+    from glm53.bench.emulate import from_args, problem
+    from glm53.cpu_lane import kernel
+
+    emulation = emulation_for(from_args(args), modes)
+    why = problem(emulation, kernel.supported_isas(), os.cpu_count() or 1)
+    if why:
+        print(f"glm53: --emulate: {why}", file=sys.stderr)
+        return 2
     work = None
     if args.model:
         model_dir = Path(args.model)
@@ -985,23 +1004,12 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
         _made_once(work / "ckpt.complete", write, f"the {args.moe_layers}-MoE-layer full-width checkpoint {model_dir}")
         experts = 288
-    from glm53.bench.emulate import from_args, problem, slots_for
-    from glm53.cpu_lane import kernel
+    from glm53.bench.emulate import slots_for
 
-    emulation = from_args(args)
-    why = problem(emulation, kernel.supported_isas(), os.cpu_count() or 1)
-    if why:
-        print(f"glm53: --emulate: {why}", file=sys.stderr)
-        return 2
     slots = args.slots if args.slots is not None else slots_for(emulation, experts, round(CARD_FRACTION * experts))
     if args.devices > 1 and torch.cuda.device_count() < args.devices:
         print(f"glm53: --devices {args.devices} needs {args.devices} CUDA devices, {torch.cuda.device_count()} visible "
               "(a two-card machine: nvidia-h200-x2)", file=sys.stderr)
-        return 2
-    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
     if args.emulate_disk_GBps is not None:
         problem = emulation_problem(args.emulate_disk_GBps, modes)

@@ -96,8 +96,7 @@ def add_arguments(p: argparse.ArgumentParser, threads: bool = False) -> None:
     if threads:
         p.add_argument("--cpu-threads", type=int, help="CPU-lane threads (default: the plan's)")
     p.add_argument("--link-GBps", type=float, metavar="R", help="pace host<->device expert copies to R GB/s "
-                   "(a device-side sleep after each copy on its copy stream; GLM53_EMULATE_PACER=pad: padding copies "
-                   "on the copy engine instead)")
+                   "(a device-side sleep after each copy on its copy stream)")
     p.add_argument("--lane-isa", metavar="ISA[,ISA]", help="the CPU lane's kernel paths to choose among (e.g. avx2)")
 
 
@@ -154,14 +153,12 @@ def pace_seconds(nbytes: int, target_Bps: float, measured_Bps: float) -> float:
 class LinkPacer:
     """The Copier's `pace`: a device-side sleep on the current (copy) stream, cycles per second calibrated once."""
 
-    kind = "spin"
-
     def __init__(self, target_Bps: float, measured_Bps: float, cycles_per_s: float):
         self.target_Bps, self.measured_Bps, self.cycles_per_s = target_Bps, measured_Bps, cycles_per_s
         self.paced_bytes = 0
         self.held_s = 0.0
 
-    def __call__(self, nbytes: int, to_device: bool = True) -> None:
+    def __call__(self, nbytes: int) -> None:
         import torch
 
         s = pace_seconds(nbytes, self.target_Bps, self.measured_Bps)
@@ -173,51 +170,6 @@ class LinkPacer:
     def fresh(self) -> LinkPacer:
         """A pacer like this one with nothing counted (the bench's validation copies are not the run's)."""
         return LinkPacer(self.target_Bps, self.measured_Bps, self.cycles_per_s)
-
-
-class PadPacer:
-    """The Copier's `pace` by padding: after each copy its stream moves bytes x (measured / target - 1) more in the
-    same direction, between a pinned host buffer and a device one. The copy engine holds the stream back, as a
-    slower link would, and no SM spins beside the kernels (a spinning kernel shares an SM with them).
-    What it adds that a slow link would not: the padding's reads and writes of host memory."""
-
-    kind = "pad"
-
-    def __init__(self, target_Bps: float, measured_Bps: float, expert_bytes: int, device: Any = "cuda",
-                 experts: int = 8):
-        import torch
-
-        self.target_Bps, self.measured_Bps, self.expert_bytes = target_Bps, measured_Bps, expert_bytes
-        self.device, self.experts = device, experts
-        self.paced_bytes = 0
-        self.held_s = 0.0
-        self.ratio = max(0.0, measured_Bps / target_Bps - 1.0)
-        # One buffer covers a batch of `experts` copies' padding; a larger batch pads in several copies.
-        n = max(1, int(self.ratio * expert_bytes * experts))
-        self.chunk = n
-        pin = torch.device(device).type == "cuda"
-        self.host_src = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-        self.host_dst = torch.empty(n, dtype=torch.uint8, pin_memory=pin)
-        self.dev = torch.empty(n, dtype=torch.uint8, device=device)
-
-    def __call__(self, nbytes: int, to_device: bool = True) -> None:
-        self.paced_bytes += nbytes
-        pad = int(nbytes * self.ratio)
-        if pad <= 0:
-            return
-        self.held_s += pace_seconds(nbytes, self.target_Bps, self.measured_Bps)
-        for start in range(0, pad, self.chunk):
-            n = min(self.chunk, pad - start)
-            if to_device:
-                self.dev[:n].copy_(self.host_src[:n], non_blocking=True)
-            else:
-                self.host_dst[:n].copy_(self.dev[:n], non_blocking=True)
-
-    def fresh(self) -> PadPacer:
-        return PadPacer(self.target_Bps, self.measured_Bps, self.expert_bytes, self.device, self.experts)
-
-
-PACERS = (LinkPacer.kind, PadPacer.kind)
 
 
 def sleep_cycles_per_s(device: Any = None, cycles: int = 50_000_000) -> float:
@@ -235,14 +187,14 @@ def sleep_cycles_per_s(device: Any = None, cycles: int = 50_000_000) -> float:
     return cycles / best
 
 
-def install(tiered: Any, pacer: LinkPacer | PadPacer | None) -> None:
+def install(tiered: Any, pacer: LinkPacer | None) -> None:
     """Pace every link of a TieredMoE's tiers (each link's Copier, under the byte-counting wrapper)."""
     for link in tiered.tiers.links:
         copier = link.copier
         getattr(copier, "inner", copier).pace = pacer
 
 
-def paced_rate(pacer: LinkPacer | PadPacer, nbytes: int, copies: int = 32, device: str = "cuda:0") -> float:
+def paced_rate(pacer: LinkPacer, nbytes: int, copies: int = 32, device: str = "cuda:0") -> float:
     """Bytes/s that expert-sized copies achieve through a paced Copier (the validation: it should be the target)."""
     import torch
 
@@ -280,26 +232,18 @@ def emulated_spec(spec: Any, emu: Emulation, experts_per_layer: int) -> Any:
 
 
 def link_pacer(emu: Emulation, expert_bytes: int,
-               log: Callable[[str], None] = print) -> LinkPacer | PadPacer | None:
+               log: Callable[[str], None] = print) -> LinkPacer | None:
     """The pacer for the emulated link, set against expert-sized copies' own rate on this machine (below a 1 GiB
     copy's), so what remains after each copy's sleep is the target; None where the link is this machine's."""
     if not emu.link_GBps:
         return None
-    import os
-
-    kind = os.environ.get("GLM53_EMULATE_PACER", "spin")
-    if kind not in PACERS:
-        raise ValueError(f"GLM53_EMULATE_PACER={kind!r}: choose {' or '.join(PACERS)} (a spinning kernel, the default, "
-                         "or padding copies on the copy engine)")
     measured = h2d_rate(expert_bytes, repeats=21)
     target = min(emu.link_GBps * 1e9, measured)
-    log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s; paced to {target / 1e9:.1f} ({kind})")
-    if kind == "pad":
-        return PadPacer(target, measured, expert_bytes)
+    log(f"expert-sized copies unpaced: {measured / 1e9:.1f} GB/s; paced to {target / 1e9:.1f}")
     return LinkPacer(target, measured, sleep_cycles_per_s())
 
 
-def tiers_hook(emu: Emulation, pacer: LinkPacer | PadPacer | None) -> Callable[[Any], None]:
+def tiers_hook(emu: Emulation, pacer: LinkPacer | None) -> Callable[[Any], None]:
     """The engine's on_tiers: once the tiers hold their experts (the load's copies unpaced), pace their links and
     narrow the lane's kernel paths, before the lane times the link."""
     def on_tiers(tiered: Any) -> None:

@@ -45,8 +45,6 @@ L2_FLUSH_BYTES = 256 << 20
 # back, which would put the emulated copies that ought to overlap compute (write-backs, prestage) in series with it.
 SPIN_MS = 2.0
 SPIN_DELAYS = 1.05  # stock beside the spin over stock alone, above which the spin is said to delay the kernel
-# The pacers' work timed beside stock's layer: (name, case, what it is, what the verdict calls it).
-BESIDE = (("spin", "(iv)", "the emulation's pacing spin", "the spin"), ("pad", "(v)", "a padding copy", "the copy"))
 
 
 def register_bench(bench_sub: Any) -> None:
@@ -157,13 +155,12 @@ def render(result: dict) -> str:
     if done:
         wins = [r["k"] for r in done if r["zero_copy_over_memcpy"] is not None and r["zero_copy_over_memcpy"] < 1]
         head.append(f"zero-copy is faster than copy-then-compute at k = {wins or 'none'} of {[r['k'] for r in done]}")
-    for name, case, what, it in BESIDE:
-        beside = result.get(f"stock_beside_{name}_ms")
-        if beside is not None:
-            ratio = beside / result["stock_ms"]
-            head.append(f"{case} stock beside {what} on another stream: {beside:.4f} ms a layer call "
-                        f"(x stock {ratio:.3f}): {it} {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
-                        "expert kernel")
+    beside = result.get("stock_beside_spin_ms")
+    if beside is not None:
+        ratio = beside / result["stock_ms"]
+        head.append(f"(iv) stock beside the emulation's pacing spin on another stream: {beside:.4f} ms a layer call "
+                    f"(x stock {ratio:.3f}): the spin {'delays' if ratio > SPIN_DELAYS else 'does not delay'} the "
+                    "expert kernel")
     head.append(f"outputs bit-identical to stock in every run: {'yes' if outputs_same(result) else 'NO'}")
     if result.get("note"):
         head.append(result["note"])
@@ -173,7 +170,7 @@ def render(result: dict) -> str:
 def outputs_same(result: dict) -> bool:
     """Every timed run's output bit-identical to stock's (a run not made counts as same)."""
     return (result.get("stock_repeat_same") is not False
-            and all(result.get(f"stock_beside_{name}_same") is not False for name, *_ in BESIDE)
+            and result.get("stock_beside_spin_same") is not False
             and all(r["memcpy_same"] and r["zero_copy_same"] is not False for r in result["rows"]))
 
 
@@ -425,8 +422,7 @@ def run_bench(model_dir: Path, ks: list[int], reps: int, trials: int, seed: int,
         raise RuntimeError(f"{model_dir}: no BlockSparseMLP layer")
     log(f"loaded {model_dir} in {time.perf_counter() - t0:.1f} s; timing {mods[0].key}")
     with torch.inference_mode():  # exllamav3 loads under it: its tables are inference tensors, written only inside
-        return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial, spin=pacer_spin(torch),
-                        pad=pacer_pad(torch))
+        return _measure(torch, ext, mods[0], ks, reps, trials, seed, log, partial, spin=pacer_spin(torch))
 
 
 def pacer_spin(torch: Any) -> Callable[[], None]:
@@ -443,26 +439,9 @@ def pacer_spin(torch: Any) -> Callable[[], None]:
     return spin
 
 
-def pacer_pad(torch: Any) -> Callable[[], None]:
-    """One PadPacer-style padding copy (pinned host -> device, about SPIN_MS long at this link's rate) queued on a
-    side stream of its own."""
-    from glm53.bench.emulate import h2d_rate
-
-    n = max(1 << 20, int(SPIN_MS / 1e3 * h2d_rate(64 << 20)))
-    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
-    side = torch.cuda.Stream()
-
-    def pad() -> None:
-        with torch.cuda.stream(side):
-            dst.copy_(src, non_blocking=True)
-
-    return pad
-
-
 def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int, seed: int,
              log: Callable[[str], None], partial: Callable[[dict], None],
-             spin: Callable[[], None] | None = None, pad: Callable[[], None] | None = None) -> dict:
+             spin: Callable[[], None] | None = None) -> dict:
     L = _ZeroCopyLayer(torch, ext, m, ks, seed)
     dev = L.dev.index or 0
     result: dict = {
@@ -482,18 +461,14 @@ def _measure(torch: Any, ext: Any, m: Any, ks: list[int], reps: int, trials: int
         result["stock_ms"] = device_ms(torch, L.call, reps, trials, L.flush)
         result["stock_repeat_same"] = bit_equal(torch, L.out(), ref)
         log(f"(i) stock: {result['stock_ms']:.4f} ms a layer call")
-        # (iv), (v): each pacer's work queued beside every call, so its side stream runs through them all
-        for (name, case, what, _), work in zip(BESIDE, (spin, pad), strict=True):
-            if work is None:
-                continue
-
-            def flush_and_queue(work: Callable[[], None] = work) -> None:
+        if spin is not None:  # (iv): a spin queued beside every call, so its side stream runs through them all
+            def flush_and_spin() -> None:
                 L.flush()
-                work()
+                spin()
 
-            result[f"stock_beside_{name}_ms"] = device_ms(torch, L.call, reps, trials, flush_and_queue)
-            result[f"stock_beside_{name}_same"] = bit_equal(torch, L.out(), ref)
-            log(f"{case} stock beside {what}: {result[f'stock_beside_{name}_ms']:.4f} ms a layer call")
+            result["stock_beside_spin_ms"] = device_ms(torch, L.call, reps, trials, flush_and_spin)
+            result["stock_beside_spin_same"] = bit_equal(torch, L.out(), ref)
+            log(f"(iv) stock beside the pacing spin: {result['stock_beside_spin_ms']:.4f} ms a layer call")
 
         # The tables are what the kernel reads: pointing every pick at the zeroed VRAM slots changes the output.
         L.repoint({j: L.stage_row(j) for j in range(L.top_k)})

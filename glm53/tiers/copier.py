@@ -10,7 +10,7 @@ the work already queued on the compute stream, so a slot is never refilled under
 On a CPU device `copy_` is synchronous: the ticket is done when `copy` returns.
 
 `pace` (None unless a benchmark emulates a slower link, glm53.bench.emulate) is called on the copy's stream after
-each copy that crosses PCIe, with its bytes and whether they go toward the device: whatever it queues there delays that copy's ticket and every copy
+each copy that crosses PCIe, with its bytes: whatever it queues there delays that copy's ticket and every copy
 behind it on the stream, as a slower link would, while the compute stream runs on.
 """
 
@@ -88,7 +88,7 @@ class Copier:
             if self.cuda else -1
         self._fill = torch.cuda.Stream(self.device) if self.cuda else None
         self._write_back = torch.cuda.Stream(self.device) if self.cuda else None
-        self.pace: Callable[[int, bool], None] | None = None  # (bytes, toward the device)
+        self.pace: Callable[[int], None] | None = None  # bytes crossing the link
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Ticket | None = None) -> Ticket:
         """dst.copy_(src), asynchronously where the device allows, once `after` (if any) has landed."""
@@ -103,7 +103,7 @@ class Copier:
         with _On(stream, cur):
             dst.copy_(src, non_blocking=True)
             if self.pace is not None and not (dst.is_cuda and src.is_cuda):
-                self.pace(dst.nbytes, dst.is_cuda)
+                self.pace(dst.nbytes)
             event = torch.cuda.Event()
             event.record(stream)
         # The caching allocator must not recycle a device buffer while the copy stream still uses it. Slots are
@@ -148,7 +148,7 @@ class Copier:
             if self.pace is not None:
                 crossing = sum(d.nbytes for d, s in pairs if not s.is_cuda)
                 if crossing:
-                    self.pace(crossing, True)
+                    self.pace(crossing)
             event = torch.cuda.Event()
             event.record(stream)
         return Ticket(event)

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from glm53.bench import emulate
-from glm53.bench.emulate import Emulation, LinkPacer, PadPacer, pace_seconds
+from glm53.bench.emulate import Emulation, LinkPacer, pace_seconds
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -41,31 +41,6 @@ def test_the_pacer_sleeps_on_the_device_for_the_held_time(monkeypatch) -> None:
     assert pacer.paced_bytes == 2 * (9 << 20) and pacer.held_s == pytest.approx(2 * want)
     LinkPacer(60e9, 50e9, 1.5e9)(1 << 20)  # nothing to hold: no sleep queued
     assert len(slept) == 2
-
-
-def test_the_padding_pacer_moves_the_extra_bytes_in_the_copys_direction() -> None:
-    """At 25 of 75 GB/s each copied byte is followed by two more of padding, host to device after a fill and
-    device to host after a write-back; a batch larger than the buffer pads in several copies."""
-    import torch
-
-    pacer = PadPacer(25e9, 75e9, expert_bytes=1000, device="cpu", experts=2)
-    assert pacer.chunk == 4000
-    pacer.host_src.fill_(7)
-    pacer.dev.zero_()
-    pacer(1000)
-    assert int((pacer.dev == 7).sum()) == 2000
-    pacer.dev.fill_(3)
-    pacer(3000, to_device=False)  # 6,000 bytes of padding: two copies through the 4,000-byte buffer
-    assert bool((pacer.host_dst == 3).all())
-    assert pacer.paced_bytes == 4000 and pacer.held_s == pytest.approx(4000 * (1 / 25e9 - 1 / 75e9))
-    again = pacer.fresh()
-    assert (again.chunk, again.paced_bytes, again.kind) == (pacer.chunk, 0, "pad")
-    assert (again.experts, again.dev.numel()) == (2, 4000)
-    quiet = PadPacer(80e9, 75e9, expert_bytes=1000, device="cpu")
-    quiet.host_src.fill_(1)
-    quiet.dev.zero_()
-    quiet(1000)  # a target above the real link: nothing padded
-    assert int(quiet.dev.sum()) == 0 and isinstance(quiet.dev, torch.Tensor)
 
 
 def test_the_preset_and_the_flags_laid_over_it() -> None:
@@ -120,17 +95,14 @@ def test_a_baseline_window_carries_the_emulation_flags(tmp_path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["spin", "pad"])
-def test_paced_link_delivers_the_target_rate(kind: str) -> None:
+def test_paced_link_delivers_the_target_rate() -> None:
     """Expert-sized copies through a paced Copier arrive at the target rate (within 10%), unpaced at the real one."""
     from glm53.bench.emulate import h2d_rate
 
     nbytes = 9 << 20
     measured = h2d_rate(nbytes, repeats=21)
-    pacer = (LinkPacer(25e9, measured, emulate.sleep_cycles_per_s()) if kind == "spin"
-             else PadPacer(25e9, measured, nbytes))
-    got = emulate.paced_rate(pacer, nbytes, copies=64)
-    print(f"\npaced link ({kind}): {got / 1e9:.2f} GB/s (target 25, unpaced expert copies {measured / 1e9:.1f} GB/s)")
+    got = emulate.paced_rate(LinkPacer(25e9, measured, emulate.sleep_cycles_per_s()), nbytes, copies=64)
+    print(f"\npaced link: {got / 1e9:.2f} GB/s (target 25, unpaced expert copies {measured / 1e9:.1f} GB/s)")
     assert got == pytest.approx(25e9, rel=0.1)
 
 
@@ -178,8 +150,13 @@ def test_bench_serve_starts_the_emulated_server(hf_model_dir, tmp_path, monkeypa
     assert "emulated host: rtx3090-gen4: link 25 GB/s" in capsys.readouterr().out
 
 
-def test_an_unknown_pacer_is_refused_before_anything_is_timed(monkeypatch) -> None:
-    monkeypatch.setenv("GLM53_EMULATE_PACER", "pads")
-    monkeypatch.setattr(emulate, "h2d_rate", lambda *a, **k: pytest.fail("timed before the pacer was checked"))
-    with pytest.raises(ValueError, match="GLM53_EMULATE_PACER='pads': choose spin or pad"):
-        emulate.link_pacer(Emulation(link_GBps=25.0), 9 << 20)
+def test_a_run_without_the_lane_needs_no_lane_build() -> None:
+    """bench decode with exact modes only drops the preset's lane paths, so a machine without the lane's kernel
+    runs it; with fast among the modes the missing paths are still refused."""
+    from glm53.bench.decode import emulation_for
+
+    preset = emulate.PRESETS["rtx3090-gen4"]
+    exact = emulation_for(preset, ("exact", "nvme-exact"))
+    assert exact.lane_isas is None and exact.link_GBps == preset.link_GBps
+    assert emulate.problem(exact, [], 4) is None
+    assert "cannot run ['avx2']" in emulate.problem(emulation_for(preset, ("exact", "fast")), [], 4)

@@ -98,8 +98,6 @@
 #   prestage  issue 39 item 3: bench decode --baseline PRESTAGE_BASE (default f9d725d, unpacked in .baseline and
 #             carried), PRESTAGE_MODES (default exact) under the consumer-box preset, PAIRS paired windows (default 2);
 #             PRESTAGE_LIMIT
-#   pacers    the consumer-box emulation's pacers side by side (GLM53_EMULATE_PACER=spin, then pad) at one grid point:
-#             PACER_RATE (default 25) GB/s, PACER_SLOTS (default 64), PACER_MODES (default exact); PACER_LIMIT a run
 #   hostprobe issue 39 item 1: exact with HOSTPROBE_US (default 100) more host time a layer step beside itself under
 #             the preset (HOSTPROBE_RATE GB/s, default 25; HOSTPROBE_WINDOWS, default 3): what share of the host's
 #             time reaches the token, the most that taking the host out of the step could save
@@ -454,15 +452,6 @@ step_prestage() {  # issue 39 item 3: exact with the prestage against PRESTAGE_B
     --warmup-tokens 64 --work /tmp --keep --modes "${PRESTAGE_MODES:-exact}" --emulate rtx3090-gen4 \
     --json "$OUT/bench-prestage.json" > "$OUT/bench-prestage.log" 2>&1
   stamp "prestage rc=$? $(grep -E 'x stock|exact|over|median' "$OUT/bench-prestage.log" | tail -8 | tr '\n' ';' | cut -c1-900)"
-}
-step_pacers() {  # the emulation's two pacers at one grid point (PACER_RATE GB/s, PACER_SLOTS), PACER_MODES: does the
-  # spin's SM hold the run back against the padding copies' copy engine?
-  for kind in ${PACERS:-spin pad}; do
-    GLM53_EMULATE_PACER=$kind timeout "${PACER_LIMIT:-200}" python3 -u -m glm53 bench decode --moe-layers 8 --tokens 64 \
-      --windows 1 --warmup-tokens 32 --work /tmp --keep --modes "${PACER_MODES:-exact}" --emulate rtx3090-gen4 \
-      --link-GBps "${PACER_RATE:-25}" --slots "${PACER_SLOTS:-64}" --json "$OUT/pacer-$kind.json" > "$OUT/pacer-$kind.log" 2>&1
-    stamp "pacer $kind rc=$? $(grep -E 'paced link|^window ' "$OUT/pacer-$kind.log" | tail -6 | tr '\n' ';' | cut -c1-700)"
-  done
 }
 step_hostprobe() {  # issue 39 item 1's ceiling: exact beside itself with HOSTPROBE_US (default 100) more host time a
   # layer step, under the preset at HOSTPROBE_RATE GB/s (default 25): the share of host time that reaches the token
