@@ -95,9 +95,9 @@
 #             HANDOFF_K: other tests of tests/engine/test_gpu_modes.py
 #   gate      issue 39: bench decode, exact beside nvme-exact with every expert in RAM (no store reads: the nvme
 #             lookahead gated off), under the consumer-box preset; GATE_LIMIT
-#   prestage  issue 39 item 3: bench decode --baseline PRESTAGE_BASE (default f9d725d, unpacked in .baseline and
-#             carried), PRESTAGE_MODES (default exact) under the consumer-box preset, PAIRS paired windows (default 2);
-#             PRESTAGE_LIMIT
+#   prestage  issue 39 item 3: bench decode --baseline PRESTAGE_BASE (default f9d725d, unpacked in PRESTAGE_TREE,
+#             default .baseline, and carried), PRESTAGE_MODES (default exact) under the consumer-box preset, PAIRS
+#             paired windows (default 2); PRESTAGE_LIMIT
 #   hostprobe issue 39 item 1: exact with HOSTPROBE_US (default 100) more host time a layer step beside itself under
 #             the preset (HOSTPROBE_RATE GB/s, default 25; HOSTPROBE_WINDOWS, default 3): what share of the host's
 #             time reaches the token, the most that taking the host out of the step could save
@@ -446,9 +446,9 @@ step_gate() {  # issue 39: nvme-exact beside exact with every expert in RAM (no 
   stamp "gate rc=$? $(tail -12 "$OUT/bench-gate.log" | tr '\n' ';' | cut -c1-900)"
 }
 step_prestage() {  # issue 39 item 3: exact with the prestage against PRESTAGE_BASE (the commit before it), paired
-  # windows under the consumer-box preset (needs PRESTAGE_BASE unpacked in .baseline, carried)
+  # windows under the consumer-box preset (needs PRESTAGE_BASE unpacked in PRESTAGE_TREE, default .baseline, carried)
   timeout "${PRESTAGE_LIMIT:-420}" python3 -u -m glm53 bench decode --baseline "${PRESTAGE_BASE:-f9d725d}" \
-    --baseline-tree .baseline --baseline-windows "${PAIRS:-2}" --moe-layers 8 --tokens 96 --windows 1 \
+    --baseline-tree "${PRESTAGE_TREE:-.baseline}" --baseline-windows "${PAIRS:-2}" --moe-layers 8 --tokens 96 --windows 1 \
     --warmup-tokens 64 --work /tmp --keep --modes "${PRESTAGE_MODES:-exact}" --emulate rtx3090-gen4 \
     --json "$OUT/bench-prestage.json" > "$OUT/bench-prestage.log" 2>&1
   stamp "prestage rc=$? $(grep -E 'x stock|exact|over|median' "$OUT/bench-prestage.log" | tail -8 | tr '\n' ';' | cut -c1-900)"
