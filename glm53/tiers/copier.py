@@ -149,6 +149,7 @@ class Copier:
             landed = torch.cuda.Event()
             landed.record(back)
         src.record_stream(fill)
+        row.record_stream(back)  # rows made again for another slot size must outlive the copies still reading these
         self._bounce_read[i] = Ticket(landed)
         return Ticket(aside), self._bounce_read[i]
 
