@@ -975,7 +975,7 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if unknown:
         print(f"glm53: --modes: unknown {unknown}; choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
-    from glm53.bench.emulate import from_args, problem
+    from glm53.bench.emulate import from_args, problem, slots_for
     from glm53.cpu_lane import kernel
 
     emulation = emulation_for(from_args(args), modes)
@@ -1004,8 +1004,6 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
 
         _made_once(work / "ckpt.complete", write, f"the {args.moe_layers}-MoE-layer full-width checkpoint {model_dir}")
         experts = 288
-    from glm53.bench.emulate import slots_for
-
     slots = args.slots if args.slots is not None else slots_for(emulation, experts, round(CARD_FRACTION * experts))
     if args.devices > 1 and torch.cuda.device_count() < args.devices:
         print(f"glm53: --devices {args.devices} needs {args.devices} CUDA devices, {torch.cuda.device_count()} visible "

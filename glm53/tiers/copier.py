@@ -96,7 +96,7 @@ class Copier:
         self._fill = torch.cuda.Stream(self.device) if self.cuda else None
         self._write_back = torch.cuda.Stream(self.device) if self.cuda else None
         self.pace: Callable[[int], None] | None = None  # bytes crossing the link
-        self._bounce: torch.Tensor | None = None  # BOUNCE_ROWS rows of one slot's bytes, made at the first write-back
+        self._bounce: torch.Tensor | None = None  # BOUNCE_ROWS rows of a slot's bytes, made at the first write-back
         self._bounce_read: list[Ticket] = []      # per row: the write-back that reads it last
         self._next_bounce = 0
 
@@ -149,13 +149,13 @@ class Copier:
             landed = torch.cuda.Event()
             landed.record(back)
         src.record_stream(fill)
-        row.record_stream(back)  # rows made again for another slot size must outlive the copies still reading these
         self._bounce_read[i] = Ticket(landed)
         return Ticket(aside), self._bounce_read[i]
 
     def _bounce_row(self, src: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """The next bounce row, round robin; the rows are made at the first write-back, one slot's bytes each."""
-        if self._bounce is None or self._bounce.shape[1] != src.nbytes:
+        """The next bounce row, round robin. A link's slots all have one size, so the rows are made once, at the
+        first write-back; a slot of another size fails the view below."""
+        if self._bounce is None:
             self._bounce = torch.empty((BOUNCE_ROWS, src.nbytes), dtype=torch.uint8, device=self.device)
             self._bounce_read = [DONE] * BOUNCE_ROWS
         i = self._next_bounce = (self._next_bounce + 1) % BOUNCE_ROWS
