@@ -23,7 +23,6 @@ from glm53.planning import plan as P
 from glm53.planning import settings as S
 from glm53.planning import shape as M
 from glm53.planning import units as U
-from glm53.planning.spec import BOUNCE_ROWS
 
 ROOT = Path(__file__).resolve().parent.parent
 STORE = "/nvx/experts.glm53"
@@ -102,8 +101,7 @@ def _accounted(p: P.Plan) -> dict[str, int]:
     acc, spec, d = p.vram_accounting, p.engine, M.DEFAULT_SHAPE
     assert acc["kv_cache"] == (spec.kv_tokens + 256) * d.kv_bytes_per_token  # one page past the context
     assert acc["kda_state"] == spec.cache_sequences * d.state_bytes_per_seq  # what the Cache allocates
-    # the rows of its own (the rest are lent slots) and the write-backs' bounce rows
-    assert acc["staging"] == (spec.dedicated_staging + BOUNCE_ROWS) * d.expert_bytes
+    assert acc["staging"] == spec.dedicated_staging * d.expert_bytes  # the rows of its own; the rest are lent slots
     assert spec.staging_slots == 288 and spec.dedicated_staging == min(288, 8 * min(8, spec.cache_sequences))
     assert acc["expert_slots"] == sum(spec.vram_slots) * d.expert_bytes
     assert acc["prefill_activations"] == P.prefill_activation_bytes(d, spec.prefill_chunk)[0]

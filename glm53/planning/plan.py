@@ -32,7 +32,6 @@ from glm53.planning.spec import (
     kv_cache_bytes,
     link_of_layers,
     split_slots,
-    staging_bytes,
 )
 from glm53.planning.split import CardsPlan, plan_cards, usable
 from glm53.planning.units import GIB, MIB, gib, human
@@ -384,7 +383,7 @@ def _size_vram(shape: ModelShape, settings: Settings, gpu: Gpu, budget: int, rea
 
     def account(kv_tokens: int, staging: int, chunk: int, sequences: int, slots: int) -> dict[str, int]:
         return {"always_used_weights": shape.always_used_bytes, "kv_cache": kv_of(kv_tokens),
-                "kda_state": sequences * seq, "staging": staging_bytes(staging, eb), "prefill_activations": act(chunk),
+                "kda_state": sequences * seq, "staging": staging * eb, "prefill_activations": act(chunk),
                 "reserve": reserve, **({"vision_tower": tower} if tower else {}), "expert_slots": slots * eb}
 
     everything = account(context, 0, PREFILL_CHUNK, want, shape.experts)

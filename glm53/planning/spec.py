@@ -105,16 +105,6 @@ def can_lend(slots: int, rows: int, staging: int) -> bool:
     return slots + rows >= 2 * staging
 
 
-# Device rows each link's write-backs bounce through (glm53.tiers.copier): a write-back takes ~0.4 ms on a 25 GB/s
-# link and a decode layer step starts about half of one, so two rows seldom make one wait for the one before last.
-BOUNCE_ROWS = 2
-
-
-def staging_bytes(rows: int, expert_bytes: int) -> int:
-    """A link's staging rows and, where it stages at all (a tiered plan), its write-backs' bounce rows."""
-    return (rows + BOUNCE_ROWS) * expert_bytes if rows else 0
-
-
 def decode_staging(top_k: int, max_concurrency: int, experts_per_layer: int) -> int:
     """Staging rows a steady decode step can fill: top_k picks for each row of the largest batch exllamav3's decode
     kernels take (DECODE_ROWS), never more rows than sequences. A step that needs more (a prompt's short last chunk,

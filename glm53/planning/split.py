@@ -19,15 +19,7 @@ from dataclasses import dataclass
 from glm53.planning.devices import DeviceShare
 from glm53.planning.settings import Settings, concurrency_of
 from glm53.planning.shape import ModelShape
-from glm53.planning.spec import (
-    PAGE,
-    PREFILL_CHUNK,
-    can_lend,
-    decode_staging,
-    kv_cache_bytes,
-    split_slots,
-    staging_bytes,
-)
+from glm53.planning.spec import PAGE, PREFILL_CHUNK, can_lend, decode_staging, kv_cache_bytes, split_slots
 from glm53.planning.units import gib
 
 
@@ -153,7 +145,7 @@ def best_split(cards: Sequence[Card], costs: LayerCosts, *, tokens: int, expert_
     n, k = len(costs.weights), len(cards)
     if k > n:
         return None
-    per_card = overhead + staging_bytes(staging, expert_bytes)
+    per_card = overhead + staging * expert_bytes
     sums = _Sums(costs)
     # best[c][j]: the best (min slots, total slots, plans) for cards 0..c-1 running layers 0..j-1.
     best: list[dict[int, tuple[int, int, tuple[CardPlan, ...]]]] = [{0: (cap + 1, 0, ())}]

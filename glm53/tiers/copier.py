@@ -7,11 +7,6 @@ Ordering is explicit instead of by issue order: a copy may name `after`, a ticke
 into a slot waits for the write-back still reading that slot). Before each copy its stream also waits for
 the work already queued on the compute stream, so a slot is never refilled under a kernel that still reads it.
 
-A write-back first copies its slot aside into a device bounce row, on the fill stream (microseconds at the
-device's own bandwidth), and the link's copy reads the bounce row on the write-back stream. A fill into the
-freed slot then waits for the device copy only: with the fill waiting for the link's copy instead, the fill
-stream would idle for a whole write-back, and every fill queued behind it (the next layer's misses) with it.
-
 On a CPU device `copy_` is synchronous: the ticket is done when `copy` returns.
 
 `pace` (None unless a benchmark emulates a slower link, glm53.bench.emulate) is called on the copy's stream after
@@ -24,8 +19,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from glm53.planning.spec import BOUNCE_ROWS  # the plan counts them with the staging
 
 
 class Ticket:
@@ -96,9 +89,6 @@ class Copier:
         self._fill = torch.cuda.Stream(self.device) if self.cuda else None
         self._write_back = torch.cuda.Stream(self.device) if self.cuda else None
         self.pace: Callable[[int], None] | None = None  # bytes crossing the link
-        self._bounce: torch.Tensor | None = None  # BOUNCE_ROWS rows of a slot's bytes, made at the first write-back
-        self._bounce_read: list[Ticket] = []      # per row: the write-back that reads it last
-        self._next_bounce = 0
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Ticket | None = None) -> Ticket:
         """dst.copy_(src), asynchronously where the device allows, once `after` (if any) has landed."""
@@ -122,44 +112,6 @@ class Copier:
             if t.is_cuda:
                 t.record_stream(stream)
         return Ticket(event)
-
-    def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[Ticket, Ticket]:
-        """Copy a device slot `src` back to host memory `dst`. Returns (read, landed): after `read` the slot may be
-        refilled, after `landed` the bytes are in `dst`. On CUDA `read` is the copy aside into a bounce row (see the
-        module's docstring); elsewhere, and for a copier that overrides `copy` (tests), both are the one copy."""
-        if not self.cuda or type(self).copy is not Copier.copy:
-            ticket = self.copy(dst, src)
-            return ticket, ticket
-        i, row = self._bounce_row(src)
-        cur = compute_stream(self.index)
-        fill, back = self._fill, self._write_back
-        fill.wait_stream(cur)
-        before = self._bounce_read[i].event
-        if before is not None:  # the row's previous write-back must have read it
-            fill.wait_event(before)
-        with _On(fill, cur):
-            row.copy_(src, non_blocking=True)
-            aside = torch.cuda.Event()
-            aside.record(fill)
-        back.wait_event(aside)
-        with _On(back, cur):
-            dst.copy_(row, non_blocking=True)
-            if self.pace is not None:
-                self.pace(dst.nbytes)
-            landed = torch.cuda.Event()
-            landed.record(back)
-        src.record_stream(fill)
-        self._bounce_read[i] = Ticket(landed)
-        return Ticket(aside), self._bounce_read[i]
-
-    def _bounce_row(self, src: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """The next bounce row, round robin. A link's slots all have one size, so the rows are made once, at the
-        first write-back; a slot of another size fails the view below."""
-        if self._bounce is None:
-            self._bounce = torch.empty((BOUNCE_ROWS, src.nbytes), dtype=torch.uint8, device=self.device)
-            self._bounce_read = [DONE] * BOUNCE_ROWS
-        i = self._next_bounce = (self._next_bounce + 1) % BOUNCE_ROWS
-        return i, self._bounce[i].view(src.dtype).view(src.shape)
 
     def order_compute_after(self, tickets: list) -> None:
         """Make the work queued next on the compute stream wait for these copies, without blocking the host (a

@@ -55,10 +55,6 @@ class _Counting:
             self.link.moved += dst.nbytes
         return self.inner.copy(dst, src, after=after)
 
-    def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[Ticket, Ticket]:
-        self.link.moved += dst.nbytes
-        return self.inner.write_back(dst, src)
-
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Ticket:
         self.link.moved += sum(d.nbytes for d, s in pairs if _crossing(d, s))
         return self.inner.copy_many(pairs)

@@ -531,9 +531,9 @@ class ExpertTiers:
             raise TierError(f"RAM tier full ({self.ram.num_slots} slots): no room to write {layer}/{expert} back")
         r = self.ram.alloc(layer, expert, pending=True)
         slot = self.vram[layer].release(expert)
-        read, landed = self.copier_of(layer).write_back(self.ram.flat(r), self.vram[layer].flat(slot))
-        self._slot_reader[(layer, slot)] = read  # the slot's next fill must wait for this read
-        self._moves[(layer, expert)] = _Move(landed, False, r)
+        ticket = self.copier_of(layer).copy(self.ram.flat(r), self.vram[layer].flat(slot))
+        self._slot_reader[(layer, slot)] = ticket  # the slot's next fill must wait for this read
+        self._moves[(layer, expert)] = _Move(ticket, False, r)
         self.where[layer, expert] = TO_RAM
         self.stats.add_eviction(layer)
         self.stats.add_bytes("vram_to_ram", self.layout.nbytes)

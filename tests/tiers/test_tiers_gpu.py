@@ -106,32 +106,3 @@ def test_a_batch_of_copies_lands_in_order_after_queued_compute() -> None:
     ticket.wait()
     assert before.item() == 0
     assert torch.equal(dst.cpu(), src)
-
-
-def test_a_refill_waits_for_the_write_backs_device_copy_not_its_link_copy() -> None:
-    """A write-back bounces through a device row: a fill into the freed slot lands while the link's copy (held back
-    here by a long sleep, as a slow link would) is still out, and the victim's bytes still reach RAM intact. More
-    write-backs than bounce rows in a row reuse each row only after its previous write-back has read it."""
-    from glm53.bench.emulate import sleep_cycles_per_s
-    from glm53.planning.spec import BOUNCE_ROWS
-
-    copier = Copier("cuda")
-    cycles = int(0.05 * sleep_cycles_per_s())
-    copier.pace = lambda nbytes: torch.cuda._sleep(cycles)  # each link copy held ~50 ms on the write-back stream
-    n = BOUNCE_ROWS + 2
-    old = torch.randint(0, 255, (n, 1 << 20), dtype=torch.uint8, device="cuda")
-    slots = old.clone()
-    new = torch.randint(0, 255, (n, 1 << 20), dtype=torch.uint8, device="cuda")
-    ram = torch.zeros((n, 1 << 20), dtype=torch.uint8).pin_memory()
-    landed = []
-    for i in range(n):
-        read, done = copier.write_back(ram[i], slots[i])
-        fill = copier.copy(slots[i], new[i], after=read)
-        if i == 0:
-            fill.wait()
-            assert not done.done(), "the refill waited for the write-back's link copy"
-        landed.append(done)
-    for t in landed:
-        t.wait()
-    torch.cuda.synchronize()
-    assert torch.equal(ram, old.cpu()) and torch.equal(slots, new)

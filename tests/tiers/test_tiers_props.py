@@ -1,8 +1,8 @@
 """Property tests of the tier rules over random sequences of operations (hypothesis state machine).
 
 The copier here defers every copy until the test lands it, on two independent queues like the fill and
-write-back copy streams, write-backs bouncing through device rows as on CUDA: an expert marked resident too early,
-or a fill overtaking the copy that still reads its slot, would leave someone else's bytes where the content checks look. After every step: exclusivity, nothing lost or duplicated, only landed experts in the
+write-back copy streams: an expert marked resident too early, or a fill overtaking the write-back that still
+reads its slot, would leave someone else's bytes where the content checks look. After every step: exclusivity, nothing lost or duplicated, only landed experts in the
 router map, every readable expert's bytes equal to the source (so write-backs really wrote back). Layer steps are
 the real step (glm53.step.stepper.MoeStepper through tests/support/step_layer.py), decode or prefill, admitting or
 not; their copies (staging, admissions from staging) are deferred like the rest, the kernels waiting for them.
@@ -18,7 +18,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from policy_lab import use_policy
 from step_layer import step_layer, stepper_for
 
-from glm53.planning.spec import BOUNCE_ROWS
 from glm53.tiers import Copier, ExpertTiers, SlotLayout, TierError, Where, direct_moe
 from glm53.tiers.policy import ScoredPolicy
 
@@ -55,21 +54,6 @@ class DeferredCopier(Copier):
         t = DeferredTicket(self, q, len(self.queues[q]), dst, src, after)
         self.queues[q].append(t)
         return t
-
-    def write_back(self, dst: torch.Tensor, src: torch.Tensor) -> tuple[DeferredTicket, DeferredTicket]:
-        """As on CUDA (glm53.tiers.copier): the slot copied aside into a bounce row on the fill queue, once the row's
-        previous write-back has read it, then the bounce row to RAM on the write-back queue."""
-        if not hasattr(self, "bounce"):
-            self.bounce = [torch.empty_like(src) for _ in range(BOUNCE_ROWS)]
-            self.bounce_read: list[DeferredTicket | None] = [None] * BOUNCE_ROWS
-            self.next_bounce = 0
-        i = self.next_bounce = (self.next_bounce + 1) % BOUNCE_ROWS
-        aside = DeferredTicket(self, 0, len(self.queues[0]), self.bounce[i], src, self.bounce_read[i])
-        self.queues[0].append(aside)
-        landed = DeferredTicket(self, 1, len(self.queues[1]), dst, self.bounce[i], aside)
-        self.queues[1].append(landed)
-        self.bounce_read[i] = landed
-        return aside, landed
 
     def step(self, q: int) -> bool:
         """Run the head of queue q unless it waits on a copy not landed yet (a stream blocked on an event)."""
