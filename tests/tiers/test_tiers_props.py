@@ -1,11 +1,12 @@
 """Property tests of the tier rules over random sequences of operations (hypothesis state machine).
 
-The copier here defers every copy until the test lands it, on two independent queues like the fill and
-write-back copy streams: an expert marked resident too early, or a fill overtaking the write-back that still
-reads its slot, would leave someone else's bytes where the content checks look. After every step: exclusivity,
-nothing lost or duplicated, only landed experts in the router map, every readable expert's bytes equal to the source (so write-backs really wrote back). Layer steps are
-the real step (glm53.step.stepper.MoeStepper through tests/support/step_layer.py), decode or prefill, admitting or
-not; their copies (staging, admissions from staging) are deferred like the rest, the kernels waiting for them.
+The copier here defers every copy until the test lands it, on two independent queues like the fill and write-back
+copy streams: an expert marked resident too early, or a fill overtaking the write-back that still reads its slot,
+would leave someone else's bytes where the content checks look. After every step: exclusivity, nothing lost or
+duplicated, only landed experts in the router map, every readable expert's bytes equal to the source (so write-backs
+really wrote back). Layer steps are the real step (glm53.step.stepper.MoeStepper through
+tests/support/step_layer.py), decode or prefill, admitting or not; their copies (staging, admissions from staging)
+are deferred like the rest, the kernels waiting for them.
 """
 
 from __future__ import annotations
